@@ -1,0 +1,114 @@
+// The narrow, byte-typed communicator interface that every backend implements.
+//
+// Contract (all backends):
+//  1. Collectives are matched by call order: every rank of the group calls the same sequence of
+//     collectives with compatible arguments. foreach_all_gather() verifies this with its
+//     pre-flight header; raw use of this interface does not.
+//  2. One thread at a time drives a communicator. abort() is the exception: it may be called
+//     from any thread, at any time, and wakes a blocked call.
+//  3. Every blocking call takes a deadline. Past it the call raises Timeout; after a Timeout,
+//     an abort or a backend failure the communicator is poisoned and every later call raises
+//     CommAborted at once (nothing is sent). Build a new communicator to continue.
+//  4. Buffers are host memory; the caller keeps them alive and unmodified until the call returns.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "shardgather/export.h"
+
+namespace shardgather {
+
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+
+// Used when neither the call nor the communicator sets a timeout. Gloo uses 30 s; a large
+// checkpoint gather can legitimately take longer, so the default is generous.
+inline constexpr std::chrono::milliseconds kDefaultTimeout{std::chrono::minutes(10)};
+
+// A read-only run of bytes: one piece of a rank's contribution. A send is a list of these, so a
+// backend can send straight from the caller's tensors (no copy-in).
+struct ConstSegment {
+  const std::byte* data = nullptr;
+  std::uint64_t size = 0;
+};
+
+class SHARDGATHER_API Communicator {
+ public:
+  Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+  Communicator(Communicator&&) = delete;
+  Communicator& operator=(Communicator&&) = delete;
+  virtual ~Communicator();
+
+  [[nodiscard]] virtual int rank() const noexcept = 0;
+  [[nodiscard]] virtual int size() const noexcept = 0;
+  // "threads", "mpi", ...
+  [[nodiscard]] virtual std::string_view backend_name() const noexcept = 0;
+
+  // Equal-size gather: rank r's `send` lands at recv[r * send.size()]. recv.size() must be
+  // size() * send.size(), and send.size() the same on every rank.
+  void all_gather(std::span<const std::byte> send, std::span<std::byte> recv, Deadline deadline);
+
+  // Variable-size gather: rank r's bytes (the concatenation of its segments, counts[r] bytes in
+  // all) land at recv + displs[r]. counts and displs have size() entries and must be the same
+  // on every rank; the sum of this rank's segment sizes must equal counts[rank()].
+  // Blocks may not overlap; gaps between them are left untouched.
+  void all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
+                    std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs,
+                    Deadline deadline);
+
+  void barrier(Deadline deadline);
+
+  // Wakes every blocked call of this communicator (threads backend: of the whole group) with
+  // Aborted and poisons it. Thread-safe, idempotent, never blocks.
+  void abort() noexcept;
+
+  [[nodiscard]] bool is_poisoned() const noexcept { return poisoned_.load(); }
+
+  // Collectives issued through this communicator (all kinds), for tests and benchmarks.
+  [[nodiscard]] std::uint64_t collectives_issued() const noexcept {
+    return collectives_.load(std::memory_order_relaxed);
+  }
+
+  // Per-communicator default timeout for operations that do not set their own.
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+  void set_timeout(std::chrono::milliseconds timeout) noexcept { timeout_ = timeout; }
+  [[nodiscard]] Deadline deadline_after(std::chrono::milliseconds timeout) const noexcept;
+
+  // Operation sequence numbers: every foreach call takes the next one and puts it in its
+  // pre-flight header, so skewed call sequences are detected instead of mis-paired.
+  std::uint64_t next_op_seq() noexcept { return ++op_seq_; }
+
+ protected:
+  virtual void do_all_gather(std::span<const std::byte> send, std::span<std::byte> recv,
+                             Deadline deadline) = 0;
+  virtual void do_all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
+                               std::span<const std::uint64_t> counts,
+                               std::span<const std::uint64_t> displs, Deadline deadline) = 0;
+  virtual void do_barrier(Deadline deadline) = 0;
+  virtual void do_abort() noexcept = 0;
+
+  // Backends call this when they discover the communicator is unusable (a peer aborted).
+  void poison(std::string_view reason) noexcept;
+
+ private:
+  template <typename Fn>
+  void run_collective(std::string_view what, Fn&& fn);
+
+  std::atomic<bool> poisoned_{false};
+  std::atomic<std::uint64_t> collectives_{0};
+  std::chrono::milliseconds timeout_{kDefaultTimeout};
+  std::uint64_t op_seq_ = 0;
+  mutable std::mutex reason_mu_;
+  std::string poison_reason_;  // the first reason; guarded by reason_mu_
+};
+
+}  // namespace shardgather

@@ -1,0 +1,25 @@
+// Host copy kernels: packing strided views and concatenating segments.
+// Each call reads only through its source views and writes only its destination range.
+#pragma once
+
+#include <cstddef>
+#include <span>
+
+#include "shardgather/communicator.h"
+#include "shardgather/export.h"
+#include "shardgather/types.h"
+
+namespace shardgather {
+
+// True when the view's strides describe row-major contiguous storage (size-1 and size-0 dims
+// are ignored, as in PyTorch). An empty strides vector is contiguous.
+SHARDGATHER_API bool is_contiguous(const TensorView& view) noexcept;
+
+// Copies every element of `src` in row-major order to `dst`, which holds numel * elem bytes.
+// Strides may be any values (zero and negative included). Never reads an element twice.
+SHARDGATHER_API void pack(const TensorView& src, std::byte* dst);
+
+// Copies the concatenation of `segments` to `dst`.
+SHARDGATHER_API void copy_segments(std::span<const ConstSegment> segments, std::byte* dst) noexcept;
+
+}  // namespace shardgather

@@ -1,0 +1,102 @@
+// foreach_all_gather: gather a list of tensors from every rank in one coalesced collective.
+//
+//   GatherResult out = foreach_all_gather(params, comm);
+//   out[i][r]   // rank r's params[i], in rank r's shape and dtype
+//
+// Semantics (docs/design.md has the flow, docs/errors.md the error model):
+//  - Every rank passes the same number of tensors with the same dtype per index; shapes may
+//    differ across ranks (uneven shards, 0-d, empty, (n, 0)). An empty list is a no-op.
+//  - shapes_across_group[r][i] is the shape of tensor i on rank r. Given, no metadata moves:
+//    the only exchange besides the payload is the fixed-size pre-flight header, which can be
+//    switched off. This rank's row is checked against its tensors; a wrong row raises
+//    InvalidArgument on every rank (through the header).
+//  - Not given, shapes travel inside the payload, and the one metadata collective is the
+//    fixed-size header (tensor count, dtype hash, bytes per rank).
+//  - The payload moves in exactly one all_gather_v, sent straight from the tensors' memory:
+//    no copy-in for contiguous inputs (strided inputs are packed first) and no padding.
+//  - Outputs are views into one gathered buffer that the result owns (no copy-out).
+//
+// Blocking: returns when the gather is complete on this rank, or raises. Inputs are only read.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "shardgather/communicator.h"
+#include "shardgather/export.h"
+#include "shardgather/layout.h"
+#include "shardgather/types.h"
+
+namespace shardgather {
+
+// shapes_across_group[r][i]: the shape of tensor i on rank r.
+using ShapesHint = std::vector<std::vector<Shape>>;
+
+struct ForeachAllGatherOptions {
+  // Deadline for the whole call; unset: the communicator's timeout().
+  std::optional<std::chrono::milliseconds> timeout;
+  // Exchange the fixed-size pre-flight header (sequence number, count, dtype hash, hint hash,
+  // bytes, local status) so that mismatches and local errors raise on every rank. Without a
+  // shapes hint the header is also the metadata exchange and is always sent.
+  bool preflight = true;
+};
+
+// How many collectives a call issued, by purpose.
+struct CallStats {
+  std::uint64_t preflight_collectives = 0;  // the header, when it served only as a check
+  std::uint64_t metadata_collectives = 0;   // the header, when it carried what the plan needed
+  std::uint64_t payload_collectives = 0;
+  std::uint64_t staged_bytes = 0;  // bytes packed before sending (non-contiguous inputs only)
+};
+
+// 64-byte aligned host memory. Owning, movable, not copyable.
+class SHARDGATHER_API AlignedBuffer {
+ public:
+  AlignedBuffer() = default;
+  // OutOfMemory when the allocation fails.
+  explicit AlignedBuffer(std::uint64_t bytes);
+  [[nodiscard]] std::byte* data() const noexcept { return data_.get(); }
+  [[nodiscard]] std::uint64_t size() const noexcept { return size_; }
+
+ private:
+  struct Free {
+    void operator()(std::byte* p) const noexcept;
+  };
+  std::unique_ptr<std::byte, Free> data_;
+  std::uint64_t size_ = 0;
+};
+
+// The gathered tensors. Owns the gathered buffer; the views stay valid while the result lives.
+class SHARDGATHER_API GatherResult {
+ public:
+  GatherResult() = default;
+  GatherResult(LayoutPlan plan, AlignedBuffer buffer, CallStats stats);
+
+  [[nodiscard]] std::size_t size() const noexcept { return plan_.num_tensors; }
+  [[nodiscard]] bool empty() const noexcept { return plan_.num_tensors == 0; }
+  [[nodiscard]] int world_size() const noexcept { return plan_.world_size; }
+  // out[i][r]: rank r's tensor i.
+  [[nodiscard]] std::span<const TensorView> operator[](std::size_t i) const;
+  [[nodiscard]] const LayoutPlan& plan() const noexcept { return plan_; }
+  [[nodiscard]] const AlignedBuffer& buffer() const noexcept { return buffer_; }
+  [[nodiscard]] const CallStats& stats() const noexcept { return stats_; }
+
+ private:
+  LayoutPlan plan_;
+  AlignedBuffer buffer_;
+  CallStats stats_;
+  std::vector<TensorView> views_;  // [i * world + r]
+};
+
+SHARDGATHER_API GatherResult foreach_all_gather(std::span<const TensorView> params,
+                                                Communicator& comm,
+                                                std::span<const std::vector<Shape>>
+                                                    shapes_across_group = {},
+                                                const ForeachAllGatherOptions& options = {});
+
+}  // namespace shardgather

@@ -1,0 +1,10 @@
+// The umbrella header: what most users include. The MPI backend is in shardgather/mpi.h.
+#pragma once
+
+#include "shardgather/communicator.h"
+#include "shardgather/errors.h"
+#include "shardgather/foreach_all_gather.h"
+#include "shardgather/layout.h"
+#include "shardgather/threads.h"
+#include "shardgather/types.h"
+#include "shardgather/version.h"

@@ -1,0 +1,72 @@
+// The MPI backend's communicator. Public contract: include/shardgather/mpi.h.
+//
+// Design:
+//  - Every collective is nonblocking (MPI_Iallgather / MPI_Iallgatherv / MPI_Ibarrier /
+//    MPI_Ibcast) and completed by a test loop that watches the deadline and the abort flag.
+//    Open MPI progresses only inside MPI calls, so the loop never sleeps; it yields the CPU
+//    between tests so that oversubscribed ranks still make progress.
+//  - A send of several segments is one MPI_Type_create_hindexed over absolute addresses sent
+//    from MPI_BOTTOM: the tensors go on the wire from their own memory. Datatypes are cached
+//    by segment list, so a training loop that gathers the same shards every step builds its
+//    type once.
+//  - Counts above INT_MAX bytes (or displacements) never narrow: such gathers are done as a
+//    sequence of MPI_Ibcast chunks of at most max_chunk_bytes, one root at a time.
+#pragma once
+
+#include <mpi.h>
+
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+#include "shardgather/communicator.h"
+#include "shardgather/mpi.h"
+
+namespace shardgather::detail {
+
+class MpiCommunicator final : public Communicator {
+ public:
+  MpiCommunicator(MPI_Comm comm, const MpiOptions& options);
+  ~MpiCommunicator() override;
+  MpiCommunicator(const MpiCommunicator&) = delete;
+  MpiCommunicator& operator=(const MpiCommunicator&) = delete;
+  MpiCommunicator(MpiCommunicator&&) = delete;
+  MpiCommunicator& operator=(MpiCommunicator&&) = delete;
+
+  [[nodiscard]] int rank() const noexcept override { return rank_; }
+  [[nodiscard]] int size() const noexcept override { return size_; }
+  [[nodiscard]] std::string_view backend_name() const noexcept override { return "mpi"; }
+
+ protected:
+  void do_all_gather(std::span<const std::byte> send, std::span<std::byte> recv,
+                     Deadline deadline) override;
+  void do_all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
+                       std::span<const std::uint64_t> counts,
+                       std::span<const std::uint64_t> displs, Deadline deadline) override;
+  void do_barrier(Deadline deadline) override;
+  void do_abort() noexcept override { abort_requested_.store(true); }
+
+ private:
+  struct SendType {
+    std::vector<ConstSegment> segments;
+    MPI_Datatype type = MPI_DATATYPE_NULL;
+  };
+
+  void wait(MPI_Request& request, Deadline deadline, const char* what);
+  // A committed hindexed type over `segments` (absolute addresses), from the cache.
+  MPI_Datatype send_type(std::span<const ConstSegment> segments);
+  void all_gather_v_chunked(std::span<const ConstSegment> send, std::byte* recv,
+                            std::span<const std::uint64_t> counts,
+                            std::span<const std::uint64_t> displs, Deadline deadline);
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+  MpiOptions options_;
+  std::atomic<bool> abort_requested_{false};
+  std::vector<SendType> type_cache_;  // most recently used last
+  std::vector<int> int_counts_;
+  std::vector<int> int_displs_;
+};
+
+}  // namespace shardgather::detail

@@ -1,0 +1,140 @@
+#include "backends/threads/threads_communicator.h"
+
+#include <cstring>
+#include <string>
+
+#include "shardgather/copy.h"
+#include "shardgather/threads.h"
+
+namespace shardgather {
+
+namespace detail {
+
+void ThreadsCommunicator::meet(Deadline deadline, const char* what) {
+  GroupState& g = *group_;
+  std::unique_lock<std::mutex> lock(g.mu);
+  const auto fail = [&]() {
+    throw_error(g.abort_code, "rank " + std::to_string(rank_) + ": " + what + " failed: " +
+                                  g.abort_reason);
+  };
+  if (g.aborted) {
+    fail();
+  }
+  const std::uint64_t generation = g.generation;
+  if (++g.arrived == g.world_size) {
+    g.arrived = 0;
+    ++g.generation;
+    g.cv.notify_all();
+    return;
+  }
+  while (g.generation == generation && !g.aborted) {
+    if (g.cv.wait_until(lock, deadline) == std::cv_status::timeout &&
+        g.generation == generation && !g.aborted) {
+      // Poison the group so the peers wake now with the same class instead of each waiting
+      // out its own deadline (and so a late rank cannot pair with a stale barrier).
+      const int arrived = g.arrived;
+      g.aborted = true;
+      g.abort_code = ErrorCode::kTimeout;
+      g.abort_reason = "rank " + std::to_string(rank_) + " timed out in " + what + " with " +
+                       std::to_string(arrived) + " of " + std::to_string(g.world_size) +
+                       " ranks arrived";
+      g.cv.notify_all();
+      fail();
+    }
+  }
+  if (g.generation == generation) {
+    fail();
+  }
+}
+
+void ThreadsCommunicator::do_abort() noexcept {
+  GroupState& g = *group_;
+  const std::lock_guard<std::mutex> lock(g.mu);
+  if (!g.aborted) {
+    g.aborted = true;
+    g.abort_code = ErrorCode::kAborted;
+    g.abort_reason = "abort() was called on rank " + std::to_string(rank_);
+  }
+  g.cv.notify_all();
+}
+
+void ThreadsCommunicator::do_all_gather(std::span<const std::byte> send,
+                                        std::span<std::byte> recv, Deadline deadline) {
+  GroupState& g = *group_;
+  const auto me = static_cast<std::size_t>(rank_);
+  g.slots[me] = GroupState::Slot{.segments = {}, .flat = send, .bytes = send.size(), .counts = {}};
+  meet(deadline, "all_gather");
+  // Every rank reaches the same verdict from the same slots, so all raise or none does.
+  std::string error;
+  for (std::size_t r = 1; r < g.slots.size(); ++r) {
+    if (g.slots[r].bytes != g.slots[0].bytes) {
+      error = "rank " + std::to_string(rank_) + ": all_gather: rank " + std::to_string(r) +
+              " sends " + std::to_string(g.slots[r].bytes) + " bytes, rank 0 sends " +
+              std::to_string(g.slots[0].bytes);
+      break;
+    }
+  }
+  if (error.empty()) {
+    for (std::size_t k = 0; k < g.slots.size(); ++k) {
+      const std::size_t r = (me + k) % g.slots.size();
+      if (!send.empty()) {
+        std::memcpy(recv.data() + r * send.size(), g.slots[r].flat.data(), send.size());
+      }
+    }
+  }
+  meet(deadline, "all_gather");
+  if (!error.empty()) {
+    throw Mismatch(error);
+  }
+}
+
+void ThreadsCommunicator::do_all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
+                                          std::span<const std::uint64_t> counts,
+                                          std::span<const std::uint64_t> displs,
+                                          Deadline deadline) {
+  GroupState& g = *group_;
+  const auto me = static_cast<std::size_t>(rank_);
+  g.slots[me] =
+      GroupState::Slot{.segments = send, .flat = {}, .bytes = counts[me], .counts = counts};
+  meet(deadline, "all_gather_v");
+  std::string error;
+  for (std::size_t q = 0; q < g.slots.size() && error.empty(); ++q) {
+    for (std::size_t r = 0; r < g.slots.size(); ++r) {
+      if (g.slots[q].counts[r] != g.slots[r].bytes) {
+        error = "rank " + std::to_string(rank_) + ": all_gather_v: rank " + std::to_string(q) +
+                " expects " + std::to_string(g.slots[q].counts[r]) + " bytes from rank " +
+                std::to_string(r) + ", which sends " + std::to_string(g.slots[r].bytes);
+        break;
+      }
+    }
+  }
+  if (error.empty()) {
+    // Start at a different peer on every rank so the readers spread over the sources.
+    for (std::size_t k = 0; k < g.slots.size(); ++k) {
+      const std::size_t r = (me + k) % g.slots.size();
+      copy_segments(g.slots[r].segments, recv + displs[r]);
+    }
+  }
+  meet(deadline, "all_gather_v");
+  if (!error.empty()) {
+    throw Mismatch(error);
+  }
+}
+
+}  // namespace detail
+
+std::vector<std::unique_ptr<Communicator>> make_thread_group(int world_size) {
+  if (world_size < 1) {
+    throw InvalidArgument("make_thread_group: world size " + std::to_string(world_size) +
+                          " < 1");
+  }
+  auto group = std::make_shared<detail::GroupState>(world_size);
+  std::vector<std::unique_ptr<Communicator>> comms;
+  comms.reserve(static_cast<std::size_t>(world_size));
+  for (int r = 0; r < world_size; ++r) {
+    comms.push_back(std::make_unique<detail::ThreadsCommunicator>(group, r));
+  }
+  return comms;
+}
+
+}  // namespace shardgather

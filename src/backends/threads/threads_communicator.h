@@ -1,0 +1,70 @@
+// The threads backend's communicator: one per rank over a shared GroupState.
+// Public contract: include/shardgather/threads.h.
+//
+// Design: a gather is "publish, meet, copy, meet". Each rank publishes pointers to its send
+// segments in its slot, waits at a barrier, copies every peer's bytes straight from the
+// peer's memory into its own recv buffer (the only copy), and meets again so that no rank
+// returns, and lets its caller free or reuse the send memory, while a peer still reads it.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "shardgather/communicator.h"
+#include "shardgather/errors.h"
+
+namespace shardgather::detail {
+
+struct GroupState {
+  explicit GroupState(int world) : world_size(world), slots(static_cast<std::size_t>(world)) {}
+
+  struct Slot {
+    std::span<const ConstSegment> segments;    // all_gather_v
+    std::span<const std::byte> flat;           // all_gather
+    std::uint64_t bytes = 0;                   // what this rank sends
+    std::span<const std::uint64_t> counts;     // all_gather_v: what this rank expects
+  };
+
+  const int world_size;
+  std::mutex mu;
+  std::condition_variable cv;
+  int arrived = 0;                // guarded by mu
+  std::uint64_t generation = 0;   // guarded by mu
+  bool aborted = false;           // guarded by mu
+  ErrorCode abort_code = ErrorCode::kOk;
+  std::string abort_reason;
+  std::vector<Slot> slots;        // slot r: written by rank r before a barrier, read after it
+};
+
+class ThreadsCommunicator final : public Communicator {
+ public:
+  ThreadsCommunicator(std::shared_ptr<GroupState> group, int rank)
+      : group_(std::move(group)), rank_(rank) {}
+
+  [[nodiscard]] int rank() const noexcept override { return rank_; }
+  [[nodiscard]] int size() const noexcept override { return group_->world_size; }
+  [[nodiscard]] std::string_view backend_name() const noexcept override { return "threads"; }
+
+ protected:
+  void do_all_gather(std::span<const std::byte> send, std::span<std::byte> recv,
+                     Deadline deadline) override;
+  void do_all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
+                       std::span<const std::uint64_t> counts,
+                       std::span<const std::uint64_t> displs, Deadline deadline) override;
+  void do_barrier(Deadline deadline) override { meet(deadline, "barrier"); }
+  void do_abort() noexcept override;
+
+ private:
+  // The group barrier: returns when every rank arrived, or throws Timeout / Aborted.
+  void meet(Deadline deadline, const char* what);
+
+  std::shared_ptr<GroupState> group_;
+  int rank_;
+};
+
+}  // namespace shardgather::detail

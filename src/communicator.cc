@@ -1,0 +1,101 @@
+#include "shardgather/communicator.h"
+
+#include <numeric>
+#include <string>
+
+#include "shardgather/errors.h"
+
+namespace shardgather {
+
+Communicator::~Communicator() = default;
+
+Deadline Communicator::deadline_after(std::chrono::milliseconds timeout) const noexcept {
+  const Deadline now = Clock::now();
+  // Saturate: "a very long timeout" must not wrap into the past.
+  if (timeout >= std::chrono::duration_cast<std::chrono::milliseconds>(Deadline::max() - now)) {
+    return Deadline::max();
+  }
+  return now + timeout;
+}
+
+void Communicator::poison(std::string_view reason) noexcept {
+  {
+    const std::lock_guard<std::mutex> lock(reason_mu_);
+    if (poison_reason_.empty()) {
+      poison_reason_ = reason;
+    }
+  }
+  poisoned_.store(true);
+}
+
+template <typename Fn>
+void Communicator::run_collective(std::string_view what, Fn&& fn) {
+  if (poisoned_.load()) {
+    std::string reason;
+    {
+      const std::lock_guard<std::mutex> lock(reason_mu_);
+      reason = poison_reason_;
+    }
+    throw CommAborted("rank " + std::to_string(rank()) + ": " + std::string(what) + " on a " +
+                      std::string(backend_name()) + " communicator poisoned earlier (" + reason +
+                      "); create a new communicator");
+  }
+  collectives_.fetch_add(1, std::memory_order_relaxed);
+  try {
+    fn();
+  } catch (const CommunicationError& e) {
+    poison(e.what());
+    throw;
+  }
+}
+
+void Communicator::all_gather(std::span<const std::byte> send, std::span<std::byte> recv,
+                              Deadline deadline) {
+  if (recv.size() != send.size() * static_cast<std::size_t>(size())) {
+    throw InvalidArgument("rank " + std::to_string(rank()) + ": all_gather: recv holds " +
+                          std::to_string(recv.size()) + " bytes, expected " +
+                          std::to_string(send.size()) + " x " + std::to_string(size()));
+  }
+  run_collective("all_gather", [&] { do_all_gather(send, recv, deadline); });
+}
+
+void Communicator::all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
+                                std::span<const std::uint64_t> counts,
+                                std::span<const std::uint64_t> displs, Deadline deadline) {
+  const auto world = static_cast<std::size_t>(size());
+  if (counts.size() != world || displs.size() != world) {
+    throw InvalidArgument("rank " + std::to_string(rank()) + ": all_gather_v: " +
+                          std::to_string(counts.size()) + " counts and " +
+                          std::to_string(displs.size()) + " displs for world size " +
+                          std::to_string(world));
+  }
+  std::uint64_t total = 0;
+  for (const ConstSegment& segment : send) {
+    if (segment.data == nullptr && segment.size != 0) {
+      throw InvalidArgument("rank " + std::to_string(rank()) +
+                            ": all_gather_v: null send segment");
+    }
+    total += segment.size;
+  }
+  const auto me = static_cast<std::size_t>(rank());
+  if (total != counts[me]) {
+    throw InvalidArgument("rank " + std::to_string(rank()) + ": all_gather_v: sends " +
+                          std::to_string(total) + " bytes but counts[" + std::to_string(me) +
+                          "] is " + std::to_string(counts[me]));
+  }
+  if (recv == nullptr && std::accumulate(counts.begin(), counts.end(), std::uint64_t{0}) != 0) {
+    throw InvalidArgument("rank " + std::to_string(rank()) + ": all_gather_v: null recv buffer");
+  }
+  run_collective("all_gather_v", [&] { do_all_gather_v(send, recv, counts, displs, deadline); });
+}
+
+void Communicator::barrier(Deadline deadline) {
+  run_collective("barrier", [&] { do_barrier(deadline); });
+}
+
+void Communicator::abort() noexcept {
+  poison("abort() was called on rank " + std::to_string(rank()));
+  do_abort();
+}
+
+}  // namespace shardgather

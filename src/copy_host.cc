@@ -1,0 +1,93 @@
+#include "shardgather/copy.h"
+
+#include <cstring>
+#include <vector>
+
+namespace shardgather {
+
+bool is_contiguous(const TensorView& view) noexcept {
+  if (view.strides.empty()) {
+    return true;
+  }
+  if (view.strides.size() != view.shape.size()) {
+    return false;
+  }
+  for (const std::int64_t dim : view.shape) {
+    if (dim == 0) {
+      return true;
+    }
+  }
+  std::int64_t expected = 1;
+  for (std::size_t d = view.shape.size(); d-- > 0;) {
+    if (view.shape[d] != 1 && view.strides[d] != expected) {
+      return false;
+    }
+    expected *= view.shape[d];
+  }
+  return true;
+}
+
+void pack(const TensorView& src, std::byte* dst) {
+  const auto elem = static_cast<std::int64_t>(dtype_size(src.dtype));
+  const std::size_t ndim = src.shape.size();
+  for (const std::int64_t dim : src.shape) {
+    if (dim == 0) {
+      return;
+    }
+  }
+  const auto* base = static_cast<const std::byte*>(src.data);
+  if (ndim == 0) {
+    std::memcpy(dst, base, static_cast<std::size_t>(elem));
+    return;
+  }
+  std::vector<std::int64_t> strides = src.strides;
+  if (strides.empty()) {
+    strides.assign(ndim, 1);
+    for (std::size_t d = ndim - 1; d-- > 0;) {
+      strides[d] = strides[d + 1] * src.shape[d + 1];
+    }
+  }
+  // Walk the outer dims with an odometer; the innermost dim is one memcpy when it is dense.
+  const std::int64_t inner = src.shape[ndim - 1];
+  const std::int64_t inner_stride = strides[ndim - 1];
+  const auto row_bytes = static_cast<std::size_t>(inner * elem);
+  std::vector<std::int64_t> index(ndim, 0);
+  for (;;) {
+    std::int64_t offset = 0;
+    for (std::size_t d = 0; d + 1 < ndim; ++d) {
+      offset += index[d] * strides[d];
+    }
+    const std::byte* row = base + offset * elem;
+    if (inner_stride == 1) {
+      std::memcpy(dst, row, row_bytes);
+      dst += row_bytes;
+    } else {
+      for (std::int64_t k = 0; k < inner; ++k) {
+        std::memcpy(dst, row + k * inner_stride * elem, static_cast<std::size_t>(elem));
+        dst += elem;
+      }
+    }
+    std::size_t d = ndim - 1;
+    for (;;) {
+      if (d == 0) {
+        return;
+      }
+      --d;
+      if (++index[d] < src.shape[d]) {
+        break;
+      }
+      index[d] = 0;
+    }
+  }
+}
+
+void copy_segments(std::span<const ConstSegment> segments, std::byte* dst) noexcept {
+  for (const ConstSegment& segment : segments) {
+    if (segment.size != 0) {
+      std::memcpy(dst, segment.data, segment.size);
+      dst += segment.size;
+    }
+  }
+}
+
+}  // namespace shardgather

@@ -1,0 +1,147 @@
+#include "preflight.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "detail/hash.h"
+
+namespace shardgather::detail {
+
+namespace {
+
+std::string op_prefix(int me, const PreflightHeader& h) {
+  return "rank " + std::to_string(me) + ": foreach_all_gather op seq " + std::to_string(h.seq) +
+         ": ";
+}
+
+template <typename T>
+[[noreturn]] void throw_field_mismatch(int me, const PreflightHeader& first, const char* field,
+                                       int rank_a, T a, int rank_b, T b) {
+  throw Mismatch(op_prefix(me, first) + field + " differs: rank " + std::to_string(rank_a) +
+                 " has " + std::to_string(a) + ", rank " + std::to_string(rank_b) + " has " +
+                 std::to_string(b));
+}
+
+}  // namespace
+
+void set_status(PreflightHeader& header, ErrorCode code, std::string_view text) noexcept {
+  header.status = static_cast<std::uint8_t>(code);
+  const std::size_t n = std::min(text.size(), kStatusTextBytes - 1);
+  std::memcpy(header.status_text, text.data(), n);
+  header.status_text[n] = '\0';
+}
+
+void set_dtypes(PreflightHeader& header, std::span<const DType> dtypes) noexcept {
+  header.num_tensors = dtypes.size();
+  Hasher hasher;
+  hasher.add(dtypes.size());
+  for (std::size_t i = 0; i < dtypes.size(); ++i) {
+    hasher.add(static_cast<std::uint64_t>(dtypes[i]));
+    if (i < kInlineDTypes) {
+      header.dtypes[i] = static_cast<std::uint8_t>(dtypes[i]);
+    }
+  }
+  header.dtype_hash = hasher.value();
+}
+
+std::uint64_t hash_hint(std::span<const std::vector<std::int64_t>> flat_hint, int world_size) {
+  Hasher hasher;
+  hasher.add(static_cast<std::uint64_t>(world_size));
+  hasher.add(flat_hint.size());
+  for (const auto& shape : flat_hint) {
+    hasher.add(shape.size());
+    for (const std::int64_t dim : shape) {
+      hasher.add(static_cast<std::uint64_t>(dim));
+    }
+  }
+  // 0 means "no hint" on the wire.
+  return hasher.value() == 0 ? 1 : hasher.value();
+}
+
+PreflightHeader decode_header(std::span<const std::byte> bytes, int from_rank) {
+  const std::string where = "corrupt pre-flight header from rank " + std::to_string(from_rank);
+  if (bytes.size() != sizeof(PreflightHeader)) {
+    throw Mismatch(where + ": " + std::to_string(bytes.size()) + " bytes, expected " +
+                   std::to_string(sizeof(PreflightHeader)));
+  }
+  PreflightHeader h;
+  std::memcpy(&h, bytes.data(), sizeof h);
+  if (h.magic != kHeaderMagic) {
+    throw Mismatch(where + ": bad magic " + std::to_string(h.magic));
+  }
+  if (h.version != kHeaderVersion) {
+    throw Mismatch(where + ": version " + std::to_string(h.version) + ", this build speaks " +
+                   std::to_string(kHeaderVersion));
+  }
+  if (h.op != static_cast<std::uint8_t>(OpKind::kForeachAllGather)) {
+    throw Mismatch(where + ": unknown op " + std::to_string(h.op));
+  }
+  if (h.status > static_cast<std::uint8_t>(ErrorCode::kCommunicationError)) {
+    throw Mismatch(where + ": unknown status " + std::to_string(h.status));
+  }
+  if (std::memchr(h.status_text, '\0', kStatusTextBytes) == nullptr) {
+    throw Mismatch(where + ": unterminated status text");
+  }
+  return h;
+}
+
+void check_headers(std::span<const std::byte> gathered, std::span<PreflightHeader> headers,
+                   int me) {
+  const std::size_t world = headers.size();
+  for (std::size_t r = 0; r < world; ++r) {
+    headers[r] = decode_header(gathered.subspan(r * sizeof(PreflightHeader),
+                                                sizeof(PreflightHeader)),
+                               static_cast<int>(r));
+  }
+  const PreflightHeader& h0 = headers[0];
+  // A failed local check anywhere wins: every rank raises that rank's class and text.
+  for (std::size_t r = 0; r < world; ++r) {
+    if (headers[r].status != static_cast<std::uint8_t>(ErrorCode::kOk)) {
+      throw_error(static_cast<ErrorCode>(headers[r].status),
+                  op_prefix(me, headers[r]) + "failed on rank " + std::to_string(r) + ": " +
+                      headers[r].status_text);
+    }
+  }
+  for (std::size_t r = 1; r < world; ++r) {
+    const PreflightHeader& h = headers[r];
+    const int rr = static_cast<int>(r);
+    if (h.world_size != h0.world_size) {
+      throw_field_mismatch(me, h0, "world size", 0, h0.world_size, rr, h.world_size);
+    }
+    if (h.seq != h0.seq) {
+      throw_field_mismatch(me, h0, "op sequence number", 0, h0.seq, rr, h.seq);
+    }
+    if (h.num_tensors != h0.num_tensors) {
+      throw_field_mismatch(me, h0, "tensor count", 0, h0.num_tensors, rr, h.num_tensors);
+    }
+    if ((h.flags & kHasHint) != (h0.flags & kHasHint)) {
+      throw Mismatch(op_prefix(me, h0) + "shapes hint given on rank " +
+                     std::to_string((h0.flags & kHasHint) != 0 ? 0 : rr) + " but not on rank " +
+                     std::to_string((h0.flags & kHasHint) != 0 ? rr : 0));
+    }
+    if (h.hint_hash != h0.hint_hash) {
+      throw Mismatch(op_prefix(me, h0) + "shapes hint differs between rank 0 and rank " +
+                     std::to_string(r) + " (hint hash " + std::to_string(h0.hint_hash) + " vs " +
+                     std::to_string(h.hint_hash) + ")");
+    }
+    const std::size_t inline_n = std::min<std::uint64_t>(h.num_tensors, kInlineDTypes);
+    for (std::size_t i = 0; i < inline_n; ++i) {
+      if (h.dtypes[i] != h0.dtypes[i]) {
+        throw Mismatch(op_prefix(me, h0) + "dtype of tensor " + std::to_string(i) +
+                       " differs: rank 0 has " +
+                       std::string(dtype_name(static_cast<DType>(h0.dtypes[i]))) + ", rank " +
+                       std::to_string(r) + " has " +
+                       std::string(dtype_name(static_cast<DType>(h.dtypes[i]))));
+      }
+    }
+    if (h.dtype_hash != h0.dtype_hash) {
+      throw Mismatch(op_prefix(me, h0) + "dtype of a tensor at index >= " +
+                     std::to_string(kInlineDTypes) + " differs between rank 0 and rank " +
+                     std::to_string(r) + " (dtype hash " + std::to_string(h0.dtype_hash) +
+                     " vs " + std::to_string(h.dtype_hash) + ")");
+    }
+  }
+}
+
+}  // namespace shardgather::detail

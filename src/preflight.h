@@ -1,0 +1,65 @@
+// The pre-flight header: a fixed-size record every rank sends before the payload, so that
+// cross-rank disagreements and local failures become the same error on every rank.
+//
+// It is raw bytes of a trivially copyable struct: every rank of a group must share the byte
+// order and struct layout (one architecture), which holds for the clusters this serves. The
+// decoder never trusts a field it reads: lengths and codes are validated before use.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "shardgather/errors.h"
+#include "shardgather/types.h"
+
+namespace shardgather::detail {
+
+inline constexpr std::uint32_t kHeaderMagic = 0x52484753;  // "SGHR"
+inline constexpr std::uint16_t kHeaderVersion = 1;
+inline constexpr std::size_t kInlineDTypes = 128;
+inline constexpr std::size_t kStatusTextBytes = 160;
+
+enum class OpKind : std::uint8_t { kForeachAllGather = 1 };
+
+enum HeaderFlags : std::uint32_t {
+  kHasHint = 1U << 0U,
+};
+
+struct PreflightHeader {
+  std::uint32_t magic = kHeaderMagic;
+  std::uint16_t version = kHeaderVersion;
+  std::uint8_t op = static_cast<std::uint8_t>(OpKind::kForeachAllGather);
+  std::uint8_t status = static_cast<std::uint8_t>(ErrorCode::kOk);
+  std::uint32_t flags = 0;
+  std::uint32_t world_size = 0;
+  std::uint64_t seq = 0;
+  std::uint64_t num_tensors = 0;
+  std::uint64_t payload_bytes = 0;  // what this rank will send
+  std::uint64_t dtype_hash = 0;     // over every dtype
+  std::uint64_t hint_hash = 0;      // over the whole hint; 0 without one
+  std::int64_t status_tensor = -1;  // the tensor the status is about, or -1
+  std::uint8_t dtypes[kInlineDTypes] = {};  // the first dtypes, so a mismatch names its index
+  char status_text[kStatusTextBytes] = {};  // NUL-terminated message of a failed status
+};
+static_assert(sizeof(PreflightHeader) == 352, "the header layout is part of the wire format");
+
+// Records a local failure; the text is truncated to fit.
+void set_status(PreflightHeader& header, ErrorCode code, std::string_view text) noexcept;
+
+// Fills num_tensors, dtypes and dtype_hash.
+void set_dtypes(PreflightHeader& header, std::span<const DType> dtypes) noexcept;
+
+std::uint64_t hash_hint(std::span<const std::vector<std::int64_t>> flat_hint, int world_size);
+
+// Validates and copies one received header. Mismatch("corrupt ...") on bad magic, version,
+// op, status code or an unterminated text.
+PreflightHeader decode_header(std::span<const std::byte> bytes, int from_rank);
+
+// Decodes every rank's header from an all_gather and raises, identically on every rank, the
+// first disagreement or failed status. `me` only prefixes the message.
+void check_headers(std::span<const std::byte> gathered, std::span<PreflightHeader> headers, int me);
+
+}  // namespace shardgather::detail

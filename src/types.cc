@@ -1,0 +1,31 @@
+#include "shardgather/types.h"
+
+namespace shardgather {
+
+std::string_view dtype_name(DType dtype) noexcept {
+  switch (dtype) {
+    case DType::kBool:
+      return "bool";
+    case DType::kUInt8:
+      return "u8";
+    case DType::kInt8:
+      return "i8";
+    case DType::kInt16:
+      return "i16";
+    case DType::kInt32:
+      return "i32";
+    case DType::kInt64:
+      return "i64";
+    case DType::kFloat16:
+      return "f16";
+    case DType::kBFloat16:
+      return "bf16";
+    case DType::kFloat32:
+      return "f32";
+    case DType::kFloat64:
+      return "f64";
+  }
+  return "invalid";
+}
+
+}  // namespace shardgather

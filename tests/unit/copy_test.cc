@@ -1,0 +1,73 @@
+#include "shardgather/copy.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+namespace shardgather {
+namespace {
+
+std::vector<std::int32_t> packed(const TensorView& view, std::size_t numel) {
+  std::vector<std::int32_t> out(numel, -1);
+  pack(view, reinterpret_cast<std::byte*>(out.data()));
+  return out;
+}
+
+TEST(IsContiguous, IgnoresSizeOneAndEmptyDims) {
+  EXPECT_TRUE(is_contiguous({nullptr, DType::kFloat32, {2, 3}, {}}));
+  EXPECT_TRUE(is_contiguous({nullptr, DType::kFloat32, {2, 3}, {3, 1}}));
+  EXPECT_TRUE(is_contiguous({nullptr, DType::kFloat32, {2, 1}, {1, 99}}));
+  EXPECT_TRUE(is_contiguous({nullptr, DType::kFloat32, {0, 3}, {7, 7}}));
+  EXPECT_FALSE(is_contiguous({nullptr, DType::kFloat32, {2, 3}, {1, 2}}));
+  EXPECT_FALSE(is_contiguous({nullptr, DType::kFloat32, {4}, {2}}));
+  EXPECT_FALSE(is_contiguous({nullptr, DType::kFloat32, {6, 1}, {2, 1}}));  // a column
+}
+
+TEST(Pack, Transposed) {
+  std::vector<std::int32_t> storage(6);
+  std::iota(storage.begin(), storage.end(), 0);  // column-major 2x3: [[0,2,4],[1,3,5]]
+  const TensorView view{storage.data(), DType::kInt32, {2, 3}, {1, 2}};
+  EXPECT_EQ(packed(view, 6), (std::vector<std::int32_t>{0, 2, 4, 1, 3, 5}));
+}
+
+TEST(Pack, EveryOtherNegativeAndZeroStrides) {
+  std::vector<std::int32_t> storage(8);
+  std::iota(storage.begin(), storage.end(), 0);
+  EXPECT_EQ(packed({storage.data(), DType::kInt32, {4}, {2}}, 4),
+            (std::vector<std::int32_t>{0, 2, 4, 6}));
+  EXPECT_EQ(packed({storage.data() + 7, DType::kInt32, {3}, {-1}}, 3),
+            (std::vector<std::int32_t>{7, 6, 5}));
+  EXPECT_EQ(packed({storage.data() + 1, DType::kInt32, {2, 3}, {4, 0}}, 6),
+            (std::vector<std::int32_t>{1, 1, 1, 5, 5, 5}));
+}
+
+TEST(Pack, ZeroDimAndEmpty) {
+  std::int32_t scalar = 42;
+  EXPECT_EQ(packed({&scalar, DType::kInt32, {}, {}}, 1), (std::vector<std::int32_t>{42}));
+  EXPECT_EQ(packed({nullptr, DType::kInt32, {3, 0}, {0, 1}}, 0), std::vector<std::int32_t>{});
+}
+
+TEST(Pack, ThreeDimsInnerStrided) {
+  std::vector<std::int32_t> storage(2 * 3 * 4);
+  std::iota(storage.begin(), storage.end(), 0);
+  // [2, 3, 2] over a [2, 3, 4] buffer, every other element of the last dim
+  const TensorView view{storage.data(), DType::kInt32, {2, 3, 2}, {12, 4, 2}};
+  EXPECT_EQ(packed(view, 12),
+            (std::vector<std::int32_t>{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22}));
+}
+
+TEST(CopySegments, ConcatenatesAndSkipsEmpty) {
+  const std::byte a[] = {std::byte{1}, std::byte{2}};
+  const std::byte b[] = {std::byte{3}};
+  const ConstSegment segments[] = {{a, 2}, {nullptr, 0}, {b, 1}};
+  std::byte out[3] = {};
+  copy_segments(segments, out);
+  EXPECT_EQ(out[0], std::byte{1});
+  EXPECT_EQ(out[2], std::byte{3});
+}
+
+}  // namespace
+}  // namespace shardgather

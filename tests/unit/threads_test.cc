@@ -1,0 +1,130 @@
+// End-to-end on the threads backend: every shared case at world sizes {1, 2, 3, 4, 7}, plus
+// what only threads can show cheaply (deadlines, abort, poisoning).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "shardgather/shardgather.h"
+#include "support/cases.h"
+#include "support/testing.h"
+
+namespace shardgather {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::run_ranks;
+
+class ThreadsWorld : public ::testing::TestWithParam<int> {
+ protected:
+  void run(const std::function<void(Communicator&)>& fn) {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    run_ranks(GetParam(), [&](int, Communicator& comm) { fn(comm); },
+              std::string(info->test_suite_name()) + "." + info->name());
+  }
+};
+
+TEST_P(ThreadsWorld, FsdpShapesNoHint) {
+  run([](Communicator& c) { testing::case_fsdp_shapes(c, false, true); });
+}
+TEST_P(ThreadsWorld, FsdpShapesWithHint) {
+  run([](Communicator& c) { testing::case_fsdp_shapes(c, true, true); });
+}
+TEST_P(ThreadsWorld, FsdpShapesWithHintNoPreflight) {
+  run([](Communicator& c) { testing::case_fsdp_shapes(c, true, false); });
+}
+TEST_P(ThreadsWorld, EdgeShapes) { run(testing::case_edge_shapes); }
+TEST_P(ThreadsWorld, EmptyList) { run(testing::case_empty_list); }
+TEST_P(ThreadsWorld, SingleTensorUnevenNoHint) {
+  run([](Communicator& c) { testing::case_single_tensor_uneven(c, false); });
+}
+TEST_P(ThreadsWorld, SingleTensorUnevenWithHint) {
+  run([](Communicator& c) { testing::case_single_tensor_uneven(c, true); });
+}
+TEST_P(ThreadsWorld, MixedDtypes) { run(testing::case_mixed_dtypes); }
+TEST_P(ThreadsWorld, NonContiguous) { run(testing::case_non_contiguous); }
+TEST_P(ThreadsWorld, WrongHintRaisesOnEveryRank) { run(testing::case_wrong_hint); }
+TEST_P(ThreadsWorld, CountMismatchRaisesOnEveryRank) { run(testing::case_count_mismatch); }
+TEST_P(ThreadsWorld, DtypeMismatchRaisesOnEveryRank) { run(testing::case_dtype_mismatch); }
+TEST_P(ThreadsWorld, RandomListsMatchPerTensorReference) {
+  const std::uint64_t seed = std::uint64_t{0x5eed0000} + static_cast<std::uint64_t>(GetParam());
+  std::printf("property test seed %llu\n", static_cast<unsigned long long>(seed));
+  run([seed](Communicator& c) { testing::case_random_vs_reference(c, seed, 40); });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, ThreadsWorld, ::testing::Values(1, 2, 3, 4, 7),
+                         [](const auto& p) { return "w" + std::to_string(p.param); });
+
+TEST(ThreadsGroup, RejectsBadWorldSize) {
+  EXPECT_THROW(make_thread_group(0), InvalidArgument);
+  EXPECT_THROW(make_thread_group(-3), InvalidArgument);
+}
+
+TEST(ThreadsGroup, StalledPeerGivesTimeoutThenCommAborted) {
+  auto comms = make_thread_group(3);
+  std::atomic<int> timeouts{0};
+  std::vector<std::thread> threads;
+  const auto start = Clock::now();
+  for (int r = 0; r < 2; ++r) {  // rank 2 never enters
+    threads.emplace_back([&, r] {
+      Communicator& c = *comms[static_cast<std::size_t>(r)];
+      c.set_timeout(300ms);
+      try {
+        foreach_all_gather({}, c);
+      } catch (const Timeout&) {
+        ++timeouts;
+      }
+      // Poisoned: fails fast, without waiting.
+      const auto t0 = Clock::now();
+      EXPECT_THROW(foreach_all_gather({}, c), CommAborted);
+      EXPECT_LT(Clock::now() - t0, 10ms);
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  const auto elapsed = Clock::now() - start;
+  EXPECT_EQ(timeouts.load(), 2);
+  EXPECT_GE(elapsed, 150ms);  // 0.5 T
+  EXPECT_LT(elapsed, 5s);
+  // A new group works.
+  run_ranks(3, [](int, Communicator& c) { testing::case_fsdp_shapes(c, false, true); },
+            "fresh group after timeout");
+}
+
+TEST(ThreadsGroup, AbortWakesBlockedRanks) {
+  auto comms = make_thread_group(3);
+  std::atomic<int> aborted{0};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        comms[static_cast<std::size_t>(r)]->barrier(Clock::now() + 30s);
+      } catch (const Aborted&) {
+        ++aborted;
+      }
+    });
+  }
+  std::this_thread::sleep_for(50ms);
+  const auto t0 = Clock::now();
+  comms[2]->abort();
+  for (auto& t : threads) {
+    t.join();
+  }
+  EXPECT_LT(Clock::now() - t0, 1s);
+  EXPECT_EQ(aborted.load(), 2);
+  EXPECT_TRUE(comms[2]->is_poisoned());
+}
+
+TEST(ThreadsGroup, CollectiveCountsAreObservable) {
+  run_ranks(2, [](int, Communicator& c) {
+    const auto before = c.collectives_issued();
+    c.barrier(c.deadline_after(5s));
+    EXPECT_EQ(c.collectives_issued() - before, 1U);
+  }, "counts");
+}
+
+}  // namespace
+}  // namespace shardgather
