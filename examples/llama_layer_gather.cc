@@ -26,10 +26,10 @@ struct Param {
 
 // q, k, v, o, gate, up, down, input_layernorm, post_attention_layernorm
 const std::vector<Param> kLayer = {
-    {"self_attn.q_proj", {4096, 4096}}, {"self_attn.k_proj", {4096, 4096}},
-    {"self_attn.v_proj", {4096, 4096}}, {"self_attn.o_proj", {4096, 4096}},
-    {"mlp.gate_proj", {11008, 4096}},   {"mlp.up_proj", {11008, 4096}},
-    {"mlp.down_proj", {4096, 11008}},   {"input_layernorm", {4096}},
+    {"self_attn.q_proj", {4096, 4096}},  {"self_attn.k_proj", {4096, 4096}},
+    {"self_attn.v_proj", {4096, 4096}},  {"self_attn.o_proj", {4096, 4096}},
+    {"mlp.gate_proj", {11008, 4096}},    {"mlp.up_proj", {11008, 4096}},
+    {"mlp.down_proj", {4096, 11008}},    {"input_layernorm", {4096}},
     {"post_attention_layernorm", {4096}}};
 
 // The value of element j of parameter i's full tensor: a bf16 bit pattern.
@@ -79,7 +79,8 @@ int main() {
       for (int it = 0; it < kIterations; ++it) {
         comms[static_cast<std::size_t>(rank)]->barrier(sg::Clock::now() + std::chrono::minutes(1));
         const auto t0 = std::chrono::steady_clock::now();
-        const sg::GatherResult out = sg::foreach_all_gather(views, *comms[static_cast<std::size_t>(rank)]);
+        const sg::GatherResult out =
+            sg::foreach_all_gather(views, *comms[static_cast<std::size_t>(rank)]);
         rank_seconds[static_cast<std::size_t>(rank)][static_cast<std::size_t>(it)] =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         if (it != kIterations - 1) {
@@ -111,7 +112,8 @@ int main() {
   for (int it = 0; it < kIterations; ++it) {
     double slowest = 0;
     for (int r = 0; r < kWorld; ++r) {
-      slowest = std::max(slowest, rank_seconds[static_cast<std::size_t>(r)][static_cast<std::size_t>(it)]);
+      slowest = std::max(slowest,
+                         rank_seconds[static_cast<std::size_t>(r)][static_cast<std::size_t>(it)]);
     }
     seconds[static_cast<std::size_t>(it)] = slowest;
   }
@@ -124,15 +126,16 @@ int main() {
   }
   std::printf("shardgather %s: Llama-2-7B decoder layer, 9 bf16 parameters, dim-0 shards\n",
               SHARDGATHER_VERSION_STRING);
-  std::printf("  %d in-process ranks (threads backend), one foreach_all_gather per step\n",
-              kWorld);
-  std::printf("  gathered %.1f MB per rank; step times (slowest rank):", static_cast<double>(bytes_per_rank) / 1e6);
+  std::printf("  %d in-process ranks (threads backend), one foreach_all_gather per step\n", kWorld);
+  std::printf("  gathered %.1f MB per rank; step times (slowest rank):",
+              static_cast<double>(bytes_per_rank) / 1e6);
   for (const double s : seconds) {
     std::printf(" %.1f", s * 1e3);
   }
-  std::printf(" ms\n  median %.1f ms, %.2f GB/s received per rank (first step includes first "
-              "touch of fresh output memory)\n",
-              median * 1e3, static_cast<double>(bytes_per_rank) / median / 1e9);
+  std::printf(
+      " ms\n  median %.1f ms, %.2f GB/s received per rank (first step includes first "
+      "touch of fresh output memory)\n",
+      median * 1e3, static_cast<double>(bytes_per_rank) / median / 1e9);
   std::printf("  verification: %llu wrong elements across %d ranks -> %s\n",
               static_cast<unsigned long long>(total_wrong), kWorld,
               total_wrong == 0 ? "bit-exact" : "WRONG");

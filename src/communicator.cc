@@ -64,16 +64,15 @@ void Communicator::all_gather_v(std::span<const ConstSegment> send, std::byte* r
                                 std::span<const std::uint64_t> displs, Deadline deadline) {
   const auto world = static_cast<std::size_t>(size());
   if (counts.size() != world || displs.size() != world) {
-    throw InvalidArgument("rank " + std::to_string(rank()) + ": all_gather_v: " +
-                          std::to_string(counts.size()) + " counts and " +
+    throw InvalidArgument("rank " + std::to_string(rank()) +
+                          ": all_gather_v: " + std::to_string(counts.size()) + " counts and " +
                           std::to_string(displs.size()) + " displs for world size " +
                           std::to_string(world));
   }
   std::uint64_t total = 0;
   for (const ConstSegment& segment : send) {
     if (segment.data == nullptr && segment.size != 0) {
-      throw InvalidArgument("rank " + std::to_string(rank()) +
-                            ": all_gather_v: null send segment");
+      throw InvalidArgument("rank " + std::to_string(rank()) + ": all_gather_v: null send segment");
     }
     total += segment.size;
   }

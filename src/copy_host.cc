@@ -1,7 +1,7 @@
-#include "shardgather/copy.h"
-
 #include <cstring>
 #include <vector>
+
+#include "shardgather/copy.h"
 
 namespace shardgather {
 

@@ -11,6 +11,7 @@
 
 #include "preflight.h"
 #include "records.h"
+
 #include "shardgather/copy.h"
 #include "shardgather/errors.h"
 
@@ -105,8 +106,8 @@ std::vector<Shape> check_hint(std::span<const std::vector<Shape>> hint, const Lo
 // This rank's send: records (no-hint path), zero gaps and each tensor's bytes, straight from
 // the tensor when it is contiguous, from `staging` when it had to be packed.
 std::vector<ConstSegment> build_segments(std::span<const TensorView> params, const LocalInput& in,
-                                         const BlockLayout& block, std::span<const std::byte> records,
-                                         std::byte* staging) {
+                                         const BlockLayout& block,
+                                         std::span<const std::byte> records, std::byte* staging) {
   std::vector<ConstSegment> segments;
   segments.reserve(params.size() + 2);
   std::uint64_t end = 0;
@@ -165,11 +166,10 @@ GatherResult::GatherResult(LayoutPlan plan, AlignedBuffer buffer, CallStats stat
   for (std::size_t i = 0; i < plan_.num_tensors; ++i) {
     for (std::size_t r = 0; r < world; ++r) {
       const std::size_t k = plan_.index(static_cast<int>(r), i);
-      views_[i * world + r] =
-          TensorView{.data = buffer_.data() + plan_.offsets[k],
-                     .dtype = plan_.dtypes[i],
-                     .shape = plan_.shapes[k],
-                     .strides = {}};
+      views_[i * world + r] = TensorView{.data = buffer_.data() + plan_.offsets[k],
+                                         .dtype = plan_.dtypes[i],
+                                         .shape = plan_.shapes[k],
+                                         .strides = {}};
     }
   }
 }
@@ -258,8 +258,8 @@ GatherResult foreach_all_gather(std::span<const TensorView> params, Communicator
       if (headers[r].payload_bytes != counts[r]) {
         throw Mismatch("rank " + std::to_string(rank) + ": foreach_all_gather op seq " +
                        std::to_string(seq) + ": rank " + std::to_string(r) + " sends " +
-                       std::to_string(headers[r].payload_bytes) +
-                       " bytes, the shapes hint says " + std::to_string(counts[r]));
+                       std::to_string(headers[r].payload_bytes) + " bytes, the shapes hint says " +
+                       std::to_string(counts[r]));
       }
     }
   } else {
@@ -275,8 +275,7 @@ GatherResult foreach_all_gather(std::span<const TensorView> params, Communicator
 
   const std::vector<ConstSegment> segments =
       build_segments(params, in, block, records, staging.data());
-  const std::uint64_t total_bytes =
-      counts.empty() ? 0 : displs.back() + counts.back();
+  const std::uint64_t total_bytes = counts.empty() ? 0 : displs.back() + counts.back();
   if (world == 1) {
     copy_segments(segments, out.data());
   } else if (total_bytes != 0) {
@@ -289,9 +288,9 @@ GatherResult foreach_all_gather(std::span<const TensorView> params, Communicator
     std::vector<Shape> shapes;
     shapes.reserve(in.dtypes.size() * static_cast<std::size_t>(world));
     for (std::size_t r = 0; r < counts.size(); ++r) {
-      std::vector<Shape> rank_shapes = detail::decode_records(
-          std::span<const std::byte>(out.data() + displs[r], counts[r]), in.dtypes.size(),
-          static_cast<int>(r));
+      std::vector<Shape> rank_shapes =
+          detail::decode_records(std::span<const std::byte>(out.data() + displs[r], counts[r]),
+                                 in.dtypes.size(), static_cast<int>(r));
       std::move(rank_shapes.begin(), rank_shapes.end(), std::back_inserter(shapes));
     }
     plan = plan_layout(in.dtypes, shapes, world, layout_options);
@@ -304,7 +303,7 @@ GatherResult foreach_all_gather(std::span<const TensorView> params, Communicator
       }
     }
   }
-  return GatherResult(std::move(plan), std::move(out), stats);
+  return {std::move(plan), std::move(out), stats};
 }
 
 }  // namespace shardgather

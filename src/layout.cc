@@ -4,6 +4,7 @@
 #include <string>
 
 #include "detail/checked_math.h"
+
 #include "shardgather/errors.h"
 
 namespace shardgather {
@@ -86,17 +87,17 @@ BlockLayout plan_block(std::span<const DType> dtypes, std::span<const Shape> sha
   return block;
 }
 
-LayoutPlan plan_layout(std::span<const DType> dtypes, std::span<const Shape> shapes,
-                       int world_size, const LayoutOptions& options) {
+LayoutPlan plan_layout(std::span<const DType> dtypes, std::span<const Shape> shapes, int world_size,
+                       const LayoutOptions& options) {
   if (world_size < 1) {
     throw InvalidArgument("plan_layout: world size " + std::to_string(world_size) + " < 1");
   }
   const std::size_t n = dtypes.size();
   const auto world = static_cast<std::size_t>(world_size);
   if (shapes.size() != world * n) {
-    throw InvalidArgument("plan_layout: expected " + std::to_string(world * n) +
-                          " shapes (world " + std::to_string(world_size) + " x " +
-                          std::to_string(n) + " tensors), got " + std::to_string(shapes.size()));
+    throw InvalidArgument("plan_layout: expected " + std::to_string(world * n) + " shapes (world " +
+                          std::to_string(world_size) + " x " + std::to_string(n) +
+                          " tensors), got " + std::to_string(shapes.size()));
   }
   LayoutPlan plan;
   plan.world_size = world_size;

@@ -90,9 +90,9 @@ void check_headers(std::span<const std::byte> gathered, std::span<PreflightHeade
                    int me) {
   const std::size_t world = headers.size();
   for (std::size_t r = 0; r < world; ++r) {
-    headers[r] = decode_header(gathered.subspan(r * sizeof(PreflightHeader),
-                                                sizeof(PreflightHeader)),
-                               static_cast<int>(r));
+    headers[r] =
+        decode_header(gathered.subspan(r * sizeof(PreflightHeader), sizeof(PreflightHeader)),
+                      static_cast<int>(r));
   }
   const PreflightHeader& h0 = headers[0];
   // A failed local check anywhere wins: every rank raises that rank's class and text.
@@ -128,18 +128,17 @@ void check_headers(std::span<const std::byte> gathered, std::span<PreflightHeade
     const std::size_t inline_n = std::min<std::uint64_t>(h.num_tensors, kInlineDTypes);
     for (std::size_t i = 0; i < inline_n; ++i) {
       if (h.dtypes[i] != h0.dtypes[i]) {
-        throw Mismatch(op_prefix(me, h0) + "dtype of tensor " + std::to_string(i) +
-                       " differs: rank 0 has " +
-                       std::string(dtype_name(static_cast<DType>(h0.dtypes[i]))) + ", rank " +
-                       std::to_string(r) + " has " +
-                       std::string(dtype_name(static_cast<DType>(h.dtypes[i]))));
+        throw Mismatch(
+            op_prefix(me, h0) + "dtype of tensor " + std::to_string(i) + " differs: rank 0 has " +
+            std::string(dtype_name(static_cast<DType>(h0.dtypes[i]))) + ", rank " +
+            std::to_string(r) + " has " + std::string(dtype_name(static_cast<DType>(h.dtypes[i]))));
       }
     }
     if (h.dtype_hash != h0.dtype_hash) {
-      throw Mismatch(op_prefix(me, h0) + "dtype of a tensor at index >= " +
-                     std::to_string(kInlineDTypes) + " differs between rank 0 and rank " +
-                     std::to_string(r) + " (dtype hash " + std::to_string(h0.dtype_hash) +
-                     " vs " + std::to_string(h.dtype_hash) + ")");
+      throw Mismatch(op_prefix(me, h0) +
+                     "dtype of a tensor at index >= " + std::to_string(kInlineDTypes) +
+                     " differs between rank 0 and rank " + std::to_string(r) + " (dtype hash " +
+                     std::to_string(h0.dtype_hash) + " vs " + std::to_string(h.dtype_hash) + ")");
     }
   }
 }

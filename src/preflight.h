@@ -37,10 +37,10 @@ struct PreflightHeader {
   std::uint32_t world_size = 0;
   std::uint64_t seq = 0;
   std::uint64_t num_tensors = 0;
-  std::uint64_t payload_bytes = 0;  // what this rank will send
-  std::uint64_t dtype_hash = 0;     // over every dtype
-  std::uint64_t hint_hash = 0;      // over the whole hint; 0 without one
-  std::int64_t status_tensor = -1;  // the tensor the status is about, or -1
+  std::uint64_t payload_bytes = 0;          // what this rank will send
+  std::uint64_t dtype_hash = 0;             // over every dtype
+  std::uint64_t hint_hash = 0;              // over the whole hint; 0 without one
+  std::int64_t status_tensor = -1;          // the tensor the status is about, or -1
   std::uint8_t dtypes[kInlineDTypes] = {};  // the first dtypes, so a mismatch names its index
   char status_text[kStatusTextBytes] = {};  // NUL-terminated message of a failed status
 };

@@ -93,10 +93,9 @@ class SHARDGATHER_API GatherResult {
   std::vector<TensorView> views_;  // [i * world + r]
 };
 
-SHARDGATHER_API GatherResult foreach_all_gather(std::span<const TensorView> params,
-                                                Communicator& comm,
-                                                std::span<const std::vector<Shape>>
-                                                    shapes_across_group = {},
-                                                const ForeachAllGatherOptions& options = {});
+SHARDGATHER_API GatherResult
+foreach_all_gather(std::span<const TensorView> params, Communicator& comm,
+                   std::span<const std::vector<Shape>> shapes_across_group = {},
+                   const ForeachAllGatherOptions& options = {});
 
 }  // namespace shardgather

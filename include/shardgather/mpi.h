@@ -16,10 +16,10 @@
 // max_chunk_bytes, so no count is narrowed to int.
 #pragma once
 
-#include <mpi.h>
-
 #include <cstdint>
 #include <memory>
+
+#include <mpi.h>
 
 #include "shardgather/communicator.h"
 #include "shardgather/export.h"

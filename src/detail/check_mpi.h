@@ -3,9 +3,9 @@
 // discipline, but throwing).
 #pragma once
 
-#include <mpi.h>
-
 #include <string>
+
+#include <mpi.h>
 
 #include "shardgather/errors.h"
 
@@ -19,16 +19,16 @@ namespace shardgather::detail {
     len = 0;
   }
   throw CommunicationError("rank " + std::to_string(rank) + ": " + call + " failed at " + file +
-                           ":" + std::to_string(line) + ": " + std::string(text, static_cast<std::size_t>(len)));
+                           ":" + std::to_string(line) + ": " +
+                           std::string(text, static_cast<std::size_t>(len)));
 }
 
 }  // namespace shardgather::detail
 
-#define SHARDGATHER_CHECK_MPI(rank, call)                                               \
-  do {                                                                                  \
-    const int shardgather_rc_ = (call);                                                 \
-    if (shardgather_rc_ != MPI_SUCCESS) {                                               \
-      ::shardgather::detail::throw_mpi_error(shardgather_rc_, (rank), #call, __FILE__, \
-                                             __LINE__);                                 \
-    }                                                                                   \
+#define SHARDGATHER_CHECK_MPI(rank, call)                                                         \
+  do {                                                                                            \
+    const int shardgather_rc_ = (call);                                                           \
+    if (shardgather_rc_ != MPI_SUCCESS) {                                                         \
+      ::shardgather::detail::throw_mpi_error(shardgather_rc_, (rank), #call, __FILE__, __LINE__); \
+    }                                                                                             \
   } while (false)

@@ -16,8 +16,7 @@ int main() {
   for (int r = 0; r < kWorld; ++r) {
     threads.emplace_back([&, r] {
       std::vector<float> shard(static_cast<std::size_t>(r + 1), static_cast<float>(r));
-      const shardgather::TensorView view{shard.data(), shardgather::DType::kFloat32,
-                                         {r + 1}, {}};
+      const shardgather::TensorView view{shard.data(), shardgather::DType::kFloat32, {r + 1}, {}};
       const auto out = shardgather::foreach_all_gather({&view, 1}, *comms[r]);
       bool good = true;
       for (int q = 0; q < kWorld; ++q) {

@@ -1,15 +1,16 @@
 // End-to-end on the MPI backend: the shared cases on MPI_COMM_WORLD, on sub-communicators
 // (reverse order and odd/even split, after UCC's team variants) and on the chunked path.
-#include <gtest/gtest.h>
-#include <mpi.h>
-
 #include <cstdio>
 #include <memory>
 
-#include "shardgather/mpi.h"
-#include "shardgather/shardgather.h"
+#include <gtest/gtest.h>
+#include <mpi.h>
+
 #include "support/cases.h"
 #include "support/testing.h"
+
+#include "shardgather/mpi.h"
+#include "shardgather/shardgather.h"
 
 namespace shardgather {
 namespace {

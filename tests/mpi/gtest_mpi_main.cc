@@ -2,10 +2,10 @@
 // AND over ranks (MPI_Allreduce), so a failure on any rank fails the run and the exit code.
 // Failure messages are printed by the rank that saw them, prefixed with its number; only
 // rank 0 prints the progress lines, so the log stays readable.
+#include <cstdio>
+
 #include <gtest/gtest.h>
 #include <mpi.h>
-
-#include <cstdio>
 
 namespace {
 
@@ -21,8 +21,8 @@ class RankPrinter : public ::testing::EmptyTestEventListener {
   }
   void OnTestPartResult(const ::testing::TestPartResult& result) override {
     if (result.failed()) {
-      std::printf("[rank %d] %s:%d: Failure\n%s\n", rank_, result.file_name(),
-                  result.line_number(), result.summary());
+      std::printf("[rank %d] %s:%d: Failure\n%s\n", rank_, result.file_name(), result.line_number(),
+                  result.summary());
       std::fflush(stdout);
     }
   }

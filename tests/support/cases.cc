@@ -1,11 +1,11 @@
 #include "support/cases.h"
 
-#include <gtest/gtest.h>
-
 #include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 #include "support/testing.h"
 
@@ -17,8 +17,8 @@ constexpr std::uint64_t kSeed = 20261130;
 
 // FSDP2's odd parameter shapes, plus a 0-size and a 1-element one.
 const std::vector<Shape>& fsdp_full_shapes() {
-  static const std::vector<Shape> shapes = {{17, 257}, {17},     {64, 312}, {64}, {64, 64},
-                                            {512, 64}, {256},    {64, 297}, {0},  {1}};
+  static const std::vector<Shape> shapes = {{17, 257}, {17},  {64, 312}, {64}, {64, 64},
+                                            {512, 64}, {256}, {64, 297}, {0},  {1}};
   return shapes;
 }
 
@@ -107,24 +107,24 @@ void case_edge_shapes(Communicator& comm) {
   std::vector<std::vector<Shape>> shapes(static_cast<std::size_t>(world));
   for (int r = 0; r < world; ++r) {
     shapes[static_cast<std::size_t>(r)] = {
-        {},                      // 0-d
-        {r % 2 == 0 ? 0 : 3},    // an empty shard on even ranks
-        {5, 0},                  // (n, 0)
-        {0, 7},                  // empty with a non-zero trailing dim
-        {1},                     // one element
-        {r + 1, 3},              // uneven
-        {},                      // 0-d again, another dtype
+        {},                    // 0-d
+        {r % 2 == 0 ? 0 : 3},  // an empty shard on even ranks
+        {5, 0},                // (n, 0)
+        {0, 7},                // empty with a non-zero trailing dim
+        {1},                   // one element
+        {r + 1, 3},            // uneven
+        {},                    // 0-d again, another dtype
     };
   }
-  const std::vector<DType> dtypes = {DType::kFloat64, DType::kInt32, DType::kFloat16,
+  const std::vector<DType> dtypes = {DType::kFloat64,  DType::kInt32, DType::kFloat16,
                                      DType::kBFloat16, DType::kUInt8, DType::kFloat32,
                                      DType::kInt8};
   for (const bool with_hint : {false, true}) {
     const Inputs in = make_inputs(dtypes, shapes, rank);
-    const GatherResult out = foreach_all_gather(
-        in.views, comm,
-        with_hint ? std::span<const std::vector<Shape>>(shapes)
-                  : std::span<const std::vector<Shape>>());
+    const GatherResult out =
+        foreach_all_gather(in.views, comm,
+                           with_hint ? std::span<const std::vector<Shape>>(shapes)
+                                     : std::span<const std::vector<Shape>>());
     EXPECT_EQ(verify_gather(out, shapes, dtypes, kSeed), "") << "hint " << with_hint;
   }
   // Every tensor empty on every rank: nothing to move, but a valid result of the right shapes.
@@ -155,10 +155,10 @@ void case_single_tensor_uneven(Communicator& comm, bool with_hint) {
   const std::vector<DType> dtypes = {DType::kBFloat16};
   const Inputs in = make_inputs(dtypes, shapes, comm.rank());
   const std::uint64_t before = comm.collectives_issued();
-  const GatherResult out = foreach_all_gather(
-      in.views, comm,
-      with_hint ? std::span<const std::vector<Shape>>(shapes)
-                : std::span<const std::vector<Shape>>());
+  const GatherResult out =
+      foreach_all_gather(in.views, comm,
+                         with_hint ? std::span<const std::vector<Shape>>(shapes)
+                                   : std::span<const std::vector<Shape>>());
   EXPECT_EQ(verify_gather(out, shapes, dtypes, kSeed), "");
   expect_counts(comm, before, out, with_hint, true, true);
   EXPECT_EQ(out.stats().staged_bytes, 0U) << "a single contiguous tensor is sent in place";
@@ -174,8 +174,8 @@ void case_single_tensor_uneven(Communicator& comm, bool with_hint) {
 
 void case_mixed_dtypes(Communicator& comm) {
   const int world = comm.size();
-  const std::vector<DType> dtypes = {DType::kInt8,  DType::kFloat64, DType::kBool,
-                                     DType::kInt16, DType::kFloat32, DType::kUInt8,
+  const std::vector<DType> dtypes = {DType::kInt8,  DType::kFloat64,  DType::kBool,
+                                     DType::kInt16, DType::kFloat32,  DType::kUInt8,
                                      DType::kInt64, DType::kBFloat16, DType::kFloat16};
   std::vector<std::vector<Shape>> shapes(static_cast<std::size_t>(world));
   for (int r = 0; r < world; ++r) {
@@ -289,17 +289,17 @@ void case_random_vs_reference(Communicator& comm, std::uint64_t seed, int iterat
     const auto& mine = list.shapes[static_cast<std::size_t>(rank)];
     std::vector<HostTensor> tensors;
     for (std::size_t i = 0; i < list.dtypes.size(); ++i) {
-      const Layout layout = (mix(seed + i) % 5 == 0 && !mine[i].empty()) ? Layout::kEveryOther
-                                                                         : Layout::kContiguous;
-      tensors.push_back(make_tensor(list.dtypes[i], mine[i], seed + static_cast<std::uint64_t>(iter),
-                                    rank, i, layout));
+      const Layout layout =
+          (mix(seed + i) % 5 == 0 && !mine[i].empty()) ? Layout::kEveryOther : Layout::kContiguous;
+      tensors.push_back(make_tensor(list.dtypes[i], mine[i],
+                                    seed + static_cast<std::uint64_t>(iter), rank, i, layout));
     }
     const std::vector<TensorView> views = views_of(tensors);
     const bool with_hint = iter % 2 == 1;
-    const GatherResult out = foreach_all_gather(
-        views, comm,
-        with_hint ? std::span<const std::vector<Shape>>(list.shapes)
-                  : std::span<const std::vector<Shape>>());
+    const GatherResult out =
+        foreach_all_gather(views, comm,
+                           with_hint ? std::span<const std::vector<Shape>>(list.shapes)
+                                     : std::span<const std::vector<Shape>>());
     const auto reference = reference_gather(views, comm);
     ASSERT_EQ(out.size(), reference.size()) << "seed " << seed << " iter " << iter;
     for (std::size_t i = 0; i < reference.size(); ++i) {
@@ -309,8 +309,8 @@ void case_random_vs_reference(Communicator& comm, std::uint64_t seed, int iterat
         ASSERT_EQ(checked_nbytes(v.dtype, v.shape), reference[i][r].size());
         ASSERT_TRUE(reference[i][r].empty() ||
                     std::memcmp(v.data, reference[i][r].data(), reference[i][r].size()) == 0)
-            << "out[" << i << "][" << r << "] differs from the per-tensor reference; seed "
-            << seed << " iter " << iter;
+            << "out[" << i << "][" << r << "] differs from the per-tensor reference; seed " << seed
+            << " iter " << iter;
       }
     }
   }

@@ -21,7 +21,8 @@ std::uint64_t mix(std::uint64_t x) noexcept {
 }
 
 void fill_pattern(std::span<std::byte> out, std::uint64_t seed, int rank, std::size_t tensor) {
-  const std::uint64_t key = mix(seed ^ mix(static_cast<std::uint64_t>(rank) * std::uint64_t{1000003} + tensor));
+  const std::uint64_t key =
+      mix(seed ^ mix(static_cast<std::uint64_t>(rank) * std::uint64_t{1000003} + tensor));
   std::size_t k = 0;
   for (std::uint64_t w = 0; k < out.size(); ++w) {
     const std::uint64_t word = mix(key + w);
@@ -210,10 +211,9 @@ RandomList random_list(std::uint64_t seed, int iter, int world_size, std::size_t
   RandomList list;
   const std::size_t n = next(max_tensors + 1);
   std::vector<std::size_t> ndims(n);
-  constexpr DType kDTypes[] = {DType::kBool,    DType::kUInt8,    DType::kInt8,
-                               DType::kInt16,   DType::kInt32,    DType::kInt64,
-                               DType::kFloat16, DType::kBFloat16, DType::kFloat32,
-                               DType::kFloat64};
+  constexpr DType kDTypes[] = {DType::kBool,    DType::kUInt8,  DType::kInt8,    DType::kInt16,
+                               DType::kInt32,   DType::kInt64,  DType::kFloat16, DType::kBFloat16,
+                               DType::kFloat32, DType::kFloat64};
   for (std::size_t i = 0; i < n; ++i) {
     list.dtypes.push_back(kDTypes[next(kNumDTypes)]);
     ndims[i] = next(4);

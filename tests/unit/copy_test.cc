@@ -1,11 +1,11 @@
 #include "shardgather/copy.h"
 
-#include <gtest/gtest.h>
-
 #include <cstdint>
 #include <cstring>
 #include <numeric>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 namespace shardgather {
 namespace {

@@ -1,9 +1,9 @@
 #include "shardgather/layout.h"
 
-#include <gtest/gtest.h>
-
 #include <cstdint>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 #include "shardgather/errors.h"
 
@@ -34,9 +34,9 @@ TEST(CheckedNbytes, RejectsNegativeDimsAndBadDtypes) {
 
 TEST(CheckedNbytes, LargeCountsDoNotNarrow) {
   // X1: element counts around 2^31 and 2^32 keep every bit.
-  for (const std::int64_t n : {(std::int64_t{1} << 31) - 1, std::int64_t{1} << 31,
-                               (std::int64_t{1} << 31) + 1, (std::int64_t{1} << 32) + 5,
-                               std::int64_t{1} << 40}) {
+  for (const std::int64_t n :
+       {(std::int64_t{1} << 31) - 1, std::int64_t{1} << 31, (std::int64_t{1} << 31) + 1,
+        (std::int64_t{1} << 32) + 5, std::int64_t{1} << 40}) {
     EXPECT_EQ(checked_nbytes(DType::kFloat64, Shape{n}), static_cast<std::uint64_t>(n) * 8);
   }
 }
@@ -44,8 +44,8 @@ TEST(CheckedNbytes, LargeCountsDoNotNarrow) {
 // The worked example of docs/layout.md.
 TEST(PlanLayout, WorkedExample) {
   const std::vector<DType> dtypes = {DType::kInt8, DType::kFloat32, DType::kFloat16};
-  const std::vector<Shape> shapes = {{3}, {2}, {1},    // rank 0
-                                     {1}, {0}, {5}};   // rank 1
+  const std::vector<Shape> shapes = {{3}, {2}, {1},   // rank 0
+                                     {1}, {0}, {5}};  // rank 1
   const LayoutPlan plan = plan_layout(dtypes, shapes, 2);
   EXPECT_EQ(plan.alignment, 4U);
   // rank 0: i8 at 0 (3 B), f32 at 4 (8 B), f16 at 12 (2 B) -> 14 B
@@ -97,8 +97,8 @@ class PlanLayoutWorld : public ::testing::TestWithParam<int> {};
 
 TEST_P(PlanLayoutWorld, BlocksAreOrderedAlignedAndDisjoint) {
   const int world = GetParam();
-  const std::vector<DType> dtypes = {DType::kUInt8, DType::kFloat64, DType::kInt16,
-                                     DType::kFloat32, DType::kBool};
+  const std::vector<DType> dtypes = {DType::kUInt8, DType::kFloat64, DType::kInt16, DType::kFloat32,
+                                     DType::kBool};
   std::vector<Shape> shapes;
   for (int r = 0; r < world; ++r) {
     for (std::size_t i = 0; i < dtypes.size(); ++i) {

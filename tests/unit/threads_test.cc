@@ -1,15 +1,16 @@
 // End-to-end on the threads backend: every shared case at world sizes {1, 2, 3, 4, 7}, plus
 // what only threads can show cheaply (deadlines, abort, poisoning).
-#include <gtest/gtest.h>
-
 #include <atomic>
 #include <chrono>
 #include <string>
 #include <thread>
 
-#include "shardgather/shardgather.h"
+#include <gtest/gtest.h>
+
 #include "support/cases.h"
 #include "support/testing.h"
+
+#include "shardgather/shardgather.h"
 
 namespace shardgather {
 namespace {
@@ -21,8 +22,9 @@ class ThreadsWorld : public ::testing::TestWithParam<int> {
  protected:
   void run(const std::function<void(Communicator&)>& fn) {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    run_ranks(GetParam(), [&](int, Communicator& comm) { fn(comm); },
-              std::string(info->test_suite_name()) + "." + info->name());
+    run_ranks(
+        GetParam(), [&](int, Communicator& comm) { fn(comm); },
+        std::string(info->test_suite_name()) + "." + info->name());
   }
 };
 
@@ -90,8 +92,9 @@ TEST(ThreadsGroup, StalledPeerGivesTimeoutThenCommAborted) {
   EXPECT_GE(elapsed, 150ms);  // 0.5 T
   EXPECT_LT(elapsed, 5s);
   // A new group works.
-  run_ranks(3, [](int, Communicator& c) { testing::case_fsdp_shapes(c, false, true); },
-            "fresh group after timeout");
+  run_ranks(
+      3, [](int, Communicator& c) { testing::case_fsdp_shapes(c, false, true); },
+      "fresh group after timeout");
 }
 
 TEST(ThreadsGroup, AbortWakesBlockedRanks) {
@@ -119,11 +122,14 @@ TEST(ThreadsGroup, AbortWakesBlockedRanks) {
 }
 
 TEST(ThreadsGroup, CollectiveCountsAreObservable) {
-  run_ranks(2, [](int, Communicator& c) {
-    const auto before = c.collectives_issued();
-    c.barrier(c.deadline_after(5s));
-    EXPECT_EQ(c.collectives_issued() - before, 1U);
-  }, "counts");
+  run_ranks(
+      2,
+      [](int, Communicator& c) {
+        const auto before = c.collectives_issued();
+        c.barrier(c.deadline_after(5s));
+        EXPECT_EQ(c.collectives_issued() - before, 1U);
+      },
+      "counts");
 }
 
 }  // namespace

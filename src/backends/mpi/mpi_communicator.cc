@@ -1,12 +1,12 @@
 #include "backends/mpi/mpi_communicator.h"
 
-#include <sched.h>
-
 #include <algorithm>
 #include <climits>
 #include <string>
 
 #include "detail/check_mpi.h"
+#include <sched.h>
+
 #include "shardgather/copy.h"
 #include "shardgather/errors.h"
 
@@ -125,9 +125,9 @@ MPI_Datatype MpiCommunicator::send_type(std::span<const ConstSegment> segments) 
                         " send blocks exceed MPI's int count");
   }
   MPI_Datatype type = MPI_DATATYPE_NULL;
-  SHARDGATHER_CHECK_MPI(rank_, MPI_Type_create_hindexed(static_cast<int>(lengths.size()),
-                                                        lengths.data(), addresses.data(),
-                                                        MPI_BYTE, &type));
+  SHARDGATHER_CHECK_MPI(rank_,
+                        MPI_Type_create_hindexed(static_cast<int>(lengths.size()), lengths.data(),
+                                                 addresses.data(), MPI_BYTE, &type));
   SHARDGATHER_CHECK_MPI(rank_, MPI_Type_commit(&type));
   if (type_cache_.size() == kTypeCacheSize) {
     MPI_Type_free(&type_cache_.front().type);
@@ -144,20 +144,18 @@ void MpiCommunicator::do_all_gather(std::span<const std::byte> send, std::span<s
                         std::to_string(recv.size()) + " bytes exceeds INT_MAX");
   }
   MPI_Request request = MPI_REQUEST_NULL;
-  SHARDGATHER_CHECK_MPI(rank_, MPI_Iallgather(send.data(), static_cast<int>(send.size()),
-                                              MPI_BYTE, recv.data(),
-                                              static_cast<int>(send.size()), MPI_BYTE, comm_,
-                                              &request));
+  SHARDGATHER_CHECK_MPI(
+      rank_, MPI_Iallgather(send.data(), static_cast<int>(send.size()), MPI_BYTE, recv.data(),
+                            static_cast<int>(send.size()), MPI_BYTE, comm_, &request));
   wait(request, deadline, "all_gather");
 }
 
 void MpiCommunicator::do_all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
                                       std::span<const std::uint64_t> counts,
                                       std::span<const std::uint64_t> displs, Deadline deadline) {
-  const bool fits_int = std::all_of(counts.begin(), counts.end(),
-                                    [](std::uint64_t c) { return c <= kIntMax; }) &&
-                        std::all_of(displs.begin(), displs.end(),
-                                    [](std::uint64_t d) { return d <= kIntMax; });
+  const bool fits_int =
+      std::all_of(counts.begin(), counts.end(), [](std::uint64_t c) { return c <= kIntMax; }) &&
+      std::all_of(displs.begin(), displs.end(), [](std::uint64_t d) { return d <= kIntMax; });
   const std::uint64_t largest = *std::max_element(counts.begin(), counts.end());
   if (!fits_int || largest > options_.max_chunk_bytes) {
     all_gather_v_chunked(send, recv, counts, displs, deadline);
@@ -190,9 +188,8 @@ void MpiCommunicator::do_all_gather_v(std::span<const ConstSegment> send, std::b
     type = send_type(send);
   }
   MPI_Request request = MPI_REQUEST_NULL;
-  SHARDGATHER_CHECK_MPI(rank_, MPI_Iallgatherv(send_buf, send_count, type, recv,
-                                               int_counts_.data(), int_displs_.data(), MPI_BYTE,
-                                               comm_, &request));
+  SHARDGATHER_CHECK_MPI(rank_, MPI_Iallgatherv(send_buf, send_count, type, recv, int_counts_.data(),
+                                               int_displs_.data(), MPI_BYTE, comm_, &request));
   wait(request, deadline, "all_gather_v");
 }
 
@@ -212,9 +209,9 @@ void MpiCommunicator::all_gather_v_chunked(std::span<const ConstSegment> send, s
         // Broadcast straight from the segments; the datatype covers just this chunk.
         const std::vector<ConstSegment> pieces = slice_segments(send, begin, begin + len);
         if (pieces.size() == 1) {
-          SHARDGATHER_CHECK_MPI(rank_, MPI_Ibcast(const_cast<std::byte*>(pieces[0].data),
-                                                  static_cast<int>(len), MPI_BYTE, root, comm_,
-                                                  &request));
+          SHARDGATHER_CHECK_MPI(
+              rank_, MPI_Ibcast(const_cast<std::byte*>(pieces[0].data), static_cast<int>(len),
+                                MPI_BYTE, root, comm_, &request));
           wait(request, deadline, "all_gather_v (chunked)");
         } else {
           std::vector<int> lengths;
@@ -226,9 +223,9 @@ void MpiCommunicator::all_gather_v_chunked(std::span<const ConstSegment> send, s
             addresses.push_back(address);
           }
           MPI_Datatype type = MPI_DATATYPE_NULL;
-          SHARDGATHER_CHECK_MPI(rank_, MPI_Type_create_hindexed(
-                                           static_cast<int>(lengths.size()), lengths.data(),
-                                           addresses.data(), MPI_BYTE, &type));
+          SHARDGATHER_CHECK_MPI(
+              rank_, MPI_Type_create_hindexed(static_cast<int>(lengths.size()), lengths.data(),
+                                              addresses.data(), MPI_BYTE, &type));
           SHARDGATHER_CHECK_MPI(rank_, MPI_Type_commit(&type));
           SHARDGATHER_CHECK_MPI(rank_, MPI_Ibcast(MPI_BOTTOM, 1, type, root, comm_, &request));
           MPI_Type_free(&type);  // MPI keeps it alive until the broadcast completes

@@ -13,11 +13,11 @@
 //    sequence of MPI_Ibcast chunks of at most max_chunk_bytes, one root at a time.
 #pragma once
 
-#include <mpi.h>
-
 #include <atomic>
 #include <cstdint>
 #include <vector>
+
+#include <mpi.h>
 
 #include "shardgather/communicator.h"
 #include "shardgather/mpi.h"
@@ -41,8 +41,8 @@ class MpiCommunicator final : public Communicator {
   void do_all_gather(std::span<const std::byte> send, std::span<std::byte> recv,
                      Deadline deadline) override;
   void do_all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
-                       std::span<const std::uint64_t> counts,
-                       std::span<const std::uint64_t> displs, Deadline deadline) override;
+                       std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs,
+                       Deadline deadline) override;
   void do_barrier(Deadline deadline) override;
   void do_abort() noexcept override { abort_requested_.store(true); }
 

@@ -14,8 +14,8 @@ void ThreadsCommunicator::meet(Deadline deadline, const char* what) {
   GroupState& g = *group_;
   std::unique_lock<std::mutex> lock(g.mu);
   const auto fail = [&]() {
-    throw_error(g.abort_code, "rank " + std::to_string(rank_) + ": " + what + " failed: " +
-                                  g.abort_reason);
+    throw_error(g.abort_code,
+                "rank " + std::to_string(rank_) + ": " + what + " failed: " + g.abort_reason);
   };
   if (g.aborted) {
     fail();
@@ -28,8 +28,8 @@ void ThreadsCommunicator::meet(Deadline deadline, const char* what) {
     return;
   }
   while (g.generation == generation && !g.aborted) {
-    if (g.cv.wait_until(lock, deadline) == std::cv_status::timeout &&
-        g.generation == generation && !g.aborted) {
+    if (g.cv.wait_until(lock, deadline) == std::cv_status::timeout && g.generation == generation &&
+        !g.aborted) {
       // Poison the group so the peers wake now with the same class instead of each waiting
       // out its own deadline (and so a late rank cannot pair with a stale barrier).
       const int arrived = g.arrived;
@@ -58,8 +58,8 @@ void ThreadsCommunicator::do_abort() noexcept {
   g.cv.notify_all();
 }
 
-void ThreadsCommunicator::do_all_gather(std::span<const std::byte> send,
-                                        std::span<std::byte> recv, Deadline deadline) {
+void ThreadsCommunicator::do_all_gather(std::span<const std::byte> send, std::span<std::byte> recv,
+                                        Deadline deadline) {
   GroupState& g = *group_;
   const auto me = static_cast<std::size_t>(rank_);
   g.slots[me] = GroupState::Slot{.segments = {}, .flat = send, .bytes = send.size(), .counts = {}};
@@ -125,8 +125,7 @@ void ThreadsCommunicator::do_all_gather_v(std::span<const ConstSegment> send, st
 
 std::vector<std::unique_ptr<Communicator>> make_thread_group(int world_size) {
   if (world_size < 1) {
-    throw InvalidArgument("make_thread_group: world size " + std::to_string(world_size) +
-                          " < 1");
+    throw InvalidArgument("make_thread_group: world size " + std::to_string(world_size) + " < 1");
   }
   auto group = std::make_shared<detail::GroupState>(world_size);
   std::vector<std::unique_ptr<Communicator>> comms;

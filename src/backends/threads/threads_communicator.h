@@ -24,21 +24,21 @@ struct GroupState {
   explicit GroupState(int world) : world_size(world), slots(static_cast<std::size_t>(world)) {}
 
   struct Slot {
-    std::span<const ConstSegment> segments;    // all_gather_v
-    std::span<const std::byte> flat;           // all_gather
-    std::uint64_t bytes = 0;                   // what this rank sends
-    std::span<const std::uint64_t> counts;     // all_gather_v: what this rank expects
+    std::span<const ConstSegment> segments;  // all_gather_v
+    std::span<const std::byte> flat;         // all_gather
+    std::uint64_t bytes = 0;                 // what this rank sends
+    std::span<const std::uint64_t> counts;   // all_gather_v: what this rank expects
   };
 
   const int world_size;
   std::mutex mu;
   std::condition_variable cv;
-  int arrived = 0;                // guarded by mu
-  std::uint64_t generation = 0;   // guarded by mu
-  bool aborted = false;           // guarded by mu
+  int arrived = 0;               // guarded by mu
+  std::uint64_t generation = 0;  // guarded by mu
+  bool aborted = false;          // guarded by mu
   ErrorCode abort_code = ErrorCode::kOk;
   std::string abort_reason;
-  std::vector<Slot> slots;        // slot r: written by rank r before a barrier, read after it
+  std::vector<Slot> slots;  // slot r: written by rank r before a barrier, read after it
 };
 
 class ThreadsCommunicator final : public Communicator {
@@ -54,8 +54,8 @@ class ThreadsCommunicator final : public Communicator {
   void do_all_gather(std::span<const std::byte> send, std::span<std::byte> recv,
                      Deadline deadline) override;
   void do_all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
-                       std::span<const std::uint64_t> counts,
-                       std::span<const std::uint64_t> displs, Deadline deadline) override;
+                       std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs,
+                       Deadline deadline) override;
   void do_barrier(Deadline deadline) override { meet(deadline, "barrier"); }
   void do_abort() noexcept override;
 
