@@ -1,0 +1,262 @@
+#include "process_group.h"
+
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <string>
+#include <string_view>
+
+#include <ATen/Functions.h>
+#include <c10/util/Exception.h>
+
+#include <unistd.h>
+
+#include "shardgather/copy.h"
+#include "shardgather/errors.h"
+
+namespace shardgather::python {
+
+namespace {
+
+// Work::wait is called in slices of this length so that abort() and the deadline are noticed
+// while c10d blocks; a slice that expires costs one c10::Error, cheap at this period.
+constexpr std::chrono::milliseconds kWaitSlice{50};
+
+std::uint64_t max_count(std::span<const std::uint64_t> counts) {
+  return counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
+}
+
+}  // namespace
+
+ProcessGroupCommunicator::ProcessGroupCommunicator(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device)
+    : group_(group),
+      rank_(group->getRank()),
+      size_(group->getSize()),
+      name_("torch." + group->getBackendName()),
+      device_(device),
+      staged_on_device_(!device.is_cpu()) {
+  ranks_on_host_ = count_ranks_on_host();
+}
+
+at::Tensor ProcessGroupCommunicator::host_bytes(const std::byte* data, std::uint64_t size) const {
+  // c10d takes non-const tensors; the send side is only read.
+  return at::from_blob(const_cast<std::byte*>(data), {static_cast<std::int64_t>(size)},
+                       at::TensorOptions().dtype(at::kByte));
+}
+
+at::Tensor& ProcessGroupCommunicator::scratch(at::Tensor& buffer, std::uint64_t size) {
+  const auto n = static_cast<std::int64_t>(size);
+  if (!buffer.defined() || buffer.numel() < n) {
+    // Grown, never shrunk: a training loop gathers the same sizes every step, and fresh pages
+    // cost more than the copy they serve.
+    buffer = at::empty({n}, at::TensorOptions().dtype(at::kByte).device(device_));
+  }
+  return buffer;
+}
+
+void ProcessGroupCommunicator::wait(const c10::intrusive_ptr<c10d::Work>& work, Deadline deadline,
+                                    const char* what) {
+  for (;;) {
+    if (abort_requested_.load()) {
+      throw Aborted("rank " + std::to_string(rank_) + ": abort() while in " + what + " on " +
+                    name_ + "; the c10d work cannot be cancelled, rebuild the group");
+    }
+    const auto now = Clock::now();
+    if (now >= deadline && !work->isCompleted()) {
+      throw Timeout("rank " + std::to_string(rank_) + ": " + what + " on " + name_ +
+                    " passed its deadline waiting for peers (the c10d work cannot be cancelled: "
+                    "the communicator is poisoned; rebuild the group or end the process)");
+    }
+    auto slice = kWaitSlice;
+    if (deadline != Deadline::max()) {
+      slice = std::clamp(std::chrono::ceil<std::chrono::milliseconds>(deadline - now),
+                         std::chrono::milliseconds(1), kWaitSlice);
+    }
+    try {
+      work->wait(slice);
+      return;
+    } catch (const std::exception& e) {
+      // An expired slice and a failed collective both throw c10::Error; only the latter
+      // leaves the work completed.
+      if (!work->isCompleted()) {
+        continue;
+      }
+      throw RemoteError("rank " + std::to_string(rank_) + ": " + what + " on " + name_ +
+                        " failed: " + e.what());
+    }
+  }
+}
+
+void ProcessGroupCommunicator::allgather(at::Tensor& input, std::vector<at::Tensor>& outputs,
+                                         Deadline deadline, const char* what) {
+  std::vector<at::Tensor> inputs{input};
+  std::vector<std::vector<at::Tensor>> output_lists{outputs};
+  c10::intrusive_ptr<c10d::Work> work;
+  try {
+    work = group_->allgather(output_lists, inputs);
+  } catch (const c10::Error& e) {
+    throw CommunicationError("rank " + std::to_string(rank_) + ": " + what + " on " + name_ +
+                             " could not be issued: " + e.what_without_backtrace());
+  }
+  wait(work, deadline, what);
+}
+
+void ProcessGroupCommunicator::do_all_gather(std::span<const std::byte> send,
+                                             std::span<std::byte> recv, Deadline deadline) {
+  if (send.empty()) {
+    return;  // the same size on every rank by contract: every rank skips
+  }
+  const auto world = static_cast<std::size_t>(size_);
+  at::Tensor input;
+  std::vector<at::Tensor> outputs(world);
+  if (!staged_on_device_) {
+    input = host_bytes(send.data(), send.size());
+    for (std::size_t r = 0; r < world; ++r) {
+      outputs[r] = host_bytes(recv.data() + r * send.size(), send.size());
+    }
+    allgather(input, outputs, deadline, "all_gather");
+    return;
+  }
+  input = scratch(send_staging_, send.size()).narrow(0, 0, static_cast<std::int64_t>(send.size()));
+  input.copy_(host_bytes(send.data(), send.size()));
+  at::Tensor gathered = scratch(recv_staging_, recv.size());
+  for (std::size_t r = 0; r < world; ++r) {
+    outputs[r] = gathered.narrow(0, static_cast<std::int64_t>(r * send.size()),
+                                 static_cast<std::int64_t>(send.size()));
+  }
+  allgather(input, outputs, deadline, "all_gather");
+  host_bytes(recv.data(), recv.size())
+      .copy_(gathered.narrow(0, 0, static_cast<std::int64_t>(recv.size())));
+}
+
+const std::byte* ProcessGroupCommunicator::gather_padded(std::span<const ConstSegment> send,
+                                                         std::span<const std::uint64_t> counts,
+                                                         std::byte* recv, Deadline deadline,
+                                                         const char* what) {
+  const std::uint64_t width = max_count(counts);
+  if (width == 0) {
+    return nullptr;  // counts are the same on every rank: every rank skips
+  }
+  const auto world = static_cast<std::size_t>(size_);
+  const auto me = static_cast<std::size_t>(rank_);
+  const auto n = static_cast<std::int64_t>(width);
+  const bool equal =
+      std::all_of(counts.begin(), counts.end(), [width](std::uint64_t c) { return c == width; });
+  const ConstSegment* only = nullptr;
+  std::size_t nonempty = 0;
+  for (const ConstSegment& s : send) {
+    if (s.size != 0) {
+      ++nonempty;
+      only = &s;
+    }
+  }
+
+  at::Tensor input;
+  if (!staged_on_device_ && nonempty == 1 && only->size == width) {
+    input = host_bytes(only->data, width);
+  } else {
+    at::Tensor& staging = scratch(send_staging_, width);
+    if (staged_on_device_) {
+      std::vector<std::byte> packed(width);
+      copy_segments(send, packed.data());
+      staging.narrow(0, 0, n).copy_(host_bytes(packed.data(), width));
+    } else {
+      auto* dst = static_cast<std::byte*>(staging.data_ptr());
+      copy_segments(send, dst);
+      // The padding is zeros, so no stale bytes of an earlier call travel to a peer.
+      std::memset(dst + counts[me], 0, width - counts[me]);
+    }
+    input = staging.narrow(0, 0, n);
+  }
+
+  std::vector<at::Tensor> outputs(world);
+  if (!staged_on_device_ && equal && recv != nullptr) {
+    for (std::size_t r = 0; r < world; ++r) {
+      outputs[r] = host_bytes(recv + r * width, width);
+    }
+    allgather(input, outputs, deadline, what);
+    return recv;
+  }
+  at::Tensor gathered = scratch(recv_staging_, width * world);
+  for (std::size_t r = 0; r < world; ++r) {
+    outputs[r] = gathered.narrow(0, static_cast<std::int64_t>(r * width), n);
+  }
+  allgather(input, outputs, deadline, what);
+  if (!staged_on_device_) {
+    return static_cast<const std::byte*>(gathered.data_ptr());
+  }
+  recv_host_ = gathered.narrow(0, 0, n * size_).cpu();
+  return static_cast<const std::byte*>(recv_host_.data_ptr());
+}
+
+void ProcessGroupCommunicator::do_all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
+                                               std::span<const std::uint64_t> counts,
+                                               std::span<const std::uint64_t> displs,
+                                               Deadline deadline) {
+  const std::uint64_t width = max_count(counts);
+  bool adjacent = true;  // every block `width` bytes at r * width: receive in place
+  for (std::size_t r = 0; r < counts.size(); ++r) {
+    adjacent = adjacent && displs[r] == r * width;
+  }
+  const std::byte* gathered =
+      gather_padded(send, counts, adjacent ? recv : nullptr, deadline, "all_gather_v");
+  if (gathered == nullptr || gathered == recv) {
+    return;
+  }
+  for (std::size_t r = 0; r < counts.size(); ++r) {
+    if (counts[r] != 0) {
+      std::memcpy(recv + displs[r], gathered + r * width, counts[r]);
+    }
+  }
+}
+
+void ProcessGroupCommunicator::do_all_gather_scatter(std::span<const ConstSegment> send,
+                                                     std::span<const RecvPiece> pieces,
+                                                     std::span<const std::size_t> first,
+                                                     std::span<const std::uint64_t> counts,
+                                                     Deadline deadline) {
+  const std::uint64_t width = max_count(counts);
+  const std::byte* gathered = gather_padded(send, counts, nullptr, deadline, "all_gather_scatter");
+  if (gathered == nullptr) {
+    return;
+  }
+  for (std::size_t r = 0; r < counts.size(); ++r) {
+    const ConstSegment block{gathered + r * width, counts[r]};
+    copy_stream(std::span(&block, 1), pieces.subspan(first[r], first[r + 1] - first[r]));
+  }
+}
+
+int ProcessGroupCommunicator::count_ranks_on_host() {
+  if (const char* env = std::getenv("LOCAL_WORLD_SIZE"); env != nullptr && std::atoi(env) > 0) {
+    return std::atoi(env);
+  }
+  if (size_ == 1) {
+    return 1;
+  }
+  std::array<char, 256> name{};
+  (void)::gethostname(name.data(), name.size() - 1);
+  const std::uint64_t mine = std::hash<std::string_view>{}(std::string_view(name.data()));
+  std::vector<std::uint64_t> all(static_cast<std::size_t>(size_));
+  do_all_gather(std::as_bytes(std::span(&mine, 1)), std::as_writable_bytes(std::span(all)),
+                deadline_after(timeout()));
+  return static_cast<int>(std::count(all.begin(), all.end(), mine));
+}
+
+void ProcessGroupCommunicator::do_barrier(Deadline deadline) {
+  c10::intrusive_ptr<c10d::Work> work;
+  try {
+    work = group_->barrier();
+  } catch (const c10::Error& e) {
+    throw CommunicationError("rank " + std::to_string(rank_) + ": barrier on " + name_ +
+                             " could not be issued: " + e.what_without_backtrace());
+  }
+  wait(work, deadline, "barrier");
+}
+
+void ProcessGroupCommunicator::do_abort() noexcept { abort_requested_.store(true); }
+
+}  // namespace shardgather::python
