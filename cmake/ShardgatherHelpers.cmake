@@ -13,7 +13,10 @@ function(shardgather_add_test name)
   if(NOT ARG_TIMEOUT)
     set(ARG_TIMEOUT 120)
   endif()
-  gtest_discover_tests(${name} PROPERTIES TIMEOUT ${ARG_TIMEOUT} LABELS "unit;${ARG_LABELS}"
+  # The labels list is passed escaped: gtest_discover_tests flattens PROPERTIES otherwise.
+  list(PREPEND ARG_LABELS unit)
+  list(JOIN ARG_LABELS "\\;" labels)
+  gtest_discover_tests(${name} PROPERTIES TIMEOUT ${ARG_TIMEOUT} LABELS "${labels}"
                        DISCOVERY_TIMEOUT 60)
 endfunction()
 

@@ -1,5 +1,8 @@
+#include <algorithm>
 #include <cstring>
 #include <vector>
+
+#include "detail/parallel_copy.h"
 
 #include "shardgather/copy.h"
 
@@ -79,6 +82,14 @@ void pack(const TensorView& src, std::byte* dst) {
       index[d] = 0;
     }
   }
+}
+
+void copy_stream(std::span<const ConstSegment> src, std::span<const RecvPiece> dst) noexcept {
+  std::uint64_t total = 0;
+  for (const ConstSegment& segment : src) {
+    total += segment.size;
+  }
+  detail::copy_stream_range(src, dst, 0, total);
 }
 
 void copy_segments(std::span<const ConstSegment> segments, std::byte* dst) noexcept {

@@ -60,30 +60,40 @@ std::uint64_t hash_hint(std::span<const std::vector<std::int64_t>> flat_hint, in
 }
 
 PreflightHeader decode_header(std::span<const std::byte> bytes, int from_rank) {
-  const std::string where = "corrupt pre-flight header from rank " + std::to_string(from_rank);
+  // Built only on failure: a good header must cost no allocation.
+  const auto where = [from_rank] {
+    return "corrupt pre-flight header from rank " + std::to_string(from_rank);
+  };
   if (bytes.size() != sizeof(PreflightHeader)) {
-    throw Mismatch(where + ": " + std::to_string(bytes.size()) + " bytes, expected " +
+    throw Mismatch(where() + ": " + std::to_string(bytes.size()) + " bytes, expected " +
                    std::to_string(sizeof(PreflightHeader)));
   }
   PreflightHeader h;
   std::memcpy(&h, bytes.data(), sizeof h);
   if (h.magic != kHeaderMagic) {
-    throw Mismatch(where + ": bad magic " + std::to_string(h.magic));
+    throw Mismatch(where() + ": bad magic " + std::to_string(h.magic));
   }
   if (h.version != kHeaderVersion) {
-    throw Mismatch(where + ": version " + std::to_string(h.version) + ", this build speaks " +
+    throw Mismatch(where() + ": version " + std::to_string(h.version) + ", this build speaks " +
                    std::to_string(kHeaderVersion));
   }
   if (h.op != static_cast<std::uint8_t>(OpKind::kForeachAllGather)) {
-    throw Mismatch(where + ": unknown op " + std::to_string(h.op));
+    throw Mismatch(where() + ": unknown op " + std::to_string(h.op));
   }
   if (h.status > static_cast<std::uint8_t>(ErrorCode::kCommunicationError)) {
-    throw Mismatch(where + ": unknown status " + std::to_string(h.status));
+    throw Mismatch(where() + ": unknown status " + std::to_string(h.status));
   }
   if (std::memchr(h.status_text, '\0', kStatusTextBytes) == nullptr) {
-    throw Mismatch(where + ": unterminated status text");
+    throw Mismatch(where() + ": unterminated status text");
   }
   return h;
+}
+
+void exchange_headers(Communicator& comm, const PreflightHeader& header,
+                      std::span<std::byte> gathered, std::span<PreflightHeader> decoded,
+                      Deadline deadline) {
+  comm.all_gather(std::as_bytes(std::span(&header, 1)), gathered, deadline);
+  check_headers(gathered, decoded, comm.rank());
 }
 
 void check_headers(std::span<const std::byte> gathered, std::span<PreflightHeader> headers,
@@ -121,8 +131,8 @@ void check_headers(std::span<const std::byte> gathered, std::span<PreflightHeade
                      std::to_string((h0.flags & kHasHint) != 0 ? rr : 0));
     }
     if (h.hint_hash != h0.hint_hash) {
-      throw Mismatch(op_prefix(me, h0) + "shapes hint differs between rank 0 and rank " +
-                     std::to_string(r) + " (hint hash " + std::to_string(h0.hint_hash) + " vs " +
+      throw Mismatch(op_prefix(me, h0) + "shapes hint / plan differs between rank 0 and rank " +
+                     std::to_string(r) + " (shapes hash " + std::to_string(h0.hint_hash) + " vs " +
                      std::to_string(h.hint_hash) + ")");
     }
     const std::size_t inline_n = std::min<std::uint64_t>(h.num_tensors, kInlineDTypes);

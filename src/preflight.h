@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardgather/communicator.h"
 #include "shardgather/errors.h"
 #include "shardgather/types.h"
 
@@ -25,7 +26,7 @@ inline constexpr std::size_t kStatusTextBytes = 160;
 enum class OpKind : std::uint8_t { kForeachAllGather = 1 };
 
 enum HeaderFlags : std::uint32_t {
-  kHasHint = 1U << 0U,
+  kHasHint = 1U << 0U,  // hint_hash fingerprints the shapes of every rank (hint or plan)
 };
 
 struct PreflightHeader {
@@ -57,6 +58,13 @@ std::uint64_t hash_hint(std::span<const std::vector<std::int64_t>> flat_hint, in
 // Validates and copies one received header. Mismatch("corrupt ...") on bad magic, version,
 // op, status code or an unterminated text.
 PreflightHeader decode_header(std::span<const std::byte> bytes, int from_rank);
+
+// Sends `header` to every rank and receives theirs (one all_gather of the fixed size), then
+// check_headers. `gathered` holds world * sizeof(PreflightHeader) bytes, `decoded` world
+// headers: both preallocated, so a successful exchange allocates nothing.
+void exchange_headers(Communicator& comm, const PreflightHeader& header,
+                      std::span<std::byte> gathered, std::span<PreflightHeader> decoded,
+                      Deadline deadline);
 
 // Decodes every rank's header from an all_gather and raises, identically on every rank, the
 // first disagreement or failed status. `me` only prefixes the message.

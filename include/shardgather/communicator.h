@@ -39,6 +39,16 @@ struct ConstSegment {
   std::uint64_t size = 0;
 };
 
+// Where received bytes land: `count` blocks of `block` bytes, block k at data + k * stride.
+// A contiguous destination is one block (count 1). Strided pieces let a gather write a shard
+// straight into its place inside a full tensor sharded along any dim.
+struct RecvPiece {
+  std::byte* data = nullptr;
+  std::uint64_t block = 0;
+  std::uint64_t count = 1;
+  std::uint64_t stride = 0;
+};
+
 class SHARDGATHER_API Communicator {
  public:
   Communicator() = default;
@@ -52,6 +62,9 @@ class SHARDGATHER_API Communicator {
   [[nodiscard]] virtual int size() const noexcept = 0;
   // "threads", "mpi", ...
   [[nodiscard]] virtual std::string_view backend_name() const noexcept = 0;
+  // How many ranks of this communicator share this rank's host (its memory bandwidth and
+  // cores): copy kernels size their thread count from it.
+  [[nodiscard]] virtual int ranks_on_host() const noexcept = 0;
 
   // Equal-size gather: rank r's `send` lands at recv[r * send.size()]. recv.size() must be
   // size() * send.size(), and send.size() the same on every rank.
@@ -64,6 +77,13 @@ class SHARDGATHER_API Communicator {
   void all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
                     std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs,
                     Deadline deadline);
+
+  // Variable-size gather into scattered destinations: rank r's counts[r] bytes fill, in order,
+  // the pieces pieces[first[r]] .. pieces[first[r + 1] - 1] (first has size() + 1 entries and
+  // the pieces of rank r hold exactly counts[r] bytes). Pieces must not overlap.
+  void all_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
+                          std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
+                          Deadline deadline);
 
   void barrier(Deadline deadline);
 
@@ -93,6 +113,10 @@ class SHARDGATHER_API Communicator {
   virtual void do_all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
                                std::span<const std::uint64_t> counts,
                                std::span<const std::uint64_t> displs, Deadline deadline) = 0;
+  virtual void do_all_gather_scatter(std::span<const ConstSegment> send,
+                                     std::span<const RecvPiece> pieces,
+                                     std::span<const std::size_t> first,
+                                     std::span<const std::uint64_t> counts, Deadline deadline) = 0;
   virtual void do_barrier(Deadline deadline) = 0;
   virtual void do_abort() noexcept = 0;
 

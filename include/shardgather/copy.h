@@ -19,6 +19,11 @@ SHARDGATHER_API bool is_contiguous(const TensorView& view) noexcept;
 // Strides may be any values (zero and negative included). Never reads an element twice.
 SHARDGATHER_API void pack(const TensorView& src, std::byte* dst);
 
+// Copies the concatenation of `src` into the concatenation of the pieces' blocks, in order.
+// The two must hold the same number of bytes.
+SHARDGATHER_API void copy_stream(std::span<const ConstSegment> src,
+                                 std::span<const RecvPiece> dst) noexcept;
+
 // Copies the concatenation of `segments` to `dst`.
 SHARDGATHER_API void copy_segments(std::span<const ConstSegment> segments, std::byte* dst) noexcept;
 

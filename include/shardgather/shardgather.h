@@ -5,6 +5,8 @@
 #include "shardgather/errors.h"
 #include "shardgather/foreach_all_gather.h"
 #include "shardgather/layout.h"
+#include "shardgather/plan.h"
 #include "shardgather/threads.h"
 #include "shardgather/types.h"
+#include "shardgather/unshard.h"
 #include "shardgather/version.h"

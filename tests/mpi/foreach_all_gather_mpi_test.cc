@@ -7,6 +7,7 @@
 #include <mpi.h>
 
 #include "support/cases.h"
+#include "support/plan_cases.h"
 #include "support/testing.h"
 
 #include "shardgather/mpi.h"
@@ -77,6 +78,14 @@ TEST_P(MpiTeams, RandomListsMatchPerTensorReference) {
   testing::case_random_vs_reference(team_.comm(), seed, 30);
 }
 
+TEST_P(MpiTeams, PlanSteadyState) { testing::case_plan_steady_state(team_.comm()); }
+TEST_P(MpiTeams, PlanRejectsMismatchedTensors) {
+  testing::case_plan_rejects_mismatched_tensors(team_.comm());
+}
+TEST_P(MpiTeams, UnshardDims) { testing::case_unshard_dims(team_.comm()); }
+TEST_P(MpiTeams, UnshardSingleDim0) { testing::case_unshard_single_dim0(team_.comm()); }
+TEST_P(MpiTeams, UnshardAliasing) { testing::case_unshard_aliasing(team_.comm()); }
+
 INSTANTIATE_TEST_SUITE_P(Teams, MpiTeams,
                          ::testing::Values(Team::kWorld, Team::kReverse, Team::kOddEven),
                          [](const auto& p) {
@@ -100,6 +109,8 @@ TEST(MpiChunked, SameResultsAsTheSingleCollective) {
   testing::case_mixed_dtypes(team.comm());
   testing::case_non_contiguous(team.comm());
   testing::case_random_vs_reference(team.comm(), 77, 10);
+  testing::case_unshard_dims(team.comm());
+  testing::case_plan_steady_state(team.comm());
 }
 
 TEST(MpiCommunicator, RejectsBadOptions) {

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "support/cases.h"
+#include "support/plan_cases.h"
 #include "support/testing.h"
 
 #include "shardgather/shardgather.h"
@@ -55,6 +56,14 @@ TEST_P(ThreadsWorld, RandomListsMatchPerTensorReference) {
   std::printf("property test seed %llu\n", static_cast<unsigned long long>(seed));
   run([seed](Communicator& c) { testing::case_random_vs_reference(c, seed, 40); });
 }
+
+TEST_P(ThreadsWorld, PlanSteadyState) { run(testing::case_plan_steady_state); }
+TEST_P(ThreadsWorld, PlanRejectsMismatchedTensors) {
+  run(testing::case_plan_rejects_mismatched_tensors);
+}
+TEST_P(ThreadsWorld, UnshardDims) { run(testing::case_unshard_dims); }
+TEST_P(ThreadsWorld, UnshardSingleDim0) { run(testing::case_unshard_single_dim0); }
+TEST_P(ThreadsWorld, UnshardAliasing) { run(testing::case_unshard_aliasing); }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, ThreadsWorld, ::testing::Values(1, 2, 3, 4, 7),
                          [](const auto& p) { return "w" + std::to_string(p.param); });

@@ -19,29 +19,144 @@ namespace {
 constexpr std::size_t kTypeCacheSize = 8;
 constexpr auto kIntMax = static_cast<std::uint64_t>(INT_MAX);
 
+// One run of memory in a datatype: `count` blocks of `block` bytes, `stride` apart.
+struct Run {
+  const std::byte* data;
+  std::uint64_t block;
+  std::uint64_t count;
+  std::uint64_t stride;
+};
+
 bool same_segments(std::span<const ConstSegment> a, std::span<const ConstSegment> b) {
   return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](auto& x, auto& y) {
            return x.data == y.data && x.size == y.size;
          });
 }
 
-// Pieces of the byte range [begin, end) of the concatenation of `segments`.
-std::vector<ConstSegment> slice_segments(std::span<const ConstSegment> segments,
-                                         std::uint64_t begin, std::uint64_t end) {
-  std::vector<ConstSegment> out;
-  std::uint64_t pos = 0;
+bool same_pieces(std::span<const RecvPiece> a, std::span<const RecvPiece> b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](auto& x, auto& y) {
+           return x.data == y.data && x.block == y.block && x.count == y.count &&
+                  x.stride == y.stride;
+         });
+}
+
+std::vector<Run> runs_of(std::span<const ConstSegment> segments) {
+  std::vector<Run> runs;
   for (const ConstSegment& s : segments) {
-    const std::uint64_t lo = std::max(begin, pos);
-    const std::uint64_t hi = std::min(end, pos + s.size);
-    if (lo < hi) {
-      out.push_back({s.data + (lo - pos), hi - lo});
+    if (s.size != 0) {
+      runs.push_back({s.data, s.size, 1, 0});
     }
-    pos += s.size;
+  }
+  return runs;
+}
+
+std::vector<Run> runs_of(std::span<const RecvPiece> pieces) {
+  std::vector<Run> runs;
+  for (const RecvPiece& p : pieces) {
+    if (p.block != 0 && p.count != 0) {
+      runs.push_back({p.data, p.block, p.count, p.stride});
+    }
+  }
+  return runs;
+}
+
+// A committed datatype over absolute addresses (use with MPI_BOTTOM) covering `runs` in order.
+// Blocks and counts above INT_MAX are split, so nothing narrows.
+MPI_Datatype build_type(std::span<const Run> runs, int rank) {
+  std::vector<int> ones;
+  std::vector<MPI_Aint> addresses;
+  std::vector<MPI_Datatype> types;
+  const auto add = [&](const std::byte* data, MPI_Datatype type) {
+    MPI_Aint address = 0;
+    SHARDGATHER_CHECK_MPI(rank, MPI_Get_address(data, &address));
+    ones.push_back(1);
+    addresses.push_back(address);
+    types.push_back(type);
+  };
+  const auto add_bytes = [&](const std::byte* data, std::uint64_t n) {
+    for (std::uint64_t done = 0; done < n;) {
+      const std::uint64_t len = std::min(n - done, kIntMax);
+      MPI_Datatype type = MPI_DATATYPE_NULL;
+      SHARDGATHER_CHECK_MPI(rank, MPI_Type_contiguous(static_cast<int>(len), MPI_BYTE, &type));
+      add(data + done, type);
+      done += len;
+    }
+  };
+  for (const Run& run : runs) {
+    if (run.count == 1 || run.block > kIntMax) {
+      for (std::uint64_t k = 0; k < run.count; ++k) {
+        add_bytes(run.data + k * run.stride, run.block);
+      }
+      continue;
+    }
+    for (std::uint64_t done = 0; done < run.count;) {
+      const std::uint64_t n = std::min(run.count - done, kIntMax);
+      MPI_Datatype type = MPI_DATATYPE_NULL;
+      // A byte-type block of `block` bytes, repeated `n` times `stride` apart.
+      MPI_Datatype row = MPI_DATATYPE_NULL;
+      SHARDGATHER_CHECK_MPI(rank, MPI_Type_contiguous(static_cast<int>(run.block), MPI_BYTE, &row));
+      SHARDGATHER_CHECK_MPI(
+          rank, MPI_Type_create_hvector(static_cast<int>(n), 1, static_cast<MPI_Aint>(run.stride),
+                                        row, &type));
+      MPI_Type_free(&row);
+      add(run.data + done * run.stride, type);
+      done += n;
+    }
+  }
+  if (ones.size() > kIntMax) {
+    throw CountOverflow("rank " + std::to_string(rank) + ": " + std::to_string(ones.size()) +
+                        " datatype blocks exceed MPI's int count");
+  }
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  SHARDGATHER_CHECK_MPI(rank, MPI_Type_create_struct(static_cast<int>(ones.size()), ones.data(),
+                                                     addresses.data(), types.data(), &type));
+  SHARDGATHER_CHECK_MPI(rank, MPI_Type_commit(&type));
+  for (MPI_Datatype& t : types) {
+    MPI_Type_free(&t);  // the struct keeps what it needs
+  }
+  return type;
+}
+
+// Pieces of the byte range [begin, end) of the concatenation of `pieces`' blocks.
+std::vector<RecvPiece> slice_pieces(std::span<const RecvPiece> pieces, std::uint64_t begin,
+                                    std::uint64_t end) {
+  std::vector<RecvPiece> out;
+  std::uint64_t pos = 0;
+  for (const RecvPiece& p : pieces) {
+    const std::uint64_t total = p.block * p.count;
     if (pos >= end) {
       break;
     }
+    if (pos + total > begin && total != 0) {
+      const std::uint64_t lo = std::max(begin, pos) - pos;
+      const std::uint64_t hi = std::min(end, pos + total) - pos;
+      const std::uint64_t kb = lo / p.block;
+      const std::uint64_t ob = lo % p.block;
+      const std::uint64_t ke = (hi - 1) / p.block;
+      const std::uint64_t oe = (hi - 1) % p.block + 1;
+      if (kb == ke) {
+        out.push_back({p.data + kb * p.stride + ob, oe - ob, 1, 0});
+      } else {
+        out.push_back({p.data + kb * p.stride + ob, p.block - ob, 1, 0});
+        if (ke - kb > 1) {
+          out.push_back({p.data + (kb + 1) * p.stride, p.block, ke - kb - 1, p.stride});
+        }
+        out.push_back({p.data + ke * p.stride, oe, 1, 0});
+      }
+    }
+    pos += total;
   }
   return out;
+}
+
+std::vector<RecvPiece> slice_segments(std::span<const ConstSegment> segments, std::uint64_t begin,
+                                      std::uint64_t end) {
+  std::vector<RecvPiece> pieces;
+  for (const ConstSegment& s : segments) {
+    // The datatype only reads through these addresses.
+    pieces.push_back({const_cast<std::byte*>(s.data), s.size, 1, 0});
+  }
+  return slice_pieces(pieces, begin, end);
 }
 
 }  // namespace
@@ -63,6 +178,11 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, const MpiOptions& options) : opt
   SHARDGATHER_CHECK_MPI(-1, MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
   SHARDGATHER_CHECK_MPI(-1, MPI_Comm_rank(comm_, &rank_));
   SHARDGATHER_CHECK_MPI(-1, MPI_Comm_size(comm_, &size_));
+  MPI_Comm local = MPI_COMM_NULL;
+  SHARDGATHER_CHECK_MPI(
+      rank_, MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local));
+  SHARDGATHER_CHECK_MPI(rank_, MPI_Comm_size(local, &ranks_on_host_));
+  SHARDGATHER_CHECK_MPI(rank_, MPI_Comm_free(&local));
 }
 
 MpiCommunicator::~MpiCommunicator() {
@@ -73,6 +193,13 @@ MpiCommunicator::~MpiCommunicator() {
   }
   for (SendType& cached : type_cache_) {
     MPI_Type_free(&cached.type);
+  }
+  for (RecvTypes& cached : recv_cache_) {
+    for (MPI_Datatype& type : cached.types) {
+      if (type != MPI_DATATYPE_NULL) {
+        MPI_Type_free(&type);
+      }
+    }
   }
   MPI_Comm_free(&comm_);
 }
@@ -107,34 +234,101 @@ MPI_Datatype MpiCommunicator::send_type(std::span<const ConstSegment> segments) 
       return type_cache_.back().type;
     }
   }
-  std::vector<int> lengths;
-  std::vector<MPI_Aint> addresses;
-  for (const ConstSegment& s : segments) {
-    // A segment longer than INT_MAX becomes several blocks, so no length narrows.
-    for (std::uint64_t done = 0; done < s.size;) {
-      const std::uint64_t len = std::min(s.size - done, kIntMax);
-      MPI_Aint address = 0;
-      SHARDGATHER_CHECK_MPI(rank_, MPI_Get_address(s.data + done, &address));
-      lengths.push_back(static_cast<int>(len));
-      addresses.push_back(address);
-      done += len;
-    }
-  }
-  if (lengths.size() > kIntMax) {
-    throw CountOverflow("rank " + std::to_string(rank_) + ": " + std::to_string(lengths.size()) +
-                        " send blocks exceed MPI's int count");
-  }
-  MPI_Datatype type = MPI_DATATYPE_NULL;
-  SHARDGATHER_CHECK_MPI(rank_,
-                        MPI_Type_create_hindexed(static_cast<int>(lengths.size()), lengths.data(),
-                                                 addresses.data(), MPI_BYTE, &type));
-  SHARDGATHER_CHECK_MPI(rank_, MPI_Type_commit(&type));
+  const std::vector<Run> runs = runs_of(segments);
+  MPI_Datatype type = build_type(runs, rank_);
   if (type_cache_.size() == kTypeCacheSize) {
     MPI_Type_free(&type_cache_.front().type);
     type_cache_.erase(type_cache_.begin());
   }
   type_cache_.push_back({std::vector<ConstSegment>(segments.begin(), segments.end()), type});
   return type;
+}
+
+const std::vector<MPI_Datatype>& MpiCommunicator::recv_types(std::span<const RecvPiece> pieces,
+                                                             std::span<const std::size_t> first) {
+  for (std::size_t k = 0; k < recv_cache_.size(); ++k) {
+    if (same_pieces(recv_cache_[k].pieces, pieces) &&
+        std::equal(first.begin(), first.end(), recv_cache_[k].first.begin(),
+                   recv_cache_[k].first.end())) {
+      std::rotate(recv_cache_.begin() + static_cast<std::ptrdiff_t>(k),
+                  recv_cache_.begin() + static_cast<std::ptrdiff_t>(k) + 1, recv_cache_.end());
+      return recv_cache_.back().types;
+    }
+  }
+  RecvTypes entry{std::vector<RecvPiece>(pieces.begin(), pieces.end()),
+                  std::vector<std::size_t>(first.begin(), first.end()),
+                  {}};
+  for (std::size_t r = 0; r + 1 < first.size(); ++r) {
+    const std::vector<Run> runs = runs_of(pieces.subspan(first[r], first[r + 1] - first[r]));
+    entry.types.push_back(runs.empty() ? MPI_DATATYPE_NULL : build_type(runs, rank_));
+  }
+  if (recv_cache_.size() == kTypeCacheSize) {
+    for (MPI_Datatype& type : recv_cache_.front().types) {
+      if (type != MPI_DATATYPE_NULL) {
+        MPI_Type_free(&type);
+      }
+    }
+    recv_cache_.erase(recv_cache_.begin());
+  }
+  recv_cache_.push_back(std::move(entry));
+  return recv_cache_.back().types;
+}
+
+void MpiCommunicator::do_all_gather_scatter(std::span<const ConstSegment> send,
+                                            std::span<const RecvPiece> pieces,
+                                            std::span<const std::size_t> first,
+                                            std::span<const std::uint64_t> counts,
+                                            Deadline deadline) {
+  const std::uint64_t largest = *std::max_element(counts.begin(), counts.end());
+  if (largest > options_.max_chunk_bytes) {
+    all_gather_scatter_chunked(send, pieces, first, counts, deadline);
+    return;
+  }
+  // One MPI_Ialltoallw: the same send type to every rank, a receive type per source rank that
+  // lands every byte in its final place. Both are over absolute addresses (MPI_BOTTOM).
+  const auto world = static_cast<std::size_t>(size_);
+  const auto me = static_cast<std::size_t>(rank_);
+  const MPI_Datatype send_dt = counts[me] == 0 ? MPI_BYTE : send_type(send);
+  const std::vector<MPI_Datatype>& recv = recv_types(pieces, first);
+  zeros_.assign(world, 0);
+  send_counts_.assign(world, counts[me] == 0 ? 0 : 1);
+  recv_counts_.resize(world);
+  send_types_.assign(2 * world, send_dt);
+  for (std::size_t r = 0; r < world; ++r) {
+    recv_counts_[r] = counts[r] == 0 ? 0 : 1;
+    send_types_[world + r] = counts[r] == 0 ? MPI_BYTE : recv[r];
+  }
+  MPI_Request request = MPI_REQUEST_NULL;
+  SHARDGATHER_CHECK_MPI(
+      rank_, MPI_Ialltoallw(MPI_BOTTOM, send_counts_.data(), zeros_.data(), send_types_.data(),
+                            MPI_BOTTOM, recv_counts_.data(), zeros_.data(),
+                            send_types_.data() + world, comm_, &request));
+  wait(request, deadline, "all_gather_scatter");
+}
+
+void MpiCommunicator::all_gather_scatter_chunked(std::span<const ConstSegment> send,
+                                                 std::span<const RecvPiece> pieces,
+                                                 std::span<const std::size_t> first,
+                                                 std::span<const std::uint64_t> counts,
+                                                 Deadline deadline) {
+  const std::uint64_t chunk = options_.max_chunk_bytes;
+  const auto me = static_cast<std::size_t>(rank_);
+  copy_stream(send, pieces.subspan(first[me], first[me + 1] - first[me]));
+  for (int root = 0; root < size_; ++root) {
+    const auto r = static_cast<std::size_t>(root);
+    const auto mine = pieces.subspan(first[r], first[r + 1] - first[r]);
+    for (std::uint64_t begin = 0; begin < counts[r]; begin += chunk) {
+      const std::uint64_t end = std::min(counts[r], begin + chunk);
+      const std::vector<RecvPiece> slice =
+          root == rank_ ? slice_segments(send, begin, end) : slice_pieces(mine, begin, end);
+      const std::vector<Run> runs = runs_of(std::span<const RecvPiece>(slice));
+      MPI_Datatype type = build_type(runs, rank_);
+      MPI_Request request = MPI_REQUEST_NULL;
+      SHARDGATHER_CHECK_MPI(rank_, MPI_Ibcast(MPI_BOTTOM, 1, type, root, comm_, &request));
+      MPI_Type_free(&type);  // MPI keeps it alive until the broadcast completes
+      wait(request, deadline, "all_gather_scatter (chunked)");
+    }
+  }
 }
 
 void MpiCommunicator::do_all_gather(std::span<const std::byte> send, std::span<std::byte> recv,
@@ -207,35 +401,15 @@ void MpiCommunicator::all_gather_v_chunked(std::span<const ConstSegment> send, s
       MPI_Request request = MPI_REQUEST_NULL;
       if (root == rank_) {
         // Broadcast straight from the segments; the datatype covers just this chunk.
-        const std::vector<ConstSegment> pieces = slice_segments(send, begin, begin + len);
-        if (pieces.size() == 1) {
-          SHARDGATHER_CHECK_MPI(
-              rank_, MPI_Ibcast(const_cast<std::byte*>(pieces[0].data), static_cast<int>(len),
-                                MPI_BYTE, root, comm_, &request));
-          wait(request, deadline, "all_gather_v (chunked)");
-        } else {
-          std::vector<int> lengths;
-          std::vector<MPI_Aint> addresses;
-          for (const ConstSegment& p : pieces) {
-            MPI_Aint address = 0;
-            SHARDGATHER_CHECK_MPI(rank_, MPI_Get_address(p.data, &address));
-            lengths.push_back(static_cast<int>(p.size));
-            addresses.push_back(address);
-          }
-          MPI_Datatype type = MPI_DATATYPE_NULL;
-          SHARDGATHER_CHECK_MPI(
-              rank_, MPI_Type_create_hindexed(static_cast<int>(lengths.size()), lengths.data(),
-                                              addresses.data(), MPI_BYTE, &type));
-          SHARDGATHER_CHECK_MPI(rank_, MPI_Type_commit(&type));
-          SHARDGATHER_CHECK_MPI(rank_, MPI_Ibcast(MPI_BOTTOM, 1, type, root, comm_, &request));
-          MPI_Type_free(&type);  // MPI keeps it alive until the broadcast completes
-          wait(request, deadline, "all_gather_v (chunked)");
-        }
+        const std::vector<RecvPiece> slice = slice_segments(send, begin, begin + len);
+        MPI_Datatype type = build_type(runs_of(std::span<const RecvPiece>(slice)), rank_);
+        SHARDGATHER_CHECK_MPI(rank_, MPI_Ibcast(MPI_BOTTOM, 1, type, root, comm_, &request));
+        MPI_Type_free(&type);  // MPI keeps it alive until the broadcast completes
       } else {
         SHARDGATHER_CHECK_MPI(rank_, MPI_Ibcast(recv + displs[r] + begin, static_cast<int>(len),
                                                 MPI_BYTE, root, comm_, &request));
-        wait(request, deadline, "all_gather_v (chunked)");
       }
+      wait(request, deadline, "all_gather_v (chunked)");
     }
   }
 }

@@ -36,6 +36,7 @@ class MpiCommunicator final : public Communicator {
   [[nodiscard]] int rank() const noexcept override { return rank_; }
   [[nodiscard]] int size() const noexcept override { return size_; }
   [[nodiscard]] std::string_view backend_name() const noexcept override { return "mpi"; }
+  [[nodiscard]] int ranks_on_host() const noexcept override { return ranks_on_host_; }
 
  protected:
   void do_all_gather(std::span<const std::byte> send, std::span<std::byte> recv,
@@ -43,6 +44,9 @@ class MpiCommunicator final : public Communicator {
   void do_all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
                        std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs,
                        Deadline deadline) override;
+  void do_all_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
+                             std::span<const std::size_t> first,
+                             std::span<const std::uint64_t> counts, Deadline deadline) override;
   void do_barrier(Deadline deadline) override;
   void do_abort() noexcept override { abort_requested_.store(true); }
 
@@ -51,10 +55,23 @@ class MpiCommunicator final : public Communicator {
     std::vector<ConstSegment> segments;
     MPI_Datatype type = MPI_DATATYPE_NULL;
   };
+  struct RecvTypes {
+    std::vector<RecvPiece> pieces;
+    std::vector<std::size_t> first;
+    std::vector<MPI_Datatype> types;  // per rank; MPI_DATATYPE_NULL where nothing arrives
+  };
 
   void wait(MPI_Request& request, Deadline deadline, const char* what);
   // A committed hindexed type over `segments` (absolute addresses), from the cache.
   MPI_Datatype send_type(std::span<const ConstSegment> segments);
+  // Committed per-rank receive types over the pieces (absolute addresses), from the cache.
+  const std::vector<MPI_Datatype>& recv_types(std::span<const RecvPiece> pieces,
+                                              std::span<const std::size_t> first);
+  // Root by root, chunk by chunk broadcasts: for gathers above max_chunk_bytes per rank.
+  void all_gather_scatter_chunked(std::span<const ConstSegment> send,
+                                  std::span<const RecvPiece> pieces,
+                                  std::span<const std::size_t> first,
+                                  std::span<const std::uint64_t> counts, Deadline deadline);
   void all_gather_v_chunked(std::span<const ConstSegment> send, std::byte* recv,
                             std::span<const std::uint64_t> counts,
                             std::span<const std::uint64_t> displs, Deadline deadline);
@@ -62,9 +79,15 @@ class MpiCommunicator final : public Communicator {
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0;
   int size_ = 1;
+  int ranks_on_host_ = 1;
   MpiOptions options_;
   std::atomic<bool> abort_requested_{false};
-  std::vector<SendType> type_cache_;  // most recently used last
+  std::vector<SendType> type_cache_;   // most recently used last
+  std::vector<RecvTypes> recv_cache_;  // most recently used last
+  std::vector<int> zeros_;
+  std::vector<int> send_counts_;
+  std::vector<int> recv_counts_;
+  std::vector<MPI_Datatype> send_types_;
   std::vector<int> int_counts_;
   std::vector<int> int_displs_;
 };

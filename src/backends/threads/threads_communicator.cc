@@ -88,20 +88,20 @@ void ThreadsCommunicator::do_all_gather(std::span<const std::byte> send, std::sp
   }
 }
 
-void ThreadsCommunicator::do_all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
-                                          std::span<const std::uint64_t> counts,
-                                          std::span<const std::uint64_t> displs,
-                                          Deadline deadline) {
+template <typename CopyFn>
+void ThreadsCommunicator::exchange(std::span<const ConstSegment> send,
+                                   std::span<const std::uint64_t> counts, Deadline deadline,
+                                   const char* what, CopyFn&& copy) {
   GroupState& g = *group_;
   const auto me = static_cast<std::size_t>(rank_);
   g.slots[me] =
       GroupState::Slot{.segments = send, .flat = {}, .bytes = counts[me], .counts = counts};
-  meet(deadline, "all_gather_v");
+  meet(deadline, what);
   std::string error;
   for (std::size_t q = 0; q < g.slots.size() && error.empty(); ++q) {
     for (std::size_t r = 0; r < g.slots.size(); ++r) {
       if (g.slots[q].counts[r] != g.slots[r].bytes) {
-        error = "rank " + std::to_string(rank_) + ": all_gather_v: rank " + std::to_string(q) +
+        error = "rank " + std::to_string(rank_) + ": " + what + ": rank " + std::to_string(q) +
                 " expects " + std::to_string(g.slots[q].counts[r]) + " bytes from rank " +
                 std::to_string(r) + ", which sends " + std::to_string(g.slots[r].bytes);
         break;
@@ -112,13 +112,34 @@ void ThreadsCommunicator::do_all_gather_v(std::span<const ConstSegment> send, st
     // Start at a different peer on every rank so the readers spread over the sources.
     for (std::size_t k = 0; k < g.slots.size(); ++k) {
       const std::size_t r = (me + k) % g.slots.size();
-      copy_segments(g.slots[r].segments, recv + displs[r]);
+      copy(r, g.slots[r].segments);
     }
   }
-  meet(deadline, "all_gather_v");
+  meet(deadline, what);
   if (!error.empty()) {
     throw Mismatch(error);
   }
+}
+
+void ThreadsCommunicator::do_all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
+                                          std::span<const std::uint64_t> counts,
+                                          std::span<const std::uint64_t> displs,
+                                          Deadline deadline) {
+  exchange(send, counts, deadline, "all_gather_v",
+           [&](std::size_t r, std::span<const ConstSegment> segments) {
+             copy_segments(segments, recv + displs[r]);
+           });
+}
+
+void ThreadsCommunicator::do_all_gather_scatter(std::span<const ConstSegment> send,
+                                                std::span<const RecvPiece> pieces,
+                                                std::span<const std::size_t> first,
+                                                std::span<const std::uint64_t> counts,
+                                                Deadline deadline) {
+  exchange(send, counts, deadline, "all_gather_scatter",
+           [&](std::size_t r, std::span<const ConstSegment> segments) {
+             copy_stream(segments, pieces.subspan(first[r], first[r + 1] - first[r]));
+           });
 }
 
 }  // namespace detail

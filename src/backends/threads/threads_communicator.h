@@ -49,6 +49,7 @@ class ThreadsCommunicator final : public Communicator {
   [[nodiscard]] int rank() const noexcept override { return rank_; }
   [[nodiscard]] int size() const noexcept override { return group_->world_size; }
   [[nodiscard]] std::string_view backend_name() const noexcept override { return "threads"; }
+  [[nodiscard]] int ranks_on_host() const noexcept override { return group_->world_size; }
 
  protected:
   void do_all_gather(std::span<const std::byte> send, std::span<std::byte> recv,
@@ -56,10 +57,18 @@ class ThreadsCommunicator final : public Communicator {
   void do_all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
                        std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs,
                        Deadline deadline) override;
+  void do_all_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
+                             std::span<const std::size_t> first,
+                             std::span<const std::uint64_t> counts, Deadline deadline) override;
   void do_barrier(Deadline deadline) override { meet(deadline, "barrier"); }
   void do_abort() noexcept override;
 
  private:
+  // Publishes this rank's send, meets, checks that every rank agrees on every count (the same
+  // verdict on every rank), runs `copy(peer)` for each peer starting after this rank, meets.
+  template <typename CopyFn>
+  void exchange(std::span<const ConstSegment> send, std::span<const std::uint64_t> counts,
+                Deadline deadline, const char* what, CopyFn&& copy);
   // The group barrier: returns when every rank arrived, or throws Timeout / Aborted.
   void meet(Deadline deadline, const char* what);
 

@@ -1,0 +1,105 @@
+// unshard: every rank holds, per parameter, a shard along a shard dim; the result is the full
+// parameters, param-major, in caller memory or memory the library owns.
+//
+// Shards are torch.chunk-style by default (ceil(full / world) along the shard dim per rank, the
+// last ranks smaller or empty) or have explicit per-rank sizes. A shard may be padded to the
+// same size on every rank (as FSDP does): only its real part goes on the wire.
+// Bytes are received straight into the full tensors (no temporary full copy); for a single
+// dim-0 parameter the gathered bytes *are* the full tensor.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "shardgather/communicator.h"
+#include "shardgather/export.h"
+#include "shardgather/foreach_all_gather.h"
+#include "shardgather/plan.h"
+#include "shardgather/types.h"
+
+namespace shardgather {
+
+struct ShardSpec {
+  DType dtype = DType::kFloat32;
+  Shape full_shape;
+  int shard_dim = 0;
+  // Per-rank sizes along shard_dim (must sum to full_shape[shard_dim]); empty: torch.chunk.
+  std::vector<std::int64_t> sizes;
+  // Every rank's local shard has padded_size rows along shard_dim (>= its real size); 0: not
+  // padded. FSDP pads to ceil(full / world).
+  std::int64_t padded_size = 0;
+};
+
+// torch.chunk sizes of `full` over `world` ranks: ceil(full / world) each, the last smaller or 0.
+SHARDGATHER_API std::vector<std::int64_t> chunk_sizes(std::int64_t full, int world_size);
+
+class SHARDGATHER_API UnshardPlan {
+ public:
+  UnshardPlan() = default;
+  // Pure: checks every spec (InvalidArgument names the parameter and the values).
+  UnshardPlan(std::span<const ShardSpec> specs, int world_size, int rank,
+              const PlanOptions& options = {});
+
+  [[nodiscard]] std::size_t size() const noexcept { return specs_.size(); }
+  [[nodiscard]] int world_size() const noexcept { return world_; }
+  [[nodiscard]] const ShardSpec& spec(std::size_t i) const { return specs_.at(i); }
+  // The local shard shape rank r passes for parameter i (padded if the spec is padded).
+  [[nodiscard]] Shape shard_shape(int rank, std::size_t i) const;
+  // One buffer holding every full parameter, param-major, each aligned to 64 bytes.
+  [[nodiscard]] std::uint64_t output_bytes() const noexcept { return output_bytes_; }
+  [[nodiscard]] std::uint64_t output_offset(std::size_t i) const { return output_offsets_.at(i); }
+  // Views of the full parameters over such a buffer.
+  [[nodiscard]] std::vector<TensorView> views(std::byte* buffer) const;
+
+  // Gathers this rank's shards into the full parameters. `outputs[i]` is contiguous caller memory
+  // of full_shape and dtype of parameter i; outputs must not overlap each other or any shard.
+  ExecStats execute(std::span<const TensorView> shards, Communicator& comm,
+                    std::span<const TensorView> outputs);
+  // Same, into one buffer of output_bytes().
+  ExecStats execute(std::span<const TensorView> shards, Communicator& comm,
+                    std::span<std::byte> out);
+
+ private:
+  ExecStats execute_into(std::span<const TensorView> shards, Communicator& comm,
+                         const std::optional<std::string>& output_error);
+
+  std::vector<ShardSpec> specs_;  // sizes filled in
+  int world_ = 1;
+  int rank_ = 0;
+  PlanOptions options_;
+  std::uint64_t output_bytes_ = 0;
+  std::vector<std::uint64_t> output_offsets_;
+  std::uint64_t fingerprint_ = 0;
+  // Per (rank, param), rank-major: bytes on the wire, and the destination relative to the
+  // param's full tensor (offset of the first block, block bytes, blocks, stride).
+  std::vector<std::uint64_t> part_bytes_;
+  std::vector<RecvPiece> part_pieces_;  // data holds the offset, not a pointer
+  std::vector<std::uint64_t> counts_;   // per rank
+  detail::ScratchHolder scratch_;
+};
+
+// The full parameters, owned.
+class SHARDGATHER_API UnshardResult {
+ public:
+  UnshardResult(std::vector<TensorView> views, AlignedBuffer buffer, ExecStats stats)
+      : views_(std::move(views)), buffer_(std::move(buffer)), stats_(stats) {}
+  [[nodiscard]] std::size_t size() const noexcept { return views_.size(); }
+  [[nodiscard]] const TensorView& operator[](std::size_t i) const { return views_.at(i); }
+  [[nodiscard]] const ExecStats& stats() const noexcept { return stats_; }
+
+ private:
+  std::vector<TensorView> views_;
+  AlignedBuffer buffer_;
+  ExecStats stats_;
+};
+
+// One-shot: plan, allocate, execute. Shard shapes are checked against the specs on every rank.
+SHARDGATHER_API UnshardResult unshard(std::span<const TensorView> shards, Communicator& comm,
+                                      std::span<const ShardSpec> specs,
+                                      const PlanOptions& options = {});
+
+}  // namespace shardgather

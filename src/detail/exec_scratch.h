@@ -1,0 +1,38 @@
+// Scratch space of one plan execution, reused across executions so a steady-state execution
+// allocates nothing (vectors are cleared, never shrunk).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "detail/local_input.h"
+#include "preflight.h"
+#include "strategies/strategy.h"
+
+#include "shardgather/communicator.h"
+
+namespace shardgather::detail {
+
+struct ExecScratch {
+  std::vector<ConstSegment> segments;   // this rank's wire stream
+  std::vector<std::size_t> send_first;  // per tensor: its first segment; n + 1 entries
+  std::vector<RecvPiece> pieces;        // one per (rank, tensor), rank-major
+  std::vector<std::size_t> first;       // per rank: its first piece; world + 1 entries
+  std::vector<std::size_t> part_first;  // per (rank, tensor): its piece; world * n + 1
+  std::vector<std::uint64_t> part_bytes;
+  std::vector<std::uint64_t> counts;
+  std::vector<std::byte> staging;       // packed non-contiguous (or in-place) inputs
+  std::vector<std::byte> header_bytes;  // world headers, gathered
+  std::vector<PreflightHeader> headers;
+  StrategyScratch strategy;
+  // unshard: each parameter's full tensor, and the extents checked for aliasing.
+  std::vector<std::byte*> outputs;
+  struct TaggedExtent {
+    Extent extent;
+    bool written;
+  };
+  std::vector<TaggedExtent> extents;
+};
+
+}  // namespace shardgather::detail

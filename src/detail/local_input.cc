@@ -1,0 +1,125 @@
+#include "detail/local_input.h"
+
+#include <algorithm>
+
+#include "shardgather/copy.h"
+#include "shardgather/errors.h"
+#include "shardgather/layout.h"
+
+namespace shardgather::detail {
+
+std::string shape_str(std::span<const std::int64_t> shape) {
+  std::string s = "[";
+  for (std::size_t d = 0; d < shape.size(); ++d) {
+    s += (d == 0 ? "" : ", ") + std::to_string(shape[d]);
+  }
+  return s + "]";
+}
+
+std::uint64_t check_tensor(const TensorView& t, std::size_t i) {
+  const std::string where = "tensor " + std::to_string(i) + ": ";
+  std::uint64_t bytes = 0;
+  try {
+    bytes = checked_nbytes(t.dtype, t.shape);
+  } catch (const CountOverflow& e) {
+    throw CountOverflow(where + e.what());
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(where + e.what());
+  }
+  if (!t.strides.empty() && t.strides.size() != t.shape.size()) {
+    throw InvalidArgument(where + std::to_string(t.strides.size()) + " strides for " +
+                          std::to_string(t.shape.size()) + " dims");
+  }
+  if (t.data == nullptr && bytes != 0) {
+    throw InvalidArgument(where + "null data pointer with " + std::to_string(bytes) +
+                          " bytes of shape " + shape_str(t.shape));
+  }
+  return bytes;
+}
+
+void check_tensor_matches(const TensorView& t, std::size_t i, DType dtype,
+                          std::span<const std::int64_t> shape, std::uint64_t bytes) {
+  if (t.dtype != dtype) {
+    throw InvalidArgument("tensor " + std::to_string(i) + ": dtype " +
+                          std::string(dtype_name(t.dtype)) + ", the plan has " +
+                          std::string(dtype_name(dtype)));
+  }
+  if (!std::equal(t.shape.begin(), t.shape.end(), shape.begin(), shape.end())) {
+    throw InvalidArgument("tensor " + std::to_string(i) + ": shape " + shape_str(t.shape) +
+                          ", the plan has " + shape_str(shape));
+  }
+  if (!t.strides.empty() && t.strides.size() != t.shape.size()) {
+    throw InvalidArgument("tensor " + std::to_string(i) + ": " + std::to_string(t.strides.size()) +
+                          " strides for " + std::to_string(t.shape.size()) + " dims");
+  }
+  if (t.data == nullptr && bytes != 0) {
+    throw InvalidArgument("tensor " + std::to_string(i) + ": null data pointer with " +
+                          std::to_string(bytes) + " bytes");
+  }
+}
+
+Extent extent_of(const TensorView& t, std::uint64_t bytes) {
+  const auto base = reinterpret_cast<std::uintptr_t>(t.data);
+  if (bytes == 0) {
+    return {base, base};
+  }
+  if (t.strides.empty()) {
+    return {base, base + bytes};
+  }
+  const auto elem = static_cast<std::int64_t>(dtype_size(t.dtype));
+  std::int64_t lo = 0;
+  std::int64_t hi = 0;
+  for (std::size_t d = 0; d < t.shape.size(); ++d) {
+    const std::int64_t span = (t.shape[d] - 1) * t.strides[d] * elem;
+    (span < 0 ? lo : hi) += span;
+  }
+  return {static_cast<std::uintptr_t>(static_cast<std::int64_t>(base) + lo),
+          static_cast<std::uintptr_t>(static_cast<std::int64_t>(base) + hi + elem)};
+}
+
+LocalInput validate_params(std::span<const TensorView> params) {
+  LocalInput in;
+  in.dtypes.reserve(params.size());
+  in.shapes.reserve(params.size());
+  in.nbytes.reserve(params.size());
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const std::uint64_t bytes = check_tensor(params[i], i);
+    if (!is_contiguous(params[i])) {
+      in.strided_bytes += bytes;
+    }
+    in.dtypes.push_back(params[i].dtype);
+    in.shapes.push_back(params[i].shape);
+    in.nbytes.push_back(bytes);
+  }
+  return in;
+}
+
+std::vector<Shape> check_hint(std::span<const std::vector<Shape>> hint, const LocalInput& in,
+                              int rank, int world) {
+  const std::size_t n = in.shapes.size();
+  if (hint.size() != static_cast<std::size_t>(world)) {
+    throw InvalidArgument("shapes hint has " + std::to_string(hint.size()) +
+                          " rows for world size " + std::to_string(world));
+  }
+  std::vector<Shape> flat;
+  flat.reserve(hint.size() * n);
+  for (std::size_t r = 0; r < hint.size(); ++r) {
+    if (hint[r].size() != n) {
+      throw InvalidArgument("shapes hint row " + std::to_string(r) + " has " +
+                            std::to_string(hint[r].size()) + " shapes, this rank passes " +
+                            std::to_string(n) + " tensors");
+    }
+    flat.insert(flat.end(), hint[r].begin(), hint[r].end());
+  }
+  const auto& row = hint[static_cast<std::size_t>(rank)];
+  for (std::size_t i = 0; i < n; ++i) {
+    if (row[i] != in.shapes[i]) {
+      throw InvalidArgument("tensor " + std::to_string(i) + ": shapes hint for rank " +
+                            std::to_string(rank) + " says " + shape_str(row[i]) +
+                            " but the tensor is " + shape_str(in.shapes[i]));
+    }
+  }
+  return flat;
+}
+
+}  // namespace shardgather::detail

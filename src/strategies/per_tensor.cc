@@ -1,0 +1,39 @@
+// kPerTensor: one collective per tensor, the baseline every benchmark compares against.
+#include "strategies/strategy.h"
+
+namespace shardgather::detail {
+
+void run_per_tensor(const GatherJob& job, Communicator& comm, Deadline deadline,
+                    StrategyScratch& scratch) {
+  const std::size_t world = job.counts.size();
+  const std::size_t n = job.num_tensors;
+  scratch.counts.resize(world);
+  scratch.first.resize(world + 1);
+  for (std::size_t i = 0; i < n; ++i) {
+    scratch.pieces.clear();
+    scratch.first[0] = 0;
+    bool any = false;
+    for (std::size_t r = 0; r < world; ++r) {
+      const std::size_t part = r * n + i;
+      scratch.counts[r] = job.part_bytes[part];
+      any = any || scratch.counts[r] != 0;
+      for (std::size_t k = job.part_first[part]; k < job.part_first[part + 1]; ++k) {
+        scratch.pieces.push_back(job.pieces[k]);
+      }
+      scratch.first[r + 1] = scratch.pieces.size();
+    }
+    if (!any) {
+      continue;
+    }
+    const auto send =
+        job.send.subspan(job.send_first[i], job.send_first[i + 1] - job.send_first[i]);
+    std::byte* base = nullptr;
+    if (contiguous_per_rank(scratch.pieces, scratch.first, scratch.counts, base, scratch.displs)) {
+      comm.all_gather_v(send, base, scratch.counts, scratch.displs, deadline);
+    } else {
+      comm.all_gather_scatter(send, scratch.pieces, scratch.first, scratch.counts, deadline);
+    }
+  }
+}
+
+}  // namespace shardgather::detail

@@ -1,0 +1,63 @@
+// Strategy names and the automatic choice.
+#include <string>
+
+#include "strategies/strategy.h"
+
+#include "shardgather/errors.h"
+
+namespace shardgather {
+
+std::string_view strategy_name(Strategy strategy) noexcept {
+  switch (strategy) {
+    case Strategy::kAuto:
+      return "auto";
+    case Strategy::kDirect:
+      return "direct";
+    case Strategy::kPacked:
+      return "packed";
+    case Strategy::kPerTensor:
+      return "per_tensor";
+  }
+  return "invalid";
+}
+
+Strategy parse_strategy(std::string_view name) {
+  for (const Strategy s :
+       {Strategy::kAuto, Strategy::kDirect, Strategy::kPacked, Strategy::kPerTensor}) {
+    if (strategy_name(s) == name) {
+      return s;
+    }
+  }
+  throw InvalidArgument("unknown strategy \"" + std::string(name) +
+                        "\" (auto, direct, packed, per_tensor)");
+}
+
+namespace detail {
+
+Strategy select_strategy(Strategy requested, const GatherJob& job, const Communicator& comm) {
+  if (requested != Strategy::kAuto) {
+    return requested;
+  }
+  (void)job;
+  (void)comm;
+  return Strategy::kDirect;
+}
+
+void run_strategy(Strategy strategy, const GatherJob& job, Communicator& comm, Deadline deadline,
+                  StrategyScratch& scratch) {
+  switch (strategy) {
+    case Strategy::kPacked:
+      run_packed(job, comm, deadline, scratch);
+      return;
+    case Strategy::kPerTensor:
+      run_per_tensor(job, comm, deadline, scratch);
+      return;
+    case Strategy::kAuto:
+    case Strategy::kDirect:
+      run_direct(job, comm, deadline, scratch);
+      return;
+  }
+}
+
+}  // namespace detail
+}  // namespace shardgather

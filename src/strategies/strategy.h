@@ -1,0 +1,64 @@
+// Strategies: how one gather's bytes move. Each is one file (after Gloo and UCC); plans build a
+// GatherJob, which says *what* moves, and select() picks *how*.
+//
+// A job is this rank's wire stream (segments, in order) and, for every rank r, the destination
+// pieces that rank r's stream fills, in order. The stream of each rank is split into
+// `num_tensors` parts (one per tensor), which only kPerTensor looks at.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "shardgather/communicator.h"
+#include "shardgather/plan.h"
+
+namespace shardgather::detail {
+
+struct GatherJob {
+  std::span<const ConstSegment> send;     // this rank's stream
+  std::span<const RecvPiece> pieces;      // destinations, rank by rank
+  std::span<const std::size_t> first;     // size()+1: rank r owns pieces [first[r], first[r+1])
+  std::span<const std::uint64_t> counts;  // size(): bytes of each rank's stream
+  // Per part: rank r's part i has part_bytes[r * n + i] bytes and owns the pieces
+  // [part_first[r * n + i], part_first[r * n + i + 1]); this rank's part i is the send
+  // segments [send_first[i], send_first[i + 1]).
+  std::size_t num_tensors = 0;
+  std::span<const std::uint64_t> part_bytes;
+  std::span<const std::size_t> part_first;
+  std::span<const std::size_t> send_first;
+  int copy_threads = 1;
+};
+
+// Scratch a strategy may need; owned by the plan so executions allocate nothing.
+struct StrategyScratch {
+  std::vector<std::byte> packed;      // kPacked: this rank's stream, contiguous
+  std::vector<std::byte> gathered;    // kPacked: every rank's stream, rank-major
+  std::vector<std::uint64_t> displs;  // size()
+  std::vector<std::uint64_t> counts;  // size()
+  std::vector<std::size_t> first;     // size() + 1
+  std::vector<RecvPiece> pieces;
+};
+
+// When every rank's pieces form one contiguous run, fills scratch.displs relative to *base and
+// returns true: the job can use all_gather_v (a plain MPI_Iallgatherv).
+bool contiguous_per_rank(std::span<const RecvPiece> pieces, std::span<const std::size_t> first,
+                         std::span<const std::uint64_t> counts, std::byte*& base,
+                         std::vector<std::uint64_t>& displs);
+
+void run_direct(const GatherJob& job, Communicator& comm, Deadline deadline,
+                StrategyScratch& scratch);
+void run_packed(const GatherJob& job, Communicator& comm, Deadline deadline,
+                StrategyScratch& scratch);
+void run_per_tensor(const GatherJob& job, Communicator& comm, Deadline deadline,
+                    StrategyScratch& scratch);
+
+// kAuto resolved for this job and backend (docs/benchmarking.md has the measurements).
+Strategy select_strategy(Strategy requested, const GatherJob& job, const Communicator& comm);
+
+// Runs the job with `strategy` (already resolved).
+void run_strategy(Strategy strategy, const GatherJob& job, Communicator& comm, Deadline deadline,
+                  StrategyScratch& scratch);
+
+}  // namespace shardgather::detail

@@ -1,0 +1,341 @@
+#include "support/plan_cases.h"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "support/alloc_counter.h"
+#include "support/testing.h"
+
+namespace shardgather::testing {
+
+namespace {
+
+constexpr std::uint64_t kSeed = 0x9a11;
+constexpr int kFullRank = 1 << 20;  // pattern "rank" of the full (unsharded) tensors
+
+constexpr Strategy kStrategies[] = {Strategy::kAuto, Strategy::kDirect, Strategy::kPacked,
+                                    Strategy::kPerTensor};
+
+template <typename Error>
+void expect_raises(const std::function<void()>& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an exception";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "wrong exception class: " << e.what();
+  }
+}
+
+// Shapes ([r][i]) of an uneven, mixed-dtype list.
+std::vector<std::vector<Shape>> plan_shapes(int world) {
+  std::vector<std::vector<Shape>> shapes;
+  for (int r = 0; r < world; ++r) {
+    shapes.push_back({{r + 2, 3}, {}, {(r % 2) * 5}, {7}, {2, r, 2}});
+  }
+  return shapes;
+}
+const std::vector<DType> kPlanDTypes = {DType::kFloat32, DType::kFloat64, DType::kInt8,
+                                        DType::kBFloat16, DType::kInt32};
+
+// The bytes of element range [row_begin, row_end) along `dim` of a full tensor, for every outer
+// index, concatenated: the contents of that shard.
+std::vector<std::byte> cut(const std::vector<std::byte>& full, const ShardSpec& s,
+                           std::int64_t row_begin, std::int64_t rows) {
+  const auto d = static_cast<std::size_t>(s.shard_dim);
+  std::uint64_t outer = 1;
+  for (std::size_t k = 0; k < d; ++k) {
+    outer *= static_cast<std::uint64_t>(s.full_shape[k]);
+  }
+  std::uint64_t inner = dtype_size(s.dtype);
+  for (std::size_t k = d + 1; k < s.full_shape.size(); ++k) {
+    inner *= static_cast<std::uint64_t>(s.full_shape[k]);
+  }
+  const auto full_d = static_cast<std::uint64_t>(s.full_shape[d]);
+  std::vector<std::byte> out;
+  for (std::uint64_t o = 0; o < outer; ++o) {
+    const auto* begin = full.data() + (o * full_d + static_cast<std::uint64_t>(row_begin)) * inner;
+    out.insert(out.end(), begin, begin + static_cast<std::uint64_t>(rows) * inner);
+  }
+  return out;
+}
+
+struct ShardSet {
+  std::vector<std::vector<std::byte>> fulls;    // expected full tensors
+  std::vector<std::vector<std::byte>> storage;  // this rank's shards
+  std::vector<TensorView> views;
+};
+
+// This rank's shards of deterministic full tensors; padded shards get junk padding.
+ShardSet make_shards(const UnshardPlan& plan, int rank) {
+  ShardSet set;
+  for (std::size_t i = 0; i < plan.size(); ++i) {
+    const ShardSpec& s = plan.spec(i);
+    std::vector<std::byte> full(checked_nbytes(s.dtype, s.full_shape));
+    fill_pattern(full, kSeed, kFullRank, i);
+    std::int64_t begin = 0;
+    for (int r = 0; r < rank; ++r) {
+      begin += s.sizes[static_cast<std::size_t>(r)];
+    }
+    const std::int64_t rows = s.sizes[static_cast<std::size_t>(rank)];
+    std::vector<std::byte> real = cut(full, s, begin, rows);
+    const Shape shape = plan.shard_shape(rank, i);
+    std::vector<std::byte> local(checked_nbytes(s.dtype, shape) + 8, std::byte{0xab});
+    // Lay the real rows into the (possibly padded) local shard, outer index by outer index.
+    const std::int64_t local_d = shape[static_cast<std::size_t>(s.shard_dim)];
+    std::uint64_t outer = 1;
+    for (std::size_t k = 0; k < static_cast<std::size_t>(s.shard_dim); ++k) {
+      outer *= static_cast<std::uint64_t>(s.full_shape[k]);
+    }
+    const std::uint64_t row_bytes =
+        outer == 0 || local_d == 0
+            ? 0
+            : (checked_nbytes(s.dtype, shape) / outer / static_cast<std::uint64_t>(local_d));
+    for (std::uint64_t o = 0; o < outer && row_bytes != 0; ++o) {
+      std::memcpy(local.data() + o * static_cast<std::uint64_t>(local_d) * row_bytes,
+                  real.data() + o * static_cast<std::uint64_t>(rows) * row_bytes,
+                  static_cast<std::uint64_t>(rows) * row_bytes);
+    }
+    set.fulls.push_back(std::move(full));
+    set.storage.push_back(std::move(local));
+    set.views.push_back({set.storage.back().data(), s.dtype, shape, {}});
+  }
+  return set;
+}
+
+std::string check_fulls(const std::vector<TensorView>& got, const ShardSet& set) {
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (!set.fulls[i].empty() &&
+        std::memcmp(got[i].data, set.fulls[i].data(), set.fulls[i].size()) != 0) {
+      return "parameter " + std::to_string(i) + " differs from the full tensor";
+    }
+  }
+  return "";
+}
+
+std::vector<ShardSpec> unshard_specs(int world) {
+  std::vector<ShardSpec> specs;
+  specs.push_back({DType::kFloat32, {17, 5}, 0, {}, 0});      // chunk along dim 0
+  specs.push_back({DType::kBFloat16, {3, 19}, 1, {}, 0});     // chunk along dim 1
+  specs.push_back({DType::kFloat64, {2, 3, 11}, -1, {}, 0});  // last dim
+  specs.push_back({DType::kInt8, {1, 4}, 0, {}, 0});          // fewer rows than ranks
+  specs.push_back({DType::kFloat16, {9, 2}, 0, {}, (9 + world - 1) / world});    // padded
+  specs.push_back({DType::kFloat32, {4, 10}, 1, {}, (10 + world - 1) / world});  // padded dim 1
+  std::vector<std::int64_t> uneven(static_cast<std::size_t>(world), 0);
+  for (int r = 0; r < world; ++r) {
+    uneven[static_cast<std::size_t>(r)] = r % 3;  // explicit sizes, some empty
+  }
+  std::int64_t total = 0;
+  for (const std::int64_t v : uneven) {
+    total += v;
+  }
+  specs.push_back({DType::kInt32, {total, 6}, 0, uneven, 0});
+  specs.push_back({DType::kFloat32, {0, 3}, 0, {}, 0});  // an empty parameter
+  return specs;
+}
+
+}  // namespace
+
+void case_plan_steady_state(Communicator& comm) {
+  const int world = comm.size();
+  const int rank = comm.rank();
+  const auto shapes = plan_shapes(world);
+  std::vector<HostTensor> tensors;
+  for (std::size_t i = 0; i < kPlanDTypes.size(); ++i) {
+    tensors.push_back(
+        make_tensor(kPlanDTypes[i], shapes[static_cast<std::size_t>(rank)][i], kSeed, rank, i));
+  }
+  const std::vector<TensorView> params = views_of(tensors);
+  for (const bool with_hint : {true, false}) {
+    for (const Strategy strategy : kStrategies) {
+      for (const bool preflight : {true, false}) {
+        if (!with_hint && !preflight) {
+          continue;
+        }
+        const PlanOptions options{.timeout = {}, .preflight = preflight, .strategy = strategy};
+        AllGatherPlan plan =
+            AllGatherPlan::create(params, comm,
+                                  with_hint ? std::span<const std::vector<Shape>>(shapes)
+                                            : std::span<const std::vector<Shape>>(),
+                                  options);
+        std::vector<std::byte> out(plan.output_bytes());
+        const std::vector<TensorView> views = plan.views(out.data());
+        for (int step = 0; step < 5; ++step) {
+          std::memset(out.data(), 0xee, out.size());
+          const std::uint64_t allocs = thread_allocations();
+          const std::uint64_t before = comm.collectives_issued();
+          const ExecStats stats = plan.execute(params, comm, out);
+          const std::uint64_t used = thread_allocations() - allocs;
+          const std::uint64_t issued = comm.collectives_issued() - before;
+          const std::string what = std::string("strategy ") + std::string(strategy_name(strategy)) +
+                                   ", hint " + std::to_string(with_hint) + ", step " +
+                                   std::to_string(step);
+          if (step > 0) {  // the first execution may size scratch (datatype caches, staging)
+            EXPECT_EQ(used, 0U) << what;
+          }
+          EXPECT_EQ(stats.metadata_collectives, 0U) << what;
+          EXPECT_EQ(stats.preflight_collectives, world > 1 && preflight ? 1U : 0U) << what;
+          EXPECT_EQ(issued, stats.preflight_collectives + stats.payload_collectives) << what;
+          if (world > 1 && strategy != Strategy::kPerTensor) {
+            EXPECT_EQ(stats.payload_collectives, 1U) << what;
+          }
+          for (std::size_t i = 0; i < kPlanDTypes.size(); ++i) {
+            for (int r = 0; r < world; ++r) {
+              const TensorView& v =
+                  views[i * static_cast<std::size_t>(world) + static_cast<std::size_t>(r)];
+              std::vector<std::byte> expect(checked_nbytes(v.dtype, v.shape));
+              fill_pattern(expect, kSeed, r, i);
+              ASSERT_TRUE(expect.empty() || std::memcmp(v.data, expect.data(), expect.size()) == 0)
+                  << what << ": out[" << i << "][" << r << "]";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+void case_plan_rejects_mismatched_tensors(Communicator& comm) {
+  const int world = comm.size();
+  const int rank = comm.rank();
+  const auto shapes = plan_shapes(world);
+  std::vector<HostTensor> tensors;
+  for (std::size_t i = 0; i < kPlanDTypes.size(); ++i) {
+    tensors.push_back(
+        make_tensor(kPlanDTypes[i], shapes[static_cast<std::size_t>(rank)][i], kSeed, rank, i));
+  }
+  std::vector<TensorView> params = views_of(tensors);
+  AllGatherPlan plan(kPlanDTypes, shapes, rank);
+  std::vector<std::byte> out(plan.output_bytes());
+  // Rank 0 passes a tensor of another shape: every rank raises, naming tensor 3.
+  std::vector<TensorView> wrong = params;
+  if (rank == 0) {
+    wrong[3].shape = {6};
+  }
+  if (world > 1) {
+    expect_raises<InvalidArgument>([&] { plan.execute(wrong, comm, out); }, "tensor 3");
+  }
+  // An output that is too small.
+  std::vector<std::byte> small(plan.output_bytes() - 1);
+  if (world > 1 || plan.output_bytes() > 0) {
+    expect_raises<InvalidArgument>([&] { plan.execute(params, comm, small); }, "output holds");
+  }
+  // An input that overlaps the output outside its own slot.
+  std::vector<TensorView> aliased = params;
+  aliased[0].data = out.data() + out.size() - 4;
+  aliased[0].shape = {1};
+  aliased[0].dtype = DType::kFloat32;
+  const std::vector<DType> one = {DType::kFloat32};
+  const std::vector<std::vector<Shape>> one_shapes(static_cast<std::size_t>(world),
+                                                   std::vector<Shape>{{1}});
+  AllGatherPlan small_plan(one, one_shapes, rank);
+  std::vector<std::byte> small_out(small_plan.output_bytes());
+  const TensorView alias{
+      small_out.data() + (rank == 0 && world > 1 ? 4 : 0), DType::kFloat32, {1}, {}};
+  if (world > 1) {
+    expect_raises<InvalidArgument>(
+        [&] { small_plan.execute(std::span(&alias, 1), comm, small_out); }, "aliasing");
+  }
+  // In place: each rank's input is exactly its own slot.
+  float value = static_cast<float>(rank) + 0.5F;
+  std::memcpy(small_out.data() + small_plan.layout().offsets[static_cast<std::size_t>(rank)],
+              &value, sizeof value);
+  const TensorView in_place{
+      small_out.data() + small_plan.layout().offsets[static_cast<std::size_t>(rank)],
+      DType::kFloat32,
+      {1},
+      {}};
+  small_plan.execute(std::span(&in_place, 1), comm, small_out);
+  for (int r = 0; r < world; ++r) {
+    float got = 0;
+    std::memcpy(&got, small_out.data() + small_plan.layout().offsets[static_cast<std::size_t>(r)],
+                sizeof got);
+    EXPECT_EQ(got, static_cast<float>(r) + 0.5F);
+  }
+  // Still usable afterwards.
+  const ExecStats stats = plan.execute(params, comm, out);
+  EXPECT_EQ(stats.metadata_collectives, 0U);
+}
+
+void case_unshard_dims(Communicator& comm) {
+  const int world = comm.size();
+  const int rank = comm.rank();
+  const std::vector<ShardSpec> specs = unshard_specs(world);
+  for (const Strategy strategy : kStrategies) {
+    const PlanOptions options{.timeout = {}, .preflight = true, .strategy = strategy};
+    UnshardPlan plan(specs, world, rank, options);
+    const ShardSet set = make_shards(plan, rank);
+    // Into caller memory, twice (the second run must not depend on the first).
+    std::vector<std::byte> buffer(plan.output_bytes());
+    for (int step = 0; step < 2; ++step) {
+      std::memset(buffer.data(), 0xee, buffer.size());
+      plan.execute(set.views, comm, buffer);
+      EXPECT_EQ(check_fulls(plan.views(buffer.data()), set), "")
+          << "strategy " << strategy_name(strategy) << " step " << step;
+    }
+    // Into separate full tensors.
+    std::vector<std::vector<std::byte>> fulls;
+    std::vector<TensorView> outputs;
+    for (std::size_t i = 0; i < plan.size(); ++i) {
+      fulls.emplace_back(checked_nbytes(specs[i].dtype, specs[i].full_shape) + 1);
+      outputs.push_back({fulls.back().data(), specs[i].dtype, specs[i].full_shape, {}});
+    }
+    plan.execute(set.views, comm, std::span<const TensorView>(outputs));
+    EXPECT_EQ(check_fulls(outputs, set), "") << "strategy " << strategy_name(strategy);
+  }
+  // One-shot.
+  UnshardPlan plan(specs, world, rank);
+  const ShardSet set = make_shards(plan, rank);
+  const UnshardResult result = unshard(set.views, comm, specs);
+  std::vector<TensorView> got;
+  for (std::size_t i = 0; i < result.size(); ++i) {
+    got.push_back(result[i]);
+    EXPECT_EQ(result[i].shape, specs[i].full_shape);
+  }
+  EXPECT_EQ(check_fulls(got, set), "");
+}
+
+void case_unshard_single_dim0(Communicator& comm) {
+  const int world = comm.size();
+  const int rank = comm.rank();
+  const std::vector<ShardSpec> specs = {{DType::kBFloat16, {4 * world + 3, 64}, 0, {}, 0}};
+  UnshardPlan plan(specs, world, rank);
+  const ShardSet set = make_shards(plan, rank);
+  std::vector<std::byte> buffer(plan.output_bytes());
+  for (int step = 0; step < 4; ++step) {
+    const std::uint64_t allocs = thread_allocations();
+    const ExecStats stats = plan.execute(set.views, comm, buffer);
+    if (step > 0) {
+      EXPECT_EQ(thread_allocations() - allocs, 0U);
+    }
+    EXPECT_EQ(stats.staged_bytes, 0U);
+    EXPECT_EQ(stats.metadata_collectives, 0U);
+    EXPECT_EQ(stats.payload_collectives, world > 1 ? 1U : 0U);
+  }
+  EXPECT_EQ(check_fulls(plan.views(buffer.data()), set), "");
+}
+
+void case_unshard_aliasing(Communicator& comm) {
+  const int world = comm.size();
+  const int rank = comm.rank();
+  const std::vector<ShardSpec> specs = {{DType::kFloat32, {2 * world, 4}, 0, {}, 0}};
+  UnshardPlan plan(specs, world, rank);
+  const ShardSet set = make_shards(plan, rank);
+  std::vector<std::byte> buffer(plan.output_bytes() + 64);
+  std::vector<TensorView> shards = set.views;
+  if (rank == world - 1) {
+    shards[0].data = buffer.data() + 4;  // overlaps the full tensor, not at its slot
+  }
+  expect_raises<InvalidArgument>(
+      [&] { plan.execute(shards, comm, std::span(buffer).first(plan.output_bytes())); },
+      "aliasing");
+  // The plan and the communicator stay usable.
+  plan.execute(set.views, comm, std::span(buffer).first(plan.output_bytes()));
+  EXPECT_EQ(check_fulls(plan.views(buffer.data()), set), "");
+}
+
+}  // namespace shardgather::testing

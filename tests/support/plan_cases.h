@@ -1,0 +1,22 @@
+// Plan and unshard cases, shared by the threads and MPI suites like support/cases.h.
+#pragma once
+
+#include "shardgather/shardgather.h"
+
+namespace shardgather::testing {
+
+// An AllGatherPlan built with and without a hint, executed many times into one buffer with
+// every strategy: bit-exact each time, 0 metadata collectives, 0 allocations per execution.
+void case_plan_steady_state(Communicator& comm);
+// A plan rejects tensors that do not match it, on every rank, and stays usable.
+void case_plan_rejects_mismatched_tensors(Communicator& comm);
+// unshard over dims 0, 1 and last; chunk, explicit uneven, padded and empty shards; every
+// strategy; against the full tensors the shards were cut from.
+void case_unshard_dims(Communicator& comm);
+// One dim-0 parameter: gathered straight into the full tensor, nothing staged; steady state
+// allocates nothing.
+void case_unshard_single_dim0(Communicator& comm);
+// An output overlapping a shard is an InvalidArgument on every rank.
+void case_unshard_aliasing(Communicator& comm);
+
+}  // namespace shardgather::testing
