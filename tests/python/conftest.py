@@ -1,0 +1,100 @@
+"""Multi-process harness: runs case functions on every rank of a Gloo group of spawned
+processes (FileStore rendezvous, so nothing but loopback is used) and reports per case."""
+
+import os
+import sys
+import tempfile
+import traceback
+
+import pytest
+import torch.multiprocessing as mp
+
+# The tests import shardgather from the build tree: ctest sets PYTHONPATH; by hand, see
+# docs/python.md.
+sys.path.insert(0, os.path.dirname(__file__))
+
+HARNESS_TIMEOUT_S = 150
+
+
+def _worker(rank, world, init_file, module_name, case_names, queue):
+    import importlib
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method="file://" + init_file,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    module = importlib.import_module(module_name)
+    for name in case_names:
+        try:
+            getattr(module, name)(rank, world)
+            queue.put((name, rank, None))
+        except BaseException:  # noqa: B902  (everything is reported, nothing escapes)
+            queue.put((name, rank, traceback.format_exc()))
+        if not name.startswith("timeout_"):  # a timed-out group cannot meet again
+            dist.barrier()
+    queue.close()
+    queue.join_thread()
+    # Skip c10d's destructors: a case that leaves abandoned work (timeouts) must not hang exit.
+    os._exit(0)
+
+
+def run_cases(module_name, case_names, world):
+    """{case: {rank: traceback or None}} for every case run on `world` spawned ranks."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="sg-filestore-")
+    os.close(fd)
+    os.unlink(init_file)
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, world, init_file, module_name, case_names, queue),
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results = {name: {} for name in case_names}
+    expected = len(case_names) * world
+    try:
+        for _ in range(expected):
+            name, rank, tb = queue.get(timeout=HARNESS_TIMEOUT_S)
+            results[name][rank] = tb
+    except Exception:  # queue.Empty: a rank hung or died
+        pass
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    if os.path.exists(init_file):
+        os.unlink(init_file)
+    return results
+
+
+class CaseResults:
+    """Runs a module's cases once per world size and hands out per-case verdicts."""
+
+    def __init__(self, module_name, case_names):
+        self.module_name = module_name
+        self.case_names = case_names
+        self.cache = {}
+
+    def check(self, world, name):
+        if world not in self.cache:
+            self.cache[world] = run_cases(self.module_name, self.case_names, world)
+        per_rank = self.cache[world][name]
+        missing = [r for r in range(world) if r not in per_rank]
+        failed = {r: tb for r, tb in per_rank.items() if tb is not None}
+        if failed:
+            pytest.fail(
+                "\n".join("rank %d:\n%s" % (r, tb) for r, tb in sorted(failed.items())),
+                pytrace=False,
+            )
+        if missing:
+            pytest.fail("ranks %s never reported (hung or died)" % missing, pytrace=False)

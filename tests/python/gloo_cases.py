@@ -1,0 +1,384 @@
+"""Cases run on every rank of a spawned Gloo group (see conftest.run_cases). Each takes
+(rank, world) and raises on failure. Every output is compared bit for bit with a pure-PyTorch
+reference built from per-tensor dist.all_gather calls."""
+
+import gc
+import math
+import os
+import sys
+import threading
+import time
+import tracemalloc
+
+import torch
+import torch.distributed as dist
+
+import shardgather
+
+T = 30.0  # per-call deadline: a broken case fails instead of hanging the harness
+
+FLOATS = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+INTS = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]
+DTYPES = FLOATS + INTS
+
+
+def make(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    return torch.randint(-100, 100, shape, generator=g).to(dtype)
+
+
+def raw(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+def shapes_of(params, world):
+    shapes = [None] * world
+    dist.all_gather_object(shapes, [tuple(p.shape) for p in params])
+    return shapes
+
+
+def reference(params, world):
+    """out[i][r] from one dist.all_gather per tensor (padded to the largest rank, as Gloo needs
+    equal sizes), moving raw bytes so every dtype takes the same path."""
+    shapes = shapes_of(params, world)
+    out = []
+    for i, p in enumerate(params):
+        numels = [math.prod(shapes[r][i]) for r in range(world)]
+        width = max(numels) * p.element_size()
+        flat = torch.zeros(width, dtype=torch.uint8)
+        flat[: p.numel() * p.element_size()] = raw(p.contiguous())
+        bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(world)]
+        if width:
+            dist.all_gather(bufs, flat)
+        out.append(
+            [
+                bufs[r][: numels[r] * p.element_size()].view(p.dtype).reshape(shapes[r][i])
+                for r in range(world)
+            ]
+        )
+    return out, shapes
+
+
+def assert_same(out, ref, world):
+    assert type(out) is list, type(out)
+    assert len(out) == len(ref), (len(out), len(ref))
+    for i, (a, b) in enumerate(zip(out, ref)):
+        assert type(a) is list, (i, type(a))
+        assert len(a) == world
+        for r, (x, y) in enumerate(zip(a, b)):
+            where = "tensor %d rank %d" % (i, r)
+            assert isinstance(x, torch.Tensor), where
+            assert x.dtype == y.dtype, (where, x.dtype, y.dtype)
+            assert tuple(x.shape) == tuple(y.shape), (where, x.shape, y.shape)
+            assert torch.equal(raw(x), raw(y)), where
+            assert not x.requires_grad and x.grad_fn is None, where
+
+
+def check(params, world, hint_too=True):
+    """shardgather vs the reference, without and with the shapes hint."""
+    ref, shapes = reference(params, world)
+    out = shardgather.foreach_all_gather(params, timeout=T)
+    assert_same(out, ref, world)
+    if hint_too:
+        hint = [[tuple(s) for s in row] for row in shapes]
+        out = shardgather.foreach_all_gather(params, None, hint, timeout=T)
+        assert_same(out, ref, world)
+        out = shardgather.foreach_all_gather(params, dist.group.WORLD, hint, timeout=T)
+        assert_same(out, ref, world)
+
+
+# ---- SPEC section 1 edge cases -------------------------------------------------------------
+
+
+def case_uneven_dim0(rank, world):
+    rows = [2, 3, 1, 2][rank % 4]
+    params = [make((rows, 5), dt, 100 * rank + k) for k, dt in enumerate(DTYPES)]
+    check(params, world)
+
+
+def case_zero_dim(rank, world):
+    params = [make((), dt, 7 * rank + k) for k, dt in enumerate(DTYPES)]
+    check(params, world)
+
+
+def case_empty_shards(rank, world):
+    # rank 0 (and every third rank) holds empty shards, the others data; then all empty
+    rows = 0 if rank % 3 == 0 else rank + 1
+    params = [make((rows, 3), torch.float32, rank), make((rows,), torch.int64, rank + 50)]
+    check(params, world)
+    check([torch.empty(0), torch.empty(0, 4, dtype=torch.bfloat16)], world)
+
+
+def case_n_by_zero(rank, world):
+    params = [torch.empty(rank + 1, 0), make((2,), torch.float16, rank), torch.empty(0, 0, 3)]
+    check(params, world)
+
+
+def case_empty_list(rank, world):
+    assert shardgather.foreach_all_gather([], timeout=T) == []
+    out = shardgather.foreach_all_gather([], None, [[] for _ in range(world)], timeout=T)
+    assert type(out) is list and out == []
+
+
+def case_mixed_dtypes(rank, world):
+    params = [make((rank + 1, 3), dt, 31 * rank + k) for k, dt in enumerate(DTYPES)]
+    params += [make((7,), dt, 77 * rank + k) for k, dt in enumerate(reversed(DTYPES))]
+    check(params, world)
+
+
+def case_non_contiguous(rank, world):
+    base = make((6, 8), torch.float32, rank)
+    params = [
+        base.t(),  # transposed
+        base[:, ::2],  # every second column
+        base[:, 3],  # one column of a 2-D tensor
+        make((5,), torch.bfloat16, rank).expand(4, 5),  # stride 0
+        make((4, 6), torch.int16, rank)[1:3, 1:5],  # offset window
+        base,  # and a contiguous one between them
+    ]
+    assert not all(p.is_contiguous() for p in params)
+    before = [p.clone() for p in params]
+    check(params, world)
+    for p, b in zip(params, before):
+        assert torch.equal(p, b), "inputs must be left untouched"
+
+
+def case_single_tensor(rank, world):
+    check([make((4, 16), torch.bfloat16, rank)], world)  # even shards: sent from its own memory
+    check([make(([2, 3, 1, 2][rank % 4], 16), torch.float32, rank)], world)  # uneven
+
+
+def case_many_tensors(rank, world):
+    g = torch.Generator().manual_seed(1234)
+    sizes = torch.randint(1, 256, (300,), generator=g).tolist()
+    params = [make((n,), FLOATS[k % 4], rank * 1000 + k) for k, n in enumerate(sizes)]
+    check(params, world, hint_too=(rank >= 0))
+
+
+def case_requires_grad(rank, world):
+    w = make((rank + 2, 4), torch.float32, rank).requires_grad_(True)
+    h = (w * 2)  # a non-leaf with a graph behind it
+    out = shardgather.foreach_all_gather([w, h], timeout=T)
+    ref, _ = reference([w.detach(), h.detach()], world)
+    assert_same(out, ref, world)
+    assert w.grad is None
+    assert all(t.grad_fn is None and not t.requires_grad for row in out for t in row)
+
+
+def case_results_own_their_memory(rank, world):
+    params = [make((rank + 1, 64), torch.float32, rank) for _ in range(3)]
+    ref, _ = reference(params, world)
+    out = shardgather.foreach_all_gather(params, timeout=T)
+    keep = out[2][world - 1]
+    expected = ref[2][world - 1].clone()
+    del out, params
+    gc.collect()
+    junk = [torch.full((rank + 1, 64), 7.0) for _ in range(50)]  # reuse any freed memory
+    assert torch.equal(keep, expected)
+    del junk
+
+
+# ---- errors: every rank raises, then the group is usable -----------------------------------
+
+
+def _follow_up(rank, world):
+    check([make((rank + 1, 2), torch.float32, rank)], world, hint_too=False)
+
+
+def case_wrong_hint_local_row(rank, world):
+    params = [make((rank + 1, 2), torch.float32, rank)]
+    hint = [[(r + 1, 2)] for r in range(world)]
+    if rank == world - 1:
+        hint[rank][0] = (rank + 5, 2)  # this rank's own row disagrees with its tensor
+    try:
+        shardgather.foreach_all_gather(params, None, hint, timeout=T)
+    except shardgather.InvalidArgumentError as e:
+        assert isinstance(e, ValueError)
+        assert "tensor 0" in str(e) and "hint" in str(e), str(e)
+        assert ("rank %d" % rank) in str(e), str(e)
+    else:
+        raise AssertionError("a wrong hint must raise on every rank")
+    _follow_up(rank, world)
+
+
+def case_wrong_hint_peer_row(rank, world):
+    if world == 1:
+        return
+    params = [make((rank + 1, 2), torch.float32, rank)]
+    hint = [[(r + 1, 2)] for r in range(world)]
+    if rank == 0:
+        hint[world - 1][0] = (world + 3, 2)  # rank 0 believes something else about a peer
+    try:
+        shardgather.foreach_all_gather(params, None, hint, timeout=T)
+    except shardgather.MismatchError as e:
+        assert isinstance(e, RuntimeError)
+        assert "hint" in str(e), str(e)
+    else:
+        raise AssertionError("disagreeing hints must raise on every rank")
+    _follow_up(rank, world)
+
+
+def case_dtype_mismatch(rank, world):
+    if world == 1:
+        return
+    params = [torch.ones(2), torch.ones(2, dtype=torch.int32 if rank == 1 else torch.float32)]
+    try:
+        shardgather.foreach_all_gather(params, timeout=T)
+    except shardgather.MismatchError as e:
+        assert "tensor 1" in str(e) and ("rank %d" % rank) in str(e), str(e)
+    else:
+        raise AssertionError("a dtype mismatch must raise on every rank")
+    _follow_up(rank, world)
+
+
+def case_count_mismatch(rank, world):
+    if world == 1:
+        return
+    params = [torch.ones(2)] * (3 if rank == 0 else 2)
+    try:
+        shardgather.foreach_all_gather(params, timeout=T)
+    except shardgather.MismatchError as e:
+        assert "count" in str(e), str(e)
+    else:
+        raise AssertionError("a count mismatch must raise on every rank")
+    _follow_up(rank, world)
+
+
+def case_type_and_device_errors(rank, world):
+    bad_rank = world - 1
+    params = [torch.ones(2), "not a tensor" if rank == bad_rank else torch.ones(2)]
+    try:
+        shardgather.foreach_all_gather(params, timeout=T)
+    except TypeError as e:
+        assert rank == bad_rank and "params[1]" in str(e), str(e)
+    except shardgather.InvalidArgumentError as e:
+        assert rank != bad_rank and ("rank %d" % bad_rank) in str(e), str(e)
+    else:
+        raise AssertionError("a non-tensor must raise on every rank")
+    params = [torch.ones(2), torch.ones(2, device="meta") if rank == bad_rank else torch.ones(2)]
+    try:
+        shardgather.foreach_all_gather(params, timeout=T)
+    except ValueError as e:
+        assert "params[1]" in str(e) or ("rank %d" % bad_rank) in str(e), str(e)
+    else:
+        raise AssertionError("mixed devices must raise on every rank")
+    try:
+        shardgather.foreach_all_gather([torch.ones(2, dtype=torch.complex64)], timeout=T)
+    except ValueError as e:
+        assert "complex" in str(e).lower() or "dtype" in str(e), str(e)
+    else:
+        raise AssertionError("an unsupported dtype must raise")
+    try:
+        shardgather.foreach_all_gather(torch.ones(2), timeout=T)
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("a tensor instead of a list must raise TypeError")
+    _follow_up(rank, world)
+
+
+# ---- resources and the GIL -----------------------------------------------------------------
+
+
+def case_no_leak(rank, world):
+    params = [make((rank + 1, 33), dt, rank) for dt in (torch.float32, torch.bfloat16)]
+    params.append(make((17,), torch.int64, rank))
+    hint = [[(r + 1, 33), (r + 1, 33), (17,)] for r in range(world)]
+
+    def burst(n):
+        for k in range(n):
+            out = shardgather.foreach_all_gather(params, None, hint if k % 2 else None, timeout=T)
+            del out
+
+    burst(50)  # warm: caches, allocator pools
+    gc.collect()
+    refs = [sys.getrefcount(p) for p in params]
+    tracemalloc.start()
+    snap0 = tracemalloc.take_snapshot()
+    rss0 = _rss_kib()
+    burst(1000)
+    gc.collect()
+    snap1 = tracemalloc.take_snapshot()
+    rss1 = _rss_kib()
+    tracemalloc.stop()
+    assert [sys.getrefcount(p) for p in params] == refs, "input refcounts changed"
+    grown = sum(s.size_diff for s in snap1.compare_to(snap0, "filename"))
+    assert grown < 64 * 1024, "Python heap grew by %d bytes over 1000 calls" % grown
+    assert rss1 - rss0 < 8 * 1024, "RSS grew by %d KiB over 1000 calls" % (rss1 - rss0)
+
+
+def _rss_kib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def case_gil_released(rank, world):
+    """P4: while rank 0 blocks in a call (the last rank arrives 1 s late), a second Python
+    thread keeps running."""
+    if world == 1:
+        return
+    ticks = [0]
+    stop = threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    params = [make((4,), torch.float32, rank)]
+    if rank == world - 1:
+        time.sleep(1.0)
+        shardgather.foreach_all_gather(params, timeout=T)
+        return
+    t = threading.Thread(target=ticker)
+    t.start()
+    time.sleep(0.05)
+    before = ticks[0]
+    start = time.monotonic()
+    shardgather.foreach_all_gather(params, timeout=T)
+    blocked = time.monotonic() - start
+    during = ticks[0] - before
+    stop.set()
+    t.join()
+    assert blocked > 0.5, blocked
+    assert during > 100, "the ticker ran %d times during a %.2f s call" % (during, blocked)
+
+
+CASES = [name for name in dir(sys.modules[__name__]) if name.startswith("case_")]
+
+# Cases that spoil the group (timeouts) run in their own spawn; see test_foreach_gloo.py.
+
+
+def timeout_case_stalled_peer(rank, world):
+    """Rank 0 never calls: the others raise CollectiveTimeout (a TimeoutError) within about the
+    deadline, and the poisoned communicator then fails fast."""
+    params = [torch.ones(3)]
+    shardgather.foreach_all_gather(params, timeout=T)  # builds the communicator (collective)
+    if rank == 0:
+        time.sleep(4.0)
+        return
+    start = time.monotonic()
+    try:
+        shardgather.foreach_all_gather(params, timeout=1.0)
+    except shardgather.CollectiveTimeout as e:
+        elapsed = time.monotonic() - start
+        assert isinstance(e, TimeoutError) and isinstance(e, shardgather.ShardgatherError)
+        assert ("rank %d" % rank) in str(e), str(e)
+        assert 0.9 < elapsed < 3.0, elapsed
+    else:
+        raise AssertionError("expected CollectiveTimeout")
+    assert shardgather.communicator().is_poisoned
+    start = time.monotonic()
+    try:
+        shardgather.foreach_all_gather(params, timeout=1.0)
+    except shardgather.CommAbortedError:
+        assert time.monotonic() - start < 0.05
+    else:
+        raise AssertionError("a poisoned communicator must fail fast")

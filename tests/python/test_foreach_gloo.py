@@ -1,0 +1,19 @@
+"""foreach_all_gather on torch.distributed Gloo groups of 1 to 4 spawned processes."""
+
+import pytest
+
+import gloo_cases
+from conftest import CaseResults
+
+_results = CaseResults("gloo_cases", gloo_cases.CASES)
+_timeouts = CaseResults("gloo_cases", ["timeout_case_stalled_peer"])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("case", gloo_cases.CASES)
+def test_gloo(world, case):
+    _results.check(world, case)
+
+
+def test_gloo_timeout():
+    _timeouts.check(2, "timeout_case_stalled_peer")
