@@ -1,0 +1,183 @@
+"""shardgather vs the seed's algorithm vs the group's own all-gather, on one Gloo group.
+
+    PYTHONPATH=build/release/python /usr/bin/python3 bench/python/bench_torch.py --world 2
+    mpirun -np 2 /usr/bin/python3 bench/python/bench_torch.py      # adds the MPI backend
+
+Per preset and method: barrier (not timed), one call timed, the iteration's time is the max over
+ranks; the table shows medians and the ratio to the limit, the group's single all-gather of the
+same total bytes from one contiguous buffer into a preallocated one.
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def preset_shapes(name, world):
+    """Full shapes, dtype, sharded: llama-layer and single-64m are sharded along dim 0
+    torch.chunk-style; tiny-1000 is every rank's own 1000 tensors (the same shapes on all)."""
+    if name == "llama-layer":
+        h, f = 4096, 11008
+        full = [(h, h)] * 4 + [(f, h)] * 2 + [(h, f), (h,), (h,)]
+        return full, torch.bfloat16, True
+    if name == "tiny-1000":
+        g = torch.Generator().manual_seed(20240601)
+        return [(int(n),) for n in torch.randint(1, 257, (1000,), generator=g)], torch.float32, False
+    if name == "single-64m":
+        return [(32 * 1024 * 1024,)], torch.bfloat16, True
+    raise ValueError(name)
+
+
+def shard(shape, rank, world):
+    rows = math.ceil(shape[0] / world)
+    lo = min(rank * rows, shape[0])
+    hi = min(lo + rows, shape[0])
+    return (hi - lo,) + tuple(shape[1:])
+
+
+def seed_algorithm(params, world, shapes=None):
+    """The seed's algorithm in plain PyTorch: flatten copy-in, one all-gather of the flat buffer,
+    split and view (gathering numels and pickled shapes when no hint is given). Gloo in torch 1.13
+    has no all_gather_into_tensor, so the flat gather goes into chunk views of one buffer."""
+    numels = [p.numel() for p in params]
+    dtype = params[0].dtype
+    flat_in = torch.empty(sum(numels), dtype=dtype)
+    torch._foreach_copy_(list(torch.split(flat_in, numels)), [p.flatten() for p in params]) if hasattr(
+        torch, "_foreach_copy_"
+    ) else [d.copy_(p.flatten()) for d, p in zip(torch.split(flat_in, numels), params)]
+    if shapes is None:
+        counts = torch.tensor(numels, dtype=torch.int64)
+        all_counts = [torch.zeros_like(counts) for _ in range(world)]
+        dist.all_gather(all_counts, counts)
+        all_shapes = [None] * world
+        dist.all_gather_object(all_shapes, [tuple(p.shape) for p in params])
+    else:
+        all_shapes = shapes
+        all_counts = [torch.tensor([math.prod(s) for s in row]) for row in shapes]
+    total = int(sum(int(c.sum()) for c in all_counts))
+    flat_out = torch.empty(total, dtype=dtype)
+    dist.all_gather(list(flat_out.view(torch.uint8).chunk(world)), flat_in.view(torch.uint8))
+    splits = torch.split(flat_out, [int(x) for c in all_counts for x in c])
+    n = len(params)
+    return [[splits[r * n + i].view(all_shapes[r][i]) for r in range(world)] for i in range(n)]
+
+
+def timed(fn, iters, warmup):
+    times = []
+    for k in range(warmup + iters):
+        dist.barrier()
+        start = time.perf_counter()
+        out = fn()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        del out
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if k >= warmup:
+            times.append(float(elapsed))
+    return statistics.median(times), min(times)
+
+
+def run(rank, world, args, mpi_comm_factory):
+    import shardgather
+
+    rows = []
+    for preset in args.presets:
+        full, dtype, sharded = preset_shapes(preset, world)
+        local = (lambda s, r: shard(s, r, world)) if sharded else (lambda s, r: tuple(s))
+        g = torch.Generator().manual_seed(rank)
+        params = [torch.randn(local(s, rank), generator=g).to(dtype) for s in full]
+        hint = [[local(s, r) for s in full] for r in range(world)]
+        per_rank_bytes = sum(p.numel() * p.element_size() for p in params)
+        iters = args.iters or (5 if per_rank_bytes > (64 << 20) else 20)
+        flat_in = torch.empty(per_rank_bytes, dtype=torch.uint8)
+        flat_out = torch.empty(per_rank_bytes * world, dtype=torch.uint8)
+        outs = list(flat_out.chunk(world))
+        methods = {
+            "limit (group all_gather, prealloc)": lambda: dist.all_gather(outs, flat_in),
+            "shardgather (hint)": lambda: shardgather.foreach_all_gather(params, None, hint),
+            "shardgather (no hint)": lambda: shardgather.foreach_all_gather(params),
+            "shardgather (hint, preflight off)": lambda: shardgather.foreach_all_gather(
+                params, None, hint, preflight=False
+            ),
+            "seed algorithm (shapes)": lambda: seed_algorithm(params, world, hint),
+            "seed algorithm (no shapes)": lambda: seed_algorithm(params, world),
+        }
+        if mpi_comm_factory is not None:
+            comm = mpi_comm_factory()
+            methods["shardgather MPI backend (hint)"] = lambda: shardgather.foreach_all_gather(
+                params, comm, hint
+            )
+        # Correctness first: shardgather must equal the seed's algorithm bit for bit.
+        a = shardgather.foreach_all_gather(params, None, hint)
+        b = seed_algorithm(params, world, hint)
+        for x, y in zip(a, b):
+            for u, v in zip(x, y):
+                assert torch.equal(u.view(torch.uint8), v.view(torch.uint8))
+        del a, b
+        results = {name: timed(fn, iters, 1) for name, fn in methods.items()}
+        limit = results["limit (group all_gather, prealloc)"][0]
+        for name, (med, best) in results.items():
+            rows.append(
+                {
+                    "preset": preset,
+                    "method": name,
+                    "tensors": len(params),
+                    "bytes_per_rank": per_rank_bytes,
+                    "median_ms": med * 1e3,
+                    "min_ms": best * 1e3,
+                    "ratio_to_limit": med / limit,
+                    "iters": iters,
+                }
+            )
+    if rank == 0:
+        print("# shardgather Python benchmark: world %d, torch %s, Gloo on loopback" % (world, torch.__version__))
+        print("# %-12s %-36s %8s %12s %11s %11s %8s" % ("preset", "method", "tensors", "bytes/rank", "median(ms)", "min(ms)", "x limit"))
+        for r in rows:
+            print("  %-12s %-36s %8d %12d %11.2f %11.2f %8.2f" % (r["preset"], r["method"], r["tensors"], r["bytes_per_rank"], r["median_ms"], r["min_ms"], r["ratio_to_limit"]))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"schema_version": 1, "world": world, "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+def spawned(rank, world, args, init_file):
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    run(rank, world, args, None)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--presets", nargs="+", default=["llama-layer", "tiny-1000", "single-64m"])
+    parser.add_argument("--iters", type=int, default=0)
+    parser.add_argument("--json", default="")
+    parser.add_argument("--port", type=int, default=29517)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if "OMPI_COMM_WORLD_SIZE" in os.environ:  # under mpirun: Gloo and MPI in the same run
+        from mpi4py import MPI
+
+        import shardgather
+
+        rank, world = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % args.port, rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=600))
+        run(rank, world, args, lambda: shardgather.mpi_communicator(MPI.COMM_WORLD))
+        return
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    init_file = tempfile.mktemp(prefix="sg-bench-")
+    mp.spawn(spawned, args=(args.world, args, init_file), nprocs=args.world)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
