@@ -194,6 +194,11 @@ Outcome attempt(const char* id, Communicator& comm, const CaseContext& ctx, std:
       }
     }
   }
+  if (o.naked) {
+    // Not gated, and after an undetected mismatch the ranks may no longer agree on which
+    // call comes next: a follow-up would only wait out its deadline.
+    return o;
+  }
   if (comm.is_poisoned()) {
     const Clock::time_point t1 = Clock::now();
     try {
@@ -500,7 +505,7 @@ Outcome m2_shapes(Communicator& comm, const CaseContext& ctx) {
     hint = truth;
   }
   const Inputs in = inputs_for(truth, dtypes, comm.rank());
-  return simple("M2", comm, ctx, "Mismatch", {"shapes hint differs", "rank 1"}, in, hint,
+  return simple("M2", comm, ctx, "Mismatch", {"differs between rank 0 and rank 1"}, in, hint,
                 Expected{truth, dtypes, {}});
 }
 
@@ -514,7 +519,7 @@ Outcome m3_bytes(Communicator& comm, const CaseContext& ctx) {
     hint = truth;
   }
   const Inputs in = inputs_for(truth, dtypes, comm.rank());
-  return simple("M3", comm, ctx, "Mismatch", {"shapes hint differs", "rank 1"}, in, hint,
+  return simple("M3", comm, ctx, "Mismatch", {"differs between rank 0 and rank 1"}, in, hint,
                 Expected{truth, dtypes, {}});
 }
 
@@ -554,7 +559,7 @@ Outcome m6_hint_differs(Communicator& comm, const CaseContext& ctx) {
     hint[0][0] = {2, 2};
   }
   const Inputs in = inputs_for(truth, dtypes, comm.rank());
-  return simple("M6", comm, ctx, "Mismatch", {"shapes hint differs", "rank 1"}, in, hint,
+  return simple("M6", comm, ctx, "Mismatch", {"differs between rank 0 and rank 1"}, in, hint,
                 Expected{truth, dtypes, {}});
 }
 
@@ -598,7 +603,7 @@ Outcome m7b_skipped_call(Communicator& comm, const CaseContext& ctx) {
   o.err_class = "NotCalled";
   // The peers' follow-up fails fast on their poisoned communicators and sends nothing, so
   // this rank has nothing to pair with; it only waits until they have given up.
-  std::this_thread::sleep_for(ctx.timeout * 2);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
   return o;
 }
 
