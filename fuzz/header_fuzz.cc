@@ -1,5 +1,6 @@
 // Z3: the pre-flight header decoder and the shape-records decoder on arbitrary bytes. Both must
 // either return something valid or raise Mismatch, and never read outside the buffer (ASan).
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -21,7 +22,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     // One header of any length, copied to an exact-size heap buffer so ASan sees its end.
     const std::vector<std::uint8_t> raw = fdp.ConsumeRemainingBytes<std::uint8_t>();
     std::vector<std::byte> bytes(raw.size());
-    std::memcpy(bytes.data(), raw.data(), raw.size());
+    std::transform(raw.begin(), raw.end(), bytes.begin(), [](auto b) { return std::byte{b}; });
     try {
       const detail::PreflightHeader h = detail::decode_header(bytes, 1);
       FUZZ_CHECK(h.magic == detail::kHeaderMagic);
@@ -38,7 +39,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       const std::vector<std::uint8_t> patch =
           fdp.ConsumeBytes<std::uint8_t>(fdp.ConsumeIntegralInRange<std::size_t>(0, sizeof h));
       const auto at = fdp.ConsumeIntegralInRange<std::size_t>(0, sizeof h - patch.size());
-      std::memcpy(reinterpret_cast<std::uint8_t*>(&h) + at, patch.data(), patch.size());
+      if (!patch.empty()) {
+        std::memcpy(reinterpret_cast<std::uint8_t*>(&h) + at, patch.data(), patch.size());
+      }
       std::memcpy(gathered.data() + r * sizeof h, &h, sizeof h);
     }
     std::vector<detail::PreflightHeader> headers(world);
@@ -52,7 +55,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const auto n = fdp.ConsumeIntegralInRange<std::size_t>(0, 300);
     const std::vector<std::uint8_t> raw = fdp.ConsumeRemainingBytes<std::uint8_t>();
     std::vector<std::byte> bytes(raw.size());
-    std::memcpy(bytes.data(), raw.data(), raw.size());
+    std::transform(raw.begin(), raw.end(), bytes.begin(), [](auto b) { return std::byte{b}; });
     try {
       const std::vector<Shape> shapes = detail::decode_records(bytes, n, 2);
       FUZZ_CHECK(shapes.size() == n);

@@ -87,7 +87,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         }
       }
       FUZZ_CHECK(stream.size() == plan.counts[r]);
-      std::memcpy(gathered.data() + plan.displs[r], stream.data(), stream.size());
+      if (!stream.empty()) {
+        std::memcpy(gathered.data() + plan.displs[r], stream.data(), stream.size());
+      }
       if (in.with_records) {
         const std::vector<Shape> decoded = detail::decode_records(
             std::span<const std::byte>(gathered.data() + plan.displs[r], plan.counts[r]), n,
