@@ -330,7 +330,9 @@ void l4_memory(Communicator& comm, const CaseContext& ctx) {
     const Rows rows(static_cast<std::size_t>(comm.size()),
                     std::vector<Shape>{{static_cast<std::int64_t>(bytes)}});
     const TensorView v{in.data(), DType::kUInt8, rows[0][0], {}};
-    const GatherResult out = foreach_all_gather(std::span(&v, 1), comm, rows);
+    const GatherResult out =
+        foreach_all_gather(std::span(&v, 1), comm, rows,
+                           ForeachAllGatherOptions{.timeout = ctx.timeout, .preflight = true});
     for (int r = 0; r < comm.size(); ++r) {
       const auto* d = static_cast<const std::byte*>(out[0][static_cast<std::size_t>(r)].data);
       if (d[0] != static_cast<std::byte>(r + 1) || d[bytes - 1] != static_cast<std::byte>(r + 1)) {
@@ -391,6 +393,56 @@ void overhead(Communicator& comm, const CaseContext& ctx) {
   }
 }
 
+// The same measurement on the threads backend (W = 2 threads in this process; run at np 1).
+void overhead_threads(const CaseContext& ctx) {
+  for (const std::uint64_t bytes :
+       {std::uint64_t{1} << 10, std::uint64_t{1} << 20, std::uint64_t{64} << 20}) {
+    const auto elems = static_cast<std::int64_t>(bytes / 4);
+    const Rows rows(2, std::vector<Shape>{{elems}});
+    const int reps = bytes >= (std::uint64_t{64} << 20) ? 15 : 301;
+    double p50[2] = {0, 0};
+    for (const bool preflight : {true, false}) {
+      std::vector<double> per_rank[2];
+      testing::run_ranks(
+          2,
+          [&](int rank, Communicator& comm) {
+            std::vector<float> in(static_cast<std::size_t>(elems), 1.0F);
+            const TensorView v{in.data(), DType::kFloat32, {elems}, {}};
+            for (int k = 0; k < reps + 5; ++k) {
+              comm.barrier(comm.deadline_after(ctx.timeout));
+              const Clock::time_point t0 = Clock::now();
+              const GatherResult out = foreach_all_gather(
+                  std::span(&v, 1), comm, rows,
+                  ForeachAllGatherOptions{.timeout = ctx.timeout, .preflight = preflight});
+              if (k >= 5) {
+                per_rank[rank].push_back(
+                    std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+              }
+            }
+          },
+          "OVH-threads", std::chrono::minutes(5));
+      std::vector<double> t(per_rank[0].size());
+      for (std::size_t k = 0; k < t.size(); ++k) {
+        t[k] = std::max(per_rank[0][k], per_rank[1][k]);
+      }
+      std::nth_element(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(t.size() / 2), t.end());
+      p50[preflight ? 0 : 1] = t[t.size() / 2];
+    }
+    Outcome o;
+    o.case_id = "OVH-threads";
+    o.backend = "threads";
+    o.world = 2;
+    o.expect = "Ok";
+    o.outcome = "ok";
+    o.err_class = "Ok";
+    char note[160];
+    std::snprintf(note, sizeof note, "bytes=%llu p50_on_us=%.2f p50_off_us=%.2f delta_us=%.2f",
+                  static_cast<unsigned long long>(bytes), p50[0], p50[1], p50[0] - p50[1]);
+    o.note = note;
+    emit(o);
+  }
+}
+
 // X2 / X3: large transfers (np 2). X2: 1.2e9 bytes per rank (2.4 GB gathered, counts < INT_MAX
 // per rank, displacements past it); X3: 2^31 + 1 elements per rank (> INT_MAX). Bit-exact over
 // every byte, with the bytes around every 2^31 boundary and the tail reported separately.
@@ -411,7 +463,9 @@ void large(Communicator& comm, const CaseContext& ctx, const std::string& id) {
     const Rows rows(static_cast<std::size_t>(comm.size()),
                     std::vector<Shape>{{static_cast<std::int64_t>(per_rank)}});
     const TensorView v{in.data(), DType::kUInt8, rows[0][0], {}};
-    const GatherResult out = foreach_all_gather(std::span(&v, 1), comm, rows);
+    const GatherResult out =
+        foreach_all_gather(std::span(&v, 1), comm, rows,
+                           ForeachAllGatherOptions{.timeout = ctx.timeout, .preflight = true});
     for (int r = 0; r < comm.size(); ++r) {
       const auto* d = static_cast<const std::byte*>(out[0][static_cast<std::size_t>(r)].data);
       for (std::uint64_t i = 0; i < per_rank; ++i) {
@@ -522,6 +576,8 @@ int run(int argc, char** argv) {
       soak(*comm, ctx, id);
     } else if (id == "L4") {
       l4_memory(*comm, mpi_context(true, 60s));
+    } else if (id == "OVH-threads") {
+      overhead_threads(ctx);
     } else if (id == "OVH") {
       overhead(*comm, ctx);
     } else if (id == "X2" || id == "X3") {

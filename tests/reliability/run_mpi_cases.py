@@ -45,6 +45,7 @@ def launches(families, nps, big):
         out.append(dict(name="L4", np=2, ids=["L4"], job="clean"))
     if "OVH" in families:
         out.append(dict(name="OVH", np=2, ids=["OVH"], job="clean"))
+        out.append(dict(name="OVH-threads", np=1, ids=["OVH-threads"], job="clean"))
     for x in ("X2", "X3"):
         if x in families:
             out.append(dict(name=x, np=2, ids=[x], job="clean", deadline=1800))
@@ -214,7 +215,9 @@ def main():
             if spec["job"] != "clean":
                 extra += " job rc=%d wall=%.2fs leftover=%d" % (res["rc"], res["wall"],
                                                                  res["leftover"])
-            notes = "; ".join(l.get("note", "") for l in v["lines"] if cid in ("OVH", "L1", "L2", "L4", "X2", "X3"))
+            shown = [l for l in v["lines"] if l["rank"] == 0 or not cid.startswith("OVH")]
+            notes = "; ".join(l.get("note", "") for l in shown
+                              if cid in ("OVH", "OVH-threads", "L1", "L2", "L4", "X2", "X3"))
             print("%s %-22s%s%s" % ("PASS" if ok else "FAIL", tag, extra,
                                     (" " + notes[:400]) if notes else ""))
             for p in v["problems"]:
