@@ -28,11 +28,14 @@ from ._shardgather import (  # noqa: F401  (re-exported)
     OutOfMemoryError,
     RemoteError,
     ShardgatherError,
+    ShardSpec,
     __version__,
+    chunk_sizes,
 )
 
 __all__ = [
     "AbortedError",
+    "AllGatherPlan",
     "CollectiveTimeout",
     "CommAbortedError",
     "CommunicationError",
@@ -42,13 +45,17 @@ __all__ = [
     "MismatchError",
     "OutOfMemoryError",
     "RemoteError",
+    "ShardSpec",
     "ShardgatherError",
     "ThreadGroup",
+    "UnshardPlan",
+    "chunk_sizes",
     "communicator",
     "foreach_all_gather",
     "has_mpi",
     "mpi_communicator",
     "mpi_init",
+    "unshard",
 ]
 
 # One communicator per group object: its op sequence numbers and poisoned state must persist
@@ -114,6 +121,142 @@ def foreach_all_gather(
     return _C.foreach_all_gather(params, comm, params_shapes_across_group, timeout, preflight)
 
 
+class AllGatherPlan:
+    """A foreach all-gather built once and executed every step (SPEC section 3).
+
+    ``AllGatherPlan(dtypes, shapes_across_group, rank)`` is pure (no communication): one
+    torch dtype per tensor index and every rank's shapes, ``shapes_across_group[r][i]``.
+    :meth:`create` builds one from this rank's tensors (collective without the shapes hint).
+
+    ``execute(params)`` returns ``out[i][r]`` (rank r's ``params[i]``) as views into an output
+    buffer: ``out`` when given (a contiguous CPU tensor of at least :attr:`output_bytes` bytes,
+    any dtype), else a uint8 buffer the plan owns. The plan's buffer and the view tensors over
+    it are created by the first execution and **reused by every later one**, so the results of
+    execution k are overwritten by execution k + 1 (exactly like FSDP's reused unshard
+    buffers): clone what must outlive the next step. The returned lists are new each time; the
+    tensors in them are the same objects, always viewing the same bytes.
+
+    ``strategy``: "auto", "direct", "packed" or "per_tensor". ``preflight=False`` skips the
+    fixed-size header that makes mismatches raise on every rank. ``timeout`` in seconds.
+    A plan is executed by one thread at a time (another thread gets a RuntimeError).
+    """
+
+    def __init__(self, dtypes, shapes_across_group, rank, *, strategy="auto", preflight=True,
+                 timeout=None):
+        shapes = [[tuple(s) for s in row] for row in shapes_across_group]
+        self._plan = _C.AllGatherPlan(list(dtypes), shapes, int(rank), strategy, preflight,
+                                      timeout)
+
+    @classmethod
+    def create(cls, params, group=None, params_shapes_across_group=None, *, strategy="auto",
+               preflight=True, timeout=None):
+        """A plan for ``params`` (this rank's tensors). With the shapes hint nothing moves (this
+        rank's row is checked); without it, every rank must call create (one header and one
+        exchange of shape records). Errors raise on every rank."""
+        if params_shapes_across_group is not None:
+            params_shapes_across_group = [
+                [tuple(s) for s in row] for row in params_shapes_across_group
+            ]
+        plan = cls.__new__(cls)
+        plan._plan = _C.AllGatherPlan.create(params, communicator(group),
+                                             params_shapes_across_group, strategy, preflight,
+                                             timeout)
+        return plan
+
+    def execute(self, params, group=None, out=None):
+        """Gathers ``params`` (matching the plan); returns ``out[i][r]`` views (see the class)."""
+        return self._plan.execute(params, communicator(group), out)
+
+    @property
+    def output_bytes(self):
+        return self._plan.output_bytes
+
+    @property
+    def world_size(self):
+        return self._plan.world_size
+
+    @property
+    def rank(self):
+        return self._plan.rank
+
+    @property
+    def num_tensors(self):
+        return self._plan.num_tensors
+
+    @property
+    def strategy(self):
+        """The requested strategy's name; ``last_stats["strategy"]`` is the one that ran."""
+        return self._plan.strategy
+
+    @property
+    def last_stats(self):
+        """Collectives and staged bytes of the last execution, and its strategy."""
+        return self._plan.last_stats
+
+    @property
+    def buffer(self):
+        """The plan-owned uint8 output buffer (None before the first execution without out)."""
+        return self._plan.buffer
+
+
+class UnshardPlan:
+    """Shards to full parameters, built once and executed every step (SPEC sections 2, 3).
+
+    ``specs`` is a list of :class:`ShardSpec` (one per parameter): dtype, full shape, shard dim
+    (any, negative allowed), per-rank sizes (None: torch.chunk) and the padded local size (as
+    FSDP pads; only the real rows travel). ``execute(shards)`` writes the full parameters into
+    ``outputs`` (contiguous tensors of each full shape and dtype; returned as a new list) or, when
+    none, into a buffer the plan owns, reused by every execution like :class:`AllGatherPlan`'s:
+    the full tensors of execution k are overwritten by execution k + 1.
+    """
+
+    def __init__(self, specs, world_size, rank, *, strategy="auto", preflight=True,
+                 timeout=None):
+        self._plan = _C.UnshardPlan(list(specs), int(world_size), int(rank), strategy,
+                                    preflight, timeout)
+
+    def execute(self, shards, group=None, outputs=None):
+        """Gathers this rank's ``shards``; returns the full parameters (see the class)."""
+        return self._plan.execute(shards, communicator(group), outputs)
+
+    def shard_shape(self, rank, index):
+        """The local shard shape rank ``rank`` passes for parameter ``index`` (padded if the
+        spec is)."""
+        return self._plan.shard_shape(rank, index)
+
+    @property
+    def specs(self):
+        """The specs with their sizes filled in."""
+        return self._plan.specs
+
+    @property
+    def output_bytes(self):
+        return self._plan.output_bytes
+
+    @property
+    def world_size(self):
+        return self._plan.world_size
+
+    @property
+    def strategy(self):
+        return self._plan.strategy
+
+    @property
+    def last_stats(self):
+        return self._plan.last_stats
+
+    @property
+    def buffer(self):
+        return self._plan.buffer
+
+
+def unshard(shards, specs, group=None, *, strategy="auto", preflight=True, timeout=None):
+    """One-shot unshard: the full parameters (new tensors sharing one fresh buffer) from every
+    rank's ``shards`` as described by ``specs`` (a list of :class:`ShardSpec`). Shard shapes are
+    checked against the specs; a wrong one raises on every rank."""
+    return _C.unshard(shards, communicator(group), list(specs), strategy, preflight, timeout)
+
+
 class ThreadGroup:
     """N ranks inside this process (the threads backend): ``group[r]`` is rank r's Communicator,
     to be driven by one Python thread per rank (calls release the GIL)."""
@@ -176,6 +319,7 @@ for _cls in (
     MismatchError,
     OutOfMemoryError,
     RemoteError,
+    ShardSpec,
     ShardgatherError,
 ):
     _cls.__module__ = __name__

@@ -11,17 +11,23 @@
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include "params.h"
+#include "plans.h"
 #include "process_group.h"
 #include "torch_tensors.h"
 
 #include "shardgather/communicator.h"
 #include "shardgather/errors.h"
 #include "shardgather/foreach_all_gather.h"
+#include "shardgather/plan.h"
 #include "shardgather/threads.h"
+#include "shardgather/unshard.h"
 #include "shardgather/version.h"
 
 #ifdef SHARDGATHER_PYTHON_WITH_MPI
@@ -38,103 +44,6 @@ namespace {
 
 using CommPtr = std::shared_ptr<Communicator>;
 
-std::optional<std::chrono::milliseconds> to_timeout(std::optional<double> seconds) {
-  if (!seconds) {
-    return std::nullopt;
-  }
-  if (!(*seconds >= 0.0) || !std::isfinite(*seconds)) {
-    throw InvalidArgument("timeout must be a finite number of seconds >= 0, got " +
-                          std::to_string(*seconds));
-  }
-  return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(*seconds * 1000.0)));
-}
-
-// A problem the binding finds before the core runs: raised here as TypeError or ValueError
-// after the peers have been told (see notify_peers).
-struct LocalError {
-  enum Kind { kNone, kType, kValue } kind = kNone;
-  std::size_t index = 0;
-  std::string message;
-};
-
-// The parsed argument list: views into `tensors`, which hold the inputs alive during the call.
-struct Params {
-  std::vector<at::Tensor> tensors;
-  std::vector<TensorView> views;
-  LocalError error;
-};
-
-Params parse_params(py::handle params) {
-  Params out;
-  if (!py::isinstance<py::list>(params) && !py::isinstance<py::tuple>(params)) {
-    out.error = {LocalError::kType, 0,
-                 "params must be a list of torch.Tensor, got " +
-                     std::string(py::str(py::type::handle_of(params).attr("__name__")))};
-    return out;
-  }
-  const auto seq = py::reinterpret_borrow<py::sequence>(params);
-  const std::size_t n = seq.size();
-  out.tensors.reserve(n);
-  out.views.reserve(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    PyObject* item = PyList_Check(params.ptr()) ? PyList_GET_ITEM(params.ptr(), i)
-                                                : PyTuple_GET_ITEM(params.ptr(), i);
-    const std::string what = "params[" + std::to_string(i) + "]";
-    if (!THPVariable_Check(item)) {
-      out.error = {LocalError::kType, i,
-                   what + " is a " + std::string(Py_TYPE(item)->tp_name) + ", not a torch.Tensor"};
-      return out;
-    }
-    at::Tensor t = THPVariable_Unpack(item);
-    if (!out.tensors.empty() && t.device() != out.tensors.front().device()) {
-      out.error = {LocalError::kValue, i,
-                   what + " is on " + t.device().str() + " but params[0] is on " +
-                       out.tensors.front().device().str() + ": all tensors must be on one device"};
-      return out;
-    }
-    if (!t.device().is_cpu()) {
-      out.error = {LocalError::kValue, i,
-                   what + " is on " + t.device().str() +
-                       ": shardgather gathers host (CPU) tensors; the device path is not built"};
-      return out;
-    }
-    if (t.layout() != c10::kStrided) {
-      out.error = {LocalError::kValue, i, what + " is not a strided (dense) tensor"};
-      return out;
-    }
-    DType dtype{};
-    try {
-      dtype = dtype_of(t.scalar_type(), what);
-    } catch (const InvalidArgument& e) {
-      out.error = {LocalError::kValue, i, e.what()};
-      return out;
-    }
-    if (t.is_neg()) {
-      t = t.resolve_neg();  // a lazily negated view: materialise the values it stands for
-    }
-    out.views.push_back(view_of(t, dtype));
-    out.tensors.push_back(std::move(t));
-  }
-  return out;
-}
-
-// Makes the peers fail from the same call: the core is called with a view it rejects, so the
-// rejection travels in the pre-flight header and every rank raises InvalidArgument, instead of
-// the peers waiting for this rank until their deadline. This rank then raises its own, more
-// precise, Python error.
-void notify_peers(Communicator& comm, const LocalError& error,
-                  std::span<const std::vector<Shape>> hint,
-                  const ForeachAllGatherOptions& options) {
-  std::vector<TensorView> views(error.index + 1);
-  views.back().dtype = static_cast<DType>(0xff);  // no wire code: rejected by validation
-  try {
-    const py::gil_scoped_release release;
-    (void)foreach_all_gather(views, comm, hint, options);
-  } catch (const Error&) {
-    // expected: the peers got the same call's failure
-  }
-}
-
 py::list foreach_all_gather_py(py::handle params, Communicator& comm,
                                const std::optional<std::vector<std::vector<Shape>>>& hint,
                                std::optional<double> timeout, bool preflight) {
@@ -146,10 +55,7 @@ py::list foreach_all_gather_py(py::handle params, Communicator& comm,
     if (comm.size() > 1) {
       notify_peers(comm, parsed.error, hint_span, options);
     }
-    if (parsed.error.kind == LocalError::kType) {
-      throw py::type_error("rank " + std::to_string(comm.rank()) + ": " + parsed.error.message);
-    }
-    throw py::value_error("rank " + std::to_string(comm.rank()) + ": " + parsed.error.message);
+    raise_local(comm, parsed.error);
   }
 
   auto result = std::make_unique<GatherResult>();
@@ -178,6 +84,43 @@ py::list foreach_all_gather_py(py::handle params, Communicator& comm,
     PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), per_rank.release().ptr());
   }
   return out;
+}
+
+// torch.dtype <-> wire dtype, for ShardSpec and the AllGatherPlan constructor.
+DType dtype_from_py(py::handle dtype, const std::string& what) {
+  if (!THPDtype_Check(dtype.ptr())) {
+    throw py::type_error(what + " must be a torch.dtype, got " +
+                         std::string(Py_TYPE(dtype.ptr())->tp_name));
+  }
+  return dtype_of(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type, what);
+}
+
+py::object dtype_to_py(DType dtype) {
+  return py::reinterpret_borrow<py::object>(
+      reinterpret_cast<PyObject*>(torch::getTHPDtype(scalar_type_of(dtype))));
+}
+
+ShardSpec make_shard_spec(py::handle dtype, Shape full_shape, int shard_dim,
+                          std::optional<std::vector<std::int64_t>> sizes,
+                          std::int64_t padded_size) {
+  return ShardSpec{.dtype = dtype_from_py(dtype, "ShardSpec dtype"),
+                   .full_shape = std::move(full_shape),
+                   .shard_dim = shard_dim,
+                   .sizes = sizes.value_or(std::vector<std::int64_t>{}),
+                   .padded_size = padded_size};
+}
+
+std::unique_ptr<PyAllGatherPlan> make_all_gather_plan(
+    const std::vector<py::handle>& dtypes,
+    const std::vector<std::vector<Shape>>& shapes_across_group, int rank,
+    const std::string& strategy, bool preflight, std::optional<double> timeout) {
+  std::vector<DType> wire;
+  wire.reserve(dtypes.size());
+  for (std::size_t i = 0; i < dtypes.size(); ++i) {
+    wire.push_back(dtype_from_py(dtypes[i], "dtypes[" + std::to_string(i) + "]"));
+  }
+  return std::make_unique<PyAllGatherPlan>(
+      AllGatherPlan(wire, shapes_across_group, rank, plan_options(strategy, preflight, timeout)));
 }
 
 py::list make_thread_group_py(int world_size) {
@@ -311,6 +254,106 @@ PYBIND11_MODULE(_shardgather, m) {
   m.def("foreach_all_gather", &foreach_all_gather_py, py::arg("params"), py::arg("comm"),
         py::arg("params_shapes_across_group") = py::none(), py::arg("timeout") = py::none(),
         py::arg("preflight") = true);
+  py::class_<ShardSpec>(m, "ShardSpec",
+                        "How one parameter is sharded: full shape, shard dim (negative allowed), "
+                        "per-rank sizes (None: torch.chunk) and the padded local size (0: none)")
+      .def(py::init(&make_shard_spec), py::arg("dtype"), py::arg("full_shape"),
+           py::arg("shard_dim") = 0, py::arg("sizes") = py::none(), py::arg("padded_size") = 0)
+      .def_property_readonly("dtype", [](const ShardSpec& s) { return dtype_to_py(s.dtype); })
+      .def_property_readonly("full_shape",
+                             [](const ShardSpec& s) { return py::tuple(py::cast(s.full_shape)); })
+      .def_readonly("shard_dim", &ShardSpec::shard_dim)
+      .def_readonly("sizes", &ShardSpec::sizes)
+      .def_readonly("padded_size", &ShardSpec::padded_size)
+      .def("__repr__", [](const ShardSpec& s) {
+        return "ShardSpec(dtype=" + std::string(py::str(dtype_to_py(s.dtype))) +
+               ", full_shape=" + std::string(py::str(py::tuple(py::cast(s.full_shape)))) +
+               ", shard_dim=" + std::to_string(s.shard_dim) +
+               ", sizes=" + std::string(py::str(py::cast(s.sizes))) +
+               ", padded_size=" + std::to_string(s.padded_size) + ")";
+      });
+  m.def("chunk_sizes", &chunk_sizes, py::arg("full"), py::arg("world_size"));
+
+  py::class_<PyAllGatherPlan>(m, "AllGatherPlan")
+      .def(py::init(&make_all_gather_plan), py::arg("dtypes"), py::arg("shapes_across_group"),
+           py::arg("rank"), py::arg("strategy") = "auto", py::arg("preflight") = true,
+           py::arg("timeout") = py::none())
+      .def_static(
+          "create",
+          [](py::handle params, Communicator& comm,
+             const std::optional<std::vector<std::vector<Shape>>>& hint,
+             const std::string& strategy, bool preflight, std::optional<double> timeout) {
+            return PyAllGatherPlan::create(params, comm, hint.value_or(ShapesHint{}),
+                                           plan_options(strategy, preflight, timeout));
+          },
+          py::arg("params"), py::arg("comm"), py::arg("params_shapes_across_group") = py::none(),
+          py::arg("strategy") = "auto", py::arg("preflight") = true,
+          py::arg("timeout") = py::none())
+      .def("execute", &PyAllGatherPlan::execute, py::arg("params"), py::arg("comm"),
+           py::arg("out") = py::none())
+      .def_property_readonly("output_bytes",
+                             [](const PyAllGatherPlan& p) { return p.plan().output_bytes(); })
+      .def_property_readonly("world_size",
+                             [](const PyAllGatherPlan& p) { return p.plan().layout().world_size; })
+      .def_property_readonly("rank", [](const PyAllGatherPlan& p) { return p.plan().rank(); })
+      .def_property_readonly("num_tensors",
+                             [](const PyAllGatherPlan& p) { return p.plan().layout().num_tensors; })
+      .def_property_readonly("strategy",
+                             [](const PyAllGatherPlan& p) {
+                               return std::string(strategy_name(p.plan().options().strategy));
+                             })
+      .def_property_readonly("last_stats",
+                             [](const PyAllGatherPlan& p) { return stats_dict(p.last_stats()); })
+      .def_property_readonly("buffer", [](const PyAllGatherPlan& p) {
+        return p.buffer().defined() ? py::cast(p.buffer()) : py::none();
+      });
+
+  py::class_<PyUnshardPlan>(m, "UnshardPlan")
+      .def(py::init([](const std::vector<ShardSpec>& specs, int world_size, int rank,
+                       const std::string& strategy, bool preflight, std::optional<double> timeout) {
+             const PlanOptions options = plan_options(strategy, preflight, timeout);
+             return std::make_unique<PyUnshardPlan>(UnshardPlan(specs, world_size, rank, options),
+                                                    options);
+           }),
+           py::arg("specs"), py::arg("world_size"), py::arg("rank"), py::arg("strategy") = "auto",
+           py::arg("preflight") = true, py::arg("timeout") = py::none())
+      .def("execute", &PyUnshardPlan::execute, py::arg("shards"), py::arg("comm"),
+           py::arg("outputs") = py::none())
+      .def(
+          "shard_shape",
+          [](const PyUnshardPlan& p, int rank, std::size_t i) {
+            return py::tuple(py::cast(p.plan().shard_shape(rank, i)));
+          },
+          py::arg("rank"), py::arg("index"))
+      .def_property_readonly("specs",
+                             [](const PyUnshardPlan& p) {
+                               std::vector<ShardSpec> specs;
+                               for (std::size_t i = 0; i < p.plan().size(); ++i) {
+                                 specs.push_back(p.plan().spec(i));
+                               }
+                               return specs;
+                             })
+      .def_property_readonly("output_bytes",
+                             [](const PyUnshardPlan& p) { return p.plan().output_bytes(); })
+      .def_property_readonly("world_size",
+                             [](const PyUnshardPlan& p) { return p.plan().world_size(); })
+      .def_property_readonly(
+          "strategy",
+          [](const PyUnshardPlan& p) { return std::string(strategy_name(p.options().strategy)); })
+      .def_property_readonly("last_stats",
+                             [](const PyUnshardPlan& p) { return stats_dict(p.last_stats()); })
+      .def_property_readonly("buffer", [](const PyUnshardPlan& p) {
+        return p.buffer().defined() ? py::cast(p.buffer()) : py::none();
+      });
+
+  m.def(
+      "unshard",
+      [](py::handle shards, Communicator& comm, const std::vector<ShardSpec>& specs,
+         const std::string& strategy, bool preflight, std::optional<double> timeout) {
+        return unshard_py(shards, comm, specs, plan_options(strategy, preflight, timeout));
+      },
+      py::arg("shards"), py::arg("comm"), py::arg("specs"), py::arg("strategy") = "auto",
+      py::arg("preflight") = true, py::arg("timeout") = py::none());
   m.def("_make_thread_group", &make_thread_group_py, py::arg("world_size"));
   m.def("_process_group_communicator", &process_group_communicator, py::arg("group"),
         py::arg("device") = "cpu");

@@ -1,0 +1,254 @@
+#include "plans.h"
+
+#include <algorithm>
+#include <memory>
+#include <stdexcept>
+#include <utility>
+
+#include <ATen/Functions.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include "params.h"
+#include "torch_tensors.h"
+
+#include "shardgather/errors.h"
+
+namespace py = pybind11;
+
+namespace shardgather::python {
+
+namespace {
+
+// Anything but a multiple of 8 would leave some dtype's views at a fractional element offset.
+constexpr std::uintptr_t kOutAlignment = 8;
+
+// The mutex a plan's execute() holds; a second thread gets an error instead of sharing scratch.
+std::unique_lock<std::mutex> claim(std::mutex& busy, const char* what) {
+  std::unique_lock<std::mutex> lock(busy, std::try_to_lock);
+  if (!lock.owns_lock()) {
+    throw std::runtime_error(std::string(what) +
+                             ".execute: the plan is being executed by another thread (a plan "
+                             "holds scratch space: use one plan per thread)");
+  }
+  return lock;
+}
+
+// Peers are told only when they will read a header, i.e. when the plan exchanges one.
+[[noreturn]] void fail_locally(Communicator& comm, const LocalError& error, bool exchange,
+                               std::optional<std::chrono::milliseconds> timeout) {
+  if (exchange && comm.size() > 1) {
+    notify_peers(comm, error, {}, ForeachAllGatherOptions{.timeout = timeout, .preflight = true});
+  }
+  raise_local(comm, error);
+}
+
+py::object wrap(at::Tensor t) {
+  PyObject* obj = THPVariable_Wrap(std::move(t));
+  if (obj == nullptr) {
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(obj);
+}
+
+// A uint8 tensor of `bytes` bytes owned by torch's allocator (64-byte aligned).
+at::Tensor new_buffer(std::uint64_t bytes) {
+  return at::empty({static_cast<std::int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
+}
+
+std::optional<LocalError> check_out(const at::Tensor& out) {
+  if (!out.device().is_cpu() || out.layout() != c10::kStrided || !out.is_contiguous()) {
+    return LocalError{LocalError::kValue, 0,
+                      "out must be a contiguous CPU tensor, got one on " + out.device().str() +
+                          (out.is_contiguous() ? "" : " (not contiguous)")};
+  }
+  const auto base = reinterpret_cast<std::uintptr_t>(out.storage().data());
+  const auto data = reinterpret_cast<std::uintptr_t>(out.data_ptr());
+  if ((data - base) % kOutAlignment != 0) {
+    return LocalError{LocalError::kValue, 0,
+                      "out must start at a multiple of 8 bytes into its storage"};
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+py::dict stats_dict(const ExecStats& stats) {
+  py::dict d;
+  d["strategy"] = std::string(strategy_name(stats.strategy));
+  d["preflight_collectives"] = stats.preflight_collectives;
+  d["metadata_collectives"] = stats.metadata_collectives;
+  d["payload_collectives"] = stats.payload_collectives;
+  d["staged_bytes"] = stats.staged_bytes;
+  return d;
+}
+
+PlanOptions plan_options(const std::string& strategy, bool preflight,
+                         std::optional<double> timeout) {
+  return PlanOptions{.timeout = to_timeout(timeout),
+                     .preflight = preflight,
+                     .strategy = parse_strategy(strategy),
+                     .copy_threads = 0};
+}
+
+std::unique_ptr<PyAllGatherPlan> PyAllGatherPlan::create(
+    py::handle params, Communicator& comm,
+    const std::vector<std::vector<Shape>>& shapes_across_group, const PlanOptions& options) {
+  Params parsed = parse_params(params);
+  if (parsed.error.kind != LocalError::kNone) {
+    // create() exchanges a header unless a hint is given with the pre-flight off: so does this.
+    if (comm.size() > 1) {
+      notify_peers(
+          comm, parsed.error, shapes_across_group,
+          ForeachAllGatherOptions{.timeout = options.timeout, .preflight = options.preflight});
+    }
+    raise_local(comm, parsed.error);
+  }
+  const py::gil_scoped_release release;
+  return std::make_unique<PyAllGatherPlan>(
+      AllGatherPlan::create(parsed.views, comm, shapes_across_group, options));
+}
+
+py::list PyAllGatherPlan::execute(py::handle params, Communicator& comm,
+                                  std::optional<at::Tensor> out) {
+  const auto lock = claim(busy_, "AllGatherPlan");
+  const PlanOptions& options = plan_.options();
+  Params parsed = parse_params(params);
+  if (parsed.error.kind != LocalError::kNone) {
+    fail_locally(comm, parsed.error, options.preflight, options.timeout);
+  }
+  at::Tensor target;
+  if (out) {
+    if (auto error = check_out(*out)) {
+      fail_locally(comm, *error, options.preflight, options.timeout);
+    }
+    target = *out;
+  } else {
+    if (!buffer_.defined()) {
+      buffer_ = new_buffer(plan_.output_bytes());  // once: every later execution reuses it
+    }
+    target = buffer_;
+  }
+  const std::span<std::byte> bytes(static_cast<std::byte*>(target.data_ptr()), target.nbytes());
+  {
+    const py::gil_scoped_release release;
+    last_ = plan_.execute(parsed.views, comm, bytes);
+  }
+  return results_over(target);
+}
+
+py::list PyAllGatherPlan::results_over(const at::Tensor& target) {
+  const bool cached = cached_for_.defined() &&
+                      cached_for_.unsafeGetTensorImpl() == target.unsafeGetTensorImpl() &&
+                      cached_for_.data_ptr() == target.data_ptr() &&
+                      cached_for_.storage().is_alias_of(target.storage());
+  const std::size_t n = plan_.layout().num_tensors;
+  const auto world = static_cast<std::size_t>(plan_.layout().world_size);
+  if (!cached) {
+    cached_.clear();
+    const c10::Storage& storage = target.storage();
+    const auto* base = static_cast<const std::byte*>(storage.data());
+    const std::vector<TensorView> views = plan_.views(static_cast<std::byte*>(target.data_ptr()));
+    std::vector<std::vector<py::object>> built(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      built[i].reserve(world);
+      for (std::size_t r = 0; r < world; ++r) {
+        built[i].push_back(wrap(tensor_over(storage, base, views[i * world + r])));
+      }
+    }
+    cached_ = std::move(built);
+    cached_for_ = target;
+  }
+  // New lists every time (a caller may edit them); the tensors are the cached ones.
+  py::list result(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    py::list per_rank(world);
+    for (std::size_t r = 0; r < world; ++r) {
+      PyList_SET_ITEM(per_rank.ptr(), static_cast<Py_ssize_t>(r), cached_[i][r].inc_ref().ptr());
+    }
+    PyList_SET_ITEM(result.ptr(), static_cast<Py_ssize_t>(i), per_rank.release().ptr());
+  }
+  return result;
+}
+
+py::list PyUnshardPlan::execute(py::handle shards, Communicator& comm,
+                                std::optional<py::handle> outputs) {
+  const auto lock = claim(busy_, "UnshardPlan");
+  const PlanOptions& options = options_;
+  Params parsed = parse_params(shards, "shards");
+  if (parsed.error.kind != LocalError::kNone) {
+    fail_locally(comm, parsed.error, options.preflight, options.timeout);
+  }
+  if (outputs && !outputs->is_none()) {
+    Params outs = parse_params(*outputs, "outputs");
+    if (outs.error.kind != LocalError::kNone) {
+      fail_locally(comm, outs.error, options.preflight, options.timeout);
+    }
+    {
+      const py::gil_scoped_release release;
+      last_ = plan_.execute(parsed.views, comm, std::span<const TensorView>(outs.views));
+    }
+    py::list result(outs.tensors.size());
+    for (std::size_t i = 0; i < outs.tensors.size(); ++i) {
+      result[i] = py::reinterpret_borrow<py::sequence>(*outputs)[i];
+    }
+    return result;
+  }
+  if (!buffer_.defined()) {
+    buffer_ = new_buffer(plan_.output_bytes());  // once: every later execution reuses it
+    const c10::Storage& storage = buffer_.storage();
+    auto* base = static_cast<std::byte*>(buffer_.data_ptr());
+    for (const TensorView& v : plan_.views(base)) {
+      cached_.push_back(wrap(tensor_over(storage, base, v)));
+    }
+  }
+  const std::span<std::byte> bytes(static_cast<std::byte*>(buffer_.data_ptr()), buffer_.nbytes());
+  {
+    const py::gil_scoped_release release;
+    last_ = plan_.execute(parsed.views, comm, bytes);
+  }
+  py::list result(cached_.size());
+  for (std::size_t i = 0; i < cached_.size(); ++i) {
+    result[i] = cached_[i];
+  }
+  return result;
+}
+
+py::list unshard_py(py::handle shards, Communicator& comm, const std::vector<ShardSpec>& specs,
+                    const PlanOptions& options) {
+  Params parsed = parse_params(shards, "shards");
+  if (parsed.error.kind != LocalError::kNone) {
+    fail_locally(comm, parsed.error, options.preflight, options.timeout);
+  }
+  auto result =
+      std::make_unique<UnshardResult>(std::vector<TensorView>{}, AlignedBuffer{}, ExecStats{});
+  {
+    const py::gil_scoped_release release;
+    *result = unshard(parsed.views, comm, specs, options);
+  }
+  parsed.tensors.clear();
+  const std::size_t n = result->size();
+  if (n == 0) {
+    return py::list();
+  }
+  // Parameter 0 sits at offset 0 of the result's buffer; the storage covers every view.
+  auto* base = static_cast<std::byte*>((*result)[0].data);
+  std::uint64_t end = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const TensorView& v = (*result)[i];
+    std::uint64_t bytes = dtype_size(v.dtype);
+    for (const std::int64_t d : v.shape) {
+      bytes *= static_cast<std::uint64_t>(d);
+    }
+    end = std::max<std::uint64_t>(
+        end, static_cast<std::uint64_t>(static_cast<std::byte*>(v.data) - base) + bytes);
+  }
+  const UnshardResult& full = *result;
+  const c10::Storage storage = adopt_storage(std::move(result), base, end);
+  py::list out(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    out[i] = wrap(tensor_over(storage, base, full[i]));
+  }
+  return out;
+}
+
+}  // namespace shardgather::python
