@@ -1,0 +1,288 @@
+"""Plan and unshard cases run on every rank of a spawned Gloo group (see conftest.run_cases).
+
+Every rank can build every rank's data (seeded by rank, tensor and step), so the expected full
+tensors are torch.cat of the per-rank chunks along the shard dim, and the expected gather is
+each rank's own tensors: both compared bit for bit."""
+
+import torch
+import torch.distributed as dist
+
+import shardgather
+from gloo_cases import DTYPES, make, raw
+
+T = 30.0
+
+
+def same(a, b, where):
+    assert a.dtype == b.dtype, (where, a.dtype, b.dtype)
+    assert tuple(a.shape) == tuple(b.shape), (where, tuple(a.shape), tuple(b.shape))
+    assert torch.equal(raw(a.contiguous()), raw(b.contiguous())), where
+
+
+# ---- unshard -------------------------------------------------------------------------------
+
+
+def _param_specs(world):
+    """(spec, shard builder) per parameter: every dim kind, uneven, padded, empty."""
+    uneven = [3, 0, 5, 1][:world]
+    out = []
+    # torch.chunk-style along dims 0, 1 and the last (negative), mixed dtypes
+    out.append(shardgather.ShardSpec(torch.float32, (7, 5, 3), 0))
+    out.append(shardgather.ShardSpec(torch.bfloat16, (4, 9, 2), 1))
+    out.append(shardgather.ShardSpec(torch.int16, (3, 2, 10), -1))
+    out.append(shardgather.ShardSpec(torch.bool, (6, 5), -1))
+    # explicit uneven sizes (one rank empty from world 2 on), along dims 0 and 1
+    out.append(shardgather.ShardSpec(torch.float64, (sum(uneven), 4), 0, sizes=uneven))
+    out.append(shardgather.ShardSpec(torch.int8, (2, sum(uneven), 3), 1, sizes=uneven))
+    # padded (FSDP-style: every local shard has the same rows), along dims 0 and 1
+    out.append(shardgather.ShardSpec(torch.float16, (5, 3), 0, padded_size=-(-5 // world) + 1))
+    out.append(
+        shardgather.ShardSpec(torch.int64, (2, 9), 1, sizes=[9] + [0] * (world - 1), padded_size=9)
+    )
+    # empty parameters: nothing along the shard dim, and a zero elsewhere
+    out.append(shardgather.ShardSpec(torch.float32, (0, 4), 0))
+    out.append(shardgather.ShardSpec(torch.float32, (4, 0), 0))
+    # a single row over many ranks: most shards empty
+    out.append(shardgather.ShardSpec(torch.uint8, (1, 8), 0))
+    return out
+
+
+def _sizes(spec, world):
+    return list(spec.sizes) if spec.sizes else shardgather.chunk_sizes(
+        spec.full_shape[spec.shard_dim], world
+    )
+
+
+def _real_shard(spec, r, world, i, step=0):
+    dim = spec.shard_dim % len(spec.full_shape)
+    shape = list(spec.full_shape)
+    shape[dim] = _sizes(spec, world)[r]
+    return make(tuple(shape), spec.dtype, 1000 * step + 100 * r + i)
+
+
+def _local_shard(spec, r, world, i, step=0):
+    """The real shard, padded with junk rows along the shard dim when the spec is padded."""
+    real = _real_shard(spec, r, world, i, step)
+    if not spec.padded_size:
+        return real
+    dim = spec.shard_dim % len(spec.full_shape)
+    shape = list(spec.full_shape)
+    shape[dim] = spec.padded_size - real.shape[dim]
+    junk = torch.full(shape, 77, dtype=spec.dtype) if spec.dtype != torch.bool else torch.ones(
+        shape, dtype=torch.bool
+    )
+    return torch.cat([real, junk], dim)
+
+
+def _expected_full(spec, world, i, step=0):
+    dim = spec.shard_dim % len(spec.full_shape)
+    return torch.cat([_real_shard(spec, r, world, i, step) for r in range(world)], dim)
+
+
+def case_unshard_one_shot(rank, world):
+    specs = _param_specs(world)
+    shards = [_local_shard(s, rank, world, i) for i, s in enumerate(specs)]
+    full = shardgather.unshard(shards, specs, timeout=T)
+    assert type(full) is list and len(full) == len(specs)
+    for i, s in enumerate(specs):
+        same(full[i], _expected_full(s, world, i), "param %d" % i)
+        assert tuple(full[i].shape) == tuple(s.full_shape)
+    assert shardgather.unshard([], [], timeout=T) == []
+
+
+def case_unshard_plan_steady_state(rank, world):
+    """Many executions: bit-exact each time, the plan's buffer and full tensors never change."""
+    specs = _param_specs(world)
+    plan = shardgather.UnshardPlan(specs, world, rank, timeout=T)
+    shards = [_local_shard(s, rank, world, i) for i, s in enumerate(specs)]
+    first = plan.execute(shards)
+    ptr = plan.buffer.data_ptr()
+    for step in range(1, 12):
+        fresh = [_local_shard(s, rank, world, i, step) for i, s in enumerate(specs)]
+        for dst, src in zip(shards, fresh):
+            dst.copy_(src)  # same input tensors, new values: as a training step would
+        full = plan.execute(shards)
+        assert plan.buffer.data_ptr() == ptr, "the plan's buffer must be reused"
+        for i, s in enumerate(specs):
+            assert full[i] is first[i], "the full tensors must be the cached views"
+            same(full[i], _expected_full(s, world, i, step), "step %d param %d" % (step, i))
+    stats = plan.last_stats
+    assert stats["metadata_collectives"] == 0, stats
+    assert stats["payload_collectives"] >= (1 if world > 1 else 0), stats
+
+
+def case_unshard_into_outputs(rank, world):
+    specs = _param_specs(world)
+    for strategy in ("auto", "packed", "per_tensor"):
+        plan = shardgather.UnshardPlan(specs, world, rank, strategy=strategy, timeout=T)
+        outputs = [torch.empty(s.full_shape, dtype=s.dtype) for s in specs]
+        shards = [_local_shard(s, rank, world, i) for i, s in enumerate(specs)]
+        got = plan.execute(shards, None, outputs)
+        assert all(a is b for a, b in zip(got, outputs))
+        for i, s in enumerate(specs):
+            same(outputs[i], _expected_full(s, world, i), "%s param %d" % (strategy, i))
+
+
+def case_unshard_non_contiguous_shard(rank, world):
+    spec = shardgather.ShardSpec(torch.float32, (6, 4 * world), 1)
+    real = _real_shard(spec, rank, world, 0)
+    shard = real.t().contiguous().t()  # same values, column-major strides
+    assert not shard.is_contiguous()
+    (full,) = shardgather.unshard([shard], [spec], timeout=T)
+    same(full, _expected_full(spec, world, 0), "strided shard")
+
+
+def case_unshard_wrong_shard_shape(rank, world):
+    """A wrong shard shape on the last rank raises on every rank; the group stays usable."""
+    specs = [shardgather.ShardSpec(torch.float32, (4 * world, 3), 0)]
+    plan = shardgather.UnshardPlan(specs, world, rank, timeout=T)
+    good = [_real_shard(specs[0], rank, world, 0)]
+    bad = [torch.zeros(5, 3)] if rank == world - 1 else good
+    for call in (lambda s: plan.execute(s), lambda s: shardgather.unshard(s, specs, timeout=T)):
+        try:
+            call(bad)
+        except shardgather.InvalidArgumentError as e:
+            assert isinstance(e, ValueError)
+            assert ("rank %d" % (world - 1)) in str(e) and "tensor 0" in str(e), str(e)
+        else:
+            raise AssertionError("a wrong shard shape must raise on every rank")
+    (full,) = plan.execute(good)
+    same(full, _expected_full(specs[0], world, 0), "after the error")
+
+
+def case_unshard_bad_arguments(rank, world):
+    # Pure, local: bad specs raise ValueError without touching the group.
+    for bad in (
+        lambda: shardgather.UnshardPlan([shardgather.ShardSpec(torch.float32, (4, 4), 2)], world, rank),
+        lambda: shardgather.UnshardPlan(
+            [shardgather.ShardSpec(torch.float32, (4, 4), 0, sizes=[1] * (world + 1))], world, rank
+        ),
+        lambda: shardgather.ShardSpec(torch.complex64, (4,), 0),
+        lambda: shardgather.UnshardPlan([], world, rank, strategy="fastest"),
+    ):
+        try:
+            bad()
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("expected ValueError")
+    try:
+        shardgather.ShardSpec("float32", (4,), 0)
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("a dtype that is not a torch.dtype must raise TypeError")
+    # A non-tensor shard on one rank: TypeError there, InvalidArgumentError on the peers.
+    specs = [shardgather.ShardSpec(torch.float32, (2 * world,), 0)]
+    plan = shardgather.UnshardPlan(specs, world, rank, timeout=T)
+    shards = ["oops"] if rank == 0 else [torch.ones(2)]
+    try:
+        plan.execute(shards)
+    except TypeError as e:
+        assert rank == 0 and "shards[0]" in str(e), str(e)
+    except shardgather.InvalidArgumentError as e:
+        assert rank != 0 and "rank 0" in str(e), str(e)
+    else:
+        raise AssertionError("a non-tensor shard must raise on every rank")
+    assert plan.execute([torch.ones(2)])[0].sum() == 2 * world
+
+
+# ---- AllGatherPlan -------------------------------------------------------------------------
+
+
+def _gather_shapes(r):
+    rows = [2, 3, 1, 0][r % 4]
+    return [(rows, 5)] * len(DTYPES) + [(), (7,), (r, 0)]
+
+
+def _gather_params(r, step=0):
+    shapes = _gather_shapes(r)
+    dtypes = DTYPES + [torch.float32, torch.float64, torch.int32]
+    return [make(s, dt, 10000 * step + 100 * r + k) for k, (s, dt) in enumerate(zip(shapes, dtypes))]
+
+
+def _check_gather(out, world, step):
+    expected = [_gather_params(r, step) for r in range(world)]
+    assert type(out) is list and len(out) == len(expected[0])
+    for i, per_rank in enumerate(out):
+        assert type(per_rank) is list and len(per_rank) == world
+        for r, t in enumerate(per_rank):
+            same(t, expected[r][i], "step %d tensor %d rank %d" % (step, i, r))
+            assert not t.requires_grad
+
+
+def case_gather_plan_steady_state(rank, world):
+    """create (hint and no hint), many executions into the plan's buffer: bit-exact each time,
+    the buffer's data_ptr and the result tensors unchanged, no metadata collective."""
+    hint = [_gather_shapes(r) for r in range(world)]
+    params = _gather_params(rank)
+    for plan in (
+        shardgather.AllGatherPlan.create(params, timeout=T),
+        shardgather.AllGatherPlan.create(params, None, hint, timeout=T),
+        shardgather.AllGatherPlan.create(params, None, hint, preflight=False, timeout=T),
+    ):
+        assert plan.world_size == world and plan.rank == rank and plan.strategy == "auto"
+        first = plan.execute(params)
+        _check_gather(first, world, 0)
+        ptr = plan.buffer.data_ptr()
+        for step in range(1, 15):
+            for dst, src in zip(params, _gather_params(rank, step)):
+                dst.copy_(src)
+            out = plan.execute(params)
+            assert plan.buffer.data_ptr() == ptr, "the plan's buffer must be reused"
+            assert all(a is b for x, y in zip(out, first) for a, b in zip(x, y)), "cached views"
+            _check_gather(out, world, step)
+            assert plan.last_stats["metadata_collectives"] == 0
+        assert plan.buffer.numel() == plan.output_bytes
+        for dst, src in zip(params, _gather_params(rank)):
+            dst.copy_(src)
+
+
+def case_gather_plan_pure_and_out(rank, world):
+    hint = [_gather_shapes(r) for r in range(world)]
+    params = _gather_params(rank)
+    dtypes = [p.dtype for p in params]
+    for strategy in ("direct", "packed", "per_tensor"):
+        plan = shardgather.AllGatherPlan(dtypes, hint, rank, strategy=strategy, timeout=T)
+        assert plan.strategy == strategy
+        out_buf = torch.empty(plan.output_bytes // 8 + 1, dtype=torch.float64)
+        out = plan.execute(params, dist.group.WORLD, out_buf)
+        assert plan.buffer is None, "with out, the plan allocates nothing"
+        assert plan.last_stats["strategy"] == strategy
+        _check_gather(out, world, 0)
+        base = out_buf.data_ptr()
+        assert all(base <= t.data_ptr() < base + out_buf.numel() * 8 or t.numel() == 0
+                   for row in out for t in row)
+        again = plan.execute(params, None, out_buf)
+        assert all(a is b for x, y in zip(again, out) for a, b in zip(x, y))
+
+
+def case_gather_plan_wrong_shape(rank, world):
+    """A tensor that does not match the plan on one rank raises on every rank."""
+    hint = [_gather_shapes(r) for r in range(world)]
+    params = _gather_params(rank)
+    plan = shardgather.AllGatherPlan.create(params, None, hint, timeout=T)
+    bad = list(params)
+    if rank == world - 1:
+        bad[1] = torch.zeros(9, 5, dtype=params[1].dtype)
+    try:
+        plan.execute(bad)
+    except shardgather.InvalidArgumentError as e:
+        assert ("rank %d" % (world - 1)) in str(e) and "tensor 1" in str(e), str(e)
+    else:
+        raise AssertionError("a wrong shape must raise on every rank")
+    bad = list(params)
+    if rank == 0:
+        bad[0] = None
+    try:
+        plan.execute(bad)
+    except TypeError as e:
+        assert rank == 0 and "params[0]" in str(e), str(e)
+    except shardgather.InvalidArgumentError as e:
+        assert rank != 0 and "rank 0" in str(e), str(e)
+    else:
+        raise AssertionError("a non-tensor must raise on every rank")
+    _check_gather(plan.execute(params), world, 0)
+
+
+CASES = sorted(name for name in dir() if name.startswith("case_"))
