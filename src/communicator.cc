@@ -93,22 +93,22 @@ void Communicator::all_gather_scatter(std::span<const ConstSegment> send,
                                       std::span<const std::size_t> first,
                                       std::span<const std::uint64_t> counts, Deadline deadline) {
   const auto world = static_cast<std::size_t>(size());
-  const std::string where = "rank " + std::to_string(rank()) + ": all_gather_scatter: ";
+  const auto where = [this] { return "rank " + std::to_string(rank()) + ": all_gather_scatter: "; };
   if (counts.size() != world || first.size() != world + 1 || first[0] != 0 ||
       first[world] != pieces.size()) {
-    throw InvalidArgument(where + "counts/first do not describe " + std::to_string(world) +
+    throw InvalidArgument(where() + "counts/first do not describe " + std::to_string(world) +
                           " ranks over " + std::to_string(pieces.size()) + " pieces");
   }
   for (std::size_t r = 0; r < world; ++r) {
     if (first[r + 1] < first[r]) {
-      throw InvalidArgument(where + "first is not monotone at rank " + std::to_string(r));
+      throw InvalidArgument(where() + "first is not monotone at rank " + std::to_string(r));
     }
     std::uint64_t bytes = 0;
     for (std::size_t k = first[r]; k < first[r + 1]; ++k) {
       bytes += pieces[k].block * pieces[k].count;
     }
     if (bytes != counts[r]) {
-      throw InvalidArgument(where + "the pieces of rank " + std::to_string(r) + " hold " +
+      throw InvalidArgument(where() + "the pieces of rank " + std::to_string(r) + " hold " +
                             std::to_string(bytes) + " bytes, counts says " +
                             std::to_string(counts[r]));
     }
@@ -118,7 +118,7 @@ void Communicator::all_gather_scatter(std::span<const ConstSegment> send,
     total += segment.size;
   }
   if (total != counts[static_cast<std::size_t>(rank())]) {
-    throw InvalidArgument(where + "sends " + std::to_string(total) + " bytes but counts[" +
+    throw InvalidArgument(where() + "sends " + std::to_string(total) + " bytes but counts[" +
                           std::to_string(rank()) + "] is " +
                           std::to_string(counts[static_cast<std::size_t>(rank())]));
   }

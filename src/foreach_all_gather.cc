@@ -149,7 +149,12 @@ GatherResult foreach_all_gather(std::span<const TensorView> params, Communicator
   if (world > 1) {
     std::vector<std::byte> gathered(sizeof header * static_cast<std::size_t>(world));
     std::vector<detail::PreflightHeader> headers(static_cast<std::size_t>(world));
-    detail::exchange_headers(comm, header, gathered, headers, deadline);
+    try {
+      detail::exchange_headers(comm, header, gathered, headers, deadline);
+    } catch (const CommunicationError&) {
+      detail::leak(gathered);
+      throw;
+    }
     stats.metadata_collectives = 1;
     for (std::size_t r = 0; r < counts.size(); ++r) {
       counts[r] = headers[r].payload_bytes;
@@ -168,7 +173,14 @@ GatherResult foreach_all_gather(std::span<const TensorView> params, Communicator
   if (world == 1) {
     copy_segments(segments, out.data());
   } else if (out.size() != 0) {
-    comm.all_gather_v(segments, out.data(), counts, displs, deadline);
+    try {
+      comm.all_gather_v(segments, out.data(), counts, displs, deadline);
+    } catch (const CommunicationError&) {
+      detail::leak(out);
+      detail::leak(staging);
+      detail::leak(records);
+      throw;
+    }
     stats.payload_collectives = 1;
   }
 

@@ -4,6 +4,7 @@
 #include "shardgather/plan.h"
 
 #include <algorithm>
+#include <mutex>
 #include <string>
 
 #include "detail/exec_scratch.h"
@@ -56,6 +57,54 @@ void size_scratch(ExecScratch& x, int world, std::size_t n) {
 
 std::string rank_prefix(int rank) { return "rank " + std::to_string(rank) + ": "; }
 
+namespace {
+
+// Buffers a failed collective may still touch. Kept reachable (never freed) so leak checkers
+// see them as intentional.
+struct Graveyard {
+  std::mutex mu;
+  std::vector<AlignedBuffer> aligned;
+  std::vector<std::vector<std::byte>> vectors;
+  std::vector<std::unique_ptr<ExecScratch>> scratch;
+};
+
+Graveyard& graveyard() {
+  static auto* g = new Graveyard;  // never destroyed: outlives any late write
+  return *g;
+}
+
+}  // namespace
+
+void leak(AlignedBuffer& buffer) noexcept {
+  try {
+    const std::lock_guard<std::mutex> lock(graveyard().mu);
+    graveyard().aligned.push_back(std::move(buffer));
+  } catch (...) {
+    static_cast<void>(new (std::nothrow) AlignedBuffer(std::move(buffer)));
+  }
+}
+
+void leak(std::vector<std::byte>& buffer) noexcept {
+  try {
+    const std::lock_guard<std::mutex> lock(graveyard().mu);
+    graveyard().vectors.push_back(std::move(buffer));
+  } catch (...) {
+    static_cast<void>(new (std::nothrow) std::vector<std::byte>(std::move(buffer)));
+  }
+}
+
+void ScratchHolder::leak() noexcept {
+  if (!scratch_) {
+    return;
+  }
+  try {
+    const std::lock_guard<std::mutex> lock(graveyard().mu);
+    graveyard().scratch.push_back(std::move(scratch_));
+  } catch (...) {
+    static_cast<void>(scratch_.release());
+  }
+}
+
 void raise_through_header(Communicator& comm, const Error& error, bool exchange,
                           Deadline deadline) {
   if (!exchange) {
@@ -67,7 +116,12 @@ void raise_through_header(Communicator& comm, const Error& error, bool exchange,
   set_status(header, error.code(), error.what());
   std::vector<std::byte> gathered(sizeof header * static_cast<std::size_t>(comm.size()));
   std::vector<PreflightHeader> decoded(static_cast<std::size_t>(comm.size()));
-  exchange_headers(comm, header, gathered, decoded, deadline);
+  try {
+    exchange_headers(comm, header, gathered, decoded, deadline);
+  } catch (const CommunicationError&) {
+    leak(gathered);
+    throw;
+  }
   throw Error(ErrorCode::kCommunicationError, "unreachable: a failed status always raises");
 }
 
@@ -108,6 +162,7 @@ AllGatherPlan::AllGatherPlan(std::span<const DType> dtypes,
   }
   layout_ = plan_layout(dtypes, flat, world);
   fingerprint_ = detail::hash_hint(flat, world);
+  dtype_hash_ = detail::hash_dtypes(dtypes);
 }
 
 AllGatherPlan AllGatherPlan::create(std::span<const TensorView> params, Communicator& comm,
@@ -146,7 +201,12 @@ AllGatherPlan AllGatherPlan::create(std::span<const TensorView> params, Communic
   std::vector<detail::PreflightHeader> headers(static_cast<std::size_t>(world));
   if (exchange) {
     std::vector<std::byte> gathered(sizeof header * static_cast<std::size_t>(world));
-    detail::exchange_headers(comm, header, gathered, headers, deadline);
+    try {
+      detail::exchange_headers(comm, header, gathered, headers, deadline);
+    } catch (const CommunicationError&) {
+      detail::leak(gathered);
+      throw;
+    }
   }
   if (has_hint) {
     return {in.dtypes, shapes_across_group, rank, options};
@@ -173,13 +233,13 @@ AllGatherPlan AllGatherPlan::create(std::span<const TensorView> params, Communic
   return {in.dtypes, shapes, rank, options};
 }
 
-std::vector<TensorView> AllGatherPlan::views(std::byte* buffer) const {
+std::vector<TensorView> AllGatherPlan::views(const std::byte* buffer) const {
   const auto world = static_cast<std::size_t>(layout_.world_size);
   std::vector<TensorView> out(layout_.num_tensors * world);
   for (std::size_t i = 0; i < layout_.num_tensors; ++i) {
     for (std::size_t r = 0; r < world; ++r) {
       const std::size_t k = layout_.index(static_cast<int>(r), i);
-      out[i * world + r] = TensorView{.data = buffer + layout_.offsets[k],
+      out[i * world + r] = TensorView{.data = const_cast<std::byte*>(buffer) + layout_.offsets[k],
                                       .dtype = layout_.dtypes[i],
                                       .shape = layout_.shapes[k],
                                       .strides = {}};
@@ -188,16 +248,14 @@ std::vector<TensorView> AllGatherPlan::views(std::byte* buffer) const {
   return out;
 }
 
-ExecStats AllGatherPlan::execute(std::span<const TensorView> params, Communicator& comm,
-                                 std::span<std::byte> out) {
+void AllGatherPlan::prepare(std::span<const TensorView> params, Communicator& comm, std::byte* out,
+                            std::uint64_t out_size, ExecStats& stats, Deadline deadline) {
   ExecScratch& x = scratch_.get();
   const int world = layout_.world_size;
   const std::size_t n = layout_.num_tensors;
   detail::size_scratch(x, world, n);
   const auto me = static_cast<std::size_t>(rank_);
-  const Deadline deadline = comm.deadline_after(options_.timeout.value_or(comm.timeout()));
   const bool exchange = world > 1 && options_.preflight;
-  ExecStats stats;
 
   detail::PreflightHeader header;
   header.world_size = static_cast<std::uint32_t>(world);
@@ -205,9 +263,9 @@ ExecStats AllGatherPlan::execute(std::span<const TensorView> params, Communicato
   header.flags = detail::kHasHint;
   header.hint_hash = fingerprint_;
   header.payload_bytes = layout_.counts[me];
-  detail::set_dtypes(header, layout_.dtypes);
+  detail::set_dtypes(header, layout_.dtypes, dtype_hash_);
   const auto in_place = [&](std::size_t i) {
-    return params[i].data == out.data() + layout_.offsets[me * n + i];
+    return out != nullptr && params[i].data == out + layout_.offsets[me * n + i];
   };
   std::uint64_t staged = 0;
   try {
@@ -216,23 +274,24 @@ ExecStats AllGatherPlan::execute(std::span<const TensorView> params, Communicato
       throw InvalidArgument("the plan has " + std::to_string(n) + " tensors, got " +
                             std::to_string(params.size()));
     }
-    if (out.size() < layout_.total_bytes) {
-      throw InvalidArgument("the output holds " + std::to_string(out.size()) +
+    if (out_size < layout_.total_bytes) {
+      throw InvalidArgument("the output holds " + std::to_string(out_size) +
                             " bytes, the plan needs " + std::to_string(layout_.total_bytes));
     }
-    const auto out_begin = reinterpret_cast<std::uintptr_t>(out.data());
-    const std::uintptr_t out_end = out_begin + layout_.total_bytes;
+    const auto out_begin = reinterpret_cast<std::uintptr_t>(out);
+    const std::uintptr_t out_end = out == nullptr ? 0 : out_begin + layout_.total_bytes;
     for (std::size_t i = 0; i < n; ++i) {
       const std::size_t k = me * n + i;
       detail::check_tensor_matches(params[i], i, layout_.dtypes[i], layout_.shapes[k],
                                    layout_.sizes[k]);
+      const bool contiguous = is_contiguous(params[i]);
       const detail::Extent e = detail::extent_of(params[i], layout_.sizes[k]);
       const bool overlaps = e.begin < out_end && out_begin < e.end;
-      if (overlaps && !(in_place(i) && is_contiguous(params[i]))) {
+      if (overlaps && !(in_place(i) && contiguous)) {
         throw InvalidArgument("tensor " + std::to_string(i) +
                               ": aliasing: the input overlaps the output outside its own slot");
       }
-      if (overlaps || !is_contiguous(params[i])) {
+      if (overlaps || !contiguous) {
         staged += layout_.sizes[k];
       }
     }
@@ -251,7 +310,12 @@ ExecStats AllGatherPlan::execute(std::span<const TensorView> params, Communicato
     detail::set_status(header, ErrorCode::kOutOfMemory, "staging allocation failed");
   }
   if (exchange) {
-    detail::exchange_headers(comm, header, x.header_bytes, x.headers, deadline);
+    try {
+      detail::exchange_headers(comm, header, x.header_bytes, x.headers, deadline);
+    } catch (const CommunicationError&) {
+      scratch_.leak();  // the header buffer may still be written
+      throw;
+    }
     stats.preflight_collectives = 1;
   }
 
@@ -268,7 +332,7 @@ ExecStats AllGatherPlan::execute(std::span<const TensorView> params, Communicato
       const std::size_t k = r * n + i;
       const std::uint64_t part_end =
           layout_.sizes[k] == 0 ? end : layout_.offsets[k] + layout_.sizes[k];
-      x.pieces[k] = RecvPiece{out.data() + end, part_end - end, 1, 0};
+      x.pieces[k] = RecvPiece{out == nullptr ? nullptr : out + end, part_end - end, 1, 0};
       x.part_bytes[k] = part_end - end;
       x.part_first[k] = k;
       end = part_end;
@@ -277,29 +341,81 @@ ExecStats AllGatherPlan::execute(std::span<const TensorView> params, Communicato
   }
   x.first[static_cast<std::size_t>(world)] = static_cast<std::size_t>(world) * n;
   x.part_first[static_cast<std::size_t>(world) * n] = static_cast<std::size_t>(world) * n;
+}
 
-  const detail::GatherJob job{
+namespace {
+
+detail::GatherJob make_job(const LayoutPlan& layout, ExecScratch& x, const PlanOptions& options,
+                           const Communicator& comm) {
+  return detail::GatherJob{
       .send = x.segments,
       .pieces = x.pieces,
       .first = x.first,
-      .counts = layout_.counts,
-      .num_tensors = n,
+      .counts = layout.counts,
+      .num_tensors = layout.num_tensors,
       .part_bytes = x.part_bytes,
       .part_first = x.part_first,
       .send_first = x.send_first,
-      .copy_threads = options_.copy_threads > 0
-                          ? options_.copy_threads
-                          : detail::default_copy_threads(comm.ranks_on_host()),
+      .copy_threads = options.copy_threads > 0 ? options.copy_threads
+                                               : detail::default_copy_threads(comm.ranks_on_host()),
+      .stream_displs = layout.displs,
   };
+}
+
+}  // namespace
+
+ExecStats AllGatherPlan::execute(std::span<const TensorView> params, Communicator& comm,
+                                 std::span<std::byte> out) {
+  const Deadline deadline = comm.deadline_after(options_.timeout.value_or(comm.timeout()));
+  ExecStats stats;
+  prepare(params, comm, out.data(), out.size(), stats, deadline);
+  ExecScratch& x = scratch_.get();
+  const detail::GatherJob job = make_job(layout_, x, options_, comm);
   stats.strategy = detail::select_strategy(options_.strategy, job, comm);
-  if (world == 1) {
+  if (layout_.world_size == 1) {
     copy_stream(job.send, job.pieces);
   } else if (layout_.total_bytes != 0) {
-    const std::uint64_t payload_before = comm.collectives_issued();
-    detail::run_strategy(stats.strategy, job, comm, deadline, x.strategy);
-    stats.payload_collectives = comm.collectives_issued() - payload_before;
+    const std::uint64_t before = comm.collectives_issued();
+    const std::uint64_t setup_before = x.strategy.setup_collectives;
+    try {
+      detail::run_strategy(stats.strategy, job, comm, deadline, x.strategy);
+    } catch (const CommunicationError&) {
+      scratch_.leak();  // staging and windows may still be read by a posted collective
+      throw;
+    }
+    stats.setup_collectives = x.strategy.setup_collectives - setup_before;
+    stats.payload_collectives = comm.collectives_issued() - before - stats.setup_collectives;
   }
   return stats;
+}
+
+std::span<const std::byte> AllGatherPlan::execute_shared(std::span<const TensorView> params,
+                                                         Communicator& comm, ExecStats* stats) {
+  ExecScratch& x = scratch_.get();
+  ExecStats local;
+  ExecStats& st = stats != nullptr ? *stats : local;
+  if (!detail::shared_available(comm) || layout_.total_bytes == 0) {
+    x.owned.resize(layout_.total_bytes);
+    st = execute(params, comm, x.owned);
+    return x.owned;
+  }
+  const Deadline deadline = comm.deadline_after(options_.timeout.value_or(comm.timeout()));
+  st = ExecStats{};
+  prepare(params, comm, nullptr, layout_.total_bytes, st, deadline);
+  const detail::GatherJob job = make_job(layout_, x, options_, comm);
+  st.strategy = Strategy::kShared;
+  const std::uint64_t before = comm.collectives_issued();
+  const std::uint64_t setup_before = x.strategy.setup_collectives;
+  const std::byte* base = nullptr;
+  try {
+    base = detail::shared_copy_in(job, comm, deadline, x.strategy);
+  } catch (const CommunicationError&) {
+    scratch_.leak();
+    throw;
+  }
+  st.setup_collectives = x.strategy.setup_collectives - setup_before;
+  st.payload_collectives = comm.collectives_issued() - before - st.setup_collectives;
+  return {base, layout_.total_bytes};
 }
 
 }  // namespace shardgather

@@ -32,17 +32,22 @@ void set_status(PreflightHeader& header, ErrorCode code, std::string_view text) 
   header.status_text[n] = '\0';
 }
 
-void set_dtypes(PreflightHeader& header, std::span<const DType> dtypes) noexcept {
-  header.num_tensors = dtypes.size();
+std::uint64_t hash_dtypes(std::span<const DType> dtypes) noexcept {
   Hasher hasher;
   hasher.add(dtypes.size());
-  for (std::size_t i = 0; i < dtypes.size(); ++i) {
-    hasher.add(static_cast<std::uint64_t>(dtypes[i]));
-    if (i < kInlineDTypes) {
-      header.dtypes[i] = static_cast<std::uint8_t>(dtypes[i]);
-    }
+  for (const DType dtype : dtypes) {
+    hasher.add(static_cast<std::uint64_t>(dtype));
   }
-  header.dtype_hash = hasher.value();
+  return hasher.value();
+}
+
+void set_dtypes(PreflightHeader& header, std::span<const DType> dtypes,
+                std::uint64_t precomputed_hash) noexcept {
+  header.num_tensors = dtypes.size();
+  for (std::size_t i = 0; i < dtypes.size() && i < kInlineDTypes; ++i) {
+    header.dtypes[i] = static_cast<std::uint8_t>(dtypes[i]);
+  }
+  header.dtype_hash = precomputed_hash != 0 ? precomputed_hash : hash_dtypes(dtypes);
 }
 
 std::uint64_t hash_hint(std::span<const std::vector<std::int64_t>> flat_hint, int world_size) {

@@ -50,8 +50,12 @@ static_assert(sizeof(PreflightHeader) == 352, "the header layout is part of the 
 // Records a local failure; the text is truncated to fit.
 void set_status(PreflightHeader& header, ErrorCode code, std::string_view text) noexcept;
 
-// Fills num_tensors, dtypes and dtype_hash.
-void set_dtypes(PreflightHeader& header, std::span<const DType> dtypes) noexcept;
+// The dtype_hash of a list (plans compute it once).
+std::uint64_t hash_dtypes(std::span<const DType> dtypes) noexcept;
+
+// Fills num_tensors, the inline dtypes and dtype_hash (hash_dtypes(dtypes) when given).
+void set_dtypes(PreflightHeader& header, std::span<const DType> dtypes,
+                std::uint64_t precomputed_hash = 0) noexcept;
 
 std::uint64_t hash_hint(std::span<const std::vector<std::int64_t>> flat_hint, int world_size);
 

@@ -157,6 +157,9 @@ UnshardPlan::UnshardPlan(std::span<const ShardSpec> specs, int world_size, int r
     }
   }
   output_bytes_ = end;
+  for (std::size_t i = 0; i < n; ++i) {
+    local_bytes_.push_back(checked_nbytes(specs_[i].dtype, shard_shape(rank, i)));
+  }
   fingerprint_ = hasher.value() == 0 ? 1 : hasher.value();
 }
 
@@ -192,7 +195,7 @@ ExecStats UnshardPlan::execute(std::span<const TensorView> shards, Communicator&
   for (std::size_t i = 0; i < specs_.size(); ++i) {
     x.outputs[i] = out.data() + output_offsets_[i];
   }
-  return execute_into(shards, comm, error);
+  return execute_into(shards, comm, error, true);
 }
 
 ExecStats UnshardPlan::execute(std::span<const TensorView> shards, Communicator& comm,
@@ -216,11 +219,12 @@ ExecStats UnshardPlan::execute(std::span<const TensorView> shards, Communicator&
     }
     x.outputs[i] = static_cast<std::byte*>(o.data);
   }
-  return execute_into(shards, comm, error);
+  return execute_into(shards, comm, error, false);
 }
 
 ExecStats UnshardPlan::execute_into(std::span<const TensorView> shards, Communicator& comm,
-                                    const std::optional<std::string>& output_error) {
+                                    const std::optional<std::string>& output_error,
+                                    bool one_buffer) {
   detail::ExecScratch& x = scratch_.get();
   const std::size_t n = specs_.size();
   const auto world = static_cast<std::size_t>(world_);
@@ -251,12 +255,15 @@ ExecStats UnshardPlan::execute_into(std::span<const TensorView> shards, Communic
       throw InvalidArgument("the plan has " + std::to_string(n) + " parameters, got " +
                             std::to_string(shards.size()) + " shards");
     }
-    // Every shard against its spec; every extent (shards read, outputs written) for aliasing.
+    // Every shard against its spec, then aliasing: against the one output buffer (O(n)), or
+    // across every extent, shards read and outputs written (sorted, O(n log n)).
+    const auto out_begin =
+        reinterpret_cast<std::uintptr_t>(x.outputs.empty() ? nullptr : x.outputs[0]);
+    const std::uintptr_t out_end = out_begin + output_bytes_;
     x.extents.clear();
     for (std::size_t i = 0; i < n; ++i) {
       const ShardSpec& s = specs_[i];
       const TensorView& t = shards[i];
-      const std::uint64_t bytes = detail::check_tensor(t, i);
       if (t.dtype != s.dtype || t.shape.size() != s.full_shape.size()) {
         throw InvalidArgument("tensor " + std::to_string(i) + ": expected a " +
                               std::string(dtype_name(s.dtype)) + " shard of rank " +
@@ -275,15 +282,23 @@ ExecStats UnshardPlan::execute_into(std::span<const TensorView> shards, Communic
                                 ", shard dim " + std::to_string(s.shard_dim) + ")");
         }
       }
+      const std::uint64_t bytes = local_bytes_[i];
       detail::check_tensor_matches(t, i, s.dtype, t.shape, bytes);
       if (!is_contiguous(t)) {
         staged += bytes;
       }
-      x.extents.push_back({detail::extent_of(t, bytes), false});
-      x.extents.push_back(
-          {{reinterpret_cast<std::uintptr_t>(x.outputs[i]),
-            reinterpret_cast<std::uintptr_t>(x.outputs[i]) + checked_nbytes(s.dtype, s.full_shape)},
-           true});
+      const detail::Extent e = detail::extent_of(t, bytes);
+      if (one_buffer) {
+        if (e.begin < e.end && e.begin < out_end && out_begin < e.end) {
+          throw InvalidArgument("tensor " + std::to_string(i) +
+                                ": aliasing: the shard overlaps the output (in-place unshard is "
+                                "not supported; keep shards and full tensors apart)");
+        }
+        continue;
+      }
+      x.extents.push_back({e, false});
+      const auto o = reinterpret_cast<std::uintptr_t>(x.outputs[i]);
+      x.extents.push_back({{o, o + checked_nbytes(s.dtype, s.full_shape)}, true});
     }
     std::sort(x.extents.begin(), x.extents.end(),
               [](const auto& a, const auto& b) { return a.extent.begin < b.extent.begin; });
@@ -296,7 +311,7 @@ ExecStats UnshardPlan::execute_into(std::span<const TensorView> shards, Communic
       if (e.extent.begin < write_end || (e.written && e.extent.begin < any_end)) {
         throw InvalidArgument(
             "aliasing: an output overlaps a shard or another output (in-place unshard is not "
-            "supported; pass the shards and the full tensors in separate memory)");
+            "supported; keep shards and full tensors apart)");
       }
       any_end = std::max(any_end, e.extent.end);
       if (e.written) {
@@ -313,7 +328,12 @@ ExecStats UnshardPlan::execute_into(std::span<const TensorView> shards, Communic
     detail::set_status(header, e.code(), e.what());
   }
   if (exchange) {
-    detail::exchange_headers(comm, header, x.header_bytes, x.headers, deadline);
+    try {
+      detail::exchange_headers(comm, header, x.header_bytes, x.headers, deadline);
+    } catch (const CommunicationError&) {
+      scratch_.leak();  // the header buffer may still be written
+      throw;
+    }
     stats.preflight_collectives = 1;
   }
 
@@ -374,14 +394,22 @@ ExecStats UnshardPlan::execute_into(std::span<const TensorView> shards, Communic
       .copy_threads = options_.copy_threads > 0
                           ? options_.copy_threads
                           : detail::default_copy_threads(comm.ranks_on_host()),
+      .stream_displs = {},
   };
   stats.strategy = detail::select_strategy(options_.strategy, job, comm);
   if (world_ == 1) {
     copy_stream(job.send, job.pieces);
   } else if (std::accumulate(counts_.begin(), counts_.end(), std::uint64_t{0}) != 0) {
     const std::uint64_t before = comm.collectives_issued();
-    detail::run_strategy(stats.strategy, job, comm, deadline, x.strategy);
-    stats.payload_collectives = comm.collectives_issued() - before;
+    const std::uint64_t setup_before = x.strategy.setup_collectives;
+    try {
+      detail::run_strategy(stats.strategy, job, comm, deadline, x.strategy);
+    } catch (const CommunicationError&) {
+      scratch_.leak();  // staging and windows may still be read by a posted collective
+      throw;
+    }
+    stats.setup_collectives = x.strategy.setup_collectives - setup_before;
+    stats.payload_collectives = comm.collectives_issued() - before - stats.setup_collectives;
   }
   return stats;
 }
@@ -402,8 +430,13 @@ UnshardResult unshard(std::span<const TensorView> shards, Communicator& comm,
   } catch (const Error& e) {
     detail::raise_through_header(comm, e, exchange, deadline);
   }
-  const ExecStats stats =
-      plan.execute(shards, comm, std::span<std::byte>(buffer.data(), buffer.size()));
+  ExecStats stats;
+  try {
+    stats = plan.execute(shards, comm, std::span<std::byte>(buffer.data(), buffer.size()));
+  } catch (const CommunicationError&) {
+    detail::leak(buffer);
+    throw;
+  }
   std::vector<TensorView> views = plan.views(buffer.data());
   return {std::move(views), std::move(buffer), stats};
 }

@@ -43,10 +43,14 @@ enum class Strategy : std::uint8_t {
   kPacked = 2,
   // One collective per tensor: the baseline.
   kPerTensor = 3,
+  // Every rank on one host: one copy into a node-shared window, a barrier, one copy out.
+  // Falls back to kDirect when the ranks span hosts.
+  kShared = 4,
 };
 
 SHARDGATHER_API std::string_view strategy_name(Strategy strategy) noexcept;
-// InvalidArgument for an unknown name. Accepts "auto", "direct", "packed", "per_tensor".
+// InvalidArgument for an unknown name. Accepts "auto", "direct", "packed", "per_tensor",
+// "shared".
 SHARDGATHER_API Strategy parse_strategy(std::string_view name);
 
 struct PlanOptions {
@@ -63,6 +67,8 @@ struct ExecStats {
   std::uint64_t preflight_collectives = 0;
   std::uint64_t metadata_collectives = 0;  // always 0 for an execution
   std::uint64_t payload_collectives = 0;
+  // One-time setup on a first execution (kShared: creating the node-shared window).
+  std::uint64_t setup_collectives = 0;
   std::uint64_t staged_bytes = 0;       // bytes copied into staging before sending
   Strategy strategy = Strategy::kAuto;  // the one that ran
 };
@@ -81,6 +87,9 @@ class SHARDGATHER_API ScratchHolder {
   ScratchHolder& operator=(ScratchHolder&& other) noexcept;
   // Created on first use (also after a move left this holder empty).
   [[nodiscard]] ExecScratch& get();
+  // After a communication failure: gives the scratch up without freeing it, since a posted
+  // collective may still read or write it; the next execution starts with fresh scratch.
+  void leak() noexcept;
 
  private:
   std::unique_ptr<ExecScratch> scratch_;
@@ -109,18 +118,34 @@ class SHARDGATHER_API AllGatherPlan {
 
   // Views of the gathered tensors over a buffer laid out by this plan: element i * world + r is
   // rank r's tensor i.
-  [[nodiscard]] std::vector<TensorView> views(std::byte* buffer) const;
+  // The views are writable only if `buffer` is (execute_shared's memory is read-only).
+  [[nodiscard]] std::vector<TensorView> views(const std::byte* buffer) const;
 
   // Gathers `params` (this rank's tensors, matching the plan) into `out` (output_bytes() bytes,
   // caller-owned, must not overlap an input except as this rank's exact slot). Blocking.
   ExecStats execute(std::span<const TensorView> params, Communicator& comm,
                     std::span<std::byte> out);
 
+  // Gathers into plan-owned memory and returns it (output_bytes(), laid out as for execute()).
+  // When every rank is on this host the memory is a node-shared window: each rank copies its
+  // tensors in once and reads everyone's in place, so nothing is copied out (the seed's output
+  // form: views into the gathered buffer). The bytes stay valid until the next execute_shared
+  // of this plan on any rank; read them, do not write them. Elsewhere it is execute() into a
+  // plan-owned buffer.
+  std::span<const std::byte> execute_shared(std::span<const TensorView> params, Communicator& comm,
+                                            ExecStats* stats = nullptr);
+
  private:
+  // Validates, exchanges the header, builds the send stream and the destinations in `out`
+  // (none when out is null) into the scratch.
+  void prepare(std::span<const TensorView> params, Communicator& comm, std::byte* out,
+               std::uint64_t out_size, ExecStats& stats, Deadline deadline);
+
   LayoutPlan layout_;
   int rank_ = 0;
   PlanOptions options_;
   std::uint64_t fingerprint_ = 0;  // of the layout, compared in the pre-flight header
+  std::uint64_t dtype_hash_ = 0;
   detail::ScratchHolder scratch_;
 };
 

@@ -64,8 +64,10 @@ class SHARDGATHER_API UnshardPlan {
                     std::span<std::byte> out);
 
  private:
+  // outputs (x.outputs in the scratch) are set; `one_buffer` when they lie in one buffer laid out
+  // by this plan, so only the shards need checking against it for aliasing.
   ExecStats execute_into(std::span<const TensorView> shards, Communicator& comm,
-                         const std::optional<std::string>& output_error);
+                         const std::optional<std::string>& output_error, bool one_buffer);
 
   std::vector<ShardSpec> specs_;  // sizes filled in
   int world_ = 1;
@@ -77,8 +79,9 @@ class SHARDGATHER_API UnshardPlan {
   // Per (rank, param), rank-major: bytes on the wire, and the destination relative to the
   // param's full tensor (offset of the first block, block bytes, blocks, stride).
   std::vector<std::uint64_t> part_bytes_;
-  std::vector<RecvPiece> part_pieces_;  // data holds the offset, not a pointer
-  std::vector<std::uint64_t> counts_;   // per rank
+  std::vector<RecvPiece> part_pieces_;      // data holds the offset, not a pointer
+  std::vector<std::uint64_t> counts_;       // per rank
+  std::vector<std::uint64_t> local_bytes_;  // per param: this rank's local (padded) shard
   detail::ScratchHolder scratch_;
 };
 

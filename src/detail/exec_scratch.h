@@ -23,6 +23,7 @@ struct ExecScratch {
   std::vector<std::uint64_t> part_bytes;
   std::vector<std::uint64_t> counts;
   std::vector<std::byte> staging;       // packed non-contiguous (or in-place) inputs
+  std::vector<std::byte> owned;         // execute_shared's output where no window can exist
   std::vector<std::byte> header_bytes;  // world headers, gathered
   std::vector<PreflightHeader> headers;
   StrategyScratch strategy;

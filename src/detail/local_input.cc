@@ -17,21 +17,22 @@ std::string shape_str(std::span<const std::int64_t> shape) {
 }
 
 std::uint64_t check_tensor(const TensorView& t, std::size_t i) {
-  const std::string where = "tensor " + std::to_string(i) + ": ";
+  // The prefix is built only on failure: this runs once per tensor per call.
+  const auto where = [i] { return "tensor " + std::to_string(i) + ": "; };
   std::uint64_t bytes = 0;
   try {
     bytes = checked_nbytes(t.dtype, t.shape);
   } catch (const CountOverflow& e) {
-    throw CountOverflow(where + e.what());
+    throw CountOverflow(where() + e.what());
   } catch (const InvalidArgument& e) {
-    throw InvalidArgument(where + e.what());
+    throw InvalidArgument(where() + e.what());
   }
   if (!t.strides.empty() && t.strides.size() != t.shape.size()) {
-    throw InvalidArgument(where + std::to_string(t.strides.size()) + " strides for " +
+    throw InvalidArgument(where() + std::to_string(t.strides.size()) + " strides for " +
                           std::to_string(t.shape.size()) + " dims");
   }
   if (t.data == nullptr && bytes != 0) {
-    throw InvalidArgument(where + "null data pointer with " + std::to_string(bytes) +
+    throw InvalidArgument(where() + "null data pointer with " + std::to_string(bytes) +
                           " bytes of shape " + shape_str(t.shape));
   }
   return bytes;

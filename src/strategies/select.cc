@@ -17,24 +17,29 @@ std::string_view strategy_name(Strategy strategy) noexcept {
       return "packed";
     case Strategy::kPerTensor:
       return "per_tensor";
+    case Strategy::kShared:
+      return "shared";
   }
   return "invalid";
 }
 
 Strategy parse_strategy(std::string_view name) {
-  for (const Strategy s :
-       {Strategy::kAuto, Strategy::kDirect, Strategy::kPacked, Strategy::kPerTensor}) {
+  for (const Strategy s : {Strategy::kAuto, Strategy::kDirect, Strategy::kPacked,
+                           Strategy::kPerTensor, Strategy::kShared}) {
     if (strategy_name(s) == name) {
       return s;
     }
   }
   throw InvalidArgument("unknown strategy \"" + std::string(name) +
-                        "\" (auto, direct, packed, per_tensor)");
+                        "\" (auto, direct, packed, per_tensor, shared)");
 }
 
 namespace detail {
 
 Strategy select_strategy(Strategy requested, const GatherJob& job, const Communicator& comm) {
+  if (requested == Strategy::kShared && !shared_available(comm)) {
+    return Strategy::kDirect;  // documented fallback: ranks on several hosts
+  }
   if (requested != Strategy::kAuto) {
     return requested;
   }
@@ -51,6 +56,9 @@ void run_strategy(Strategy strategy, const GatherJob& job, Communicator& comm, D
       return;
     case Strategy::kPerTensor:
       run_per_tensor(job, comm, deadline, scratch);
+      return;
+    case Strategy::kShared:
+      run_shared(job, comm, deadline, scratch);
       return;
     case Strategy::kAuto:
     case Strategy::kDirect:

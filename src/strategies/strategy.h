@@ -8,8 +8,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
+
+#include "detail/shared_buffer.h"
 
 #include "shardgather/communicator.h"
 #include "shardgather/plan.h"
@@ -29,6 +32,9 @@ struct GatherJob {
   std::span<const std::size_t> part_first;
   std::span<const std::size_t> send_first;
   int copy_threads = 1;
+  // kShared: where each rank's stream sits in the shared window (empty: back to back, 8-byte
+  // aligned), and the window's size per round.
+  std::span<const std::uint64_t> stream_displs;
 };
 
 // Scratch a strategy may need; owned by the plan so executions allocate nothing.
@@ -39,6 +45,11 @@ struct StrategyScratch {
   std::vector<std::uint64_t> counts;  // size()
   std::vector<std::size_t> first;     // size() + 1
   std::vector<RecvPiece> pieces;
+  // kShared: the node-shared window (two rounds, used alternately) and the round counter.
+  std::unique_ptr<SharedBuffer> window;
+  std::uint64_t window_round_bytes = 0;
+  std::uint64_t round = 0;
+  std::uint64_t setup_collectives = 0;  // issued so far for one-time setup (the window)
 };
 
 // When every rank's pieces form one contiguous run, fills scratch.displs relative to *base and
@@ -53,6 +64,14 @@ void run_packed(const GatherJob& job, Communicator& comm, Deadline deadline,
                 StrategyScratch& scratch);
 void run_per_tensor(const GatherJob& job, Communicator& comm, Deadline deadline,
                     StrategyScratch& scratch);
+// Copies this rank's stream into its region of the current round of the shared window and
+// meets the others; returns the round's base (every rank's stream at its stream_displs).
+std::byte* shared_copy_in(const GatherJob& job, Communicator& comm, Deadline deadline,
+                          StrategyScratch& scratch);
+void run_shared(const GatherJob& job, Communicator& comm, Deadline deadline,
+                StrategyScratch& scratch);
+// Whether kShared can run here: every rank on this host, more than one rank.
+bool shared_available(const Communicator& comm) noexcept;
 
 // kAuto resolved for this job and backend (docs/benchmarking.md has the measurements).
 Strategy select_strategy(Strategy requested, const GatherJob& job, const Communicator& comm);

@@ -79,6 +79,7 @@ TEST_P(MpiTeams, RandomListsMatchPerTensorReference) {
 }
 
 TEST_P(MpiTeams, PlanSteadyState) { testing::case_plan_steady_state(team_.comm()); }
+TEST_P(MpiTeams, PlanExecuteShared) { testing::case_plan_execute_shared(team_.comm()); }
 TEST_P(MpiTeams, PlanRejectsMismatchedTensors) {
   testing::case_plan_rejects_mismatched_tensors(team_.comm());
 }

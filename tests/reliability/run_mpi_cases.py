@@ -54,7 +54,9 @@ def launches(families, nps, big):
 
 def pgrep(binary):
     r = subprocess.run(["pgrep", "-f", binary], capture_output=True, text=True)
-    return [int(p) for p in r.stdout.split()]
+    # This launcher's own command line names the binary too (--bin): never count it.
+    mine = {os.getpid(), os.getppid()}
+    return [int(p) for p in r.stdout.split() if int(p) not in mine]
 
 
 def run_launch(args, spec, timeout_ms):

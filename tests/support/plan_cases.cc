@@ -17,7 +17,7 @@ constexpr std::uint64_t kSeed = 0x9a11;
 constexpr int kFullRank = 1 << 20;  // pattern "rank" of the full (unsharded) tensors
 
 constexpr Strategy kStrategies[] = {Strategy::kAuto, Strategy::kDirect, Strategy::kPacked,
-                                    Strategy::kPerTensor};
+                                    Strategy::kPerTensor, Strategy::kShared};
 
 template <typename Error>
 void expect_raises(const std::function<void()>& fn, const std::string& needle) {
@@ -179,7 +179,12 @@ void case_plan_steady_state(Communicator& comm) {
           }
           EXPECT_EQ(stats.metadata_collectives, 0U) << what;
           EXPECT_EQ(stats.preflight_collectives, world > 1 && preflight ? 1U : 0U) << what;
-          EXPECT_EQ(issued, stats.preflight_collectives + stats.payload_collectives) << what;
+          EXPECT_EQ(issued, stats.preflight_collectives + stats.payload_collectives +
+                                stats.setup_collectives)
+              << what;
+          if (step > 0) {
+            EXPECT_EQ(stats.setup_collectives, 0U) << what;
+          }
           if (world > 1 && strategy != Strategy::kPerTensor) {
             EXPECT_EQ(stats.payload_collectives, 1U) << what;
           }
@@ -194,6 +199,40 @@ void case_plan_steady_state(Communicator& comm) {
             }
           }
         }
+      }
+    }
+  }
+}
+
+void case_plan_execute_shared(Communicator& comm) {
+  const int world = comm.size();
+  const int rank = comm.rank();
+  const auto shapes = plan_shapes(world);
+  std::vector<HostTensor> tensors;
+  for (std::size_t i = 0; i < kPlanDTypes.size(); ++i) {
+    tensors.push_back(
+        make_tensor(kPlanDTypes[i], shapes[static_cast<std::size_t>(rank)][i], kSeed, rank, i));
+  }
+  const std::vector<TensorView> params = views_of(tensors);
+  AllGatherPlan plan(kPlanDTypes, shapes, rank);
+  for (int step = 0; step < 6; ++step) {
+    const std::uint64_t allocs = thread_allocations();
+    ExecStats stats;
+    const std::span<const std::byte> gathered = plan.execute_shared(params, comm, &stats);
+    if (step > 0) {
+      EXPECT_EQ(thread_allocations() - allocs, 0U) << "step " << step;
+    }
+    ASSERT_EQ(gathered.size(), plan.output_bytes());
+    EXPECT_EQ(stats.metadata_collectives, 0U);
+    const std::vector<TensorView> views = plan.views(gathered.data());
+    for (std::size_t i = 0; i < kPlanDTypes.size(); ++i) {
+      for (int r = 0; r < world; ++r) {
+        const TensorView& v =
+            views[i * static_cast<std::size_t>(world) + static_cast<std::size_t>(r)];
+        std::vector<std::byte> expect(checked_nbytes(v.dtype, v.shape));
+        fill_pattern(expect, kSeed, r, i);
+        ASSERT_TRUE(expect.empty() || std::memcmp(v.data, expect.data(), expect.size()) == 0)
+            << "step " << step << ": out[" << i << "][" << r << "]";
       }
     }
   }

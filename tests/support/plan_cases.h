@@ -8,6 +8,9 @@ namespace shardgather::testing {
 // An AllGatherPlan built with and without a hint, executed many times into one buffer with
 // every strategy: bit-exact each time, 0 metadata collectives, 0 allocations per execution.
 void case_plan_steady_state(Communicator& comm);
+// execute_shared: gathered bytes read in place (node-shared window), bit-exact every step,
+// no allocation in steady state.
+void case_plan_execute_shared(Communicator& comm);
 // A plan rejects tensors that do not match it, on every rank, and stays usable.
 void case_plan_rejects_mismatched_tensors(Communicator& comm);
 // unshard over dims 0, 1 and last; chunk, explicit uneven, padded and empty shards; every

@@ -58,6 +58,7 @@ TEST_P(ThreadsWorld, RandomListsMatchPerTensorReference) {
 }
 
 TEST_P(ThreadsWorld, PlanSteadyState) { run(testing::case_plan_steady_state); }
+TEST_P(ThreadsWorld, PlanExecuteShared) { run(testing::case_plan_execute_shared); }
 TEST_P(ThreadsWorld, PlanRejectsMismatchedTensors) {
   run(testing::case_plan_rejects_mismatched_tensors);
 }

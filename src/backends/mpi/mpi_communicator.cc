@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <climits>
 #include <string>
+#include <thread>
 
 #include "detail/check_mpi.h"
 #include <sched.h>
@@ -183,6 +184,8 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, const MpiOptions& options) : opt
       rank_, MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local));
   SHARDGATHER_CHECK_MPI(rank_, MPI_Comm_size(local, &ranks_on_host_));
   SHARDGATHER_CHECK_MPI(rank_, MPI_Comm_free(&local));
+  const unsigned cores = std::thread::hardware_concurrency();
+  oversubscribed_ = cores != 0 && static_cast<unsigned>(ranks_on_host_) > cores;
 }
 
 MpiCommunicator::~MpiCommunicator() {
@@ -220,7 +223,9 @@ void MpiCommunicator::wait(MPI_Request& request, Deadline deadline, const char* 
                     " passed its deadline waiting for peers (MPI cannot cancel it: the "
                     "communicator is poisoned; end the process or the job)");
     }
-    if (spins > 64) {
+    // Yield only when ranks outnumber cores here: otherwise it costs a syscall per test and
+    // delays the progress that only MPI_Test makes.
+    if (oversubscribed_ && spins > 64) {
       sched_yield();
     }
   }

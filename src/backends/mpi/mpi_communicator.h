@@ -80,6 +80,7 @@ class MpiCommunicator final : public Communicator {
   int rank_ = 0;
   int size_ = 1;
   int ranks_on_host_ = 1;
+  bool oversubscribed_ = false;  // more ranks on this host than cores
   MpiOptions options_;
   std::atomic<bool> abort_requested_{false};
   std::vector<SendType> type_cache_;   // most recently used last

@@ -1,0 +1,72 @@
+#include "presets.h"
+
+#include <algorithm>
+
+namespace shardgather::bench {
+
+namespace {
+
+std::uint64_t mix(std::uint64_t x) noexcept {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30U)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27U)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31U);
+}
+
+}  // namespace
+
+const std::vector<std::string>& preset_names() {
+  static const std::vector<std::string> names = {"llama-layer", "tiny-1000", "single-64m"};
+  return names;
+}
+
+DType parse_dtype(const std::string& name) {
+  for (int code = 0; code < kNumDTypes; ++code) {
+    const auto dtype = static_cast<DType>(code);
+    if (dtype_name(dtype) == name) {
+      return dtype;
+    }
+  }
+  throw InvalidArgument("unknown dtype \"" + name + "\" (f32, bf16, f16, f64, i32, ...)");
+}
+
+std::vector<Param> make_preset(const std::string& name, DType dtype, int world_size) {
+  const auto elem = static_cast<std::int64_t>(dtype_size(dtype));
+  std::vector<Param> params;
+  if (name == "llama-layer") {
+    params = {{"self_attn.q_proj", {4096, 4096}},  {"self_attn.k_proj", {4096, 4096}},
+              {"self_attn.v_proj", {4096, 4096}},  {"self_attn.o_proj", {4096, 4096}},
+              {"mlp.gate_proj", {11008, 4096}},    {"mlp.up_proj", {11008, 4096}},
+              {"mlp.down_proj", {4096, 11008}},    {"input_layernorm", {4096}},
+              {"post_attention_layernorm", {4096}}};
+  } else if (name == "tiny-1000") {
+    // Biases, norm scales and scalars: 4 B to 1 KiB per rank each.
+    std::uint64_t state = 1000;
+    for (int i = 0; i < 1000; ++i) {
+      state = mix(state);
+      const std::int64_t bytes = 4 + static_cast<std::int64_t>(state % 1021);
+      const std::int64_t per_rank = std::max<std::int64_t>(1, bytes / elem);
+      params.push_back({"tiny." + std::to_string(i), {per_rank * world_size}});
+    }
+  } else if (name == "single-64m") {
+    params = {{"flat", {(std::int64_t{64} << 20) / elem * world_size}}};
+  } else {
+    throw InvalidArgument("unknown preset \"" + name + "\" (llama-layer, tiny-1000, single-64m)");
+  }
+  return params;
+}
+
+void fill_full_range(std::span<std::byte> out, std::uint64_t seed, std::size_t param,
+                     std::uint64_t offset) {
+  const std::uint64_t key = mix(seed ^ mix(param + 1));
+  std::size_t k = 0;
+  while (k < out.size()) {
+    const std::uint64_t pos = offset + k;
+    const std::uint64_t word = mix(key + pos / 8);
+    for (std::uint64_t b = pos % 8; b < 8 && k < out.size(); ++b, ++k) {
+      out[k] = static_cast<std::byte>((word >> (8U * b)) & 0xffU);
+    }
+  }
+}
+
+}  // namespace shardgather::bench

@@ -1,0 +1,663 @@
+// shardgather-bench: nccl-tests-style benchmark of foreach_all_gather and unshard.
+//
+// Every case is measured in one process on the same buffers, side by side with the limit (one
+// all-gather of the same bytes from one contiguous buffer on the same backend: MPI_Allgather
+// under MPI) and the per-tensor loop. Timing rule: barrier (not timed), time one call, the
+// iteration's time is the slowest rank's; report the median and the minimum. Buffers are
+// allocated and touched before timing. Every result is verified after timing.
+//
+//   shardgather-bench --preset llama-layer --ranks 4              (threads backend, in-process)
+//   mpirun -np 2 shardgather-bench --backend mpi --preset tiny-1000 --json out.json
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "presets.h"
+#include "support/alloc_counter.h"
+#include <unistd.h>
+
+#include "shardgather/shardgather.h"
+#ifdef SHARDGATHER_BENCH_WITH_MPI
+#include <mpi.h>
+
+#include "shardgather/mpi.h"
+#endif
+
+namespace sg = shardgather;
+using sg::bench::Param;
+
+namespace {
+
+constexpr std::uint64_t kSeed = 20261130;
+constexpr std::uint64_t kWarmCallBytes = std::uint64_t{16} << 20;
+
+struct Config {
+  std::string preset = "llama-layer";
+  sg::DType dtype = sg::DType::kBFloat16;
+  std::string backend = "threads";
+  int ranks = 4;
+  int iters = 20;
+  int warmup = 3;
+  std::string json;
+  std::vector<std::string> ops = {"limit", "foreach_all_gather", "unshard", "per_tensor"};
+  std::vector<sg::Strategy> strategies = {sg::Strategy::kAuto, sg::Strategy::kDirect,
+                                          sg::Strategy::kPacked};
+  bool preflight = true;
+  int copy_threads = 0;
+};
+
+struct Result {
+  std::string op;
+  std::string strategy;
+  std::size_t tensors = 0;
+  std::uint64_t bytes_per_rank = 0;  // the largest rank's shard bytes
+  std::uint64_t gathered_bytes = 0;  // bytes each rank ends up with
+  double time_us = 0;                // median over iterations of the slowest rank
+  double min_us = 0;
+  double algbw = 0;  // GB/s: gathered bytes / time
+  double busbw = 0;  // GB/s: algbw * (world - 1) / world
+  std::uint64_t wrong = 0;
+  std::uint64_t metadata_collectives = 0;
+  std::uint64_t preflight_collectives = 0;
+  std::uint64_t payload_collectives = 0;
+  double allocations = 0;  // per timed call, the largest rank's
+};
+
+// What one rank holds: its shards of every parameter, and what every rank's shard looks like.
+struct Setup {
+  std::vector<Param> params;
+  std::vector<sg::ShardSpec> specs;
+  std::vector<sg::DType> dtypes;
+  std::vector<std::vector<sg::Shape>> shapes;       // [r][i]
+  std::vector<std::vector<std::uint64_t>> offsets;  // [r][i]: byte offset in the full tensor
+  std::vector<std::vector<std::byte>> storage;
+  std::vector<sg::TensorView> views;
+  std::uint64_t max_bytes_per_rank = 0;
+};
+
+Setup make_setup(const Config& cfg, int world, int rank) {
+  Setup s;
+  s.params = sg::bench::make_preset(cfg.preset, cfg.dtype, world);
+  s.shapes.resize(static_cast<std::size_t>(world));
+  s.offsets.resize(static_cast<std::size_t>(world));
+  std::vector<std::uint64_t> rank_bytes(static_cast<std::size_t>(world), 0);
+  for (std::size_t i = 0; i < s.params.size(); ++i) {
+    const sg::Shape& full = s.params[i].full;
+    s.specs.push_back({cfg.dtype, full, 0, sg::chunk_sizes(full[0], world), 0});
+    s.dtypes.push_back(cfg.dtype);
+    const std::uint64_t row_bytes =
+        full[0] == 0 ? 0
+                     : sg::checked_nbytes(cfg.dtype, full) / static_cast<std::uint64_t>(full[0]);
+    std::uint64_t row = 0;
+    for (int r = 0; r < world; ++r) {
+      sg::Shape shape = full;
+      shape[0] = s.specs.back().sizes[static_cast<std::size_t>(r)];
+      s.shapes[static_cast<std::size_t>(r)].push_back(shape);
+      s.offsets[static_cast<std::size_t>(r)].push_back(row * row_bytes);
+      row += static_cast<std::uint64_t>(shape[0]);
+      rank_bytes[static_cast<std::size_t>(r)] += sg::checked_nbytes(cfg.dtype, shape);
+    }
+  }
+  s.max_bytes_per_rank = *std::max_element(rank_bytes.begin(), rank_bytes.end());
+  const auto me = static_cast<std::size_t>(rank);
+  for (std::size_t i = 0; i < s.params.size(); ++i) {
+    s.storage.emplace_back(sg::checked_nbytes(cfg.dtype, s.shapes[me][i]));
+    sg::bench::fill_full_range(s.storage.back(), kSeed, i, s.offsets[me][i]);
+    s.views.push_back({s.storage.back().data(), cfg.dtype, s.shapes[me][i], {}});
+  }
+  return s;
+}
+
+// Counts elements of `got` that differ from bytes [offset, offset + size) of full tensor i.
+std::uint64_t count_wrong(const std::byte* got, std::uint64_t size, std::size_t i,
+                          std::uint64_t offset, std::size_t elem, std::vector<std::byte>& buf) {
+  constexpr std::uint64_t kChunk = std::uint64_t{1} << 20;
+  std::uint64_t wrong = 0;
+  for (std::uint64_t pos = 0; pos < size; pos += kChunk) {
+    const std::uint64_t n = std::min(kChunk, size - pos);
+    buf.resize(n);
+    sg::bench::fill_full_range(buf, kSeed, i, offset + pos);
+    if (std::memcmp(got + pos, buf.data(), n) != 0) {
+      for (std::uint64_t e = 0; e < n; e += elem) {
+        wrong += std::memcmp(got + pos + e, buf.data() + e, elem) != 0 ? 1U : 0U;
+      }
+    }
+  }
+  return wrong;
+}
+
+// The benchmark body every rank runs. Cases are interleaved: each iteration runs every case
+// once, so slow drift of the machine (page collapsing, neighbours) hits all cases alike and
+// the ratios stay side by side. Cases that gather at most 16 MiB per rank get one untimed call
+// right before the timed one (cache-warm, as in a loop of their own). Cases of one op share one
+// output buffer; each case's result is verified right after its last timed call, before another
+// case overwrites it.
+class RankBench {
+ public:
+  RankBench(sg::Communicator& comm, const Config& cfg,
+            std::function<void(std::span<const std::byte>, std::span<std::byte>)> limit)
+      : comm_(comm),
+        cfg_(cfg),
+        limit_(std::move(limit)),
+        setup_(make_setup(cfg, comm.size(), comm.rank())) {}
+
+  std::vector<Result> run() {
+    build_cases();
+    const int total = cfg_.warmup + cfg_.iters;
+    std::vector<double> mine(cases_.size() * (static_cast<std::size_t>(cfg_.iters) + 2), 0.0);
+    const std::size_t stride = static_cast<std::size_t>(cfg_.iters) + 2;
+    const auto start = std::chrono::steady_clock::now();
+    auto last_note = start;
+    for (int it = 0; it < total; ++it) {
+      for (std::size_t c = 0; c < cases_.size(); ++c) {
+        Case& k = cases_[c];
+        // A small case runs once untimed first, so its buffers are as warm as they would be in
+        // a loop of its own: otherwise the previous case's bytes decide its cache state.
+        if (k.result.gathered_bytes <= kWarmCallBytes) {
+          comm_.barrier(deadline());
+          k.call();
+        }
+        comm_.barrier(deadline());
+        const std::uint64_t a0 = sg::testing::thread_allocations();
+        const auto t0 = std::chrono::steady_clock::now();
+        k.call();
+        const auto t1 = std::chrono::steady_clock::now();
+        const std::uint64_t a1 = sg::testing::thread_allocations();
+        if (it >= cfg_.warmup) {
+          const auto timed = static_cast<std::size_t>(it - cfg_.warmup);
+          mine[c * stride + timed] = std::chrono::duration<double, std::micro>(t1 - t0).count();
+          mine[c * stride + stride - 2] += static_cast<double>(a1 - a0) / cfg_.iters;
+        }
+        if (it == total - 1) {
+          mine[c * stride + stride - 1] = static_cast<double>(k.verify());
+        }
+      }
+      const auto now = std::chrono::steady_clock::now();
+      if (comm_.rank() == 0 && now - start > std::chrono::seconds(3) &&
+          now - last_note > std::chrono::seconds(2)) {
+        std::fprintf(stderr, "# ... iteration %d of %d (%zu cases each)\n", it + 1, total,
+                     cases_.size());
+        last_note = now;
+      }
+    }
+    const auto world = static_cast<std::size_t>(comm_.size());
+    std::vector<double> all(mine.size() * world);
+    comm_.all_gather(std::as_bytes(std::span(mine)), std::as_writable_bytes(std::span(all)),
+                     deadline());
+    std::vector<Result> results;
+    for (std::size_t c = 0; c < cases_.size(); ++c) {
+      Result r = cases_[c].result;
+      std::vector<double> slowest(static_cast<std::size_t>(cfg_.iters), 0.0);
+      double wrong = 0;
+      for (std::size_t q = 0; q < world; ++q) {
+        const double* row = all.data() + q * mine.size() + c * stride;
+        for (std::size_t it = 0; it < slowest.size(); ++it) {
+          slowest[it] = std::max(slowest[it], row[it]);
+        }
+        r.allocations = std::max(r.allocations, row[stride - 2]);
+        wrong += row[stride - 1];
+      }
+      std::sort(slowest.begin(), slowest.end());
+      r.time_us = slowest[slowest.size() / 2];
+      r.min_us = slowest.front();
+      r.wrong = static_cast<std::uint64_t>(wrong);
+      r.tensors = setup_.params.size();
+      r.bytes_per_rank = setup_.max_bytes_per_rank;
+      const double w = comm_.size();
+      r.algbw = static_cast<double>(r.gathered_bytes) / (r.time_us * 1e3);
+      r.busbw = r.algbw * (w - 1) / w;
+      if (cases_[c].stats != nullptr) {
+        const sg::ExecStats& st = *cases_[c].stats;
+        r.metadata_collectives = st.metadata_collectives;
+        r.preflight_collectives = st.preflight_collectives;
+        r.payload_collectives = st.payload_collectives;
+        if (r.strategy == "auto") {
+          r.strategy = "auto:" + std::string(sg::strategy_name(st.strategy));
+        }
+      }
+      results.push_back(r);
+    }
+    return results;
+  }
+
+  const Setup& setup() const { return setup_; }
+
+ private:
+  struct Case {
+    Result result;
+    std::function<void()> call;
+    std::function<std::uint64_t()> verify;  // wrong elements on this rank
+    const sg::ExecStats* stats = nullptr;
+  };
+
+  sg::Deadline deadline() const { return comm_.deadline_after(std::chrono::minutes(5)); }
+
+  sg::PlanOptions plan_options(sg::Strategy strategy) const {
+    return {.timeout = {},
+            .preflight = cfg_.preflight,
+            .strategy = strategy,
+            .copy_threads = cfg_.copy_threads};
+  }
+
+  void build_cases() {
+    for (const std::string& op : cfg_.ops) {
+      if (op == "limit") {
+        add_limit();
+      } else if (op == "per_tensor") {
+        add_foreach(sg::Strategy::kPerTensor, "per_tensor");
+      } else {
+        for (const sg::Strategy strategy : cfg_.strategies) {
+          if (op == "unshard") {
+            add_unshard(strategy);
+          } else {
+            add_foreach(strategy, "foreach_all_gather");
+          }
+        }
+      }
+    }
+  }
+
+  void add_limit() {
+    const std::uint64_t n = setup_.max_bytes_per_rank;
+    limit_send_.assign(n, std::byte{0});
+    std::size_t pos = 0;
+    for (const auto& shard : setup_.storage) {
+      std::memcpy(limit_send_.data() + pos, shard.data(), shard.size());
+      pos += shard.size();
+    }
+    limit_recv_.assign(n * static_cast<std::size_t>(comm_.size()), std::byte{0xee});
+    Case k;
+    k.result = Result{.op = "limit", .strategy = "-"};
+    k.result.gathered_bytes = limit_recv_.size();
+    k.call = [this] { limit_(limit_send_, limit_recv_); };
+    k.verify = [this, n] {
+      // Rank q's slot holds q's shards back to back.
+      std::uint64_t wrong = 0;
+      std::vector<std::byte> buf;
+      for (std::size_t q = 0; q < static_cast<std::size_t>(comm_.size()); ++q) {
+        std::uint64_t at = q * n;
+        for (std::size_t i = 0; i < setup_.params.size(); ++i) {
+          const std::uint64_t bytes = sg::checked_nbytes(cfg_.dtype, setup_.shapes[q][i]);
+          wrong += count_wrong(limit_recv_.data() + at, bytes, i, setup_.offsets[q][i],
+                               sg::dtype_size(cfg_.dtype), buf);
+          at += bytes;
+        }
+      }
+      return wrong;
+    };
+    cases_.push_back(std::move(k));
+  }
+
+  void add_foreach(sg::Strategy strategy, const char* op) {
+    auto& plan = gather_plans_.emplace_back(std::make_unique<sg::AllGatherPlan>(
+        setup_.dtypes, setup_.shapes, comm_.rank(), plan_options(strategy)));
+    foreach_out_.resize(plan->output_bytes(), std::byte{0xee});
+    auto& stats = stats_.emplace_back(std::make_unique<sg::ExecStats>());
+    Case k;
+    k.result = Result{.op = op, .strategy = std::string(sg::strategy_name(strategy))};
+    k.result.gathered_bytes = plan->output_bytes();
+    k.stats = stats.get();
+    k.call = [this, p = plan.get(), st = stats.get()] {
+      *st = p->execute(setup_.views, comm_, foreach_out_);
+    };
+    k.verify = [this, p = plan.get()] {
+      const std::vector<sg::TensorView> views = p->views(foreach_out_.data());
+      const auto world = static_cast<std::size_t>(comm_.size());
+      std::uint64_t wrong = 0;
+      std::vector<std::byte> buf;
+      for (std::size_t i = 0; i < setup_.params.size(); ++i) {
+        for (std::size_t q = 0; q < world; ++q) {
+          const sg::TensorView& v = views[i * world + q];
+          wrong += count_wrong(static_cast<const std::byte*>(v.data),
+                               sg::checked_nbytes(v.dtype, v.shape), i, setup_.offsets[q][i],
+                               sg::dtype_size(cfg_.dtype), buf);
+        }
+      }
+      std::memset(foreach_out_.data(), 0xee, foreach_out_.size());  // the next case starts dirty
+      return wrong;
+    };
+    cases_.push_back(std::move(k));
+  }
+
+  void add_unshard(sg::Strategy strategy) {
+    auto& plan = unshard_plans_.emplace_back(std::make_unique<sg::UnshardPlan>(
+        setup_.specs, comm_.size(), comm_.rank(), plan_options(strategy)));
+    unshard_out_.resize(plan->output_bytes(), std::byte{0xee});
+    auto& stats = stats_.emplace_back(std::make_unique<sg::ExecStats>());
+    Case k;
+    k.result = Result{.op = "unshard", .strategy = std::string(sg::strategy_name(strategy))};
+    for (const auto& spec : setup_.specs) {
+      k.result.gathered_bytes += sg::checked_nbytes(spec.dtype, spec.full_shape);
+    }
+    k.stats = stats.get();
+    k.call = [this, p = plan.get(), st = stats.get()] {
+      *st = p->execute(setup_.views, comm_, unshard_out_);
+    };
+    k.verify = [this, p = plan.get()] {
+      std::uint64_t wrong = 0;
+      std::vector<std::byte> buf;
+      const std::vector<sg::TensorView> views = p->views(unshard_out_.data());
+      for (std::size_t i = 0; i < views.size(); ++i) {
+        wrong += count_wrong(static_cast<const std::byte*>(views[i].data),
+                             sg::checked_nbytes(views[i].dtype, views[i].shape), i, 0,
+                             sg::dtype_size(cfg_.dtype), buf);
+      }
+      std::memset(unshard_out_.data(), 0xee, unshard_out_.size());
+      return wrong;
+    };
+    cases_.push_back(std::move(k));
+  }
+
+  sg::Communicator& comm_;
+  const Config& cfg_;
+  std::function<void(std::span<const std::byte>, std::span<std::byte>)> limit_;
+  Setup setup_;
+  std::vector<Case> cases_;
+  std::vector<std::unique_ptr<sg::AllGatherPlan>> gather_plans_;
+  std::vector<std::unique_ptr<sg::UnshardPlan>> unshard_plans_;
+  std::vector<std::unique_ptr<sg::ExecStats>> stats_;
+  std::vector<std::byte> limit_send_;
+  std::vector<std::byte> limit_recv_;
+  std::vector<std::byte> foreach_out_;
+  std::vector<std::byte> unshard_out_;
+};
+
+std::string json_escape(const std::string& s) {
+  std::string out;
+  for (const char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+    }
+    out += c;
+  }
+  return out;
+}
+
+void print_table(const Config& cfg, int world, const Setup& setup,
+                 const std::vector<Result>& results, const std::string& mpi_library) {
+  std::printf("# shardgather-bench %s\n", SHARDGATHER_VERSION_STRING);
+  std::printf("# preset %s, dtype %s, backend %s%s, world %d, iters %d (+%d warmup), seed %llu\n",
+              cfg.preset.c_str(), std::string(sg::dtype_name(cfg.dtype)).c_str(),
+              cfg.backend.c_str(), mpi_library.empty() ? "" : (" (" + mpi_library + ")").c_str(),
+              world, cfg.iters, cfg.warmup, static_cast<unsigned long long>(kSeed));
+  std::printf(
+      "# %zu tensors, dim-0 shards (torch.chunk), %llu bytes on the largest rank, "
+      "pre-flight check %s\n",
+      setup.params.size(), static_cast<unsigned long long>(setup.max_bytes_per_rank),
+      cfg.preflight ? "on" : "off");
+  std::printf(
+      "# time: median over iterations of the slowest rank; algbw = gathered bytes per "
+      "rank / time; busbw = algbw * (world-1)/world\n#\n");
+  std::printf("# %18s %14s %13s %8s %11s %11s %11s %11s %7s %8s %6s %6s\n", "op", "strategy",
+              "bytes/rank", "tensors", "time(us)", "min(us)", "algbw(GB/s)", "busbw(GB/s)",
+              "#wrong", "vs_limit", "meta", "allocs");
+  double limit_us = 0;
+  for (const Result& r : results) {
+    if (r.op == "limit") {
+      limit_us = r.time_us;
+    }
+  }
+  std::uint64_t wrong = 0;
+  double busbw_sum = 0;
+  for (const Result& r : results) {
+    std::printf("  %18s %14s %13llu %8zu %11.1f %11.1f %11.3f %11.3f %7llu %8.3f %6llu %6.1f\n",
+                r.op.c_str(), r.strategy.c_str(), static_cast<unsigned long long>(r.bytes_per_rank),
+                r.tensors, r.time_us, r.min_us, r.algbw, r.busbw,
+                static_cast<unsigned long long>(r.wrong), limit_us > 0 ? limit_us / r.time_us : 0.0,
+                static_cast<unsigned long long>(r.metadata_collectives), r.allocations);
+    wrong += r.wrong;
+    busbw_sum += r.busbw;
+  }
+  std::printf("# Out of bounds values : %llu %s\n", static_cast<unsigned long long>(wrong),
+              wrong == 0 ? "OK" : "FAILED");
+  std::printf("# Avg bus bandwidth    : %.3f GB/s\n#\n",
+              results.empty() ? 0.0 : busbw_sum / static_cast<double>(results.size()));
+  std::printf(
+      "# vs_limit = limit time / this time (1.0 = as fast as one contiguous all-gather); "
+      "meta = metadata collectives per call; allocs = heap allocations per call\n");
+}
+
+void write_json(const Config& cfg, int world, const std::vector<Result>& results,
+                const std::string& mpi_library) {
+  std::FILE* f = std::fopen(cfg.json.c_str(), "w");
+  if (f == nullptr) {
+    throw sg::InvalidArgument("cannot write " + cfg.json);
+  }
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  const std::time_t now = std::time(nullptr);
+  char date[64] = {};
+  std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  std::fprintf(f,
+               "{\n  \"schema_version\": 1,\n  \"context\": {\"host\": \"%s\", \"date\": \"%s\", "
+               "\"num_cpus\": %u, \"library_version\": \"%s\", \"build_type\": \"%s\", "
+               "\"backend\": \"%s\", \"mpi_library\": \"%s\", \"preset\": \"%s\", "
+               "\"world_size\": %d, \"iters\": %d, \"warmup\": %d, \"preflight\": %s},\n"
+               "  \"results\": [\n",
+               json_escape(host).c_str(), date, std::thread::hardware_concurrency(),
+               SHARDGATHER_VERSION_STRING, SHARDGATHER_BENCH_BUILD_TYPE, cfg.backend.c_str(),
+               json_escape(mpi_library).c_str(), cfg.preset.c_str(), world, cfg.iters, cfg.warmup,
+               cfg.preflight ? "true" : "false");
+  for (std::size_t k = 0; k < results.size(); ++k) {
+    const Result& r = results[k];
+    std::fprintf(f,
+                 "    {\"preset\": \"%s\", \"backend\": \"%s\", \"world_size\": %d, \"dtype\": "
+                 "\"%s\", \"tensors\": %zu, \"bytes_per_rank\": %llu, \"gathered_bytes\": %llu, "
+                 "\"op\": \"%s\", \"strategy\": \"%s\", \"time_us\": %.3f, \"min_us\": %.3f, "
+                 "\"algbw_gbps\": %.4f, \"busbw_gbps\": %.4f, \"wrong\": %llu, "
+                 "\"metadata_collectives\": %llu, \"preflight_collectives\": %llu, "
+                 "\"payload_collectives\": %llu, \"allocations\": %.2f}%s\n",
+                 cfg.preset.c_str(), cfg.backend.c_str(), world,
+                 std::string(sg::dtype_name(cfg.dtype)).c_str(), r.tensors,
+                 static_cast<unsigned long long>(r.bytes_per_rank),
+                 static_cast<unsigned long long>(r.gathered_bytes), r.op.c_str(),
+                 r.strategy.c_str(), r.time_us, r.min_us, r.algbw, r.busbw,
+                 static_cast<unsigned long long>(r.wrong),
+                 static_cast<unsigned long long>(r.metadata_collectives),
+                 static_cast<unsigned long long>(r.preflight_collectives),
+                 static_cast<unsigned long long>(r.payload_collectives), r.allocations,
+                 k + 1 == results.size() ? "" : ",");
+  }
+  std::fprintf(f, "  ]\n}\n");
+  std::fclose(f);
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::size_t begin = 0;
+  while (begin <= s.size()) {
+    const std::size_t end = std::min(s.find(',', begin), s.size());
+    out.push_back(s.substr(begin, end - begin));
+    begin = end + 1;
+  }
+  return out;
+}
+
+void usage() {
+  std::printf(
+      "usage: shardgather-bench [options]\n"
+      "  -p, --preset NAME      llama-layer (default), tiny-1000, single-64m\n"
+      "  -d, --dtype NAME       bf16 (default), f16, f32, f64, ...\n"
+      "  -b, --backend NAME     threads (default, in-process) or mpi (under mpirun)\n"
+      "  -r, --ranks N          ranks of the threads backend (default 4)\n"
+      "  -n, --iters N          timed iterations per case (default 20)\n"
+      "  -w, --warmup N         untimed iterations first (default 3)\n"
+      "  -o, --ops LIST         limit,foreach_all_gather,unshard,per_tensor (default: all)\n"
+      "  -s, --strategies LIST  auto,direct,packed (default: all three)\n"
+      "      --no-preflight     skip the pre-flight header check\n"
+      "      --copy-threads N   threads for copy-in/out (default: cores / ranks on host)\n"
+      "  -J, --json FILE        also write the results as JSON (schema_version 1)\n");
+}
+
+Config parse(int argc, char** argv) {
+  Config cfg;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        throw sg::InvalidArgument("missing value after " + a);
+      }
+      return argv[++i];
+    };
+    if (a == "-p" || a == "--preset") {
+      cfg.preset = value();
+    } else if (a == "-d" || a == "--dtype") {
+      cfg.dtype = sg::bench::parse_dtype(value());
+    } else if (a == "-b" || a == "--backend") {
+      cfg.backend = value();
+    } else if (a == "-r" || a == "--ranks") {
+      cfg.ranks = std::stoi(value());
+    } else if (a == "-n" || a == "--iters") {
+      cfg.iters = std::stoi(value());
+    } else if (a == "-w" || a == "--warmup") {
+      cfg.warmup = std::stoi(value());
+    } else if (a == "-o" || a == "--ops") {
+      cfg.ops = split(value());
+    } else if (a == "-s" || a == "--strategies") {
+      cfg.strategies.clear();
+      for (const std::string& s : split(value())) {
+        cfg.strategies.push_back(sg::parse_strategy(s));
+      }
+    } else if (a == "--no-preflight") {
+      cfg.preflight = false;
+    } else if (a == "--copy-threads") {
+      cfg.copy_threads = std::stoi(value());
+    } else if (a == "-J" || a == "--json") {
+      cfg.json = value();
+    } else if (a == "-h" || a == "--help") {
+      usage();
+      std::exit(0);
+    } else {
+      throw sg::InvalidArgument("unknown option " + a + " (--help lists them)");
+    }
+  }
+  for (const std::string& op : cfg.ops) {
+    if (op != "limit" && op != "foreach_all_gather" && op != "unshard" && op != "per_tensor") {
+      throw sg::InvalidArgument("unknown op " + op);
+    }
+  }
+  if (cfg.iters < 1 || cfg.warmup < 0 || cfg.ranks < 1) {
+    throw sg::InvalidArgument("iters >= 1, warmup >= 0 and ranks >= 1 please");
+  }
+  sg::bench::make_preset(cfg.preset, cfg.dtype, 1);  // validates the name
+  return cfg;
+}
+
+int report(const Config& cfg, int world, const Setup& setup, const std::vector<Result>& results,
+           const std::string& mpi_library) {
+  print_table(cfg, world, setup, results, mpi_library);
+  if (!cfg.json.empty()) {
+    write_json(cfg, world, results, mpi_library);
+  }
+  for (const Result& r : results) {
+    if (r.wrong != 0) {
+      return 1;
+    }
+  }
+  return 0;
+}
+
+int run_threads(const Config& cfg) {
+  auto comms = sg::make_thread_group(cfg.ranks);
+  std::vector<std::vector<Result>> results(static_cast<std::size_t>(cfg.ranks));
+  std::optional<Setup> setup0;
+  std::vector<std::string> errors(static_cast<std::size_t>(cfg.ranks));
+  std::vector<std::thread> threads;
+  std::mutex mu;
+  for (int r = 0; r < cfg.ranks; ++r) {
+    threads.emplace_back([&, r] {
+      sg::Communicator& comm = *comms[static_cast<std::size_t>(r)];
+      try {
+        RankBench bench(comm, cfg,
+                        [&comm](std::span<const std::byte> send, std::span<std::byte> recv) {
+                          comm.all_gather(send, recv, comm.deadline_after(std::chrono::minutes(5)));
+                        });
+        results[static_cast<std::size_t>(r)] = bench.run();
+        if (r == 0) {
+          const std::lock_guard<std::mutex> lock(mu);
+          setup0 = bench.setup();
+        }
+      } catch (const std::exception& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+        comm.abort();
+      }
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  for (const std::string& e : errors) {
+    if (!e.empty()) {
+      std::fprintf(stderr, "shardgather-bench: %s\n", e.c_str());
+      return 2;
+    }
+  }
+  return report(cfg, cfg.ranks, *setup0, results[0], "");
+}
+
+#ifdef SHARDGATHER_BENCH_WITH_MPI
+int run_mpi(const Config& cfg, int argc, char** argv) {
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  int rank = 0;
+  int world = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  char library[MPI_MAX_LIBRARY_VERSION_STRING] = {};
+  int len = 0;
+  MPI_Get_library_version(library, &len);
+  std::string lib(library, static_cast<std::size_t>(len));
+  lib = lib.substr(0, lib.find_first_of(",\n"));
+  int rc = 0;
+  {
+    auto comm = sg::make_mpi_communicator(MPI_COMM_WORLD);
+    try {
+      RankBench bench(*comm, cfg, [](std::span<const std::byte> send, std::span<std::byte> recv) {
+        MPI_Allgather(send.data(), static_cast<int>(send.size()), MPI_BYTE, recv.data(),
+                      static_cast<int>(send.size()), MPI_BYTE, MPI_COMM_WORLD);
+      });
+      const std::vector<Result> results = bench.run();
+      if (rank == 0) {
+        rc = report(cfg, world, bench.setup(), results, lib);
+      }
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "shardgather-bench: rank %d: %s\n", rank, e.what());
+      MPI_Abort(MPI_COMM_WORLD, 2);
+    }
+  }
+  MPI_Bcast(&rc, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  MPI_Finalize();
+  return rc;
+}
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Config cfg = parse(argc, argv);
+    if (cfg.backend == "threads") {
+      return run_threads(cfg);
+    }
+    if (cfg.backend == "mpi") {
+#ifdef SHARDGATHER_BENCH_WITH_MPI
+      return run_mpi(cfg, argc, argv);
+#else
+      throw sg::InvalidArgument("this build has no MPI backend");
+#endif
+    }
+    throw sg::InvalidArgument("unknown backend " + cfg.backend + " (threads, mpi)");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shardgather-bench: %s\n", e.what());
+    return 2;
+  }
+}

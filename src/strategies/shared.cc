@@ -1,0 +1,63 @@
+// kShared: one copy into a node-shared window, a barrier, one copy out (or none: the caller
+// can read the window itself, see AllGatherPlan::execute_shared). The MPI-3 shared-window idea
+// done with a POSIX shared-memory object, so it serves every backend whose ranks share a host.
+// Two rounds alternate in the window: a rank can start writing round k + 2 only after the
+// barrier of round k + 1, which every rank reaches only after it is done reading round k.
+#include <cstring>
+
+#include "detail/parallel_copy.h"
+#include "strategies/strategy.h"
+
+#include "shardgather/layout.h"
+
+namespace shardgather::detail {
+
+bool shared_available(const Communicator& comm) noexcept {
+  return comm.size() > 1 && comm.ranks_on_host() == comm.size();
+}
+
+std::byte* shared_copy_in(const GatherJob& job, Communicator& comm, Deadline deadline,
+                          StrategyScratch& scratch) {
+  const std::size_t world = job.counts.size();
+  const auto me = static_cast<std::size_t>(comm.rank());
+  if (job.stream_displs.empty()) {
+    scratch.displs.resize(world);
+  }
+  const std::span<const std::uint64_t> displs = job.stream_displs.empty()
+                                                    ? std::span<const std::uint64_t>(scratch.displs)
+                                                    : job.stream_displs;
+  const std::uint64_t round_bytes = job.stream_displs.empty()
+                                        ? place_blocks(job.counts, 8, scratch.displs)
+                                        : displs[world - 1] + job.counts[world - 1];
+  if (!scratch.window || scratch.window_round_bytes != round_bytes) {
+    // Collective: every rank reaches this on its first shared execution of this plan.
+    scratch.window.reset();
+    const std::uint64_t before = comm.collectives_issued();
+    scratch.window = SharedBuffer::create(comm, 2 * round_bytes, deadline);
+    scratch.setup_collectives += comm.collectives_issued() - before;
+    scratch.window_round_bytes = round_bytes;
+    scratch.round = 0;
+  }
+  std::byte* base = scratch.window->data() + (scratch.round % 2) * round_bytes;
+  ++scratch.round;
+  const RecvPiece mine{base + displs[me], job.counts[me], 1, 0};
+  copy_stream_parallel(job.send, std::span(&mine, 1), job.copy_threads);
+  comm.barrier(deadline);
+  return base;
+}
+
+void run_shared(const GatherJob& job, Communicator& comm, Deadline deadline,
+                StrategyScratch& scratch) {
+  const std::byte* base = shared_copy_in(job, comm, deadline, scratch);
+  const std::span<const std::uint64_t> displs = job.stream_displs.empty()
+                                                    ? std::span<const std::uint64_t>(scratch.displs)
+                                                    : job.stream_displs;
+  for (std::size_t r = 0; r < job.counts.size(); ++r) {
+    const ConstSegment stream{base + displs[r], job.counts[r]};
+    copy_stream_parallel(std::span(&stream, 1),
+                         job.pieces.subspan(job.first[r], job.first[r + 1] - job.first[r]),
+                         job.copy_threads);
+  }
+}
+
+}  // namespace shardgather::detail
