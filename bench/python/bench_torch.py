@@ -99,8 +99,17 @@ def run(rank, world, args, mpi_comm_factory):
         flat_in = torch.empty(per_rank_bytes, dtype=torch.uint8)
         flat_out = torch.empty(per_rank_bytes * world, dtype=torch.uint8)
         outs = list(flat_out.chunk(world))
+        # Plans: built once, executed every iteration into the plan's reused buffer (the views
+        # are cached too). "allgather path" is the same plan on a communicator that uses the
+        # group's allgather (padded, staged, Gloo's flat copy) instead of send/recv.
+        plan = shardgather.AllGatherPlan.create(params, None, hint)
+        plan_nopf = shardgather.AllGatherPlan.create(params, None, hint, preflight=False)
+        allgather_comm = shardgather._C._process_group_communicator(dist.group.WORLD, "cpu", False)
         methods = {
             "limit (group all_gather, prealloc)": lambda: dist.all_gather(outs, flat_in),
+            "plan (hint, reused buffer)": lambda: plan.execute(params),
+            "plan (preflight off)": lambda: plan_nopf.execute(params),
+            "plan (allgather path)": lambda: plan.execute(params, allgather_comm),
             "shardgather (hint)": lambda: shardgather.foreach_all_gather(params, None, hint),
             "shardgather (no hint)": lambda: shardgather.foreach_all_gather(params),
             "shardgather (hint, preflight off)": lambda: shardgather.foreach_all_gather(
@@ -114,12 +123,16 @@ def run(rank, world, args, mpi_comm_factory):
             methods["shardgather MPI backend (hint)"] = lambda: shardgather.foreach_all_gather(
                 params, comm, hint
             )
+        if args.methods:
+            methods = {k: v for k, v in methods.items()
+                       if k.startswith("limit") or any(m in k for m in args.methods)}
         # Correctness first: shardgather must equal the seed's algorithm bit for bit.
-        a = shardgather.foreach_all_gather(params, None, hint)
         b = seed_algorithm(params, world, hint)
-        for x, y in zip(a, b):
-            for u, v in zip(x, y):
-                assert torch.equal(u.view(torch.uint8), v.view(torch.uint8))
+        for a in (shardgather.foreach_all_gather(params, None, hint), plan.execute(params),
+                  plan.execute(params, allgather_comm)):
+            for x, y in zip(a, b):
+                for u, v in zip(x, y):
+                    assert torch.equal(u.view(torch.uint8), v.view(torch.uint8))
         del a, b
         results = {name: timed(fn, iters, 1) for name, fn in methods.items()}
         limit = results["limit (group all_gather, prealloc)"][0]
@@ -158,6 +171,8 @@ def main():
     parser.add_argument("--presets", nargs="+", default=["llama-layer", "tiny-1000", "single-64m"])
     parser.add_argument("--iters", type=int, default=0)
     parser.add_argument("--json", default="")
+    parser.add_argument("--methods", nargs="*", default=[],
+                        help="only the methods whose name contains one of these (and the limit)")
     parser.add_argument("--port", type=int, default=29517)
     args = parser.parse_args()
     torch.set_num_threads(1)

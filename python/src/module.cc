@@ -133,8 +133,8 @@ py::list make_thread_group_py(int world_size) {
 }
 
 CommPtr process_group_communicator(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                   const std::string& device) {
-  return std::make_shared<ProcessGroupCommunicator>(group, c10::Device(device));
+                                   const std::string& device, bool p2p) {
+  return std::make_shared<ProcessGroupCommunicator>(group, c10::Device(device), p2p);
 }
 
 #ifdef SHARDGATHER_PYTHON_WITH_MPI
@@ -356,7 +356,7 @@ PYBIND11_MODULE(_shardgather, m) {
       py::arg("preflight") = true, py::arg("timeout") = py::none());
   m.def("_make_thread_group", &make_thread_group_py, py::arg("world_size"));
   m.def("_process_group_communicator", &process_group_communicator, py::arg("group"),
-        py::arg("device") = "cpu");
+        py::arg("device") = "cpu", py::arg("p2p") = true);
 #ifdef SHARDGATHER_PYTHON_WITH_MPI
   m.attr("_has_mpi") = true;
   m.def("_mpi_init", &mpi_init);

@@ -32,13 +32,14 @@ std::uint64_t max_count(std::span<const std::uint64_t> counts) {
 }  // namespace
 
 ProcessGroupCommunicator::ProcessGroupCommunicator(
-    const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device)
+    const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device, bool p2p)
     : group_(group),
       rank_(group->getRank()),
       size_(group->getSize()),
       name_("torch." + group->getBackendName()),
       device_(device),
-      staged_on_device_(!device.is_cpu()) {
+      staged_on_device_(!device.is_cpu()),
+      p2p_(p2p && device.is_cpu() && group->getBackendName() == "gloo") {
   ranks_on_host_ = count_ranks_on_host();
 }
 
@@ -111,6 +112,16 @@ void ProcessGroupCommunicator::do_all_gather(std::span<const std::byte> send,
     return;  // the same size on every rank by contract: every rank skips
   }
   const auto world = static_cast<std::size_t>(size_);
+  if (p2p_) {
+    const ConstSegment mine{send.data(), send.size()};
+    p2p_displs_.resize(world);
+    std::vector<std::uint64_t> counts(world, send.size());
+    for (std::size_t r = 0; r < world; ++r) {
+      p2p_displs_[r] = r * send.size();
+    }
+    gather_p2p(std::span(&mine, 1), recv.data(), counts, p2p_displs_, deadline, "all_gather");
+    return;
+  }
   at::Tensor input;
   std::vector<at::Tensor> outputs(world);
   if (!staged_on_device_) {
@@ -197,6 +208,10 @@ void ProcessGroupCommunicator::do_all_gather_v(std::span<const ConstSegment> sen
                                                std::span<const std::uint64_t> counts,
                                                std::span<const std::uint64_t> displs,
                                                Deadline deadline) {
+  if (p2p_) {
+    gather_p2p(send, recv, counts, displs, deadline, "all_gather_v");
+    return;
+  }
   const std::uint64_t width = max_count(counts);
   bool adjacent = true;  // every block `width` bytes at r * width: receive in place
   for (std::size_t r = 0; r < counts.size(); ++r) {
@@ -219,6 +234,26 @@ void ProcessGroupCommunicator::do_all_gather_scatter(std::span<const ConstSegmen
                                                      std::span<const std::size_t> first,
                                                      std::span<const std::uint64_t> counts,
                                                      Deadline deadline) {
+  if (p2p_) {
+    // Rank-major into reused scratch (no padding), then every block to its pieces.
+    std::uint64_t total = 0;
+    p2p_displs_.resize(counts.size());
+    for (std::size_t r = 0; r < counts.size(); ++r) {
+      p2p_displs_[r] = total;
+      total += counts[r];
+    }
+    if (total == 0) {
+      return;
+    }
+    auto* gathered = static_cast<std::byte*>(scratch(recv_staging_, total).data_ptr());
+    const std::vector<std::uint64_t> displs = p2p_displs_;  // gather_p2p may not alias it
+    gather_p2p(send, gathered, counts, displs, deadline, "all_gather_scatter");
+    for (std::size_t r = 0; r < counts.size(); ++r) {
+      const ConstSegment block{gathered + displs[r], counts[r]};
+      copy_stream(std::span(&block, 1), pieces.subspan(first[r], first[r + 1] - first[r]));
+    }
+    return;
+  }
   const std::uint64_t width = max_count(counts);
   const std::byte* gathered = gather_padded(send, counts, nullptr, deadline, "all_gather_scatter");
   if (gathered == nullptr) {
@@ -227,6 +262,97 @@ void ProcessGroupCommunicator::do_all_gather_scatter(std::span<const ConstSegmen
   for (std::size_t r = 0; r < counts.size(); ++r) {
     const ConstSegment block{gathered + r * width, counts[r]};
     copy_stream(std::span(&block, 1), pieces.subspan(first[r], first[r + 1] - first[r]));
+  }
+}
+
+void ProcessGroupCommunicator::gather_p2p(std::span<const ConstSegment> send, std::byte* recv,
+                                          std::span<const std::uint64_t> counts,
+                                          std::span<const std::uint64_t> displs, Deadline deadline,
+                                          const char* what) {
+  const auto me = static_cast<std::size_t>(rank_);
+  // This rank's bytes go to its own slot first (skipped when a segment already is the slot);
+  // the slot is then the one contiguous send buffer for every peer.
+  std::byte* slot = recv + displs[me];
+  std::uint64_t at = 0;
+  for (const ConstSegment& s : send) {
+    if (s.size != 0 && s.data != slot + at) {
+      std::memmove(slot + at, s.data, s.size);
+    }
+    at += s.size;
+  }
+  if (abort_requested_.load()) {
+    throw Aborted("rank " + std::to_string(rank_) + ": abort() before " + what + " on " + name_);
+  }
+  {
+    const std::lock_guard<std::mutex> lock(inflight_mu_);
+    inflight_.clear();
+    try {
+      // Receives first, so that Gloo can write each peer's bytes straight into its slot.
+      for (int step = 1; step < size_; ++step) {
+        const int from = (rank_ + size_ - step) % size_;
+        const auto f = static_cast<std::size_t>(from);
+        if (counts[f] != 0) {
+          p2p_tensors_.assign(1, host_bytes(recv + displs[f], counts[f]));
+          inflight_.push_back(group_->recv(p2p_tensors_, from, kP2PTag));
+        }
+      }
+      for (int step = 1; step < size_; ++step) {
+        const int to = (rank_ + step) % size_;
+        if (counts[me] != 0) {
+          p2p_tensors_.assign(1, host_bytes(slot, counts[me]));
+          inflight_.push_back(group_->send(p2p_tensors_, to, kP2PTag));
+        }
+      }
+    } catch (const c10::Error& e) {
+      for (auto& w : inflight_) {
+        w->abort();
+      }
+      inflight_.clear();
+      throw CommunicationError("rank " + std::to_string(rank_) + ": " + what + " on " + name_ +
+                               " could not be issued: " + e.what_without_backtrace());
+    }
+  }
+  wait_p2p(deadline, what);
+}
+
+void ProcessGroupCommunicator::wait_p2p(Deadline deadline, const char* what) {
+  std::size_t done = 0;
+  for (;;) {
+    c10::intrusive_ptr<c10d::Work> work;
+    {
+      const std::lock_guard<std::mutex> lock(inflight_mu_);
+      if (done == inflight_.size()) {
+        inflight_.clear();
+        return;
+      }
+      work = inflight_[done];
+    }
+    std::chrono::milliseconds left = ::kNoTimeout;  // torch 1.13 declares it outside c10d
+    if (deadline != Deadline::max()) {
+      left = std::max(std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()),
+                      std::chrono::milliseconds(1));
+    }
+    bool completed = false;
+    std::string failure;
+    try {
+      completed = work->wait(left);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    if (abort_requested_.load()) {
+      throw Aborted("rank " + std::to_string(rank_) + ": abort() while in " + what + " on " +
+                    name_ + "; the Gloo context is aborted, rebuild the group");
+    }
+    if (!failure.empty() || !completed) {
+      if (Clock::now() >= deadline) {
+        throw Timeout("rank " + std::to_string(rank_) + ": " + what + " on " + name_ +
+                      " passed its deadline waiting for peers (the communicator is poisoned; "
+                      "rebuild the group or end the process)");
+      }
+      throw RemoteError("rank " + std::to_string(rank_) + ": " + what + " on " + name_ +
+                        " failed: " + (failure.empty() ? "not completed" : failure));
+    }
+    ++done;
   }
 }
 
@@ -257,6 +383,15 @@ void ProcessGroupCommunicator::do_barrier(Deadline deadline) {
   wait(work, deadline, "barrier");
 }
 
-void ProcessGroupCommunicator::do_abort() noexcept { abort_requested_.store(true); }
+void ProcessGroupCommunicator::do_abort() noexcept {
+  abort_requested_.store(true);
+  const std::lock_guard<std::mutex> lock(inflight_mu_);
+  for (auto& work : inflight_) {
+    try {
+      work->abort();  // wakes a p2p wait (Gloo aborts the unbound buffer's wait)
+    } catch (...) {   // NOLINT(bugprone-empty-catch): abort never throws to its caller
+    }
+  }
+}
 
 }  // namespace shardgather::python

@@ -19,6 +19,17 @@
 // list after foreach packs it) are sent and received with no copy on our side; several segments
 // are packed into a reused staging buffer first (Gloo takes one input tensor).
 //
+// Point-to-point gather (Gloo on the host, the default there): torch 1.13's ProcessGroupGloo
+// has no _allgather_base, and its allgather receives into a fresh flat tensor (first touch of
+// world x bytes on every call) that it then copies into the outputs. Its send/recv, on the other
+// hand, post Gloo unbound buffers over the tensors' own memory. So all_gather_v/all_gather on a
+// Gloo group copy this rank's bytes once into its own slot of the output, post one recv per peer
+// straight into that peer's slot and one send per peer from the slot: no padding (a true
+// gather-v), no staging, no internal buffer, no copy-out. Tag kP2PTag is reserved on the group.
+// Waits are not sliced there: a Gloo unbound-buffer wait that times out signals the failure on
+// the whole Gloo context, so each work is waited on until the deadline, and abort() aborts the
+// in-flight works (SendWork/RecvWork::abort) to wake the wait.
+//
 // Deadlines: Work::wait is called in slices until the deadline; past it the call raises Timeout
 // and the communicator is poisoned. As with MPI, the c10d work cannot be cancelled and may still
 // read the send bytes and write the receive buffer later: after a Timeout, rebuild the group (in
@@ -43,7 +54,14 @@ namespace shardgather::python {
 
 class ProcessGroupCommunicator final : public Communicator {
  public:
-  ProcessGroupCommunicator(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device);
+  // `p2p`: use the point-to-point gather where the group supports it (Gloo, host memory).
+  ProcessGroupCommunicator(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device,
+                           bool p2p = true);
+
+  // The send/recv tag the point-to-point gather uses on the group.
+  static constexpr int kP2PTag = 0x5347;  // "SG"
+
+  [[nodiscard]] bool uses_p2p() const noexcept { return p2p_; }
 
   [[nodiscard]] int rank() const noexcept override { return rank_; }
   [[nodiscard]] int size() const noexcept override { return size_; }
@@ -77,6 +95,12 @@ class ProcessGroupCommunicator final : public Communicator {
   const std::byte* gather_padded(std::span<const ConstSegment> send,
                                  std::span<const std::uint64_t> counts, std::byte* recv,
                                  Deadline deadline, const char* what);
+  // The point-to-point gather into `recv` (every rank's block at recv + displs[r]).
+  void gather_p2p(std::span<const ConstSegment> send, std::byte* recv,
+                  std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs,
+                  Deadline deadline, const char* what);
+  // Waits for every in-flight p2p work until `deadline` (unsliced, see the header comment).
+  void wait_p2p(Deadline deadline, const char* what);
   int count_ranks_on_host();
   // Byte tensors over host memory (borrowed), or on device_ (owned) for device-only backends.
   at::Tensor host_bytes(const std::byte* data, std::uint64_t size) const;
@@ -89,7 +113,12 @@ class ProcessGroupCommunicator final : public Communicator {
   c10::Device device_;
   bool staged_on_device_;
   int ranks_on_host_ = 1;
+  bool p2p_ = false;
   std::atomic<bool> abort_requested_{false};
+  std::mutex inflight_mu_;  // guards inflight_ against abort() from another thread
+  std::vector<c10::intrusive_ptr<c10d::Work>> inflight_;
+  std::vector<at::Tensor> p2p_tensors_;  // reused: one-element lists for send/recv
+  std::vector<std::uint64_t> p2p_displs_;
   at::Tensor send_staging_;  // reused: packed, padded send bytes
   at::Tensor recv_staging_;  // reused: padded gather, when blocks are not equal and adjacent
   at::Tensor recv_host_;     // device staging only: the gathered bytes copied back to the host
