@@ -50,7 +50,8 @@ struct Config {
   std::string json;
   std::vector<std::string> ops = {"limit", "foreach_all_gather", "unshard", "per_tensor"};
   std::vector<sg::Strategy> strategies = {sg::Strategy::kAuto, sg::Strategy::kDirect,
-                                          sg::Strategy::kPacked};
+                                          sg::Strategy::kPacked, sg::Strategy::kShared};
+  bool in_place = true;  // also time execute_shared (the views-into-the-window form)
   bool preflight = true;
   int copy_threads = 0;
 };
@@ -262,6 +263,9 @@ class RankBench {
             add_foreach(strategy, "foreach_all_gather");
           }
         }
+        if (op == "foreach_all_gather" && cfg_.in_place) {
+          add_foreach_shared();
+        }
       }
     }
   }
@@ -328,6 +332,36 @@ class RankBench {
     cases_.push_back(std::move(k));
   }
 
+  // execute_shared: the gathered bytes are read in place; nothing is copied out.
+  void add_foreach_shared() {
+    auto& plan = gather_plans_.emplace_back(std::make_unique<sg::AllGatherPlan>(
+        setup_.dtypes, setup_.shapes, comm_.rank(), plan_options(sg::Strategy::kAuto)));
+    auto& stats = stats_.emplace_back(std::make_unique<sg::ExecStats>());
+    Case k;
+    k.result = Result{.op = "foreach_all_gather", .strategy = "execute_shared"};
+    k.result.gathered_bytes = plan->output_bytes();
+    k.stats = stats.get();
+    k.call = [this, p = plan.get(), st = stats.get()] {
+      shared_result_ = p->execute_shared(setup_.views, comm_, st);
+    };
+    k.verify = [this, p = plan.get()] {
+      const std::vector<sg::TensorView> views = p->views(shared_result_.data());
+      const auto world = static_cast<std::size_t>(comm_.size());
+      std::uint64_t wrong = 0;
+      std::vector<std::byte> buf;
+      for (std::size_t i = 0; i < setup_.params.size(); ++i) {
+        for (std::size_t q = 0; q < world; ++q) {
+          const sg::TensorView& v = views[i * world + q];
+          wrong += count_wrong(static_cast<const std::byte*>(v.data),
+                               sg::checked_nbytes(v.dtype, v.shape), i, setup_.offsets[q][i],
+                               sg::dtype_size(cfg_.dtype), buf);
+        }
+      }
+      return wrong;
+    };
+    cases_.push_back(std::move(k));
+  }
+
   void add_unshard(sg::Strategy strategy) {
     auto& plan = unshard_plans_.emplace_back(std::make_unique<sg::UnshardPlan>(
         setup_.specs, comm_.size(), comm_.rank(), plan_options(strategy)));
@@ -369,6 +403,7 @@ class RankBench {
   std::vector<std::byte> limit_recv_;
   std::vector<std::byte> foreach_out_;
   std::vector<std::byte> unshard_out_;
+  std::span<const std::byte> shared_result_;
 };
 
 std::string json_escape(const std::string& s) {
@@ -492,7 +527,8 @@ void usage() {
       "  -n, --iters N          timed iterations per case (default 20)\n"
       "  -w, --warmup N         untimed iterations first (default 3)\n"
       "  -o, --ops LIST         limit,foreach_all_gather,unshard,per_tensor (default: all)\n"
-      "  -s, --strategies LIST  auto,direct,packed (default: all three)\n"
+      "  -s, --strategies LIST  auto,direct,packed,shared (default: all four)\n"
+      "      --no-in-place      skip the execute_shared case (views into the window)\n"
       "      --no-preflight     skip the pre-flight header check\n"
       "      --copy-threads N   threads for copy-in/out (default: cores / ranks on host)\n"
       "  -J, --json FILE        also write the results as JSON (schema_version 1)\n");
@@ -527,6 +563,8 @@ Config parse(int argc, char** argv) {
       for (const std::string& s : split(value())) {
         cfg.strategies.push_back(sg::parse_strategy(s));
       }
+    } else if (a == "--no-in-place") {
+      cfg.in_place = false;
     } else if (a == "--no-preflight") {
       cfg.preflight = false;
     } else if (a == "--copy-threads") {

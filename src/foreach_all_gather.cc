@@ -29,7 +29,9 @@ constexpr std::uint64_t kHugePageBytes = std::uint64_t{2} << 20;
 GatherResult gather_with_hint(std::span<const TensorView> params, Communicator& comm,
                               std::span<const std::vector<Shape>> hint,
                               const ForeachAllGatherOptions& options) {
-  const PlanOptions plan_options{.timeout = options.timeout, .preflight = options.preflight};
+  // kDirect, not kAuto: a one-shot call must not create a node-shared window it uses once.
+  const PlanOptions plan_options{
+      .timeout = options.timeout, .preflight = options.preflight, .strategy = Strategy::kDirect};
   const Deadline deadline = comm.deadline_after(options.timeout.value_or(comm.timeout()));
   const bool exchange = comm.size() > 1 && options.preflight;
   AllGatherPlan plan;

@@ -359,6 +359,7 @@ detail::GatherJob make_job(const LayoutPlan& layout, ExecScratch& x, const PlanO
       .copy_threads = options.copy_threads > 0 ? options.copy_threads
                                                : detail::default_copy_threads(comm.ranks_on_host()),
       .stream_displs = layout.displs,
+      .entry_synchronized = options.preflight,
   };
 }
 

@@ -81,6 +81,7 @@ UnshardPlan::UnshardPlan(std::span<const ShardSpec> specs, int world_size, int r
   output_offsets_.resize(n);
   part_bytes_.assign(world * n, 0);
   part_pieces_.assign(world * n, RecvPiece{});
+  part_offsets_.assign(world * n, 0);
   counts_.assign(world, 0);
   for (std::size_t i = 0; i < n; ++i) {
     ShardSpec& s = specs_[i];
@@ -137,9 +138,9 @@ UnshardPlan::UnshardPlan(std::span<const ShardSpec> specs, int world_size, int r
       const std::uint64_t block = rows * split.inner_bytes;
       const std::size_t k = r * n + i;
       part_bytes_[k] = block * split.outer;
-      // `data` holds the offset into the full tensor; execute() adds the tensor's address.
-      part_pieces_[k] = RecvPiece{reinterpret_cast<std::byte*>(row * split.inner_bytes), block,
-                                  split.outer, row_bytes};
+      // execute() sets `data` to the full tensor's address plus the offset.
+      part_offsets_[k] = row * split.inner_bytes;
+      part_pieces_[k] = RecvPiece{nullptr, block, split.outer, row_bytes};
       counts_[r] = detail::add_checked(counts_[r], part_bytes_[k], "bytes per rank");
       row += rows;
     }
@@ -357,7 +358,7 @@ ExecStats UnshardPlan::execute_into(std::span<const TensorView> shards, Communic
     }
     // Padded: the real rows of every outer index, from the shard (packed first if strided).
     const Split split = split_of(s);
-    const std::byte* base = static_cast<const std::byte*>(t.data);
+    const auto* base = static_cast<const std::byte*>(t.data);
     if (!is_contiguous(t)) {
       pack(t, staging);
       base = staging;
@@ -372,8 +373,7 @@ ExecStats UnshardPlan::execute_into(std::span<const TensorView> shards, Communic
 
   for (std::size_t k = 0; k < world * n; ++k) {
     const RecvPiece& p = part_pieces_[k];
-    x.pieces[k] = RecvPiece{x.outputs[k % n] + reinterpret_cast<std::uintptr_t>(p.data), p.block,
-                            p.count, p.stride};
+    x.pieces[k] = RecvPiece{x.outputs[k % n] + part_offsets_[k], p.block, p.count, p.stride};
     x.part_bytes[k] = part_bytes_[k];
     x.part_first[k] = k;
   }
@@ -395,6 +395,7 @@ ExecStats UnshardPlan::execute_into(std::span<const TensorView> shards, Communic
                           ? options_.copy_threads
                           : detail::default_copy_threads(comm.ranks_on_host()),
       .stream_displs = {},
+      .entry_synchronized = exchange,
   };
   stats.strategy = detail::select_strategy(options_.strategy, job, comm);
   if (world_ == 1) {
@@ -418,11 +419,16 @@ UnshardResult unshard(std::span<const TensorView> shards, Communicator& comm,
                       std::span<const ShardSpec> specs, const PlanOptions& options) {
   const Deadline deadline = comm.deadline_after(options.timeout.value_or(comm.timeout()));
   const bool exchange = comm.size() > 1 && options.preflight;
+  // A one-shot call must not create a node-shared window it uses once: kAuto means kDirect.
+  PlanOptions one_shot = options;
+  if (one_shot.strategy == Strategy::kAuto) {
+    one_shot.strategy = Strategy::kDirect;
+  }
   UnshardPlan plan;
   AlignedBuffer buffer;
   try {
     try {
-      plan = UnshardPlan(specs, comm.size(), comm.rank(), options);
+      plan = UnshardPlan(specs, comm.size(), comm.rank(), one_shot);
       buffer = AlignedBuffer(plan.output_bytes());
     } catch (const std::bad_alloc&) {
       throw OutOfMemory("allocation failed while planning unshard");

@@ -65,6 +65,9 @@ class SHARDGATHER_API Communicator {
   // How many ranks of this communicator share this rank's host (its memory bandwidth and
   // cores): copy kernels size their thread count from it.
   [[nodiscard]] virtual int ranks_on_host() const noexcept = 0;
+  // True when a gather copies each byte straight from the sender's memory into the receiver's
+  // (threads): staging through a shared window could then only add copies.
+  [[nodiscard]] virtual bool reads_peer_memory() const noexcept = 0;
 
   // Equal-size gather: rank r's `send` lands at recv[r * send.size()]. recv.size() must be
   // size() * send.size(), and send.size() the same on every rank.

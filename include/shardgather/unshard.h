@@ -79,9 +79,10 @@ class SHARDGATHER_API UnshardPlan {
   // Per (rank, param), rank-major: bytes on the wire, and the destination relative to the
   // param's full tensor (offset of the first block, block bytes, blocks, stride).
   std::vector<std::uint64_t> part_bytes_;
-  std::vector<RecvPiece> part_pieces_;      // data holds the offset, not a pointer
-  std::vector<std::uint64_t> counts_;       // per rank
-  std::vector<std::uint64_t> local_bytes_;  // per param: this rank's local (padded) shard
+  std::vector<RecvPiece> part_pieces_;       // data unset: see part_offsets_
+  std::vector<std::uint64_t> part_offsets_;  // of each piece inside its full tensor
+  std::vector<std::uint64_t> counts_;        // per rank
+  std::vector<std::uint64_t> local_bytes_;   // per param: this rank's local (padded) shard
   detail::ScratchHolder scratch_;
 };
 

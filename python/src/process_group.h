@@ -70,6 +70,8 @@ class ProcessGroupCommunicator final : public Communicator {
   // From LOCAL_WORLD_SIZE (torchrun sets it), else counted once at construction by gathering a
   // hash of every rank's host name over the group: constructing one is collective.
   [[nodiscard]] int ranks_on_host() const noexcept override { return ranks_on_host_; }
+  // Gloo and NCCL copy through their own buffers (or the network).
+  [[nodiscard]] bool reads_peer_memory() const noexcept override { return false; }
 
  protected:
   void do_all_gather(std::span<const std::byte> send, std::span<std::byte> recv,

@@ -31,7 +31,7 @@ struct ExecScratch {
   std::vector<std::byte*> outputs;
   struct TaggedExtent {
     Extent extent;
-    bool written;
+    bool written = false;
   };
   std::vector<TaggedExtent> extents;
 };

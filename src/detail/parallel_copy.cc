@@ -67,7 +67,7 @@ void copy_stream_parallel(std::span<const ConstSegment> src, std::span<const Rec
     return;
   }
   RangeCopy job{src, dst, total};
-  const std::size_t tasks = static_cast<std::size_t>((total + kChunkBytes - 1) / kChunkBytes);
+  const auto tasks = static_cast<std::size_t>((total + kChunkBytes - 1) / kChunkBytes);
   parallel_for(
       tasks, threads,
       [](void* ctx, std::size_t k) {

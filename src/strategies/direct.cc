@@ -2,6 +2,7 @@
 // No copy-in, no copy-out: the backend reads the send segments and writes the receive pieces
 // (threads: one memcpy per byte per receiver; MPI: derived datatypes over absolute addresses).
 #include <cstdint>
+#include <functional>
 
 #include "strategies/strategy.h"
 
@@ -12,7 +13,7 @@ bool contiguous_per_rank(std::span<const RecvPiece> pieces, std::span<const std:
                          std::vector<std::uint64_t>& displs) {
   const std::size_t world = counts.size();
   displs.resize(world);
-  std::uintptr_t low = UINTPTR_MAX;
+  std::byte* lowest = nullptr;
   for (std::size_t r = 0; r < world; ++r) {
     std::byte* expect = nullptr;
     for (std::size_t k = first[r]; k < first[r + 1]; ++k) {
@@ -28,15 +29,15 @@ bool contiguous_per_rank(std::span<const RecvPiece> pieces, std::span<const std:
       }
       if (expect == nullptr) {
         displs[r] = reinterpret_cast<std::uintptr_t>(p.data);
-        low = std::min<std::uintptr_t>(low, reinterpret_cast<std::uintptr_t>(p.data));
+        if (lowest == nullptr || std::less<>()(p.data, lowest)) {
+          lowest = p.data;
+        }
       }
       expect = p.data + p.block * p.count;
     }
   }
-  if (low == UINTPTR_MAX) {
-    low = 0;
-  }
-  base = reinterpret_cast<std::byte*>(low);
+  base = lowest;
+  const auto low = reinterpret_cast<std::uintptr_t>(lowest);
   for (std::size_t r = 0; r < world; ++r) {
     displs[r] = counts[r] == 0 ? 0 : displs[r] - low;
   }

@@ -1,8 +1,9 @@
 // kShared: one copy into a node-shared window, a barrier, one copy out (or none: the caller
 // can read the window itself, see AllGatherPlan::execute_shared). The MPI-3 shared-window idea
 // done with a POSIX shared-memory object, so it serves every backend whose ranks share a host.
-// Two rounds alternate in the window: a rank can start writing round k + 2 only after the
-// barrier of round k + 1, which every rank reaches only after it is done reading round k.
+// One window per plan, as large as the gathered bytes. A rank may overwrite its region for
+// call k + 1 only once every rank has entered call k + 1 (and so is done reading call k): the
+// pre-flight header already proves that; without it, one extra barrier does.
 #include <cstring>
 
 #include "detail/parallel_copy.h"
@@ -29,17 +30,18 @@ std::byte* shared_copy_in(const GatherJob& job, Communicator& comm, Deadline dea
   const std::uint64_t round_bytes = job.stream_displs.empty()
                                         ? place_blocks(job.counts, 8, scratch.displs)
                                         : displs[world - 1] + job.counts[world - 1];
-  if (!scratch.window || scratch.window_round_bytes != round_bytes) {
-    // Collective: every rank reaches this on its first shared execution of this plan.
+  if (!scratch.window || scratch.window_bytes != round_bytes) {
+    // Collective: every rank reaches this on its first shared execution of this plan, and a
+    // fresh window has no reader yet.
     scratch.window.reset();
     const std::uint64_t before = comm.collectives_issued();
-    scratch.window = SharedBuffer::create(comm, 2 * round_bytes, deadline);
+    scratch.window = SharedBuffer::create(comm, round_bytes, deadline);
     scratch.setup_collectives += comm.collectives_issued() - before;
-    scratch.window_round_bytes = round_bytes;
-    scratch.round = 0;
+    scratch.window_bytes = round_bytes;
+  } else if (!job.entry_synchronized) {
+    comm.barrier(deadline);  // nobody may still be reading the previous call's bytes
   }
-  std::byte* base = scratch.window->data() + (scratch.round % 2) * round_bytes;
-  ++scratch.round;
+  std::byte* base = scratch.window->data();
   const RecvPiece mine{base + displs[me], job.counts[me], 1, 0};
   copy_stream_parallel(job.send, std::span(&mine, 1), job.copy_threads);
   comm.barrier(deadline);

@@ -35,6 +35,9 @@ struct GatherJob {
   // kShared: where each rank's stream sits in the shared window (empty: back to back, 8-byte
   // aligned), and the window's size per round.
   std::span<const std::uint64_t> stream_displs;
+  // Every rank has entered this call (the pre-flight header was exchanged): kShared may then
+  // overwrite the window without another barrier.
+  bool entry_synchronized = false;
 };
 
 // Scratch a strategy may need; owned by the plan so executions allocate nothing.
@@ -45,10 +48,9 @@ struct StrategyScratch {
   std::vector<std::uint64_t> counts;  // size()
   std::vector<std::size_t> first;     // size() + 1
   std::vector<RecvPiece> pieces;
-  // kShared: the node-shared window (two rounds, used alternately) and the round counter.
+  // kShared: the node-shared window.
   std::unique_ptr<SharedBuffer> window;
-  std::uint64_t window_round_bytes = 0;
-  std::uint64_t round = 0;
+  std::uint64_t window_bytes = 0;
   std::uint64_t setup_collectives = 0;  // issued so far for one-time setup (the window)
 };
 

@@ -293,7 +293,7 @@ void MpiCommunicator::do_all_gather_scatter(std::span<const ConstSegment> send,
   // lands every byte in its final place. Both are over absolute addresses (MPI_BOTTOM).
   const auto world = static_cast<std::size_t>(size_);
   const auto me = static_cast<std::size_t>(rank_);
-  const MPI_Datatype send_dt = counts[me] == 0 ? MPI_BYTE : send_type(send);
+  MPI_Datatype send_dt = counts[me] == 0 ? MPI_BYTE : send_type(send);
   const std::vector<MPI_Datatype>& recv = recv_types(pieces, first);
   zeros_.assign(world, 0);
   send_counts_.assign(world, counts[me] == 0 ? 0 : 1);

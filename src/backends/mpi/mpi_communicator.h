@@ -37,6 +37,7 @@ class MpiCommunicator final : public Communicator {
   [[nodiscard]] int size() const noexcept override { return size_; }
   [[nodiscard]] std::string_view backend_name() const noexcept override { return "mpi"; }
   [[nodiscard]] int ranks_on_host() const noexcept override { return ranks_on_host_; }
+  [[nodiscard]] bool reads_peer_memory() const noexcept override { return false; }
 
  protected:
   void do_all_gather(std::span<const std::byte> send, std::span<std::byte> recv,
