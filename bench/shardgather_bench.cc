@@ -301,6 +301,22 @@ class RankBench {
     cases_.push_back(std::move(k));
   }
 
+  // Wrong elements in views[i * world + q] (rank q's tensor i of a foreach result).
+  std::uint64_t count_wrong_views(const std::vector<sg::TensorView>& views) const {
+    const auto world = static_cast<std::size_t>(comm_.size());
+    std::uint64_t wrong = 0;
+    std::vector<std::byte> buf;
+    for (std::size_t i = 0; i < setup_.params.size(); ++i) {
+      for (std::size_t q = 0; q < world; ++q) {
+        const sg::TensorView& v = views[i * world + q];
+        wrong +=
+            count_wrong(static_cast<const std::byte*>(v.data), sg::checked_nbytes(v.dtype, v.shape),
+                        i, setup_.offsets[q][i], sg::dtype_size(cfg_.dtype), buf);
+      }
+    }
+    return wrong;
+  }
+
   void add_foreach(sg::Strategy strategy, const char* op) {
     auto& plan = gather_plans_.emplace_back(std::make_unique<sg::AllGatherPlan>(
         setup_.dtypes, setup_.shapes, comm_.rank(), plan_options(strategy)));
@@ -315,17 +331,7 @@ class RankBench {
     };
     k.verify = [this, p = plan.get()] {
       const std::vector<sg::TensorView> views = p->views(foreach_out_.data());
-      const auto world = static_cast<std::size_t>(comm_.size());
-      std::uint64_t wrong = 0;
-      std::vector<std::byte> buf;
-      for (std::size_t i = 0; i < setup_.params.size(); ++i) {
-        for (std::size_t q = 0; q < world; ++q) {
-          const sg::TensorView& v = views[i * world + q];
-          wrong += count_wrong(static_cast<const std::byte*>(v.data),
-                               sg::checked_nbytes(v.dtype, v.shape), i, setup_.offsets[q][i],
-                               sg::dtype_size(cfg_.dtype), buf);
-        }
-      }
+      const std::uint64_t wrong = count_wrong_views(views);
       std::memset(foreach_out_.data(), 0xee, foreach_out_.size());  // the next case starts dirty
       return wrong;
     };
@@ -346,17 +352,7 @@ class RankBench {
     };
     k.verify = [this, p = plan.get()] {
       const std::vector<sg::TensorView> views = p->views(shared_result_.data());
-      const auto world = static_cast<std::size_t>(comm_.size());
-      std::uint64_t wrong = 0;
-      std::vector<std::byte> buf;
-      for (std::size_t i = 0; i < setup_.params.size(); ++i) {
-        for (std::size_t q = 0; q < world; ++q) {
-          const sg::TensorView& v = views[i * world + q];
-          wrong += count_wrong(static_cast<const std::byte*>(v.data),
-                               sg::checked_nbytes(v.dtype, v.shape), i, setup_.offsets[q][i],
-                               sg::dtype_size(cfg_.dtype), buf);
-        }
-      }
+      const std::uint64_t wrong = count_wrong_views(views);
       return wrong;
     };
     cases_.push_back(std::move(k));

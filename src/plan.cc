@@ -105,6 +105,31 @@ void ScratchHolder::leak() noexcept {
   }
 }
 
+void run_payload(Strategy requested, const GatherJob& job, Communicator& comm, Deadline deadline,
+                 ScratchHolder& scratch, ExecStats& stats) {
+  stats.strategy = select_strategy(requested, job, comm);
+  const bool any =
+      std::any_of(job.counts.begin(), job.counts.end(), [](std::uint64_t c) { return c != 0; });
+  if (comm.size() == 1) {
+    copy_stream(job.send, job.pieces);
+    return;
+  }
+  if (!any) {
+    return;
+  }
+  ExecScratch& x = scratch.get();
+  const std::uint64_t before = comm.collectives_issued();
+  const std::uint64_t setup_before = x.strategy.setup_collectives;
+  try {
+    run_strategy(stats.strategy, job, comm, deadline, x.strategy);
+  } catch (const CommunicationError&) {
+    scratch.leak();  // staging and windows may still be read by a posted collective
+    throw;
+  }
+  stats.setup_collectives = x.strategy.setup_collectives - setup_before;
+  stats.payload_collectives = comm.collectives_issued() - before - stats.setup_collectives;
+}
+
 void raise_through_header(Communicator& comm, const Error& error, bool exchange,
                           Deadline deadline) {
   if (!exchange) {
@@ -372,21 +397,7 @@ ExecStats AllGatherPlan::execute(std::span<const TensorView> params, Communicato
   prepare(params, comm, out.data(), out.size(), stats, deadline);
   ExecScratch& x = scratch_.get();
   const detail::GatherJob job = make_job(layout_, x, options_, comm);
-  stats.strategy = detail::select_strategy(options_.strategy, job, comm);
-  if (layout_.world_size == 1) {
-    copy_stream(job.send, job.pieces);
-  } else if (layout_.total_bytes != 0) {
-    const std::uint64_t before = comm.collectives_issued();
-    const std::uint64_t setup_before = x.strategy.setup_collectives;
-    try {
-      detail::run_strategy(stats.strategy, job, comm, deadline, x.strategy);
-    } catch (const CommunicationError&) {
-      scratch_.leak();  // staging and windows may still be read by a posted collective
-      throw;
-    }
-    stats.setup_collectives = x.strategy.setup_collectives - setup_before;
-    stats.payload_collectives = comm.collectives_issued() - before - stats.setup_collectives;
-  }
+  detail::run_payload(options_.strategy, job, comm, deadline, scratch_, stats);
   return stats;
 }
 

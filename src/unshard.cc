@@ -397,21 +397,7 @@ ExecStats UnshardPlan::execute_into(std::span<const TensorView> shards, Communic
       .stream_displs = {},
       .entry_synchronized = exchange,
   };
-  stats.strategy = detail::select_strategy(options_.strategy, job, comm);
-  if (world_ == 1) {
-    copy_stream(job.send, job.pieces);
-  } else if (std::accumulate(counts_.begin(), counts_.end(), std::uint64_t{0}) != 0) {
-    const std::uint64_t before = comm.collectives_issued();
-    const std::uint64_t setup_before = x.strategy.setup_collectives;
-    try {
-      detail::run_strategy(stats.strategy, job, comm, deadline, x.strategy);
-    } catch (const CommunicationError&) {
-      scratch_.leak();  // staging and windows may still be read by a posted collective
-      throw;
-    }
-    stats.setup_collectives = x.strategy.setup_collectives - setup_before;
-    stats.payload_collectives = comm.collectives_issued() - before - stats.setup_collectives;
-  }
+  detail::run_payload(options_.strategy, job, comm, deadline, scratch_, stats);
   return stats;
 }
 

@@ -6,14 +6,23 @@
 #include <vector>
 
 #include "detail/exec_scratch.h"
+#include "strategies/strategy.h"
 
 #include "shardgather/communicator.h"
 #include "shardgather/errors.h"
 #include "shardgather/foreach_all_gather.h"
+#include "shardgather/plan.h"
 
 namespace shardgather::detail {
 
 std::string rank_prefix(int rank);
+
+// Resolves `requested` and moves the job's payload: a local copy at world size 1, nothing when
+// no rank sends a byte, else the strategy. Fills stats.strategy and the collective counts. On a
+// CommunicationError it gives up the scratch (a posted collective may still use it) and
+// rethrows.
+void run_payload(Strategy requested, const GatherJob& job, Communicator& comm, Deadline deadline,
+                 ScratchHolder& scratch, ExecStats& stats);
 
 // Sizes the scratch for world ranks of n tensors (no-op when already sized).
 void size_scratch(ExecScratch& x, int world, std::size_t n);

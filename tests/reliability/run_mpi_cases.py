@@ -64,10 +64,13 @@ def run_launch(args, spec, timeout_ms):
     with tempfile.TemporaryDirectory(prefix="sg-h2-") as tmp:
         cmd = ["timeout", "-s", "KILL", str(deadline), "mpirun", "--allow-run-as-root",
                "--oversubscribe", "-np", str(spec["np"])]
-        for var in ("ASAN_OPTIONS", "UBSAN_OPTIONS", "SHARDGATHER_SOAK_ITERS",
+        for var in ("UBSAN_OPTIONS", "SHARDGATHER_SOAK_ITERS",
                     "SHARDGATHER_L4_MIB", "SHARDGATHER_M9_CALLS"):
             if var in os.environ:
                 cmd += ["-x", var]
+        if "ASAN_OPTIONS" in os.environ:
+            # Open MPI's dlclose'd plugins "leak" about 120 KB per rank (RELIABILITY E13).
+            cmd += ["-x", "ASAN_OPTIONS=%s:detect_leaks=0" % os.environ["ASAN_OPTIONS"]]
         cmd += [args.bin, "--out-dir", tmp, "--timeout-ms", str(timeout_ms)]
         cmd += ["--naked"] if spec.get("naked") else []
         cmd += spec["ids"]

@@ -171,9 +171,15 @@ TEST_P(ThreadsSoak, L1FsdpShapesStayExactAndFlat) {
       iters, iters / secs, growth_mib, slope, fds_before, fds_after, threads_first, threads_last);
   record("L1", world, bad_iters == 0 ? "Ok" : "Corrupt", secs, bad_iters, note);
   EXPECT_EQ(bad_iters, 0U);
-  EXPECT_LT(growth_mib, 1.0);
+  // Under ASan freed memory sits in the quarantine, so RSS grows by design; LSan covers leaks
+  // there. The RSS bound is checked in the uninstrumented builds.
+  if (kSanitizerSlowdown == 1) {
+    EXPECT_LT(growth_mib, 1.0);
+  }
   EXPECT_EQ(fds_before, fds_after);
-  EXPECT_EQ(threads_first, threads_last);
+  if (kSanitizerSlowdown == 1) {  // TSan starts a background thread of its own on the way
+    EXPECT_EQ(threads_first, threads_last);
+  }
 }
 
 // L2: random lists (0-1000 tensors, 0-size, 1-element, up to 3 dims) bit-exact, with the
@@ -268,7 +274,9 @@ TEST(ThreadsSoakSingle, L3TinyTensorsScaleLinearly) {
   std::snprintf(note, sizeof note, "10k: %.2f ms, 100k: %.2f ms, ratio %.2f", t10k * 1e3,
                 t100k * 1e3, t100k / t10k);
   record("L3", 2, t100k / t10k <= 12 ? "Ok" : "Superlinear", t100k, 0, note);
-  EXPECT_LE(t100k / t10k, 12.0);
+  if (kSanitizerSlowdown == 1) {  // instrumentation distorts timing; the bound is for real builds
+    EXPECT_LE(t100k / t10k, 12.0);
+  }
 }
 
 // L4: peak RSS of one large call over (inputs + outputs). The threads backend copies straight

@@ -42,6 +42,31 @@ std::vector<std::vector<Shape>> plan_shapes(int world) {
 const std::vector<DType> kPlanDTypes = {DType::kFloat32, DType::kFloat64, DType::kInt8,
                                         DType::kBFloat16, DType::kInt32};
 
+std::vector<HostTensor> plan_tensors(const std::vector<std::vector<Shape>>& shapes, int rank) {
+  std::vector<HostTensor> tensors;
+  for (std::size_t i = 0; i < kPlanDTypes.size(); ++i) {
+    tensors.push_back(
+        make_tensor(kPlanDTypes[i], shapes[static_cast<std::size_t>(rank)][i], kSeed, rank, i));
+  }
+  return tensors;
+}
+
+// "" when views[i * world + r] holds rank r's pattern of tensor i for every i and r.
+std::string check_plan_views(const std::vector<TensorView>& views, int world) {
+  for (std::size_t i = 0; i < kPlanDTypes.size(); ++i) {
+    for (int r = 0; r < world; ++r) {
+      const TensorView& v =
+          views[i * static_cast<std::size_t>(world) + static_cast<std::size_t>(r)];
+      std::vector<std::byte> expect(checked_nbytes(v.dtype, v.shape));
+      fill_pattern(expect, kSeed, r, i);
+      if (!expect.empty() && std::memcmp(v.data, expect.data(), expect.size()) != 0) {
+        return "out[" + std::to_string(i) + "][" + std::to_string(r) + "] differs";
+      }
+    }
+  }
+  return "";
+}
+
 // The bytes of element range [row_begin, row_end) along `dim` of a full tensor, for every outer
 // index, concatenated: the contents of that shard.
 std::vector<std::byte> cut(const std::vector<std::byte>& full, const ShardSpec& s,
@@ -95,7 +120,8 @@ ShardSet make_shards(const UnshardPlan& plan, int rank) {
         outer == 0 || local_d == 0
             ? 0
             : (checked_nbytes(s.dtype, shape) / outer / static_cast<std::uint64_t>(local_d));
-    for (std::uint64_t o = 0; o < outer && row_bytes != 0; ++o) {
+    // rows == 0: an empty shard, nothing to lay out (and real.data() may be null).
+    for (std::uint64_t o = 0; o < outer && row_bytes != 0 && rows != 0; ++o) {
       std::memcpy(local.data() + o * static_cast<std::uint64_t>(local_d) * row_bytes,
                   real.data() + o * static_cast<std::uint64_t>(rows) * row_bytes,
                   static_cast<std::uint64_t>(rows) * row_bytes);
@@ -144,11 +170,7 @@ void case_plan_steady_state(Communicator& comm) {
   const int world = comm.size();
   const int rank = comm.rank();
   const auto shapes = plan_shapes(world);
-  std::vector<HostTensor> tensors;
-  for (std::size_t i = 0; i < kPlanDTypes.size(); ++i) {
-    tensors.push_back(
-        make_tensor(kPlanDTypes[i], shapes[static_cast<std::size_t>(rank)][i], kSeed, rank, i));
-  }
+  const std::vector<HostTensor> tensors = plan_tensors(shapes, rank);
   const std::vector<TensorView> params = views_of(tensors);
   for (const bool with_hint : {true, false}) {
     for (const Strategy strategy : kStrategies) {
@@ -191,16 +213,7 @@ void case_plan_steady_state(Communicator& comm) {
             const bool extra = stats.strategy == Strategy::kShared && !preflight && step > 0;
             EXPECT_EQ(stats.payload_collectives, extra ? 2U : 1U) << what;
           }
-          for (std::size_t i = 0; i < kPlanDTypes.size(); ++i) {
-            for (int r = 0; r < world; ++r) {
-              const TensorView& v =
-                  views[i * static_cast<std::size_t>(world) + static_cast<std::size_t>(r)];
-              std::vector<std::byte> expect(checked_nbytes(v.dtype, v.shape));
-              fill_pattern(expect, kSeed, r, i);
-              ASSERT_TRUE(expect.empty() || std::memcmp(v.data, expect.data(), expect.size()) == 0)
-                  << what << ": out[" << i << "][" << r << "]";
-            }
-          }
+          ASSERT_EQ(check_plan_views(views, world), "") << what;
         }
       }
     }
@@ -211,11 +224,7 @@ void case_plan_execute_shared(Communicator& comm) {
   const int world = comm.size();
   const int rank = comm.rank();
   const auto shapes = plan_shapes(world);
-  std::vector<HostTensor> tensors;
-  for (std::size_t i = 0; i < kPlanDTypes.size(); ++i) {
-    tensors.push_back(
-        make_tensor(kPlanDTypes[i], shapes[static_cast<std::size_t>(rank)][i], kSeed, rank, i));
-  }
+  const std::vector<HostTensor> tensors = plan_tensors(shapes, rank);
   const std::vector<TensorView> params = views_of(tensors);
   AllGatherPlan plan(kPlanDTypes, shapes, rank);
   for (int step = 0; step < 6; ++step) {
@@ -228,16 +237,7 @@ void case_plan_execute_shared(Communicator& comm) {
     ASSERT_EQ(gathered.size(), plan.output_bytes());
     EXPECT_EQ(stats.metadata_collectives, 0U);
     const std::vector<TensorView> views = plan.views(gathered.data());
-    for (std::size_t i = 0; i < kPlanDTypes.size(); ++i) {
-      for (int r = 0; r < world; ++r) {
-        const TensorView& v =
-            views[i * static_cast<std::size_t>(world) + static_cast<std::size_t>(r)];
-        std::vector<std::byte> expect(checked_nbytes(v.dtype, v.shape));
-        fill_pattern(expect, kSeed, r, i);
-        ASSERT_TRUE(expect.empty() || std::memcmp(v.data, expect.data(), expect.size()) == 0)
-            << "step " << step << ": out[" << i << "][" << r << "]";
-      }
-    }
+    ASSERT_EQ(check_plan_views(views, world), "") << "step " << step;
   }
 }
 
@@ -245,11 +245,7 @@ void case_plan_rejects_mismatched_tensors(Communicator& comm) {
   const int world = comm.size();
   const int rank = comm.rank();
   const auto shapes = plan_shapes(world);
-  std::vector<HostTensor> tensors;
-  for (std::size_t i = 0; i < kPlanDTypes.size(); ++i) {
-    tensors.push_back(
-        make_tensor(kPlanDTypes[i], shapes[static_cast<std::size_t>(rank)][i], kSeed, rank, i));
-  }
+  const std::vector<HostTensor> tensors = plan_tensors(shapes, rank);
   std::vector<TensorView> params = views_of(tensors);
   AllGatherPlan plan(kPlanDTypes, shapes, rank);
   std::vector<std::byte> out(plan.output_bytes());
