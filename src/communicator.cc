@@ -130,6 +130,24 @@ void Communicator::barrier(Deadline deadline) {
   run_collective("barrier", [&] { do_barrier(deadline); });
 }
 
+void Communicator::check_interrupt() {
+  if (!interrupt_check_) {
+    return;
+  }
+  const Clock::time_point now = Clock::now();
+  if (now - last_interrupt_check_ < std::chrono::milliseconds(100)) {
+    return;
+  }
+  last_interrupt_check_ = now;
+  if (interrupt_check_()) {
+    poison("interrupted on rank " + std::to_string(rank()));
+    do_abort();
+    throw Aborted("rank " + std::to_string(rank()) +
+                  ": interrupted (a signal arrived while the "
+                  "call waited); the communicator is poisoned");
+  }
+}
+
 void Communicator::abort() noexcept {
   poison("abort() was called on rank " + std::to_string(rank()));
   do_abort();

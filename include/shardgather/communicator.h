@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <span>
 #include <string>
@@ -101,6 +102,12 @@ class SHARDGATHER_API Communicator {
     return collectives_.load(std::memory_order_relaxed);
   }
 
+  // An interrupt check for embedders (the Python binding turns Ctrl-C into KeyboardInterrupt
+  // with it). Blocking waits call it on the waiting thread about every 100 ms; when it returns
+  // true the wait ends with Aborted and the communicator is poisoned. Set it only while no call
+  // is running; an empty function removes it.
+  void set_interrupt_check(std::function<bool()> check) { interrupt_check_ = std::move(check); }
+
   // Per-communicator default timeout for operations that do not set their own.
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
   void set_timeout(std::chrono::milliseconds timeout) noexcept { timeout_ = timeout; }
@@ -126,6 +133,10 @@ class SHARDGATHER_API Communicator {
   // Backends call this when they discover the communicator is unusable (a peer aborted).
   void poison(std::string_view reason) noexcept;
 
+  // Backends call this from their wait loops; it runs the interrupt check at most every 100 ms
+  // and raises Aborted (after do_abort()) when it asks to stop.
+  void check_interrupt();
+
  private:
   template <typename Fn>
   void run_collective(std::string_view what, Fn&& fn);
@@ -134,6 +145,8 @@ class SHARDGATHER_API Communicator {
   std::atomic<std::uint64_t> collectives_{0};
   std::chrono::milliseconds timeout_{kDefaultTimeout};
   std::uint64_t op_seq_ = 0;
+  std::function<bool()> interrupt_check_;
+  Clock::time_point last_interrupt_check_{};
   mutable std::mutex reason_mu_;
   std::string poison_reason_;  // the first reason; guarded by reason_mu_
 };

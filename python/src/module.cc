@@ -59,10 +59,8 @@ py::list foreach_all_gather_py(py::handle params, Communicator& comm,
   }
 
   auto result = std::make_unique<GatherResult>();
-  {
-    const py::gil_scoped_release release;
-    *result = foreach_all_gather(parsed.views, comm, hint_span, options);
-  }
+  call_interruptible(comm,
+                     [&] { *result = foreach_all_gather(parsed.views, comm, hint_span, options); });
   parsed.tensors.clear();
 
   const GatherResult& gathered = *result;

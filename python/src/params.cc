@@ -14,6 +14,32 @@ namespace py = pybind11;
 
 namespace shardgather::python {
 
+SignalWatch::SignalWatch(Communicator& comm) : comm_(comm) {
+  comm_.set_interrupt_check([this]() noexcept {
+    const PyGILState_STATE state = PyGILState_Ensure();
+    const int rc = PyErr_CheckSignals();
+    if (rc != 0) {
+      PyErr_Fetch(&type_, &value_, &traceback_);
+    }
+    PyGILState_Release(state);
+    return rc != 0;
+  });
+}
+
+SignalWatch::~SignalWatch() {
+  comm_.set_interrupt_check({});
+  if (type_ != nullptr) {  // never restored: drop the references (the GIL is held here)
+    Py_XDECREF(type_);
+    Py_XDECREF(value_);
+    Py_XDECREF(traceback_);
+  }
+}
+
+void SignalWatch::restore() noexcept {
+  PyErr_Restore(type_, value_, traceback_);
+  type_ = value_ = traceback_ = nullptr;
+}
+
 std::optional<std::chrono::milliseconds> to_timeout(std::optional<double> seconds) {
   if (!seconds) {
     return std::nullopt;

@@ -16,10 +16,51 @@
 #include <pybind11/pybind11.h>
 
 #include "shardgather/communicator.h"
+#include "shardgather/errors.h"
 #include "shardgather/foreach_all_gather.h"
 #include "shardgather/types.h"
 
 namespace shardgather::python {
+
+// While alive, the communicator's blocking waits check for Python signals about every 100 ms
+// (taking the GIL briefly; only the main thread runs signal handlers). When a handler raises
+// (Ctrl-C: KeyboardInterrupt) the call is aborted and the exception is kept for restore().
+class SignalWatch {
+ public:
+  explicit SignalWatch(Communicator& comm);
+  SignalWatch(const SignalWatch&) = delete;
+  SignalWatch& operator=(const SignalWatch&) = delete;
+  SignalWatch(SignalWatch&&) = delete;
+  SignalWatch& operator=(SignalWatch&&) = delete;
+  ~SignalWatch();
+  [[nodiscard]] bool interrupted() const noexcept { return type_ != nullptr; }
+  // With the GIL held: makes the handler's exception the current Python error.
+  void restore() noexcept;
+
+ private:
+  Communicator& comm_;
+  PyObject* type_ = nullptr;
+  PyObject* value_ = nullptr;
+  PyObject* traceback_ = nullptr;
+};
+
+// Runs `call` with the GIL released, interruptible by Ctrl-C (F11): a KeyboardInterrupt raised
+// by a signal handler during the call ends it within about 100 ms, poisons the communicator
+// (as abort() does), and is what the caller sees. Call with the GIL held.
+template <typename Fn>
+decltype(auto) call_interruptible(Communicator& comm, Fn&& call) {
+  SignalWatch watch(comm);
+  try {
+    const pybind11::gil_scoped_release release;
+    return call();
+  } catch (const Error&) {
+    if (watch.interrupted()) {
+      watch.restore();
+      throw pybind11::error_already_set();
+    }
+    throw;
+  }
+}
 
 // Seconds (None: unset) to the core's milliseconds; InvalidArgument for negative or non-finite.
 std::optional<std::chrono::milliseconds> to_timeout(std::optional<double> seconds);

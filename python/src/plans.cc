@@ -103,9 +103,10 @@ std::unique_ptr<PyAllGatherPlan> PyAllGatherPlan::create(
     }
     raise_local(comm, parsed.error);
   }
-  const py::gil_scoped_release release;
-  return std::make_unique<PyAllGatherPlan>(
-      AllGatherPlan::create(parsed.views, comm, shapes_across_group, options));
+  return call_interruptible(comm, [&] {
+    return std::make_unique<PyAllGatherPlan>(
+        AllGatherPlan::create(parsed.views, comm, shapes_across_group, options));
+  });
 }
 
 py::list PyAllGatherPlan::execute(py::handle params, Communicator& comm,
@@ -129,10 +130,7 @@ py::list PyAllGatherPlan::execute(py::handle params, Communicator& comm,
     target = buffer_;
   }
   const std::span<std::byte> bytes(static_cast<std::byte*>(target.data_ptr()), target.nbytes());
-  {
-    const py::gil_scoped_release release;
-    last_ = plan_.execute(parsed.views, comm, bytes);
-  }
+  call_interruptible(comm, [&] { last_ = plan_.execute(parsed.views, comm, bytes); });
   return results_over(target);
 }
 
@@ -183,10 +181,9 @@ py::list PyUnshardPlan::execute(py::handle shards, Communicator& comm,
     if (outs.error.kind != LocalError::kNone) {
       fail_locally(comm, outs.error, options.preflight, options.timeout);
     }
-    {
-      const py::gil_scoped_release release;
+    call_interruptible(comm, [&] {
       last_ = plan_.execute(parsed.views, comm, std::span<const TensorView>(outs.views));
-    }
+    });
     py::list result(outs.tensors.size());
     for (std::size_t i = 0; i < outs.tensors.size(); ++i) {
       result[i] = py::reinterpret_borrow<py::sequence>(*outputs)[i];
@@ -202,10 +199,7 @@ py::list PyUnshardPlan::execute(py::handle shards, Communicator& comm,
     }
   }
   const std::span<std::byte> bytes(static_cast<std::byte*>(buffer_.data_ptr()), buffer_.nbytes());
-  {
-    const py::gil_scoped_release release;
-    last_ = plan_.execute(parsed.views, comm, bytes);
-  }
+  call_interruptible(comm, [&] { last_ = plan_.execute(parsed.views, comm, bytes); });
   py::list result(cached_.size());
   for (std::size_t i = 0; i < cached_.size(); ++i) {
     result[i] = cached_[i];
@@ -221,10 +215,7 @@ py::list unshard_py(py::handle shards, Communicator& comm, const std::vector<Sha
   }
   auto result =
       std::make_unique<UnshardResult>(std::vector<TensorView>{}, AlignedBuffer{}, ExecStats{});
-  {
-    const py::gil_scoped_release release;
-    *result = unshard(parsed.views, comm, specs, options);
-  }
+  call_interruptible(comm, [&] { *result = unshard(parsed.views, comm, specs, options); });
   parsed.tensors.clear();
   const std::size_t n = result->size();
   if (n == 0) {

@@ -62,6 +62,7 @@ at::Tensor& ProcessGroupCommunicator::scratch(at::Tensor& buffer, std::uint64_t 
 void ProcessGroupCommunicator::wait(const c10::intrusive_ptr<c10d::Work>& work, Deadline deadline,
                                     const char* what) {
   for (;;) {
+    check_interrupt();
     if (abort_requested_.load()) {
       throw Aborted("rank " + std::to_string(rank_) + ": abort() while in " + what + " on " +
                     name_ + "; the c10d work cannot be cancelled, rebuild the group");

@@ -28,8 +28,19 @@ void ThreadsCommunicator::meet(Deadline deadline, const char* what) {
     return;
   }
   while (g.generation == generation && !g.aborted) {
-    if (g.cv.wait_until(lock, deadline) == std::cv_status::timeout && g.generation == generation &&
-        !g.aborted) {
+    // Wake at least every 100 ms for the interrupt check, which runs without the group lock.
+    const Deadline slice = std::min(deadline, Clock::now() + std::chrono::milliseconds(100));
+    if (g.cv.wait_until(lock, slice) != std::cv_status::timeout || g.generation != generation ||
+        g.aborted) {
+      continue;
+    }
+    if (Clock::now() < deadline) {
+      lock.unlock();
+      check_interrupt();
+      lock.lock();
+      continue;
+    }
+    {
       // Poison the group so the peers wake now with the same class instead of each waiting
       // out its own deadline (and so a late rank cannot pair with a stale barrier).
       const int arrived = g.arrived;
