@@ -105,6 +105,17 @@ void ScratchHolder::leak() noexcept {
   }
 }
 
+void exchange_plan_header(Communicator& comm, const PreflightHeader& header, ScratchHolder& scratch,
+                          Deadline deadline) {
+  ExecScratch& x = scratch.get();
+  try {
+    exchange_headers(comm, header, x.header_bytes, x.headers, deadline);
+  } catch (const CommunicationError&) {
+    scratch.leak();
+    throw;
+  }
+}
+
 void run_payload(Strategy requested, const GatherJob& job, Communicator& comm, Deadline deadline,
                  ScratchHolder& scratch, ExecStats& stats) {
   stats.strategy = select_strategy(requested, job, comm);
@@ -335,12 +346,7 @@ void AllGatherPlan::prepare(std::span<const TensorView> params, Communicator& co
     detail::set_status(header, ErrorCode::kOutOfMemory, "staging allocation failed");
   }
   if (exchange) {
-    try {
-      detail::exchange_headers(comm, header, x.header_bytes, x.headers, deadline);
-    } catch (const CommunicationError&) {
-      scratch_.leak();  // the header buffer may still be written
-      throw;
-    }
+    detail::exchange_plan_header(comm, header, scratch_, deadline);
     stats.preflight_collectives = 1;
   }
 

@@ -329,12 +329,7 @@ ExecStats UnshardPlan::execute_into(std::span<const TensorView> shards, Communic
     detail::set_status(header, e.code(), e.what());
   }
   if (exchange) {
-    try {
-      detail::exchange_headers(comm, header, x.header_bytes, x.headers, deadline);
-    } catch (const CommunicationError&) {
-      scratch_.leak();  // the header buffer may still be written
-      throw;
-    }
+    detail::exchange_plan_header(comm, header, scratch_, deadline);
     stats.preflight_collectives = 1;
   }
 

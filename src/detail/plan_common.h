@@ -24,6 +24,11 @@ std::string rank_prefix(int rank);
 void run_payload(Strategy requested, const GatherJob& job, Communicator& comm, Deadline deadline,
                  ScratchHolder& scratch, ExecStats& stats);
 
+// A plan's pre-flight: exchange_headers into the scratch's buffers. On a CommunicationError it
+// gives up the scratch (the header buffer may still be written) and rethrows.
+void exchange_plan_header(Communicator& comm, const PreflightHeader& header, ScratchHolder& scratch,
+                          Deadline deadline);
+
 // Sizes the scratch for world ranks of n tensors (no-op when already sized).
 void size_scratch(ExecScratch& x, int world, std::size_t n);
 
