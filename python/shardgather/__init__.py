@@ -121,7 +121,26 @@ def foreach_all_gather(
     return _C.foreach_all_gather(params, comm, params_shapes_across_group, timeout, preflight)
 
 
-class AllGatherPlan:
+class _PlanState:
+    """What both plan classes expose about their last execution (``self._plan`` is the C++ plan)."""
+
+    @property
+    def strategy(self):
+        """The requested strategy's name; ``last_stats["strategy"]`` is the one that ran."""
+        return self._plan.strategy
+
+    @property
+    def last_stats(self):
+        """Collectives and staged bytes of the last execution, and its strategy."""
+        return self._plan.last_stats
+
+    @property
+    def buffer(self):
+        """The plan-owned uint8 output buffer (None before the first execution without out)."""
+        return self._plan.buffer
+
+
+class AllGatherPlan(_PlanState):
     """A foreach all-gather built once and executed every step (SPEC section 3).
 
     ``AllGatherPlan(dtypes, shapes_across_group, rank)`` is pure (no communication): one
@@ -183,23 +202,9 @@ class AllGatherPlan:
     def num_tensors(self):
         return self._plan.num_tensors
 
-    @property
-    def strategy(self):
-        """The requested strategy's name; ``last_stats["strategy"]`` is the one that ran."""
-        return self._plan.strategy
-
-    @property
-    def last_stats(self):
-        """Collectives and staged bytes of the last execution, and its strategy."""
-        return self._plan.last_stats
-
-    @property
-    def buffer(self):
-        """The plan-owned uint8 output buffer (None before the first execution without out)."""
-        return self._plan.buffer
 
 
-class UnshardPlan:
+class UnshardPlan(_PlanState):
     """Shards to full parameters, built once and executed every step (SPEC sections 2, 3).
 
     ``specs`` is a list of :class:`ShardSpec` (one per parameter): dtype, full shape, shard dim
@@ -237,17 +242,6 @@ class UnshardPlan:
     def world_size(self):
         return self._plan.world_size
 
-    @property
-    def strategy(self):
-        return self._plan.strategy
-
-    @property
-    def last_stats(self):
-        return self._plan.last_stats
-
-    @property
-    def buffer(self):
-        return self._plan.buffer
 
 
 def unshard(shards, specs, group=None, *, strategy="auto", preflight=True, timeout=None):

@@ -4,6 +4,7 @@ processes (FileStore rendezvous, so nothing but loopback is used) and reports pe
 import os
 import sys
 import tempfile
+import threading
 import traceback
 
 import pytest
@@ -98,3 +99,24 @@ class CaseResults:
             )
         if missing:
             pytest.fail("ranks %s never reported (hung or died)" % missing, pytrace=False)
+
+
+def run_ranks(world, fn):
+    """fn(rank, comm) on one Python thread per rank of a ThreadGroup; returns the results."""
+    import shardgather
+
+    group = shardgather.ThreadGroup(world)
+    results, errors = [None] * world, [None] * world
+
+    def body(r):
+        try:
+            results[r] = fn(r, group[r])
+        except BaseException as e:  # noqa: B902
+            errors[r] = e
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results, errors

@@ -8,7 +8,7 @@ import torch
 
 import plan_cases
 import shardgather
-from conftest import CaseResults
+from conftest import CaseResults, run_ranks
 
 _results = CaseResults("plan_cases", plan_cases.CASES)
 
@@ -20,20 +20,7 @@ def test_plans_gloo(world, case):
 
 
 def _on_threads(world, fn):
-    group = shardgather.ThreadGroup(world)
-    errors = [None] * world
-
-    def body(r):
-        try:
-            fn(r, group[r])
-        except BaseException as e:  # noqa: B902
-            errors[r] = e
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    _, errors = run_ranks(world, fn)
     for r, e in enumerate(errors):
         if e is not None:
             raise AssertionError("rank %d: %r" % (r, e)) from e

@@ -11,26 +11,8 @@ import pytest
 import torch
 
 import shardgather
+from conftest import run_ranks
 from gloo_cases import DTYPES, make, raw
-
-
-def run_ranks(world, fn):
-    """fn(rank, comm) on one Python thread per rank of a ThreadGroup; returns the results."""
-    group = shardgather.ThreadGroup(world)
-    results, errors = [None] * world, [None] * world
-
-    def body(r):
-        try:
-            results[r] = fn(r, group[r])
-        except BaseException as e:  # noqa: B902
-            errors[r] = e
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return results, errors
 
 
 def params_of(rank):
