@@ -51,57 +51,67 @@ std::optional<std::chrono::milliseconds> to_timeout(std::optional<double> second
   return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(*seconds * 1000.0)));
 }
 
-Params parse_params(py::handle params, const char* what) {
-  Params out;
+void parse_params_into(py::handle params, const char* what, Params& out) {
+  out.tensors.clear();  // keeps the capacity (and every view's shape storage) for the next call
+  out.error = {};
   if (!py::isinstance<py::list>(params) && !py::isinstance<py::tuple>(params)) {
+    out.views.clear();
     out.error = {LocalError::kType, 0,
                  std::string(what) + " must be a list of torch.Tensor, got " +
                      std::string(py::str(py::type::handle_of(params).attr("__name__")))};
-    return out;
+    return;
   }
-  const auto seq = py::reinterpret_borrow<py::sequence>(params);
-  const std::size_t n = seq.size();
+  const bool is_list = PyList_Check(params.ptr()) != 0;
+  const auto n = static_cast<std::size_t>(is_list ? PyList_GET_SIZE(params.ptr())
+                                                  : PyTuple_GET_SIZE(params.ptr()));
   out.tensors.reserve(n);
-  out.views.reserve(n);
+  out.views.resize(n);
+  // Messages are built only on failure: this loop runs once per tensor on every call.
+  const auto name = [what](std::size_t i) {
+    return std::string(what) + "[" + std::to_string(i) + "]";
+  };
+  const auto fail = [&](LocalError::Kind kind, std::size_t i, std::string message) {
+    out.views.resize(i);
+    out.error = {kind, i, std::move(message)};
+  };
   for (std::size_t i = 0; i < n; ++i) {
-    PyObject* item = PyList_Check(params.ptr()) ? PyList_GET_ITEM(params.ptr(), i)
-                                                : PyTuple_GET_ITEM(params.ptr(), i);
-    const std::string name = std::string(what) + "[" + std::to_string(i) + "]";
+    const auto at = static_cast<Py_ssize_t>(i);
+    PyObject* item =
+        is_list ? PyList_GET_ITEM(params.ptr(), at) : PyTuple_GET_ITEM(params.ptr(), at);
     if (!THPVariable_Check(item)) {
-      out.error = {LocalError::kType, i,
-                   name + " is a " + std::string(Py_TYPE(item)->tp_name) + ", not a torch.Tensor"};
-      return out;
+      return fail(
+          LocalError::kType, i,
+          name(i) + " is a " + std::string(Py_TYPE(item)->tp_name) + ", not a torch.Tensor");
     }
     at::Tensor t = THPVariable_Unpack(item);
     if (!out.tensors.empty() && t.device() != out.tensors.front().device()) {
-      out.error = {LocalError::kValue, i,
-                   name + " is on " + t.device().str() + " but " + what + "[0] is on " +
-                       out.tensors.front().device().str() + ": all tensors must be on one device"};
-      return out;
+      return fail(LocalError::kValue, i,
+                  name(i) + " is on " + t.device().str() + " but " + what + "[0] is on " +
+                      out.tensors.front().device().str() + ": all tensors must be on one device");
     }
     if (!t.device().is_cpu()) {
-      out.error = {LocalError::kValue, i,
-                   name + " is on " + t.device().str() +
-                       ": shardgather gathers host (CPU) tensors; the device path is not built"};
-      return out;
+      return fail(LocalError::kValue, i,
+                  name(i) + " is on " + t.device().str() +
+                      ": shardgather gathers host (CPU) tensors; the device path is not built");
     }
     if (t.layout() != c10::kStrided) {
-      out.error = {LocalError::kValue, i, name + " is not a strided (dense) tensor"};
-      return out;
+      return fail(LocalError::kValue, i, name(i) + " is not a strided (dense) tensor");
     }
-    DType dtype{};
-    try {
-      dtype = dtype_of(t.scalar_type(), name);
-    } catch (const InvalidArgument& e) {
-      out.error = {LocalError::kValue, i, e.what()};
-      return out;
+    const std::optional<DType> dtype = wire_dtype(t.scalar_type());
+    if (!dtype) {
+      return fail(LocalError::kValue, i, unsupported_dtype_message(t.scalar_type(), name(i)));
     }
     if (t.is_neg()) {
       t = t.resolve_neg();  // a lazily negated view: materialise the values it stands for
     }
-    out.views.push_back(view_of(t, dtype));
+    set_view(t, *dtype, out.views[i]);
     out.tensors.push_back(std::move(t));
   }
+}
+
+Params parse_params(py::handle params, const char* what) {
+  Params out;
+  parse_params_into(params, what, out);
   return out;
 }
 

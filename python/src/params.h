@@ -82,6 +82,9 @@ struct Params {
 
 // `what` names the argument in messages ("params", "shards", "outputs").
 Params parse_params(pybind11::handle params, const char* what = "params");
+// The same into `out`, reusing its vectors (a plan parses the same list every step, so this
+// allocates nothing after the first call). On error, `out.views` holds the tensors before it.
+void parse_params_into(pybind11::handle params, const char* what, Params& out);
 
 // Makes the peers fail from the same call: the core is called with a view it rejects, so the
 // rejection travels in the pre-flight header and every rank raises InvalidArgument, instead of

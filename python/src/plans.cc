@@ -70,7 +70,79 @@ std::optional<LocalError> check_out(const at::Tensor& out) {
   return std::nullopt;
 }
 
+// A new list of items[0 .. count).
+py::list list_of(const py::object* items, std::size_t count) {
+  py::list list(count);
+  for (std::size_t k = 0; k < count; ++k) {
+    PyList_SET_ITEM(list.ptr(), static_cast<Py_ssize_t>(k), items[k].inc_ref().ptr());
+  }
+  return list;
+}
+
+// Whether `list` is a list of exactly items[0 .. count), by identity.
+bool list_holds(PyObject* list, const py::object* items, std::size_t count) {
+  if (!PyList_CheckExact(list) || static_cast<std::size_t>(PyList_GET_SIZE(list)) != count) {
+    return false;
+  }
+  for (std::size_t k = 0; k < count; ++k) {
+    if (PyList_GET_ITEM(list, static_cast<Py_ssize_t>(k)) != items[k].ptr()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Drops the references parse_params_into took once the call is over (success or not), so a
+// plan never keeps the caller's inputs alive between executions; the vectors stay for reuse.
+class InputsHeld {
+ public:
+  explicit InputsHeld(Params& params) : params_(params) {}
+  InputsHeld(const InputsHeld&) = delete;
+  InputsHeld& operator=(const InputsHeld&) = delete;
+  InputsHeld(InputsHeld&&) = delete;
+  InputsHeld& operator=(InputsHeld&&) = delete;
+  ~InputsHeld() { params_.tensors.clear(); }
+
+ private:
+  Params& params_;
+};
+
 }  // namespace
+
+py::list ResultLists::get(const std::vector<py::object>& tensors, std::size_t per_list) {
+  if (!lists_ || !intact(tensors, per_list)) {
+    if (per_list == 0) {
+      lists_ = list_of(tensors.data(), tensors.size());
+    } else {
+      const std::size_t n = tensors.size() / per_list;
+      py::list outer(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        PyList_SET_ITEM(outer.ptr(), static_cast<Py_ssize_t>(i),
+                        list_of(&tensors[i * per_list], per_list).release().ptr());
+      }
+      lists_ = std::move(outer);
+    }
+  }
+  return py::reinterpret_borrow<py::list>(lists_);
+}
+
+bool ResultLists::intact(const std::vector<py::object>& tensors, std::size_t per_list) const {
+  if (per_list == 0) {
+    return list_holds(lists_.ptr(), tensors.data(), tensors.size());
+  }
+  const std::size_t n = tensors.size() / per_list;
+  if (!PyList_CheckExact(lists_.ptr()) ||
+      static_cast<std::size_t>(PyList_GET_SIZE(lists_.ptr())) != n) {
+    return false;
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!list_holds(PyList_GET_ITEM(lists_.ptr(), static_cast<Py_ssize_t>(i)),
+                    &tensors[i * per_list], per_list)) {
+      return false;
+    }
+  }
+  return true;
+}
 
 py::dict stats_dict(const ExecStats& stats) {
   py::dict d;
@@ -113,9 +185,10 @@ py::list PyAllGatherPlan::execute(py::handle params, Communicator& comm,
                                   std::optional<at::Tensor> out) {
   const auto lock = claim(busy_, "AllGatherPlan");
   const PlanOptions& options = plan_.options();
-  Params parsed = parse_params(params);
-  if (parsed.error.kind != LocalError::kNone) {
-    fail_locally(comm, parsed.error, options.preflight, options.timeout);
+  const InputsHeld held(parsed_);
+  parse_params_into(params, "params", parsed_);
+  if (parsed_.error.kind != LocalError::kNone) {
+    fail_locally(comm, parsed_.error, options.preflight, options.timeout);
   }
   at::Tensor target;
   if (out) {
@@ -130,7 +203,7 @@ py::list PyAllGatherPlan::execute(py::handle params, Communicator& comm,
     target = buffer_;
   }
   const std::span<std::byte> bytes(static_cast<std::byte*>(target.data_ptr()), target.nbytes());
-  call_interruptible(comm, [&] { last_ = plan_.execute(parsed.views, comm, bytes); });
+  call_interruptible(comm, [&] { last_ = plan_.execute(parsed_.views, comm, bytes); });
   return results_over(target);
 }
 
@@ -143,50 +216,43 @@ py::list PyAllGatherPlan::results_over(const at::Tensor& target) {
   const auto world = static_cast<std::size_t>(plan_.layout().world_size);
   if (!cached) {
     cached_.clear();
+    lists_.reset();
     const c10::Storage& storage = target.storage();
     const auto* base = static_cast<const std::byte*>(storage.data());
     const std::vector<TensorView> views = plan_.views(static_cast<std::byte*>(target.data_ptr()));
-    std::vector<std::vector<py::object>> built(n);
-    for (std::size_t i = 0; i < n; ++i) {
-      built[i].reserve(world);
-      for (std::size_t r = 0; r < world; ++r) {
-        built[i].push_back(wrap(tensor_over(storage, base, views[i * world + r])));
-      }
+    std::vector<py::object> built;
+    built.reserve(n * world);
+    for (std::size_t k = 0; k < n * world; ++k) {
+      built.push_back(wrap(tensor_over(storage, base, views[k])));
     }
     cached_ = std::move(built);
     cached_for_ = target;
   }
-  // New lists every time (a caller may edit them); the tensors are the cached ones.
-  py::list result(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    py::list per_rank(world);
-    for (std::size_t r = 0; r < world; ++r) {
-      PyList_SET_ITEM(per_rank.ptr(), static_cast<Py_ssize_t>(r), cached_[i][r].inc_ref().ptr());
-    }
-    PyList_SET_ITEM(result.ptr(), static_cast<Py_ssize_t>(i), per_rank.release().ptr());
-  }
-  return result;
+  return lists_.get(cached_, world);
 }
 
 py::list PyUnshardPlan::execute(py::handle shards, Communicator& comm,
                                 std::optional<py::handle> outputs) {
   const auto lock = claim(busy_, "UnshardPlan");
   const PlanOptions& options = options_;
-  Params parsed = parse_params(shards, "shards");
-  if (parsed.error.kind != LocalError::kNone) {
-    fail_locally(comm, parsed.error, options.preflight, options.timeout);
+  const InputsHeld held(parsed_);
+  parse_params_into(shards, "shards", parsed_);
+  if (parsed_.error.kind != LocalError::kNone) {
+    fail_locally(comm, parsed_.error, options.preflight, options.timeout);
   }
   if (outputs && !outputs->is_none()) {
-    Params outs = parse_params(*outputs, "outputs");
-    if (outs.error.kind != LocalError::kNone) {
-      fail_locally(comm, outs.error, options.preflight, options.timeout);
+    const InputsHeld held_outputs(outputs_);
+    parse_params_into(*outputs, "outputs", outputs_);
+    if (outputs_.error.kind != LocalError::kNone) {
+      fail_locally(comm, outputs_.error, options.preflight, options.timeout);
     }
     call_interruptible(comm, [&] {
-      last_ = plan_.execute(parsed.views, comm, std::span<const TensorView>(outs.views));
+      last_ = plan_.execute(parsed_.views, comm, std::span<const TensorView>(outputs_.views));
     });
-    py::list result(outs.tensors.size());
-    for (std::size_t i = 0; i < outs.tensors.size(); ++i) {
-      result[i] = py::reinterpret_borrow<py::sequence>(*outputs)[i];
+    const auto given = py::reinterpret_borrow<py::sequence>(*outputs);
+    py::list result(outputs_.views.size());
+    for (std::size_t i = 0; i < outputs_.views.size(); ++i) {
+      result[i] = given[i];
     }
     return result;
   }
@@ -199,12 +265,8 @@ py::list PyUnshardPlan::execute(py::handle shards, Communicator& comm,
     }
   }
   const std::span<std::byte> bytes(static_cast<std::byte*>(buffer_.data_ptr()), buffer_.nbytes());
-  call_interruptible(comm, [&] { last_ = plan_.execute(parsed.views, comm, bytes); });
-  py::list result(cached_.size());
-  for (std::size_t i = 0; i < cached_.size(); ++i) {
-    result[i] = cached_[i];
-  }
-  return result;
+  call_interruptible(comm, [&] { last_ = plan_.execute(parsed_.views, comm, bytes); });
+  return lists_.get(cached_, 0);
 }
 
 py::list unshard_py(py::handle shards, Communicator& comm, const std::vector<ShardSpec>& specs,

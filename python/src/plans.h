@@ -1,6 +1,7 @@
 // AllGatherPlan and UnshardPlan for Python: the core plans plus a plan-owned output buffer (a
 // torch uint8 tensor) and the result tensors over it, both built once and reused by every
-// execution, so a steady-state execution allocates no output and creates no tensor objects.
+// execution, so a steady-state execution allocates no output and creates no tensor objects (nor
+// lists: see ResultLists).
 // Results of execution k are therefore overwritten by execution k + 1, like FSDP's reused
 // unshard buffers; clone what must outlive the next execution.
 //
@@ -19,6 +20,8 @@
 #include <ATen/Tensor.h>
 #include <pybind11/pybind11.h>
 
+#include "params.h"
+
 #include "shardgather/communicator.h"
 #include "shardgather/plan.h"
 #include "shardgather/unshard.h"
@@ -32,6 +35,22 @@ pybind11::dict stats_dict(const ExecStats& stats);
 // PlanOptions from the Python keywords.
 PlanOptions plan_options(const std::string& strategy, bool preflight,
                          std::optional<double> timeout);
+
+// The result lists an execution returns: built once, then returned again by every later
+// execution. Creating n + 1 new lists per step makes CPython run its cyclic GC about once per
+// call, which cost more than the whole gather of 1000 small tensors. A caller that edited the
+// lists it was given gets new ones (checked by identity, O(tensors)).
+class ResultLists {
+ public:
+  // [[tensors[i * per_list + r] for r ...] for i ...], or the flat list when per_list is 0.
+  pybind11::list get(const std::vector<pybind11::object>& tensors, std::size_t per_list);
+  void reset() { lists_ = pybind11::object(); }
+
+ private:
+  [[nodiscard]] bool intact(const std::vector<pybind11::object>& tensors,
+                            std::size_t per_list) const;
+  pybind11::object lists_;
+};
 
 class PyAllGatherPlan {
  public:
@@ -58,9 +77,11 @@ class PyAllGatherPlan {
 
   AllGatherPlan plan_;
   std::mutex busy_;
+  Params parsed_;  // reused by every execution (no per-tensor allocation after the first)
   at::Tensor buffer_;
-  at::Tensor cached_for_;                              // the buffer `cached_` views
-  std::vector<std::vector<pybind11::object>> cached_;  // [i][r]
+  at::Tensor cached_for_;                 // the buffer `cached_` views
+  std::vector<pybind11::object> cached_;  // [i * world + r]
+  ResultLists lists_;                     // what execute() returns
   ExecStats last_;
 };
 
@@ -84,8 +105,11 @@ class PyUnshardPlan {
   UnshardPlan plan_;
   PlanOptions options_;
   std::mutex busy_;
+  Params parsed_;   // the shards, reused by every execution
+  Params outputs_;  // the caller's outputs, when given
   at::Tensor buffer_;
   std::vector<pybind11::object> cached_;  // the full tensors over buffer_
+  ResultLists lists_;                     // what execute() returns
   ExecStats last_;
 };
 

@@ -271,24 +271,18 @@ void ProcessGroupCommunicator::gather_p2p(std::span<const ConstSegment> send, st
                                           std::span<const std::uint64_t> displs, Deadline deadline,
                                           const char* what) {
   const auto me = static_cast<std::size_t>(rank_);
-  // This rank's bytes go to its own slot first (skipped when a segment already is the slot);
-  // the slot is then the one contiguous send buffer for every peer.
-  std::byte* slot = recv + displs[me];
-  std::uint64_t at = 0;
-  for (const ConstSegment& s : send) {
-    if (s.size != 0 && s.data != slot + at) {
-      std::memmove(slot + at, s.data, s.size);
-    }
-    at += s.size;
-  }
   if (abort_requested_.load()) {
     throw Aborted("rank " + std::to_string(rank_) + ": abort() before " + what + " on " + name_);
   }
+  // Receives are posted first (Gloo sends a peer's bytes only once their receive is posted, so
+  // each peer can start at once), then this rank's bytes are copied into its own slot while the
+  // peers' bytes arrive (the receives write only the other slots), then the slot is the one
+  // contiguous send buffer for every peer.
+  std::byte* slot = recv + displs[me];
   {
     const std::lock_guard<std::mutex> lock(inflight_mu_);
     inflight_.clear();
     try {
-      // Receives first, so that Gloo can write each peer's bytes straight into its slot.
       for (int step = 1; step < size_; ++step) {
         const int from = (rank_ + size_ - step) % size_;
         const auto f = static_cast<std::size_t>(from);
@@ -296,6 +290,13 @@ void ProcessGroupCommunicator::gather_p2p(std::span<const ConstSegment> send, st
           p2p_tensors_.assign(1, host_bytes(recv + displs[f], counts[f]));
           inflight_.push_back(group_->recv(p2p_tensors_, from, kP2PTag));
         }
+      }
+      std::uint64_t at = 0;
+      for (const ConstSegment& s : send) {
+        if (s.size != 0 && s.data != slot + at) {
+          std::memmove(slot + at, s.data, s.size);
+        }
+        at += s.size;
       }
       for (int step = 1; step < size_; ++step) {
         const int to = (rank_ + step) % size_;

@@ -23,9 +23,10 @@
 // has no _allgather_base, and its allgather receives into a fresh flat tensor (first touch of
 // world x bytes on every call) that it then copies into the outputs. Its send/recv, on the other
 // hand, post Gloo unbound buffers over the tensors' own memory. So all_gather_v/all_gather on a
-// Gloo group copy this rank's bytes once into its own slot of the output, post one recv per peer
-// straight into that peer's slot and one send per peer from the slot: no padding (a true
-// gather-v), no staging, no internal buffer, no copy-out. Tag kP2PTag is reserved on the group.
+// Gloo group post one recv per peer straight into that peer's slot of the output, copy this
+// rank's bytes once into its own slot while those arrive, and post one send per peer from the
+// slot: no padding (a true gather-v), no staging, no internal buffer, no copy-out. Tag kP2PTag
+// is reserved on the group.
 // Waits are not sliced there: a Gloo unbound-buffer wait that times out signals the failure on
 // the whole Gloo context, so each work is waited on until the deadline, and abort() aborts the
 // in-flight works (SendWork/RecvWork::abort) to wake the wait.

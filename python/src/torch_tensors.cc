@@ -7,7 +7,7 @@
 
 namespace shardgather::python {
 
-DType dtype_of(c10::ScalarType type, const std::string& what) {
+std::optional<DType> wire_dtype(c10::ScalarType type) noexcept {
   switch (type) {
     case c10::ScalarType::Bool:
       return DType::kBool;
@@ -30,11 +30,20 @@ DType dtype_of(c10::ScalarType type, const std::string& what) {
     case c10::ScalarType::Double:
       return DType::kFloat64;
     default:
-      break;
+      return std::nullopt;
   }
-  throw InvalidArgument(
-      what + " has dtype " + std::string(c10::toString(type)) +
-      ", which shardgather cannot gather (bool, integer and floating types only)");
+}
+
+std::string unsupported_dtype_message(c10::ScalarType type, const std::string& what) {
+  return what + " has dtype " + std::string(c10::toString(type)) +
+         ", which shardgather cannot gather (bool, integer and floating types only)";
+}
+
+DType dtype_of(c10::ScalarType type, const std::string& what) {
+  if (const std::optional<DType> dtype = wire_dtype(type)) {
+    return *dtype;
+  }
+  throw InvalidArgument(unsupported_dtype_message(type, what));
 }
 
 c10::ScalarType scalar_type_of(DType dtype) {
@@ -65,13 +74,19 @@ c10::ScalarType scalar_type_of(DType dtype) {
 
 TensorView view_of(const at::Tensor& t, DType dtype) {
   TensorView view;
+  set_view(t, dtype, view);
+  return view;
+}
+
+void set_view(const at::Tensor& t, DType dtype, TensorView& view) {
   view.data = t.data_ptr();
   view.dtype = dtype;
   view.shape.assign(t.sizes().begin(), t.sizes().end());
-  if (!t.is_contiguous()) {
+  if (t.is_contiguous()) {
+    view.strides.clear();
+  } else {
     view.strides.assign(t.strides().begin(), t.strides().end());
   }
-  return view;
 }
 
 at::Tensor tensor_over(const c10::Storage& storage, const std::byte* base, const TensorView& view) {

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <ATen/Tensor.h>
@@ -21,11 +22,17 @@ namespace shardgather::python {
 // The wire dtype for a torch scalar type; throws InvalidArgument naming `what` (for example
 // "params[3]") for types with no wire code (complex, quantized, ...).
 DType dtype_of(c10::ScalarType type, const std::string& what);
+// The same without throwing: nullopt for types with no wire code.
+std::optional<DType> wire_dtype(c10::ScalarType type) noexcept;
+// The message dtype_of throws for an unsupported `type`.
+std::string unsupported_dtype_message(c10::ScalarType type, const std::string& what);
 c10::ScalarType scalar_type_of(DType dtype);
 
 // A view of a CPU, strided tensor of wire type `dtype` (from dtype_of); `data` already includes
 // the storage offset. The caller keeps `t` alive while the view is used.
 TensorView view_of(const at::Tensor& t, DType dtype);
+// The same into `view`, reusing its shape and stride storage.
+void set_view(const at::Tensor& t, DType dtype, TensorView& view);
 
 // Adopts `bytes` bytes at `data` as a CPU storage; destroying the storage destroys `owner`.
 // `owner` must own the memory at `data` (or be the only thing keeping it alive).

@@ -285,4 +285,58 @@ def case_gather_plan_wrong_shape(rank, world):
     _check_gather(plan.execute(params), world, 0)
 
 
+def case_result_lists_reused_until_edited(rank, world):
+    """A steady-state execution returns the very lists it returned before (no new Python
+    containers, so no cyclic-GC pass per step); a caller that edited them gets new, correct ones
+    and keeps its edited lists untouched."""
+    import gc
+
+    hint = [_gather_shapes(r) for r in range(world)]
+    params = _gather_params(rank)
+    plan = shardgather.AllGatherPlan.create(params, None, hint, timeout=T)
+    first = plan.execute(params)
+    assert plan.execute(params) is first
+    first[0].append("mine")  # the caller's edit stays the caller's
+    again = plan.execute(params)
+    assert again is not first and first[0][-1] == "mine" and len(again[0]) == world
+    _check_gather(again, world, 0)
+    assert all(a is b for x, y in zip(again, first) for a, b in zip(x, y)), "cached views"
+    again[1] = None
+    again2 = plan.execute(params)
+    assert again2 is not again and again[1] is None
+    _check_gather(again2, world, 0)
+    assert plan.execute(params) is again2
+    # Into a caller's buffer: the lists follow the buffer, as the views do.
+    buf = torch.empty(plan.output_bytes, dtype=torch.uint8)
+    into = plan.execute(params, None, buf)
+    assert into is not again2 and plan.execute(params, None, buf) is into
+    _check_gather(into, world, 0)
+    # Unshard: the flat list of full tensors, likewise.
+    specs = _param_specs(world)
+    uplan = shardgather.UnshardPlan(specs, world, rank, timeout=T)
+    shards = [_local_shard(s, rank, world, i) for i, s in enumerate(specs)]
+    full = uplan.execute(shards)
+    assert uplan.execute(shards) is full
+    full.reverse()
+    fresh = uplan.execute(shards)
+    assert fresh is not full and fresh[0] is full[-1]
+    for i, s in enumerate(specs):
+        same(fresh[i], _expected_full(s, world, i), "param %d" % i)
+    # No cyclic-GC pass is triggered by the executions themselves (1000 tensors per call would
+    # allocate 1001 lists per call, past the default threshold of 700, without the reuse).
+    many = [torch.full((3,), float(rank)) for _ in range(1000)]
+    big = shardgather.AllGatherPlan.create(many, None, [[(3,)] * 1000] * world, timeout=T)
+    big.execute(many)
+    passes = []
+    callback = lambda phase, info: passes.append(phase) if phase == "start" else None  # noqa: E731
+    gc.callbacks.append(callback)
+    try:
+        for _ in range(50):
+            out = big.execute(many)
+    finally:
+        gc.callbacks.remove(callback)
+    assert len(passes) < 10, "%d GC passes in 50 executions" % len(passes)
+    assert torch.equal(out[999][world - 1], torch.full((3,), float(world - 1)))
+
+
 CASES = sorted(name for name in dir() if name.startswith("case_"))
