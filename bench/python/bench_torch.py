@@ -100,16 +100,23 @@ def run(rank, world, args, mpi_comm_factory):
         flat_out = torch.empty(per_rank_bytes * world, dtype=torch.uint8)
         outs = list(flat_out.chunk(world))
         # Plans: built once, executed every iteration into the plan's reused buffer (the views
-        # are cached too). "allgather path" is the same plan on a communicator that uses the
-        # group's allgather (padded, staged, Gloo's flat copy) instead of send/recv.
+        # and result lists are cached too). "auto" is what a caller gets: on one host at >= 1 MiB
+        # per rank it gathers through the node-shared window (the group carries only the
+        # pre-flight and barriers). "direct" moves the bytes over the group itself: Gloo
+        # send/recv straight into place, or, on the "allgather path" communicator, the group's
+        # allgather (padded, staged, Gloo's own flat copy).
         plan = shardgather.AllGatherPlan.create(params, None, hint)
-        plan_nopf = shardgather.AllGatherPlan.create(params, None, hint, preflight=False)
+        direct = shardgather.AllGatherPlan.create(params, None, hint, strategy="direct")
+        direct_nopf = shardgather.AllGatherPlan.create(params, None, hint, strategy="direct",
+                                                       preflight=False)
         allgather_comm = shardgather._C._process_group_communicator(dist.group.WORLD, "cpu", False)
+        plan.execute(params)
         methods = {
             "limit (group all_gather, prealloc)": lambda: dist.all_gather(outs, flat_in),
-            "plan (hint, reused buffer)": lambda: plan.execute(params),
-            "plan (preflight off)": lambda: plan_nopf.execute(params),
-            "plan (allgather path)": lambda: plan.execute(params, allgather_comm),
+            "plan auto (%s)" % plan.last_stats["strategy"]: lambda: plan.execute(params),
+            "plan direct (Gloo send/recv)": lambda: direct.execute(params),
+            "plan direct, preflight off": lambda: direct_nopf.execute(params),
+            "plan direct, group allgather": lambda: direct.execute(params, allgather_comm),
             "shardgather (hint)": lambda: shardgather.foreach_all_gather(params, None, hint),
             "shardgather (no hint)": lambda: shardgather.foreach_all_gather(params),
             "shardgather (hint, preflight off)": lambda: shardgather.foreach_all_gather(
@@ -129,7 +136,8 @@ def run(rank, world, args, mpi_comm_factory):
         # Correctness first: shardgather must equal the seed's algorithm bit for bit.
         b = seed_algorithm(params, world, hint)
         for a in (shardgather.foreach_all_gather(params, None, hint), plan.execute(params),
-                  plan.execute(params, allgather_comm)):
+                  direct.execute(params), direct_nopf.execute(params),
+                  direct.execute(params, allgather_comm)):
             for x, y in zip(a, b):
                 for u, v in zip(x, y):
                     assert torch.equal(u.view(torch.uint8), v.view(torch.uint8))
@@ -151,12 +159,18 @@ def run(rank, world, args, mpi_comm_factory):
             )
     if rank == 0:
         print("# shardgather Python benchmark: world %d, torch %s, Gloo on loopback" % (world, torch.__version__))
-        print("# %-12s %-36s %8s %12s %11s %11s %8s" % ("preset", "method", "tensors", "bytes/rank", "median(ms)", "min(ms)", "x limit"))
+        print("# %-12s %-38s %8s %12s %11s %11s %8s" % ("preset", "method", "tensors", "bytes/rank", "median(ms)", "min(ms)", "x limit"))
         for r in rows:
-            print("  %-12s %-36s %8d %12d %11.2f %11.2f %8.2f" % (r["preset"], r["method"], r["tensors"], r["bytes_per_rank"], r["median_ms"], r["min_ms"], r["ratio_to_limit"]))
+            print("  %-12s %-38s %8d %12d %11.2f %11.2f %8.2f" % (r["preset"], r["method"], r["tensors"], r["bytes_per_rank"], r["median_ms"], r["min_ms"], r["ratio_to_limit"]))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"schema_version": 1, "world": world, "torch": torch.__version__, "rows": rows}, f, indent=1)
+    # Every rank leaves together and the group is torn down before the interpreter: torch 1.13's
+    # Gloo worker threads otherwise may release a Python-owned tensor during finalisation and
+    # abort the process ("terminate called without an active exception"), or a fast rank's exit
+    # may close the connection under a peer still in its last collective.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def spawned(rank, world, args, init_file):

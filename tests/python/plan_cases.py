@@ -339,4 +339,36 @@ def case_result_lists_reused_until_edited(rank, world):
     assert torch.equal(out[999][world - 1], torch.full((3,), float(world - 1)))
 
 
+def case_shared_window_on_one_host(rank, world):
+    """At >= 1 MiB per rank on one host, "auto" gathers through the node-shared window (the
+    group only carries the pre-flight and barriers); it and an explicit "shared" must be bit-exact
+    step after step, uneven and with small tensors mixed in, for both plans."""
+    big = [(300_000 + 1000 * r,) for r in range(world)]  # ~1.2 MB of f32, uneven across ranks
+    shapes = [[big[r], (3, 2), (), (0,)] for r in range(world)]
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.int8]
+
+    def params_of(r, step):
+        return [make(s, dt, 1000 * step + 10 * r + k) for k, (s, dt) in enumerate(zip(shapes[r], dtypes))]
+
+    for strategy, preflight in (("auto", True), ("shared", True), ("shared", False)):
+        params = params_of(rank, 0)
+        plan = shardgather.AllGatherPlan.create(params, None, shapes, strategy=strategy,
+                                                preflight=preflight, timeout=T)
+        for step in range(4):
+            for dst, src in zip(params, params_of(rank, step)):
+                dst.copy_(src)
+            out = plan.execute(params)
+            ran = plan.last_stats["strategy"]
+            assert ran == ("shared" if world > 1 else "direct"), (strategy, ran)
+            for i in range(len(dtypes)):
+                for r in range(world):
+                    same(out[i][r], params_of(r, step)[i], "%s step %d tensor %d rank %d" % (strategy, step, i, r))
+    spec = shardgather.ShardSpec(torch.float32, (300_000 * world + 7, 2), 0)
+    uplan = shardgather.UnshardPlan([spec], world, rank, timeout=T)
+    for step in range(3):
+        full = uplan.execute([_local_shard(spec, rank, world, 0, step)])
+        assert uplan.last_stats["strategy"] == ("shared" if world > 1 else "direct")
+        same(full[0], _expected_full(spec, world, 0, step), "unshard step %d" % step)
+
+
 CASES = sorted(name for name in dir() if name.startswith("case_"))
