@@ -119,6 +119,10 @@ void exchange_plan_header(Communicator& comm, const PreflightHeader& header, Scr
 void run_payload(Strategy requested, const GatherJob& job, Communicator& comm, Deadline deadline,
                  ScratchHolder& scratch, ExecStats& stats) {
   stats.strategy = select_strategy(requested, job, comm);
+  if (requested == Strategy::kAuto && stats.strategy == Strategy::kShared &&
+      scratch.get().strategy.shared_unavailable) {
+    stats.strategy = Strategy::kDirect;
+  }
   const bool any =
       std::any_of(job.counts.begin(), job.counts.end(), [](std::uint64_t c) { return c != 0; });
   if (comm.size() == 1) {
@@ -132,7 +136,21 @@ void run_payload(Strategy requested, const GatherJob& job, Communicator& comm, D
   const std::uint64_t before = comm.collectives_issued();
   const std::uint64_t setup_before = x.strategy.setup_collectives;
   try {
-    run_strategy(stats.strategy, job, comm, deadline, x.strategy);
+    try {
+      run_strategy(stats.strategy, job, comm, deadline, x.strategy);
+    } catch (const OutOfMemory&) {
+      // kAuto chose the node-shared window and it could not be reserved (a small /dev/shm, as
+      // in a container): SharedBuffer::create raises that on every rank alike, after its
+      // collectives completed, so every rank takes the transport path instead, now and for
+      // every later execution. An explicit kShared keeps the error.
+      if (requested != Strategy::kAuto || stats.strategy != Strategy::kShared ||
+          x.strategy.window) {
+        throw;
+      }
+      x.strategy.shared_unavailable = true;
+      stats.strategy = Strategy::kDirect;
+      run_strategy(stats.strategy, job, comm, deadline, x.strategy);
+    }
   } catch (const CommunicationError&) {
     scratch.leak();  // staging and windows may still be read by a posted collective
     throw;

@@ -52,6 +52,8 @@ struct StrategyScratch {
   std::unique_ptr<SharedBuffer> window;
   std::uint64_t window_bytes = 0;
   std::uint64_t setup_collectives = 0;  // issued so far for one-time setup (the window)
+  // The window could not be reserved on some rank: kAuto uses kDirect from then on.
+  bool shared_unavailable = false;
 };
 
 // When every rank's pieces form one contiguous run, fills scratch.displs relative to *base and

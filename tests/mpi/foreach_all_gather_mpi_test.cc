@@ -1,7 +1,13 @@
 // End-to-end on the MPI backend: the shared cases on MPI_COMM_WORLD, on sub-communicators
 // (reverse order and odd/even split, after UCC's team variants) and on the chunked path.
+#include <sys/resource.h>
+
+#include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -126,6 +132,79 @@ TEST(MpiCommunicator, RepeatedGathersReuseTheSendType) {
   for (int step = 0; step < 20; ++step) {
     testing::case_fsdp_shapes(team.comm(), step % 2 == 0, true);
   }
+}
+
+// kAuto picks the node-shared window for a plan on one host at >= 1 MiB per rank. Where that
+// window cannot be reserved (a container's 64 MiB /dev/shm; here a file-size limit, which makes
+// posix_fallocate fail with EFBIG the way a full tmpfs fails with ENOSPC), every rank must fall
+// back to kDirect alike and stay bit-exact; an explicit kShared keeps the error on every rank.
+TEST(MpiSharedWindow, AutoFallsBackToDirectWhenTheWindowCannotBeReserved) {
+  MpiTeam team(Team::kWorld);
+  Communicator& comm = team.comm();
+  const int world = comm.size();
+  const int rank = comm.rank();
+  const auto me = static_cast<std::size_t>(rank);
+  if (world < 2 || comm.ranks_on_host() != world) {
+    GTEST_SKIP() << "needs several ranks on one host";
+  }
+  const std::vector<DType> dtypes{DType::kUInt8, DType::kFloat32};
+  std::vector<std::vector<Shape>> shapes;
+  for (int r = 0; r < world; ++r) {
+    shapes.push_back({{(std::int64_t{1} << 20) + 8 * r}, {3}});
+  }
+  std::vector<testing::HostTensor> tensors;
+  for (std::size_t i = 0; i < dtypes.size(); ++i) {
+    tensors.push_back(testing::make_tensor(dtypes[i], shapes[me][i], 41, rank, i));
+  }
+  const std::vector<TensorView> params = testing::views_of(tensors);
+  const auto check = [&](const AllGatherPlan& plan, const std::vector<std::byte>& out) {
+    const std::vector<TensorView> views = plan.views(const_cast<std::byte*>(out.data()));
+    for (std::size_t i = 0; i < dtypes.size(); ++i) {
+      for (int r = 0; r < world; ++r) {
+        const auto ur = static_cast<std::size_t>(r);
+        const testing::HostTensor want = testing::make_tensor(dtypes[i], shapes[ur][i], 41, r, i);
+        const TensorView& got = views[i * static_cast<std::size_t>(world) + ur];
+        ASSERT_EQ(got.shape, shapes[ur][i]);
+        ASSERT_EQ(std::memcmp(got.data, want.storage.data(), want.storage.size()), 0)
+            << "tensor " << i << " rank " << r;
+      }
+    }
+  };
+
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
+  rlimit small = saved;
+  small.rlim_cur = 64 << 10;
+  const auto saved_handler = std::signal(SIGXFSZ, SIG_IGN);  // EFBIG instead of the signal
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  {
+    AllGatherPlan plan(dtypes, shapes, rank);
+    std::vector<std::byte> out(plan.output_bytes());
+    for (int step = 0; step < 3; ++step) {
+      std::fill(out.begin(), out.end(), std::byte{0xee});
+      EXPECT_EQ(plan.execute(params, comm, out).strategy, Strategy::kDirect) << "step " << step;
+      check(plan, out);
+    }
+    AllGatherPlan forced(
+        dtypes, shapes, rank,
+        PlanOptions{
+            .timeout = {}, .preflight = true, .strategy = Strategy::kShared, .copy_threads = 0});
+    std::string what;
+    try {
+      (void)forced.execute(params, comm, out);
+    } catch (const OutOfMemory& e) {
+      what = e.what();
+    }
+    EXPECT_NE(what.find("shared buffer"), std::string::npos)
+        << "explicit kShared: '" << what << "'";
+  }
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &saved), 0);
+  std::signal(SIGXFSZ, saved_handler);
+  // With room again, a new plan uses the window.
+  AllGatherPlan plan(dtypes, shapes, rank);
+  std::vector<std::byte> out(plan.output_bytes());
+  EXPECT_EQ(plan.execute(params, comm, out).strategy, Strategy::kShared);
+  check(plan, out);
 }
 
 }  // namespace
