@@ -1,6 +1,7 @@
 #include "rel_cases.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -813,7 +814,19 @@ std::uint64_t status_kib(const char* key) {
 
 std::uint64_t rss_bytes() { return status_kib("VmRSS:") * 1024; }
 std::uint64_t peak_rss_bytes() { return status_kib("VmHWM:") * 1024; }
-int thread_count() { return static_cast<int>(status_kib("Threads:")); }
+int thread_count() {
+  // Read until the count holds still: a thread that was just joined can be listed for a moment
+  // longer (the kernel wakes the joiner before it releases the task), which made L1 compare a
+  // count taken right after the previous test's rank threads with one taken later.
+  int last = static_cast<int>(status_kib("Threads:"));
+  for (int stable = 0, tries = 0; stable < 3 && tries < 200; ++tries) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    const int now = static_cast<int>(status_kib("Threads:"));
+    stable = now == last ? stable + 1 : 0;
+    last = now;
+  }
+  return last;
+}
 
 int open_fds() {
   int n = 0;
