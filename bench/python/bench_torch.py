@@ -127,6 +127,11 @@ def run(rank, world, args, mpi_comm_factory):
         }
         if mpi_comm_factory is not None:
             comm = mpi_comm_factory()
+            mpi_plan = shardgather.AllGatherPlan.create(params, comm, hint)
+            mpi_plan.execute(params, comm)
+            methods["plan auto (%s), MPI backend" % mpi_plan.last_stats["strategy"]] = (
+                lambda: mpi_plan.execute(params, comm)
+            )
             methods["shardgather MPI backend (hint)"] = lambda: shardgather.foreach_all_gather(
                 params, comm, hint
             )
@@ -135,13 +140,16 @@ def run(rank, world, args, mpi_comm_factory):
                        if k.startswith("limit") or any(m in k for m in args.methods)}
         # Correctness first: shardgather must equal the seed's algorithm bit for bit.
         b = seed_algorithm(params, world, hint)
-        for a in (shardgather.foreach_all_gather(params, None, hint), plan.execute(params),
-                  direct.execute(params), direct_nopf.execute(params),
-                  direct.execute(params, allgather_comm)):
+        outputs = [shardgather.foreach_all_gather(params, None, hint), plan.execute(params),
+                   direct.execute(params), direct_nopf.execute(params),
+                   direct.execute(params, allgather_comm)]
+        if mpi_comm_factory is not None:
+            outputs += [mpi_plan.execute(params, comm), shardgather.foreach_all_gather(params, comm, hint)]
+        for a in outputs:
             for x, y in zip(a, b):
                 for u, v in zip(x, y):
                     assert torch.equal(u.view(torch.uint8), v.view(torch.uint8))
-        del a, b
+        del a, b, outputs
         results = {name: timed(fn, iters, 1) for name, fn in methods.items()}
         limit = results["limit (group all_gather, prealloc)"][0]
         for name, (med, best) in results.items():
