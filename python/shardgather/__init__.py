@@ -34,6 +34,7 @@ from ._shardgather import (  # noqa: F401  (re-exported)
 )
 
 __all__ = [
+    "__version__",
     "AbortedError",
     "AllGatherPlan",
     "CollectiveTimeout",

@@ -4,7 +4,6 @@ reference built from per-tensor dist.all_gather calls."""
 
 import gc
 import math
-import os
 import sys
 import threading
 import time
