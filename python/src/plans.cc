@@ -215,6 +215,7 @@ py::list PyAllGatherPlan::results_over(const at::Tensor& target) {
   const std::size_t n = plan_.layout().num_tensors;
   const auto world = static_cast<std::size_t>(plan_.layout().world_size);
   if (!cached) {
+    cached_for_ = at::Tensor();  // set again only once every view is built
     cached_.clear();
     lists_.reset();
     const c10::Storage& storage = target.storage();
@@ -257,12 +258,17 @@ py::list PyUnshardPlan::execute(py::handle shards, Communicator& comm,
     return result;
   }
   if (!buffer_.defined()) {
-    buffer_ = new_buffer(plan_.output_bytes());  // once: every later execution reuses it
-    const c10::Storage& storage = buffer_.storage();
-    auto* base = static_cast<std::byte*>(buffer_.data_ptr());
+    // Once: every later execution reuses the buffer and these tensors. Kept only when every
+    // tensor was built, so a failure here is retried by the next call.
+    at::Tensor buffer = new_buffer(plan_.output_bytes());
+    const c10::Storage& storage = buffer.storage();
+    auto* base = static_cast<std::byte*>(buffer.data_ptr());
+    std::vector<py::object> built;
     for (const TensorView& v : plan_.views(base)) {
-      cached_.push_back(wrap(tensor_over(storage, base, v)));
+      built.push_back(wrap(tensor_over(storage, base, v)));
     }
+    cached_ = std::move(built);
+    buffer_ = std::move(buffer);
   }
   const std::span<std::byte> bytes(static_cast<std::byte*>(buffer_.data_ptr()), buffer_.nbytes());
   call_interruptible(comm, [&] { last_ = plan_.execute(parsed_.views, comm, bytes); });

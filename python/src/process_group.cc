@@ -279,41 +279,51 @@ void ProcessGroupCommunicator::gather_p2p(std::span<const ConstSegment> send, st
   // peers' bytes arrive (the receives write only the other slots), then the slot is the one
   // contiguous send buffer for every peer.
   std::byte* slot = recv + displs[me];
-  {
+  // Posting happens under inflight_mu_, so abort() either sees the works or sets its flag
+  // before they are posted (checked below, after posting); the copy runs without the lock, so
+  // abort() never waits for it.
+  const auto post = [&](bool receives) {
     const std::lock_guard<std::mutex> lock(inflight_mu_);
-    inflight_.clear();
     try {
       for (int step = 1; step < size_; ++step) {
-        const int from = (rank_ + size_ - step) % size_;
-        const auto f = static_cast<std::size_t>(from);
-        if (counts[f] != 0) {
-          p2p_tensors_.assign(1, host_bytes(recv + displs[f], counts[f]));
-          inflight_.push_back(group_->recv(p2p_tensors_, from, kP2PTag));
-        }
-      }
-      std::uint64_t at = 0;
-      for (const ConstSegment& s : send) {
-        if (s.size != 0 && s.data != slot + at) {
-          std::memmove(slot + at, s.data, s.size);
-        }
-        at += s.size;
-      }
-      for (int step = 1; step < size_; ++step) {
-        const int to = (rank_ + step) % size_;
-        if (counts[me] != 0) {
+        if (receives) {
+          const int from = (rank_ + size_ - step) % size_;
+          const auto f = static_cast<std::size_t>(from);
+          if (counts[f] != 0) {
+            p2p_tensors_.assign(1, host_bytes(recv + displs[f], counts[f]));
+            inflight_.push_back(group_->recv(p2p_tensors_, from, kP2PTag));
+          }
+        } else if (counts[me] != 0) {
           p2p_tensors_.assign(1, host_bytes(slot, counts[me]));
-          inflight_.push_back(group_->send(p2p_tensors_, to, kP2PTag));
+          inflight_.push_back(group_->send(p2p_tensors_, (rank_ + step) % size_, kP2PTag));
         }
       }
     } catch (const c10::Error& e) {
-      for (auto& w : inflight_) {
-        w->abort();
-      }
+      abort_works_locked();
       inflight_.clear();
       throw CommunicationError("rank " + std::to_string(rank_) + ": " + what + " on " + name_ +
                                " could not be issued: " + e.what_without_backtrace());
     }
+    if (abort_requested_.load()) {
+      abort_works_locked();
+      inflight_.clear();
+      throw Aborted("rank " + std::to_string(rank_) + ": abort() while posting " + what + " on " +
+                    name_ + "; the Gloo context is aborted, rebuild the group");
+    }
+  };
+  {
+    const std::lock_guard<std::mutex> lock(inflight_mu_);
+    inflight_.clear();
   }
+  post(true);
+  std::uint64_t at = 0;
+  for (const ConstSegment& s : send) {
+    if (s.size != 0 && s.data != slot + at) {
+      std::memmove(slot + at, s.data, s.size);
+    }
+    at += s.size;
+  }
+  post(false);
   wait_p2p(deadline, what);
 }
 
@@ -388,10 +398,15 @@ void ProcessGroupCommunicator::do_barrier(Deadline deadline) {
 void ProcessGroupCommunicator::do_abort() noexcept {
   abort_requested_.store(true);
   const std::lock_guard<std::mutex> lock(inflight_mu_);
+  abort_works_locked();  // wakes a p2p wait (Gloo aborts the unbound buffer's wait)
+}
+
+void ProcessGroupCommunicator::abort_works_locked() noexcept {
+  // Not cleared here: wait_p2p walks inflight_ by index from another thread.
   for (auto& work : inflight_) {
     try {
-      work->abort();  // wakes a p2p wait (Gloo aborts the unbound buffer's wait)
-    } catch (...) {   // NOLINT(bugprone-empty-catch): abort never throws to its caller
+      work->abort();
+    } catch (...) {  // NOLINT(bugprone-empty-catch): abort never throws to its caller
     }
   }
 }

@@ -104,6 +104,8 @@ class ProcessGroupCommunicator final : public Communicator {
                   Deadline deadline, const char* what);
   // Waits for every in-flight p2p work until `deadline` (unsliced, see the header comment).
   void wait_p2p(Deadline deadline, const char* what);
+  // Aborts every in-flight p2p work (wakes their waits); inflight_mu_ held.
+  void abort_works_locked() noexcept;
   int count_ranks_on_host();
   // Byte tensors over host memory (borrowed), or on device_ (owned) for device-only backends.
   at::Tensor host_bytes(const std::byte* data, std::uint64_t size) const;

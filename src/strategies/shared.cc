@@ -35,7 +35,13 @@ std::byte* shared_copy_in(const GatherJob& job, Communicator& comm, Deadline dea
     // fresh window has no reader yet.
     scratch.window.reset();
     const std::uint64_t before = comm.collectives_issued();
-    scratch.window = SharedBuffer::create(comm, round_bytes, deadline);
+    try {
+      scratch.window = SharedBuffer::create(comm, round_bytes, deadline);
+    } catch (...) {
+      // Counted even when it fails: kAuto then falls back and reports these as setup.
+      scratch.setup_collectives += comm.collectives_issued() - before;
+      throw;
+    }
     scratch.setup_collectives += comm.collectives_issued() - before;
     scratch.window_bytes = round_bytes;
   } else if (!job.entry_synchronized) {

@@ -2,6 +2,7 @@
 // (reverse order and odd/even split, after UCC's team variants) and on the chunked path.
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -134,6 +135,40 @@ TEST(MpiCommunicator, RepeatedGathersReuseTheSendType) {
   }
 }
 
+// RLIMIT_FSIZE lowered for this process while alive, with SIGXFSZ ignored (EFBIG instead of
+// the signal); both restored however the test body ends.
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) {
+    if (getrlimit(RLIMIT_FSIZE, &saved_) != 0) {
+      return;
+    }
+    rlimit small = saved_;
+    small.rlim_cur = std::min<rlim_t>(bytes, saved_.rlim_max);
+    handler_ = std::signal(SIGXFSZ, SIG_IGN);
+    active_ = setrlimit(RLIMIT_FSIZE, &small) == 0;
+    if (!active_) {
+      std::signal(SIGXFSZ, handler_);
+    }
+  }
+  ~FileSizeLimit() {
+    if (active_) {
+      setrlimit(RLIMIT_FSIZE, &saved_);
+      std::signal(SIGXFSZ, handler_);
+    }
+  }
+  FileSizeLimit(const FileSizeLimit&) = delete;
+  FileSizeLimit& operator=(const FileSizeLimit&) = delete;
+  FileSizeLimit(FileSizeLimit&&) = delete;
+  FileSizeLimit& operator=(FileSizeLimit&&) = delete;
+  [[nodiscard]] bool active() const { return active_; }
+
+ private:
+  rlimit saved_{};
+  void (*handler_)(int) = SIG_DFL;
+  bool active_ = false;
+};
+
 // kAuto picks the node-shared window for a plan on one host at >= 1 MiB per rank. Where that
 // window cannot be reserved (a container's 64 MiB /dev/shm; here a file-size limit, which makes
 // posix_fallocate fail with EFBIG the way a full tmpfs fails with ENOSPC), every rank must fall
@@ -171,18 +206,18 @@ TEST(MpiSharedWindow, AutoFallsBackToDirectWhenTheWindowCannotBeReserved) {
     }
   };
 
-  rlimit saved{};
-  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
-  rlimit small = saved;
-  small.rlim_cur = 64 << 10;
-  const auto saved_handler = std::signal(SIGXFSZ, SIG_IGN);  // EFBIG instead of the signal
-  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
   {
+    const FileSizeLimit limit(64 << 10);
+    ASSERT_TRUE(limit.active());
     AllGatherPlan plan(dtypes, shapes, rank);
     std::vector<std::byte> out(plan.output_bytes());
     for (int step = 0; step < 3; ++step) {
       std::fill(out.begin(), out.end(), std::byte{0xee});
-      EXPECT_EQ(plan.execute(params, comm, out).strategy, Strategy::kDirect) << "step " << step;
+      const ExecStats stats = plan.execute(params, comm, out);
+      EXPECT_EQ(stats.strategy, Strategy::kDirect) << "step " << step;
+      // The failed window's collectives are setup (step 0 only); direct is one collective.
+      EXPECT_EQ(stats.payload_collectives, 1U) << "step " << step;
+      EXPECT_EQ(stats.setup_collectives > 0, step == 0) << "step " << step;
       check(plan, out);
     }
     AllGatherPlan forced(
@@ -198,8 +233,6 @@ TEST(MpiSharedWindow, AutoFallsBackToDirectWhenTheWindowCannotBeReserved) {
     EXPECT_NE(what.find("shared buffer"), std::string::npos)
         << "explicit kShared: '" << what << "'";
   }
-  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &saved), 0);
-  std::signal(SIGXFSZ, saved_handler);
   // With room again, a new plan uses the window.
   AllGatherPlan plan(dtypes, shapes, rank);
   std::vector<std::byte> out(plan.output_bytes());

@@ -819,8 +819,8 @@ int thread_count() {
   // longer (the kernel wakes the joiner before it releases the task), which made L1 compare a
   // count taken right after the previous test's rank threads with one taken later.
   int last = static_cast<int>(status_kib("Threads:"));
-  for (int stable = 0, tries = 0; stable < 3 && tries < 200; ++tries) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  for (int stable = 0, tries = 0; stable < 10 && tries < 400; ++tries) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
     const int now = static_cast<int>(status_kib("Threads:"));
     stable = now == last ? stable + 1 : 0;
     last = now;
