@@ -4,8 +4,9 @@
     mpirun -np 2 /usr/bin/python3 bench/python/bench_torch.py      # adds the MPI backend
 
 Per preset and method: barrier (not timed), one call timed, the iteration's time is the max over
-ranks; the table shows medians and the ratio to the limit, the group's single all-gather of the
-same total bytes from one contiguous buffer into a preallocated one.
+ranks; the methods take turns within each iteration. The table shows medians and the ratio to
+the limit, the group's single all-gather of the same total bytes from one contiguous buffer into
+a preallocated one.
 """
 
 import argparse
@@ -70,18 +71,21 @@ def seed_algorithm(params, world, shapes=None):
     return [[splits[r * n + i].view(all_shapes[r][i]) for r in range(world)] for i in range(n)]
 
 
-def timed(fn, iters, warmup):
-    times = []
+def timed(methods, iters, warmup):
+    """{name: (median, min)} seconds. The methods take turns within every iteration, so a noisy
+    phase of a shared machine hits all of them alike and the ratios stay comparable."""
+    times = {name: [] for name in methods}
     for k in range(warmup + iters):
-        dist.barrier()
-        start = time.perf_counter()
-        out = fn()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        del out
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if k >= warmup:
-            times.append(float(elapsed))
-    return statistics.median(times), min(times)
+        for name, fn in methods.items():
+            dist.barrier()
+            start = time.perf_counter()
+            out = fn()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            del out
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if k >= warmup:
+                times[name].append(float(elapsed))
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 def run(rank, world, args, mpi_comm_factory):
@@ -150,7 +154,7 @@ def run(rank, world, args, mpi_comm_factory):
                 for u, v in zip(x, y):
                     assert torch.equal(u.view(torch.uint8), v.view(torch.uint8))
         del a, b, outputs
-        results = {name: timed(fn, iters, 1) for name, fn in methods.items()}
+        results = timed(methods, iters, 1)
         limit = results["limit (group all_gather, prealloc)"][0]
         for name, (med, best) in results.items():
             rows.append(
