@@ -118,42 +118,38 @@ void exchange_plan_header(Communicator& comm, const PreflightHeader& header, Scr
 
 void run_payload(Strategy requested, const GatherJob& job, Communicator& comm, Deadline deadline,
                  ScratchHolder& scratch, ExecStats& stats) {
-  stats.strategy = select_strategy(requested, job, comm);
-  if (requested == Strategy::kAuto && stats.strategy == Strategy::kShared &&
-      scratch.get().strategy.shared_unavailable) {
-    stats.strategy = Strategy::kDirect;
-  }
-  const bool any =
-      std::any_of(job.counts.begin(), job.counts.end(), [](std::uint64_t c) { return c != 0; });
+  ExecScratch& x = scratch.get();
+  stats.strategy = select_strategy(requested, job, comm, x.strategy.shared_unavailable);
   if (comm.size() == 1) {
     copy_stream(job.send, job.pieces);
     return;
   }
-  if (!any) {
+  if (std::all_of(job.counts.begin(), job.counts.end(), [](std::uint64_t c) { return c == 0; })) {
     return;
   }
-  ExecScratch& x = scratch.get();
   const std::uint64_t before = comm.collectives_issued();
   const std::uint64_t setup_before = x.strategy.setup_collectives;
-  try {
+  const auto run = [&] {
     try {
       run_strategy(stats.strategy, job, comm, deadline, x.strategy);
-    } catch (const OutOfMemory&) {
-      // kAuto chose the node-shared window and it could not be reserved (a small /dev/shm, as
-      // in a container): SharedBuffer::create raises that on every rank alike, after its
-      // collectives completed, so every rank takes the transport path instead, now and for
-      // every later execution. An explicit kShared keeps the error.
-      if (requested != Strategy::kAuto || stats.strategy != Strategy::kShared ||
-          x.strategy.window) {
-        throw;
-      }
-      x.strategy.shared_unavailable = true;
-      stats.strategy = Strategy::kDirect;
-      run_strategy(stats.strategy, job, comm, deadline, x.strategy);
+    } catch (const CommunicationError&) {
+      scratch.leak();  // staging and windows may still be read by a posted collective
+      throw;
     }
-  } catch (const CommunicationError&) {
-    scratch.leak();  // staging and windows may still be read by a posted collective
-    throw;
+  };
+  try {
+    run();
+  } catch (const OutOfMemory&) {
+    // kAuto chose the node-shared window and it could not be reserved (a small /dev/shm, as in
+    // a container): SharedBuffer::create raises that on every rank alike, after its collectives
+    // completed, so every rank takes the transport path instead, now and for every later
+    // execution (select_strategy reads shared_unavailable). An explicit kShared keeps the error.
+    if (requested != Strategy::kAuto || stats.strategy != Strategy::kShared || x.strategy.window) {
+      throw;
+    }
+    x.strategy.shared_unavailable = true;
+    stats.strategy = select_strategy(requested, job, comm, true);
+    run();
   }
   stats.setup_collectives = x.strategy.setup_collectives - setup_before;
   stats.payload_collectives = comm.collectives_issued() - before - stats.setup_collectives;

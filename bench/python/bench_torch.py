@@ -142,18 +142,19 @@ def run(rank, world, args, mpi_comm_factory):
         if args.methods:
             methods = {k: v for k, v in methods.items()
                        if k.startswith("limit") or any(m in k for m in args.methods)}
-        # Correctness first: shardgather must equal the seed's algorithm bit for bit.
-        b = seed_algorithm(params, world, hint)
-        outputs = [shardgather.foreach_all_gather(params, None, hint), plan.execute(params),
-                   direct.execute(params), direct_nopf.execute(params),
-                   direct.execute(params, allgather_comm)]
-        if mpi_comm_factory is not None:
-            outputs += [mpi_plan.execute(params, comm), shardgather.foreach_all_gather(params, comm, hint)]
-        for a in outputs:
-            for x, y in zip(a, b):
+        # Correctness first: every shardgather method must equal the seed's algorithm bit for
+        # bit (each result is checked before the next call can overwrite a plan's buffer).
+        b, out = seed_algorithm(params, world, hint), None
+        for name, fn in methods.items():
+            if name.startswith(("limit", "seed")):
+                continue
+            out = fn()
+            assert len(out) == len(b), name
+            for x, y in zip(out, b):
+                assert len(x) == len(y) == world, name
                 for u, v in zip(x, y):
-                    assert torch.equal(u.view(torch.uint8), v.view(torch.uint8))
-        del a, b, outputs
+                    assert torch.equal(u.view(torch.uint8), v.view(torch.uint8)), name
+        del b, out
         results = timed(methods, iters, 1)
         limit = results["limit (group all_gather, prealloc)"][0]
         for name, (med, best) in results.items():

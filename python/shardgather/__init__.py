@@ -122,23 +122,27 @@ def foreach_all_gather(
     return _C.foreach_all_gather(params, comm, params_shapes_across_group, timeout, preflight)
 
 
+def _from_plan(name, doc=None):
+    """A read-only property reading ``self._plan.<name>`` (the C++ plan)."""
+    return property(lambda self: getattr(self._plan, name), doc=doc)
+
+
 class _PlanState:
-    """What both plan classes expose about their last execution (``self._plan`` is the C++ plan)."""
+    """What both plan classes expose (``self._plan`` is the C++ plan)."""
 
-    @property
-    def strategy(self):
-        """The requested strategy's name; ``last_stats["strategy"]`` is the one that ran."""
-        return self._plan.strategy
-
-    @property
-    def last_stats(self):
-        """Collectives and staged bytes of the last execution, and its strategy."""
-        return self._plan.last_stats
-
-    @property
-    def buffer(self):
-        """The plan-owned uint8 output buffer (None before the first execution without out)."""
-        return self._plan.buffer
+    strategy = _from_plan(
+        "strategy",
+        """The requested strategy's name; ``last_stats["strategy"]`` is the one that ran.""",
+    )
+    last_stats = _from_plan(
+        "last_stats", "Collectives and staged bytes of the last execution, and its strategy."
+    )
+    buffer = _from_plan(
+        "buffer",
+        "The plan-owned uint8 output buffer (None before the first execution without out).",
+    )
+    output_bytes = _from_plan("output_bytes")
+    world_size = _from_plan("world_size")
 
 
 class AllGatherPlan(_PlanState):
@@ -153,8 +157,9 @@ class AllGatherPlan(_PlanState):
     any dtype), else a uint8 buffer the plan owns. The plan's buffer and the view tensors over
     it are created by the first execution and **reused by every later one**, so the results of
     execution k are overwritten by execution k + 1 (exactly like FSDP's reused unshard
-    buffers): clone what must outlive the next step. The returned lists are new each time; the
-    tensors in them are the same objects, always viewing the same bytes.
+    buffers): clone what must outlive the next step. The returned lists are the same objects
+    too, holding the same tensors over the same bytes, unless the caller edited them (then new
+    lists are built and the edited ones left alone).
 
     ``strategy``: "auto", "direct", "packed" or "per_tensor". ``preflight=False`` skips the
     fixed-size header that makes mismatches raise on every rank. ``timeout`` in seconds.
@@ -187,22 +192,8 @@ class AllGatherPlan(_PlanState):
         """Gathers ``params`` (matching the plan); returns ``out[i][r]`` views (see the class)."""
         return self._plan.execute(params, communicator(group), out)
 
-    @property
-    def output_bytes(self):
-        return self._plan.output_bytes
-
-    @property
-    def world_size(self):
-        return self._plan.world_size
-
-    @property
-    def rank(self):
-        return self._plan.rank
-
-    @property
-    def num_tensors(self):
-        return self._plan.num_tensors
-
+    rank = _from_plan("rank")
+    num_tensors = _from_plan("num_tensors")
 
 
 class UnshardPlan(_PlanState):
@@ -230,19 +221,7 @@ class UnshardPlan(_PlanState):
         spec is)."""
         return self._plan.shard_shape(rank, index)
 
-    @property
-    def specs(self):
-        """The specs with their sizes filled in."""
-        return self._plan.specs
-
-    @property
-    def output_bytes(self):
-        return self._plan.output_bytes
-
-    @property
-    def world_size(self):
-        return self._plan.world_size
-
+    specs = _from_plan("specs", "The specs with their sizes filled in.")
 
 
 def unshard(shards, specs, group=None, *, strategy="auto", preflight=True, timeout=None):

@@ -42,12 +42,34 @@ std::unique_lock<std::mutex> claim(std::mutex& busy, const char* what) {
   raise_local(comm, error);
 }
 
+// Parses `args` into `into` (reusing it); a local error fails the call on this rank and, where
+// the plan exchanges a header, on its peers.
+void parse_or_fail(py::handle args, const char* what, Params& into, Communicator& comm,
+                   const PlanOptions& options) {
+  parse_params_into(args, what, into);
+  if (into.error.kind != LocalError::kNone) {
+    fail_locally(comm, into.error, options.preflight, options.timeout);
+  }
+}
+
 py::object wrap(at::Tensor t) {
   PyObject* obj = THPVariable_Wrap(std::move(t));
   if (obj == nullptr) {
     throw py::error_already_set();
   }
   return py::reinterpret_steal<py::object>(obj);
+}
+
+// One torch tensor per view, each a view of `storage` (the views point into it).
+std::vector<py::object> wrap_views(const c10::Storage& storage,
+                                   const std::vector<TensorView>& views) {
+  const auto* base = static_cast<const std::byte*>(storage.data());
+  std::vector<py::object> tensors;
+  tensors.reserve(views.size());
+  for (const TensorView& v : views) {
+    tensors.push_back(wrap(tensor_over(storage, base, v)));
+  }
+  return tensors;
 }
 
 // A uint8 tensor of `bytes` bytes owned by torch's allocator (64-byte aligned).
@@ -186,10 +208,7 @@ py::list PyAllGatherPlan::execute(py::handle params, Communicator& comm,
   const auto lock = claim(busy_, "AllGatherPlan");
   const PlanOptions& options = plan_.options();
   const InputsHeld held(parsed_);
-  parse_params_into(params, "params", parsed_);
-  if (parsed_.error.kind != LocalError::kNone) {
-    fail_locally(comm, parsed_.error, options.preflight, options.timeout);
-  }
+  parse_or_fail(params, "params", parsed_, comm, options);
   at::Tensor target;
   if (out) {
     if (auto error = check_out(*out)) {
@@ -212,24 +231,14 @@ py::list PyAllGatherPlan::results_over(const at::Tensor& target) {
                       cached_for_.unsafeGetTensorImpl() == target.unsafeGetTensorImpl() &&
                       cached_for_.data_ptr() == target.data_ptr() &&
                       cached_for_.storage().is_alias_of(target.storage());
-  const std::size_t n = plan_.layout().num_tensors;
-  const auto world = static_cast<std::size_t>(plan_.layout().world_size);
   if (!cached) {
     cached_for_ = at::Tensor();  // set again only once every view is built
     cached_.clear();
     lists_.reset();
-    const c10::Storage& storage = target.storage();
-    const auto* base = static_cast<const std::byte*>(storage.data());
-    const std::vector<TensorView> views = plan_.views(static_cast<std::byte*>(target.data_ptr()));
-    std::vector<py::object> built;
-    built.reserve(n * world);
-    for (std::size_t k = 0; k < n * world; ++k) {
-      built.push_back(wrap(tensor_over(storage, base, views[k])));
-    }
-    cached_ = std::move(built);
+    cached_ = wrap_views(target.storage(), plan_.views(static_cast<std::byte*>(target.data_ptr())));
     cached_for_ = target;
   }
-  return lists_.get(cached_, world);
+  return lists_.get(cached_, static_cast<std::size_t>(plan_.layout().world_size));
 }
 
 py::list PyUnshardPlan::execute(py::handle shards, Communicator& comm,
@@ -237,16 +246,10 @@ py::list PyUnshardPlan::execute(py::handle shards, Communicator& comm,
   const auto lock = claim(busy_, "UnshardPlan");
   const PlanOptions& options = options_;
   const InputsHeld held(parsed_);
-  parse_params_into(shards, "shards", parsed_);
-  if (parsed_.error.kind != LocalError::kNone) {
-    fail_locally(comm, parsed_.error, options.preflight, options.timeout);
-  }
+  parse_or_fail(shards, "shards", parsed_, comm, options);
   if (outputs && !outputs->is_none()) {
     const InputsHeld held_outputs(outputs_);
-    parse_params_into(*outputs, "outputs", outputs_);
-    if (outputs_.error.kind != LocalError::kNone) {
-      fail_locally(comm, outputs_.error, options.preflight, options.timeout);
-    }
+    parse_or_fail(*outputs, "outputs", outputs_, comm, options);
     call_interruptible(comm, [&] {
       last_ = plan_.execute(parsed_.views, comm, std::span<const TensorView>(outputs_.views));
     });
@@ -261,13 +264,7 @@ py::list PyUnshardPlan::execute(py::handle shards, Communicator& comm,
     // Once: every later execution reuses the buffer and these tensors. Kept only when every
     // tensor was built, so a failure here is retried by the next call.
     at::Tensor buffer = new_buffer(plan_.output_bytes());
-    const c10::Storage& storage = buffer.storage();
-    auto* base = static_cast<std::byte*>(buffer.data_ptr());
-    std::vector<py::object> built;
-    for (const TensorView& v : plan_.views(base)) {
-      built.push_back(wrap(tensor_over(storage, base, v)));
-    }
-    cached_ = std::move(built);
+    cached_ = wrap_views(buffer.storage(), plan_.views(static_cast<std::byte*>(buffer.data_ptr())));
     buffer_ = std::move(buffer);
   }
   const std::span<std::byte> bytes(static_cast<std::byte*>(buffer_.data_ptr()), buffer_.nbytes());

@@ -282,22 +282,10 @@ void ProcessGroupCommunicator::gather_p2p(std::span<const ConstSegment> send, st
   // Posting happens under inflight_mu_, so abort() either sees the works or sets its flag
   // before they are posted (checked below, after posting); the copy runs without the lock, so
   // abort() never waits for it.
-  const auto post = [&](bool receives) {
+  const auto post = [&](auto&& issue) {
     const std::lock_guard<std::mutex> lock(inflight_mu_);
     try {
-      for (int step = 1; step < size_; ++step) {
-        if (receives) {
-          const int from = (rank_ + size_ - step) % size_;
-          const auto f = static_cast<std::size_t>(from);
-          if (counts[f] != 0) {
-            p2p_tensors_.assign(1, host_bytes(recv + displs[f], counts[f]));
-            inflight_.push_back(group_->recv(p2p_tensors_, from, kP2PTag));
-          }
-        } else if (counts[me] != 0) {
-          p2p_tensors_.assign(1, host_bytes(slot, counts[me]));
-          inflight_.push_back(group_->send(p2p_tensors_, (rank_ + step) % size_, kP2PTag));
-        }
-      }
+      issue();
     } catch (const c10::Error& e) {
       abort_works_locked();
       inflight_.clear();
@@ -311,11 +299,17 @@ void ProcessGroupCommunicator::gather_p2p(std::span<const ConstSegment> send, st
                     name_ + "; the Gloo context is aborted, rebuild the group");
     }
   };
-  {
-    const std::lock_guard<std::mutex> lock(inflight_mu_);
+  post([&] {
     inflight_.clear();
-  }
-  post(true);
+    for (int step = 1; step < size_; ++step) {
+      const int from = (rank_ + size_ - step) % size_;
+      const auto f = static_cast<std::size_t>(from);
+      if (counts[f] != 0) {
+        p2p_tensors_.assign(1, host_bytes(recv + displs[f], counts[f]));
+        inflight_.push_back(group_->recv(p2p_tensors_, from, kP2PTag));
+      }
+    }
+  });
   std::uint64_t at = 0;
   for (const ConstSegment& s : send) {
     if (s.size != 0 && s.data != slot + at) {
@@ -323,7 +317,12 @@ void ProcessGroupCommunicator::gather_p2p(std::span<const ConstSegment> send, st
     }
     at += s.size;
   }
-  post(false);
+  post([&] {
+    for (int step = 1; step < size_ && counts[me] != 0; ++step) {
+      p2p_tensors_.assign(1, host_bytes(slot, counts[me]));
+      inflight_.push_back(group_->send(p2p_tensors_, (rank_ + step) % size_, kP2PTag));
+    }
+  });
   wait_p2p(deadline, what);
 }
 

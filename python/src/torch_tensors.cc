@@ -72,12 +72,6 @@ c10::ScalarType scalar_type_of(DType dtype) {
   throw InvalidArgument("invalid dtype code " + std::to_string(static_cast<int>(dtype)));
 }
 
-TensorView view_of(const at::Tensor& t, DType dtype) {
-  TensorView view;
-  set_view(t, dtype, view);
-  return view;
-}
-
 void set_view(const at::Tensor& t, DType dtype, TensorView& view) {
   view.data = t.data_ptr();
   view.dtype = dtype;

@@ -28,10 +28,9 @@ std::optional<DType> wire_dtype(c10::ScalarType type) noexcept;
 std::string unsupported_dtype_message(c10::ScalarType type, const std::string& what);
 c10::ScalarType scalar_type_of(DType dtype);
 
-// A view of a CPU, strided tensor of wire type `dtype` (from dtype_of); `data` already includes
-// the storage offset. The caller keeps `t` alive while the view is used.
-TensorView view_of(const at::Tensor& t, DType dtype);
-// The same into `view`, reusing its shape and stride storage.
+// Fills `view` with a CPU, strided tensor of wire type `dtype` (from dtype_of), reusing its shape
+// and stride storage; `data` already includes the storage offset. The caller keeps `t` alive
+// while the view is used.
 void set_view(const at::Tensor& t, DType dtype, TensorView& view);
 
 // Adopts `bytes` bytes at `data` as a CPU storage; destroying the storage destroys `owner`.

@@ -41,7 +41,8 @@ namespace {
 constexpr std::uint64_t kSharedMinBytes = std::uint64_t{1} << 20;
 }  // namespace
 
-Strategy select_strategy(Strategy requested, const GatherJob& job, const Communicator& comm) {
+Strategy select_strategy(Strategy requested, const GatherJob& job, const Communicator& comm,
+                         bool shared_unavailable) {
   if (requested == Strategy::kShared && !shared_available(comm)) {
     return Strategy::kDirect;  // documented fallback: ranks on several hosts
   }
@@ -51,10 +52,11 @@ Strategy select_strategy(Strategy requested, const GatherJob& job, const Communi
   // Measured on the target machine (docs/benchmarking.md): where the transport copies through
   // its own buffers (MPI), one copy into a node-shared window and one out beats the transport
   // once streams reach about a MiB; below that, and where the backend already copies straight
-  // from peer memory (threads), kDirect is fastest. Every input here is the same on every rank,
-  // so every rank picks the same strategy.
+  // from peer memory (threads), kDirect is fastest. Every input here, shared_unavailable included
+  // (see run_payload), is the same on every rank, so every rank picks the same strategy.
   const std::uint64_t largest = *std::max_element(job.counts.begin(), job.counts.end());
-  if (shared_available(comm) && !comm.reads_peer_memory() && largest >= kSharedMinBytes) {
+  if (shared_available(comm) && !shared_unavailable && !comm.reads_peer_memory() &&
+      largest >= kSharedMinBytes) {
     return Strategy::kShared;
   }
   return Strategy::kDirect;

@@ -77,8 +77,10 @@ void run_shared(const GatherJob& job, Communicator& comm, Deadline deadline,
 // Whether kShared can run here: every rank on this host, more than one rank.
 bool shared_available(const Communicator& comm) noexcept;
 
-// kAuto resolved for this job and backend (docs/benchmarking.md has the measurements).
-Strategy select_strategy(Strategy requested, const GatherJob& job, const Communicator& comm);
+// kAuto resolved for this job and backend (docs/benchmarking.md has the measurements);
+// `shared_unavailable`: the plan's window could not be reserved, so kAuto never picks kShared.
+Strategy select_strategy(Strategy requested, const GatherJob& job, const Communicator& comm,
+                         bool shared_unavailable);
 
 // Runs the job with `strategy` (already resolved).
 void run_strategy(Strategy strategy, const GatherJob& job, Communicator& comm, Deadline deadline,
