@@ -3,10 +3,13 @@
 #include <numeric>
 #include <string>
 
+#include "detail/host_mailbox.h"
+
 #include "shardgather/errors.h"
 
 namespace shardgather {
 
+Communicator::Communicator() = default;
 Communicator::~Communicator() = default;
 
 Deadline Communicator::deadline_after(std::chrono::milliseconds timeout) const noexcept {
@@ -56,7 +59,20 @@ void Communicator::all_gather(std::span<const std::byte> send, std::span<std::by
                           std::to_string(recv.size()) + " bytes, expected " +
                           std::to_string(send.size()) + " x " + std::to_string(size()));
   }
-  run_collective("all_gather", [&] { do_all_gather(send, recv, deadline); });
+  run_collective("all_gather", [&] {
+    if (mailbox_ != nullptr && send.size() <= detail::HostMailbox::kSlotBytes) {
+      mailbox_->all_gather(send, recv, deadline, [this] { check_interrupt(); });
+    } else {
+      do_all_gather(send, recv, deadline);
+    }
+  });
+}
+
+bool Communicator::enable_host_mailbox(Deadline deadline) {
+  if (mailbox_ == nullptr) {
+    mailbox_ = detail::HostMailbox::create(*this, deadline);
+  }
+  return mailbox_ != nullptr;
 }
 
 void Communicator::all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
@@ -151,6 +167,9 @@ void Communicator::check_interrupt() {
 void Communicator::abort() noexcept {
   poison("abort() was called on rank " + std::to_string(rank()));
   do_abort();
+  if (mailbox_ != nullptr) {
+    mailbox_->interrupt();
+  }
 }
 
 }  // namespace shardgather

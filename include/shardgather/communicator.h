@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <string>
@@ -25,6 +26,10 @@
 #include "shardgather/export.h"
 
 namespace shardgather {
+
+namespace detail {
+class HostMailbox;
+}  // namespace detail
 
 using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
@@ -52,7 +57,7 @@ struct RecvPiece {
 
 class SHARDGATHER_API Communicator {
  public:
-  Communicator() = default;
+  Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
   Communicator(Communicator&&) = delete;
@@ -97,6 +102,9 @@ class SHARDGATHER_API Communicator {
 
   [[nodiscard]] bool is_poisoned() const noexcept { return poisoned_.load(); }
 
+  // Whether small all_gathers travel through host shared memory (see enable_host_mailbox).
+  [[nodiscard]] bool uses_host_mailbox() const noexcept { return mailbox_ != nullptr; }
+
   // Collectives issued through this communicator (all kinds), for tests and benchmarks.
   [[nodiscard]] std::uint64_t collectives_issued() const noexcept {
     return collectives_.load(std::memory_order_relaxed);
@@ -130,6 +138,14 @@ class SHARDGATHER_API Communicator {
   virtual void do_barrier(Deadline deadline) = 0;
   virtual void do_abort() noexcept = 0;
 
+  // Collective; a backend's constructor may call it once. When every rank is on this host and
+  // all can map one /dev/shm object, all_gather() of at most 1 KiB per rank (the pre-flight
+  // header, setup records) then goes through that shared memory instead of do_all_gather():
+  // for backends whose small-message latency is high (a Gloo round trip through its loop
+  // thread). Otherwise nothing changes. Waits there honour the deadline, abort(), the
+  // interrupt check, and see a peer process that exited. Returns whether it is in use.
+  bool enable_host_mailbox(Deadline deadline);
+
   // Backends call this when they discover the communicator is unusable (a peer aborted).
   void poison(std::string_view reason) noexcept;
 
@@ -148,7 +164,8 @@ class SHARDGATHER_API Communicator {
   std::function<bool()> interrupt_check_;
   Clock::time_point last_interrupt_check_{};
   mutable std::mutex reason_mu_;
-  std::string poison_reason_;  // the first reason; guarded by reason_mu_
+  std::string poison_reason_;                     // the first reason; guarded by reason_mu_
+  std::unique_ptr<detail::HostMailbox> mailbox_;  // set once, by the backend's constructor
 };
 
 }  // namespace shardgather

@@ -3,16 +3,19 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include "detail/host_mailbox.h"
 #include "support/cases.h"
 #include "support/plan_cases.h"
 #include "support/testing.h"
@@ -238,6 +241,58 @@ TEST(MpiSharedWindow, AutoFallsBackToDirectWhenTheWindowCannotBeReserved) {
   std::vector<std::byte> out(plan.output_bytes());
   EXPECT_EQ(plan.execute(params, comm, out).strategy, Strategy::kShared);
   check(plan, out);
+}
+
+// The host mailbox across processes: real process-shared futexes and mappings, ranks that
+// arrive skewed (some waits spin, some sleep), every size up to a full slot, bit-exact.
+TEST(MpiHostMailbox, ProcessesGatherBitExact) {
+  MpiTeam team(Team::kWorld);
+  Communicator& comm = team.comm();
+  const int world = comm.size();
+  const int rank = comm.rank();
+  const auto box = detail::HostMailbox::create(comm, Clock::now() + std::chrono::seconds(30));
+  if (world == 1) {
+    EXPECT_EQ(box, nullptr);
+    return;
+  }
+  ASSERT_NE(box, nullptr) << "every rank of a local mpirun is on this host";
+  const auto byte_of = [](int r, int call, std::size_t k) {
+    return static_cast<std::byte>(testing::mix((static_cast<std::uint64_t>(r) << 40U) ^
+                                               (static_cast<std::uint64_t>(call) << 20U) ^ k));
+  };
+  std::vector<std::byte> send;
+  std::vector<std::byte> recv;
+  for (int call = 0; call < 2000; ++call) {
+    const std::size_t n =
+        static_cast<std::size_t>(call * 131) % (detail::HostMailbox::kSlotBytes + 1);
+    send.resize(n);
+    for (std::size_t k = 0; k < n; ++k) {
+      send[k] = byte_of(rank, call, k);
+    }
+    recv.assign(n * static_cast<std::size_t>(world), std::byte{0xEE});
+    if ((call + rank) % 101 == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(3));
+    }
+    box->all_gather(send, recv, Clock::now() + std::chrono::seconds(30), {});
+    for (int r = 0; r < world; ++r) {
+      for (std::size_t k = 0; k < n; ++k) {
+        ASSERT_EQ(recv[static_cast<std::size_t>(r) * n + k], byte_of(r, call, k))
+            << "call " << call << " byte " << k << " of rank " << r;
+      }
+    }
+  }
+}
+
+// Where /dev/shm cannot hold the mailbox, no rank gets one (and nothing is left behind).
+TEST(MpiHostMailbox, NotCreatedWhenSharedMemoryIsUnavailable) {
+  MpiTeam team(Team::kWorld);
+  if (team.comm().size() < 2) {
+    GTEST_SKIP() << "needs several ranks";
+  }
+  const FileSizeLimit limit(1024);
+  ASSERT_TRUE(limit.active());
+  EXPECT_EQ(detail::HostMailbox::create(team.comm(), Clock::now() + std::chrono::seconds(30)),
+            nullptr);
 }
 
 }  // namespace

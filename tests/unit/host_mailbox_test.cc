@@ -1,0 +1,269 @@
+// The host mailbox (src/detail/host_mailbox.h) on thread ranks: every rank maps the shared
+// object itself, so the slots, the futex and the parity reuse are the ones processes use
+// (tests/mpi runs it across processes, tests/python through Gloo groups, with a peer that exits).
+#include "detail/host_mailbox.h"
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "support/cases.h"
+#include "support/testing.h"
+
+#include "shardgather/shardgather.h"
+
+namespace shardgather {
+namespace {
+
+using namespace std::chrono_literals;
+using detail::HostMailbox;
+using testing::run_ranks;
+
+std::byte pattern(int rank, int call, std::size_t k) {
+  return static_cast<std::byte>(testing::mix((static_cast<std::uint64_t>(rank) << 40U) ^
+                                             (static_cast<std::uint64_t>(call) << 20U) ^ k));
+}
+
+// A communicator that forwards to a thread rank but turns on the mailbox, as a backend does.
+class MailboxCommunicator final : public Communicator {
+ public:
+  explicit MailboxCommunicator(Communicator& inner) : inner_(inner) {
+    enable_host_mailbox(Clock::now() + 10s);
+  }
+  [[nodiscard]] int rank() const noexcept override { return inner_.rank(); }
+  [[nodiscard]] int size() const noexcept override { return inner_.size(); }
+  [[nodiscard]] std::string_view backend_name() const noexcept override { return "forwarding"; }
+  [[nodiscard]] int ranks_on_host() const noexcept override { return inner_.ranks_on_host(); }
+  [[nodiscard]] bool reads_peer_memory() const noexcept override { return false; }
+
+ protected:
+  void do_all_gather(std::span<const std::byte> send, std::span<std::byte> recv,
+                     Deadline deadline) override {
+    inner_.all_gather(send, recv, deadline);
+  }
+  void do_all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
+                       std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs,
+                       Deadline deadline) override {
+    inner_.all_gather_v(send, recv, counts, displs, deadline);
+  }
+  void do_all_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
+                             std::span<const std::size_t> first,
+                             std::span<const std::uint64_t> counts, Deadline deadline) override {
+    inner_.all_gather_scatter(send, pieces, first, counts, deadline);
+  }
+  void do_barrier(Deadline deadline) override { inner_.barrier(deadline); }
+  void do_abort() noexcept override { inner_.abort(); }
+
+ private:
+  Communicator& inner_;
+};
+
+TEST(HostMailbox, NotCreatedForOneRank) {
+  run_ranks(
+      1,
+      [](int, Communicator& comm) {
+        EXPECT_EQ(HostMailbox::create(comm, Clock::now() + 10s), nullptr);
+      },
+      "HostMailbox.NotCreatedForOneRank");
+}
+
+class HostMailboxWorld : public ::testing::TestWithParam<int> {};
+
+TEST_P(HostMailboxWorld, EverySizeBitExactOverManyCalls) {
+  const int world = GetParam();
+  run_ranks(
+      world,
+      [world](int rank, Communicator& comm) {
+        const auto box = HostMailbox::create(comm, Clock::now() + 10s);
+        ASSERT_NE(box, nullptr);
+        const std::array<std::size_t, 6> sizes{0, 1, 7, 352, HostMailbox::kSlotBytes, 0};
+        std::vector<std::byte> send;
+        std::vector<std::byte> recv;
+        for (int call = 0; call < 600; ++call) {
+          const std::size_t n = call % 7 == 6
+                                    ? static_cast<std::size_t>(call) % (HostMailbox::kSlotBytes + 1)
+                                    : sizes[static_cast<std::size_t>(call) % sizes.size()];
+          send.resize(n);
+          for (std::size_t k = 0; k < n; ++k) {
+            send[k] = pattern(rank, call, k);
+          }
+          recv.assign(n * static_cast<std::size_t>(world), std::byte{0xEE});
+          // Skew, so that some waits spin and some sleep on the futex, and a fast rank comes
+          // back to a slot set its peers may still be reading.
+          if ((call + rank) % 37 == 0) {
+            std::this_thread::sleep_for(2ms);
+          }
+          box->all_gather(send, recv, Clock::now() + 10s, {});
+          for (int r = 0; r < world; ++r) {
+            for (std::size_t k = 0; k < n; ++k) {
+              if (recv[static_cast<std::size_t>(r) * n + k] != pattern(r, call, k)) {
+                FAIL() << "rank " << rank << " call " << call << ": byte " << k << " of rank " << r
+                       << " differs";
+              }
+            }
+          }
+        }
+      },
+      "HostMailbox.EverySizeBitExactOverManyCalls");
+}
+
+TEST_P(HostMailboxWorld, TimeoutNamesTheMissingRank) {
+  const int world = GetParam();
+  std::atomic<int> timeouts{0};
+  run_ranks(
+      world,
+      [&](int rank, Communicator& comm) {
+        const auto box = HostMailbox::create(comm, Clock::now() + 10s);
+        ASSERT_NE(box, nullptr);
+        if (rank == world - 1) {
+          return;  // never calls
+        }
+        const std::byte mine{1};
+        std::vector<std::byte> all(static_cast<std::size_t>(world));
+        const auto start = Clock::now();
+        try {
+          box->all_gather(std::span(&mine, 1), all, start + 200ms, {});
+          ADD_FAILURE() << "rank " << rank << ": no Timeout";
+        } catch (const Timeout& e) {
+          ++timeouts;
+          const std::string text = e.what();
+          EXPECT_NE(text.find("rank " + std::to_string(rank) + ":"), std::string::npos) << text;
+          EXPECT_NE(text.find("waiting for rank " + std::to_string(world - 1)), std::string::npos)
+              << text;
+        }
+        EXPECT_GE(Clock::now() - start, 200ms);
+      },
+      "HostMailbox.TimeoutNamesTheMissingRank");
+  EXPECT_EQ(timeouts.load(), world - 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(World, HostMailboxWorld, ::testing::Values(2, 3, 4, 7),
+                         [](const auto& p) { return "w" + std::to_string(p.param); });
+
+TEST(HostMailbox, InterruptWakesAWaitAndLaterCallsFail) {
+  std::array<std::atomic<HostMailbox*>, 2> boxes{};
+  std::atomic<bool> aborted{false};
+  run_ranks(
+      2,
+      [&](int rank, Communicator& comm) {
+        const auto box = HostMailbox::create(comm, Clock::now() + 10s);
+        ASSERT_NE(box, nullptr);
+        boxes[static_cast<std::size_t>(rank)] = box.get();
+        const std::byte mine{1};
+        std::array<std::byte, 2> all{};
+        if (rank == 1) {  // never calls: interrupts rank 0's wait instead
+          std::this_thread::sleep_for(50ms);
+          boxes[0].load()->interrupt();
+          comm.barrier(Clock::now() + 10s);  // keeps rank 0's mailbox alive until it returned
+          return;
+        }
+        const auto start = Clock::now();
+        try {
+          box->all_gather(std::span(&mine, 1), all, start + 30s, {});
+        } catch (const Aborted&) {
+          aborted = true;
+        }
+        EXPECT_LT(Clock::now() - start, 5s);
+        EXPECT_THROW(box->all_gather(std::span(&mine, 1), all, Clock::now() + 30s, {}), Aborted);
+        comm.barrier(Clock::now() + 10s);
+      },
+      "HostMailbox.InterruptWakesAWaitAndLaterCallsFail");
+  EXPECT_TRUE(aborted.load());
+}
+
+TEST(HostMailbox, PollRunsWhileWaitingAndItsExceptionEndsTheWait) {
+  run_ranks(
+      2,
+      [](int rank, Communicator& comm) {
+        const auto box = HostMailbox::create(comm, Clock::now() + 10s);
+        ASSERT_NE(box, nullptr);
+        if (rank == 1) {
+          return;
+        }
+        int polls = 0;
+        const std::byte mine{1};
+        std::array<std::byte, 2> all{};
+        EXPECT_THROW(box->all_gather(std::span(&mine, 1), all, Clock::now() + 30s,
+                                     [&polls] {
+                                       if (++polls == 3) {
+                                         throw Aborted("poll asked to stop");
+                                       }
+                                     }),
+                     Aborted);
+        EXPECT_EQ(polls, 3);
+      },
+      "HostMailbox.PollRunsWhileWaitingAndItsExceptionEndsTheWait");
+}
+
+// Through Communicator: all_gather of at most kSlotBytes per rank takes the mailbox (the
+// backend sees no collective), larger ones and the other collectives take the backend, and
+// abort() wakes a rank waiting in the mailbox.
+TEST(HostMailbox, CommunicatorRoutesSmallAllGathersThroughIt) {
+  run_ranks(
+      3,
+      [](int rank, Communicator& inner) {
+        MailboxCommunicator comm(inner);
+        ASSERT_TRUE(comm.uses_host_mailbox());
+        const std::uint64_t before = inner.collectives_issued();
+        std::vector<std::byte> small(HostMailbox::kSlotBytes, static_cast<std::byte>(rank));
+        std::vector<std::byte> all(small.size() * 3);
+        comm.all_gather(small, all, Clock::now() + 10s);
+        EXPECT_EQ(inner.collectives_issued(), before);
+        for (std::size_t k = 0; k < all.size(); ++k) {
+          ASSERT_EQ(all[k], static_cast<std::byte>(k / small.size()));
+        }
+        std::vector<std::byte> large(HostMailbox::kSlotBytes + 1, std::byte{7});
+        std::vector<std::byte> all_large(large.size() * 3);
+        comm.all_gather(large, all_large, Clock::now() + 10s);
+        EXPECT_EQ(inner.collectives_issued(), before + 1);
+        // A whole foreach call: its pre-flight header is the one exchange that takes the
+        // mailbox; the payload goes to the backend.
+        testing::case_fsdp_shapes(comm, true, true);
+        EXPECT_GT(inner.collectives_issued(), before + 1);
+      },
+      "HostMailbox.CommunicatorRoutesSmallAllGathersThroughIt");
+}
+
+TEST(HostMailbox, AbortWakesACommunicatorWaitingInTheMailbox) {
+  std::array<std::atomic<Communicator*>, 2> comms{};
+  std::atomic<bool> waiting{false};
+  std::atomic<bool> aborted{false};
+  run_ranks(
+      2,
+      [&](int rank, Communicator& inner) {
+        MailboxCommunicator comm(inner);
+        ASSERT_TRUE(comm.uses_host_mailbox());
+        comms[static_cast<std::size_t>(rank)] = &comm;
+        inner.barrier(Clock::now() + 10s);
+        if (rank == 1) {
+          while (!waiting.load()) {
+            std::this_thread::yield();
+          }
+          std::this_thread::sleep_for(100ms);  // rank 0 is asleep in the mailbox by now
+          comms[0].load()->abort();
+          return;
+        }
+        const std::byte mine{1};
+        std::array<std::byte, 2> all{};
+        const auto start = Clock::now();
+        waiting = true;
+        try {
+          comm.all_gather(std::span(&mine, 1), all, start + 30s);
+        } catch (const Aborted&) {
+          aborted = true;
+        }
+        EXPECT_LT(Clock::now() - start, 5s);
+        EXPECT_TRUE(comm.is_poisoned());
+      },
+      "HostMailbox.AbortWakesACommunicatorWaitingInTheMailbox");
+  EXPECT_TRUE(aborted.load());
+}
+
+}  // namespace
+}  // namespace shardgather
