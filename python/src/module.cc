@@ -131,8 +131,8 @@ py::list make_thread_group_py(int world_size) {
 }
 
 CommPtr process_group_communicator(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                   const std::string& device, bool p2p) {
-  return std::make_shared<ProcessGroupCommunicator>(group, c10::Device(device), p2p);
+                                   const std::string& device, bool p2p, bool host_mailbox) {
+  return std::make_shared<ProcessGroupCommunicator>(group, c10::Device(device), p2p, host_mailbox);
 }
 
 #ifdef SHARDGATHER_PYTHON_WITH_MPI
@@ -235,6 +235,9 @@ PYBIND11_MODULE(_shardgather, m) {
           "Default deadline of a call, in seconds")
       .def_property_readonly("is_poisoned", &Communicator::is_poisoned)
       .def_property_readonly("collectives_issued", &Communicator::collectives_issued)
+      .def_property_readonly("uses_host_mailbox", &Communicator::uses_host_mailbox,
+                             "Whether small exchanges (the pre-flight header) go through "
+                             "shared memory on this host instead of the backend")
       .def(
           "barrier",
           [](Communicator& c, std::optional<double> timeout) {
@@ -354,7 +357,7 @@ PYBIND11_MODULE(_shardgather, m) {
       py::arg("preflight") = true, py::arg("timeout") = py::none());
   m.def("_make_thread_group", &make_thread_group_py, py::arg("world_size"));
   m.def("_process_group_communicator", &process_group_communicator, py::arg("group"),
-        py::arg("device") = "cpu", py::arg("p2p") = true);
+        py::arg("device") = "cpu", py::arg("p2p") = true, py::arg("host_mailbox") = true);
 #ifdef SHARDGATHER_PYTHON_WITH_MPI
   m.attr("_has_mpi") = true;
   m.def("_mpi_init", &mpi_init);

@@ -32,7 +32,8 @@ std::uint64_t max_count(std::span<const std::uint64_t> counts) {
 }  // namespace
 
 ProcessGroupCommunicator::ProcessGroupCommunicator(
-    const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device, bool p2p)
+    const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device, bool p2p,
+    bool host_mailbox)
     : group_(group),
       rank_(group->getRank()),
       size_(group->getSize()),
@@ -41,6 +42,11 @@ ProcessGroupCommunicator::ProcessGroupCommunicator(
       staged_on_device_(!device.is_cpu()),
       p2p_(p2p && device.is_cpu() && group->getBackendName() == "gloo") {
   ranks_on_host_ = count_ranks_on_host();
+  if (host_mailbox) {
+    // The pre-flight header is all latency, and over Gloo each exchange is a rendezvous through
+    // the loop thread of both sides: on one host it goes through shared memory instead.
+    enable_host_mailbox(deadline_after(timeout()));
+  }
 }
 
 at::Tensor ProcessGroupCommunicator::host_bytes(const std::byte* data, std::uint64_t size) const {

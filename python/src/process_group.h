@@ -56,8 +56,11 @@ namespace shardgather::python {
 class ProcessGroupCommunicator final : public Communicator {
  public:
   // `p2p`: use the point-to-point gather where the group supports it (Gloo, host memory).
+  // `host_mailbox`: when every rank is on this host, exchange the pre-flight header (and any
+  // all_gather of at most 1 KiB per rank) through shared memory (Communicator::
+  // enable_host_mailbox); otherwise, or when false, it goes over the group like the payload.
   ProcessGroupCommunicator(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device,
-                           bool p2p = true);
+                           bool p2p = true, bool host_mailbox = true);
 
   // The send/recv tag the point-to-point gather uses on the group.
   static constexpr int kP2PTag = 0x5347;  // "SG"
@@ -69,7 +72,8 @@ class ProcessGroupCommunicator final : public Communicator {
   // "torch.gloo", "torch.nccl", ...
   [[nodiscard]] std::string_view backend_name() const noexcept override { return name_; }
   // From LOCAL_WORLD_SIZE (torchrun sets it), else counted once at construction by gathering a
-  // hash of every rank's host name over the group: constructing one is collective.
+  // hash of every rank's host name over the group: constructing one is collective (also for
+  // the host mailbox: one /dev/shm object of about 2 KiB per rank, unlinked once mapped).
   [[nodiscard]] int ranks_on_host() const noexcept override { return ranks_on_host_; }
   // Gloo and NCCL copy through their own buffers (or the network).
   [[nodiscard]] bool reads_peer_memory() const noexcept override { return false; }

@@ -32,12 +32,17 @@ def _worker(rank, world, init_file, module_name, case_names, queue):
     )
     module = importlib.import_module(module_name)
     for name in case_names:
+        outcome = None
         try:
-            getattr(module, name)(rank, world)
+            outcome = getattr(module, name)(rank, world)
             queue.put((name, rank, None))
         except BaseException:  # noqa: B902  (everything is reported, nothing escapes)
             queue.put((name, rank, traceback.format_exc()))
-        if not name.startswith("timeout_"):  # a timed-out group cannot meet again
+        if outcome == "exit":  # the case ends this rank's process; its peers watch it go
+            queue.close()
+            queue.join_thread()
+            os._exit(0)
+        if not name.startswith(("timeout_", "exit_")):  # a spoiled group cannot meet again
             dist.barrier()
     queue.close()
     queue.join_thread()

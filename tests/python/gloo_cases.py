@@ -234,6 +234,27 @@ def case_dtype_mismatch(rank, world):
     _follow_up(rank, world)
 
 
+def case_host_mailbox(rank, world):
+    """On one host the group's communicator exchanges the pre-flight header through shared
+    memory; one built with host_mailbox=False sends it over Gloo like the payload. Both are
+    bit-exact and both turn a cross-rank mismatch into MismatchError on every rank."""
+    assert shardgather.communicator().uses_host_mailbox == (world > 1)
+    over_gloo = shardgather._C._process_group_communicator(dist.group.WORLD, "cpu", True, False)
+    assert not over_gloo.uses_host_mailbox
+    params = [make((rank + 1, 3), torch.float32, rank), make((2,), torch.int64, rank + 7)]
+    ref, _ = reference(params, world)
+    for comm in (shardgather.communicator(), over_gloo):
+        assert_same(shardgather.foreach_all_gather(params, comm, timeout=T), ref, world)
+        if world > 1:
+            try:
+                shardgather.foreach_all_gather(params[:1] if rank == 0 else params, comm, timeout=T)
+            except shardgather.MismatchError as e:
+                assert "count" in str(e) and ("rank %d" % rank) in str(e), str(e)
+            else:
+                raise AssertionError("a count mismatch must raise on every rank")
+        assert_same(shardgather.foreach_all_gather(params, comm, timeout=T), ref, world)
+
+
 def case_count_mismatch(rank, world):
     if world == 1:
         return
@@ -352,7 +373,50 @@ def case_gil_released(rank, world):
 
 CASES = [name for name in dir(sys.modules[__name__]) if name.startswith("case_")]
 
-# Cases that spoil the group (timeouts) run in their own spawn; see test_foreach_gloo.py.
+# Cases that spoil the group (timeouts, aborts, a rank that exits) run in their own spawn; see
+# test_foreach_gloo.py.
+
+
+def timeout_case_abort_wakes_a_waiting_rank(rank, world):
+    """Rank 0 waits for a peer that does not come (in the pre-flight, through the host mailbox)
+    and another of its threads calls abort(): the call raises AbortedError at once, long before
+    its deadline."""
+    params = [torch.ones(3)]
+    shardgather.foreach_all_gather(params, timeout=T)  # builds the communicator (collective)
+    if rank != 0:
+        time.sleep(2.0)
+        return
+    comm = shardgather.communicator()
+    timer = threading.Timer(0.3, comm.abort)
+    timer.start()
+    start = time.monotonic()
+    try:
+        shardgather.foreach_all_gather(params, timeout=T)
+    except shardgather.AbortedError as e:
+        assert "rank 0" in str(e), str(e)
+        assert time.monotonic() - start < 2.0, time.monotonic() - start
+    else:
+        raise AssertionError("expected AbortedError")
+    finally:
+        timer.join()
+    assert comm.is_poisoned
+
+
+def exit_case_peer_exits(rank, world):
+    """The last rank's process ends while the others wait for it in the pre-flight: they raise
+    RemoteError naming it within about a second, not at their deadline."""
+    params = [torch.ones(3)]
+    shardgather.foreach_all_gather(params, timeout=T)  # builds the communicator (collective)
+    if rank == world - 1:
+        return "exit"
+    start = time.monotonic()
+    try:
+        shardgather.foreach_all_gather(params, timeout=T)
+    except shardgather.RemoteError as e:
+        assert ("rank %d" % (world - 1)) in str(e) and "exited" in str(e), str(e)
+        assert time.monotonic() - start < 5.0, time.monotonic() - start
+    else:
+        raise AssertionError("expected RemoteError")
 
 
 def timeout_case_stalled_peer(rank, world):

@@ -7,6 +7,8 @@ from conftest import CaseResults
 
 _results = CaseResults("gloo_cases", gloo_cases.CASES)
 _timeouts = CaseResults("gloo_cases", ["timeout_case_stalled_peer"])
+_aborts = CaseResults("gloo_cases", ["timeout_case_abort_wakes_a_waiting_rank"])
+_exits = CaseResults("gloo_cases", ["exit_case_peer_exits"])
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -17,3 +19,12 @@ def test_gloo(world, case):
 
 def test_gloo_timeout():
     _timeouts.check(2, "timeout_case_stalled_peer")
+
+
+def test_gloo_abort():
+    _aborts.check(2, "timeout_case_abort_wakes_a_waiting_rank")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_peer_exit(world):
+    _exits.check(world, "exit_case_peer_exits")
