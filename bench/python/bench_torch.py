@@ -4,16 +4,19 @@
     mpirun -np 2 /usr/bin/python3 bench/python/bench_torch.py      # adds the MPI backend
 
 Per preset and method: barrier (not timed), one call timed, the iteration's time is the max over
-ranks; the methods take turns within each iteration. The table shows medians and the ratio to
+ranks; the methods take turns within each iteration, in an order shuffled every iteration, with
+the objects from before timing frozen out of the cyclic GC. The table shows medians and the ratio to
 the limit, the group's single all-gather of the same total bytes from one contiguous buffer into
 a preallocated one.
 """
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -73,10 +76,20 @@ def seed_algorithm(params, world, shapes=None):
 
 def timed(methods, iters, warmup):
     """{name: (median, min)} seconds. The methods take turns within every iteration, so a noisy
-    phase of a shared machine hits all of them alike and the ratios stay comparable."""
+    phase of a shared machine hits all of them alike and the ratios stay comparable; the order
+    is shuffled every iteration (the same on every rank), so no method always runs right after
+    a heavy one (the seed's fresh buffers, a one-shot call's 2000 tensors). The objects alive
+    before timing (torch's own, the inputs) are frozen out of the cyclic GC: a collection that
+    one method's garbage triggers inside another's call then costs that call a pass over the
+    young objects, not over the whole interpreter (about 100k objects after importing torch; a
+    full pass over them took 32 ms here, against a 1 ms gather)."""
     times = {name: [] for name in methods}
+    order = list(methods.items())
+    gc.collect()
+    gc.freeze()
     for k in range(warmup + iters):
-        for name, fn in methods.items():
+        random.Random(k).shuffle(order)
+        for name, fn in order:
             dist.barrier()
             start = time.perf_counter()
             out = fn()
@@ -85,6 +98,7 @@ def timed(methods, iters, warmup):
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if k >= warmup:
                 times[name].append(float(elapsed))
+    gc.unfreeze()
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
@@ -114,12 +128,17 @@ def run(rank, world, args, mpi_comm_factory):
         direct_nopf = shardgather.AllGatherPlan.create(params, None, hint, strategy="direct",
                                                        preflight=False)
         allgather_comm = shardgather._C._process_group_communicator(dist.group.WORLD, "cpu", False)
+        # The pre-flight header over the group itself (what a group spanning hosts gets) rather
+        # than through the host mailbox the default communicator uses on one host.
+        no_mailbox_comm = shardgather._C._process_group_communicator(
+            dist.group.WORLD, "cpu", True, False)
         plan.execute(params)
         methods = {
             "limit (group all_gather, prealloc)": lambda: dist.all_gather(outs, flat_in),
             "plan auto (%s)" % plan.last_stats["strategy"]: lambda: plan.execute(params),
             "plan direct (Gloo send/recv)": lambda: direct.execute(params),
             "plan direct, preflight off": lambda: direct_nopf.execute(params),
+            "plan direct, header over Gloo": lambda: direct.execute(params, no_mailbox_comm),
             "plan direct, group allgather": lambda: direct.execute(params, allgather_comm),
             "shardgather (hint)": lambda: shardgather.foreach_all_gather(params, None, hint),
             "shardgather (no hint)": lambda: shardgather.foreach_all_gather(params),
