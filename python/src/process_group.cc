@@ -29,6 +29,18 @@ std::uint64_t max_count(std::span<const std::uint64_t> counts) {
   return counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
 }
 
+// c10d rejects a call with c10::Error; Gloo's transport throws its own exceptions (IoException,
+// a std::runtime_error) straight through c10d when a peer's connection is gone.
+[[noreturn]] void raise_not_issued(const std::exception& e, int rank, const char* what,
+                                   const std::string& name) {
+  const std::string where =
+      "rank " + std::to_string(rank) + ": " + what + " on " + name + " could not be issued: ";
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
+    throw CommunicationError(where + c10_error->what_without_backtrace());
+  }
+  throw RemoteError(where + e.what());
+}
+
 }  // namespace
 
 ProcessGroupCommunicator::ProcessGroupCommunicator(
@@ -106,9 +118,8 @@ void ProcessGroupCommunicator::allgather(at::Tensor& input, std::vector<at::Tens
   c10::intrusive_ptr<c10d::Work> work;
   try {
     work = group_->allgather(output_lists, inputs);
-  } catch (const c10::Error& e) {
-    throw CommunicationError("rank " + std::to_string(rank_) + ": " + what + " on " + name_ +
-                             " could not be issued: " + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    raise_not_issued(e, rank_, what, name_);
   }
   wait(work, deadline, what);
 }
@@ -292,11 +303,10 @@ void ProcessGroupCommunicator::gather_p2p(std::span<const ConstSegment> send, st
     const std::lock_guard<std::mutex> lock(inflight_mu_);
     try {
       issue();
-    } catch (const c10::Error& e) {
+    } catch (const std::exception& e) {
       abort_works_locked();
       inflight_.clear();
-      throw CommunicationError("rank " + std::to_string(rank_) + ": " + what + " on " + name_ +
-                               " could not be issued: " + e.what_without_backtrace());
+      raise_not_issued(e, rank_, what, name_);
     }
     if (abort_requested_.load()) {
       abort_works_locked();
@@ -393,9 +403,8 @@ void ProcessGroupCommunicator::do_barrier(Deadline deadline) {
   c10::intrusive_ptr<c10d::Work> work;
   try {
     work = group_->barrier();
-  } catch (const c10::Error& e) {
-    throw CommunicationError("rank " + std::to_string(rank_) + ": barrier on " + name_ +
-                             " could not be issued: " + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    raise_not_issued(e, rank_, "barrier", name_);
   }
   wait(work, deadline, "barrier");
 }

@@ -31,6 +31,9 @@
 // the whole Gloo context, so each work is waited on until the deadline, and abort() aborts the
 // in-flight works (SendWork/RecvWork::abort) to wake the wait.
 //
+// Errors: a call c10d rejects raises CommunicationError; a Gloo transport exception (a peer's
+// connection closed), when issuing or waiting, raises RemoteError. Either poisons.
+//
 // Deadlines: Work::wait is called in slices until the deadline; past it the call raises Timeout
 // and the communicator is poisoned. As with MPI, the c10d work cannot be cancelled and may still
 // read the send bytes and write the receive buffer later: after a Timeout, rebuild the group (in

@@ -403,20 +403,24 @@ def timeout_case_abort_wakes_a_waiting_rank(rank, world):
 
 
 def exit_case_peer_exits(rank, world):
-    """The last rank's process ends while the others wait for it in the pre-flight: they raise
-    RemoteError naming it within about a second, not at their deadline."""
+    """The last rank's process ends while the others wait for it: in the pre-flight through the
+    host mailbox, and over Gloo itself (a communicator without the mailbox). Both raise
+    RemoteError within seconds, not at their deadline; the mailbox's names the rank."""
     params = [torch.ones(3)]
     shardgather.foreach_all_gather(params, timeout=T)  # builds the communicator (collective)
+    over_gloo = shardgather._C._process_group_communicator(dist.group.WORLD, "cpu", True, False)
     if rank == world - 1:
         return "exit"
-    start = time.monotonic()
-    try:
-        shardgather.foreach_all_gather(params, timeout=T)
-    except shardgather.RemoteError as e:
-        assert ("rank %d" % (world - 1)) in str(e) and "exited" in str(e), str(e)
-        assert time.monotonic() - start < 5.0, time.monotonic() - start
-    else:
-        raise AssertionError("expected RemoteError")
+    for comm, named in ((shardgather.communicator(), True), (over_gloo, False)):
+        start = time.monotonic()
+        try:
+            shardgather.foreach_all_gather(params, comm, timeout=T)
+        except shardgather.RemoteError as e:
+            if named:
+                assert ("rank %d" % (world - 1)) in str(e) and "exited" in str(e), str(e)
+            assert time.monotonic() - start < 5.0, (named, time.monotonic() - start)
+        else:
+            raise AssertionError("expected RemoteError")
 
 
 def timeout_case_stalled_peer(rank, world):
