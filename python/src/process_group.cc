@@ -6,6 +6,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <new>
 #include <string>
 #include <string_view>
 
@@ -30,13 +31,19 @@ std::uint64_t max_count(std::span<const std::uint64_t> counts) {
 }
 
 // c10d rejects a call with c10::Error; Gloo's transport throws its own exceptions (IoException,
-// a std::runtime_error) straight through c10d when a peer's connection is gone.
+// a std::runtime_error) straight through c10d when a peer's connection is gone. (Newer torch
+// may wrap transport failures in c10::Error subclasses: those raise CommunicationError, which
+// poisons all the same.)
 [[noreturn]] void raise_not_issued(const std::exception& e, int rank, const char* what,
                                    const std::string& name) {
   const std::string where =
       "rank " + std::to_string(rank) + ": " + what + " on " + name + " could not be issued: ";
   if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
     throw CommunicationError(where + c10_error->what_without_backtrace());
+  }
+  if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) {
+    // Some works may already be posted: poisoned like any failed issue, not a peer's fault.
+    throw CommunicationError(where + e.what());
   }
   throw RemoteError(where + e.what());
 }

@@ -4,6 +4,7 @@
 #include <sys/syscall.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <climits>
 #include <csignal>
@@ -11,6 +12,7 @@
 #include <ctime>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "detail/plan_common.h"
@@ -54,13 +56,21 @@ void futex_wake_all(std::uint32_t* word) noexcept {
 }
 
 // Identifies this process's pid namespace, so that a pid is only interpreted by a peer that
-// sees the same numbering. {0, 0} when /proc is unavailable: liveness is then never judged.
+// sees the same numbering. {0, 0}, and liveness is never judged, when /proc is unavailable or
+// belongs to another pid namespace than this process's (a /proc not remounted after unshare):
+// its /proc/<pid> would then name other processes.
 struct PidSpace {
   std::uint64_t dev = 0;
   std::uint64_t ino = 0;
 };
 
 PidSpace my_pid_space() noexcept {
+  std::array<char, 32> self{};
+  const ssize_t n = ::readlink("/proc/self", self.data(), self.size() - 1);
+  if (n <= 0 ||
+      std::string_view(self.data(), static_cast<std::size_t>(n)) != std::to_string(::getpid())) {
+    return {};
+  }
   struct stat st {};
   if (::stat("/proc/self/ns/pid", &st) != 0) {
     return {};
@@ -70,6 +80,8 @@ PidSpace my_pid_space() noexcept {
 
 // True only when the process certainly no longer runs: it does not exist, or it is a zombie
 // that its parent has not reaped yet (a dead rank of torch.multiprocessing.spawn stays one).
+// Anything unclear (no /proc entry for a pid kill() still finds) counts as alive: a false
+// "exited" would poison a healthy group, a missed one only waits for the deadline.
 bool process_gone(std::int64_t pid) noexcept {
   if (::kill(static_cast<pid_t>(pid), 0) != 0) {
     return errno == ESRCH;
@@ -77,7 +89,7 @@ bool process_gone(std::int64_t pid) noexcept {
   const std::string path = "/proc/" + std::to_string(pid) + "/stat";
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
-    return errno == ENOENT;
+    return false;
   }
   char text[512];
   const ssize_t n = ::read(fd, text, sizeof(text) - 1);
@@ -100,7 +112,9 @@ bool process_gone(std::int64_t pid) noexcept {
 // Every field is accessed through std::atomic_ref where more than one process may touch it.
 struct HostMailbox::Layout {
   static constexpr std::size_t kLine = 64;
-  static constexpr std::size_t kSlotStride = kLine + kSlotBytes;  // the call number, then data
+  // A slot: its call number and byte count in the first line, then the data.
+  static constexpr std::size_t kSlotStride = kLine + kSlotBytes;
+  static constexpr std::size_t kSlotBytesField = 8;
 
   // Control line: the futex word (bumped by every arrival), the sleeper count, the token.
   static constexpr std::size_t kEpoch = 0;
@@ -123,6 +137,10 @@ struct HostMailbox::Layout {
 };
 
 namespace {
+
+// Other processes share these words: only lock-free atomics are address-free.
+static_assert(std::atomic_ref<std::uint32_t>::is_always_lock_free);
+static_assert(std::atomic_ref<std::uint64_t>::is_always_lock_free);
 
 template <typename T>
 std::atomic_ref<T> at(std::byte* base, std::size_t offset) {
@@ -173,17 +191,18 @@ std::unique_ptr<HostMailbox> HostMailbox::create(Communicator& comm, Deadline de
   std::memcpy(&expected, tokens.data(), sizeof(expected));
   const bool same_object = at<std::uint64_t>(base, Layout::kToken).load() == expected;
 
-  const PidSpace space = my_pid_space();
-  const std::size_t record = Layout::record(rank);
-  at<std::uint64_t>(base, record + Layout::kPid).store(static_cast<std::uint64_t>(::getpid()));
-  at<std::uint64_t>(base, record + Layout::kPidDev).store(space.dev);
-  at<std::uint64_t>(base, record + Layout::kPidIno).store(space.ino);
-  // Also the barrier after which every record is written.
   const std::byte ok{same_object ? std::uint8_t{1} : std::uint8_t{0}};
   const std::vector<std::byte> oks = gather(std::span(&ok, 1));
   if (std::find(oks.begin(), oks.end(), std::byte{0}) != oks.end()) {
     return nullptr;
   }
+  // Written only into the agreed object. A peer reads it only to judge liveness while it waits,
+  // and skips a record not written yet (pid 0).
+  const PidSpace space = my_pid_space();
+  const std::size_t record = Layout::record(rank);
+  at<std::uint64_t>(base, record + Layout::kPidDev).store(space.dev);
+  at<std::uint64_t>(base, record + Layout::kPidIno).store(space.ino);
+  at<std::uint64_t>(base, record + Layout::kPid).store(static_cast<std::uint64_t>(::getpid()));
   return std::unique_ptr<HostMailbox>(new HostMailbox(std::move(buffer), rank, size));
 }
 
@@ -230,11 +249,18 @@ void HostMailbox::all_gather(std::span<const std::byte> send, std::span<std::byt
   if (interrupted_.load()) {
     throw Aborted("rank " + std::to_string(rank_) + ": abort() before " + kWhat);
   }
-  std::byte* base = buffer_->data();
   const std::size_t n = send.size();
+  if (n > kSlotBytes || recv.size() != n * static_cast<std::size_t>(size_)) {
+    throw InvalidArgument("rank " + std::to_string(rank_) + ": " + kWhat + ": " +
+                          std::to_string(n) + " bytes to send (at most " +
+                          std::to_string(kSlotBytes) + "), " + std::to_string(recv.size()) +
+                          " to receive");
+  }
+  std::byte* base = buffer_->data();
   const std::uint64_t call = ++calls_;
   const std::size_t my_slot = Layout::slot(size_, call, rank_);
   std::memcpy(base + my_slot + Layout::kLine, send.data(), n);
+  at<std::uint64_t>(base, my_slot + Layout::kSlotBytesField).store(n, std::memory_order_relaxed);
   at<std::uint64_t>(base, my_slot).store(call, std::memory_order_release);
   auto epoch = at<std::uint32_t>(base, Layout::kEpoch);
   auto waiters = at<std::uint32_t>(base, Layout::kWaiters);
@@ -261,8 +287,12 @@ void HostMailbox::all_gather(std::span<const std::byte> send, std::span<std::byt
     }
     const Clock::time_point now = Clock::now();
     if (now >= deadline) {
+      std::string ranks;
+      for (int r = missing; r < size_; r = first_missing(call, r + 1)) {
+        ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+      }
       throw Timeout("rank " + std::to_string(rank_) + ": " + kWhat +
-                    " passed its deadline waiting for rank " + std::to_string(missing) +
+                    " passed its deadline waiting for rank(s) " + ranks +
                     " (the communicator is poisoned; rebuild the group or end the process)");
     }
     if (poll) {
@@ -277,6 +307,18 @@ void HostMailbox::all_gather(std::span<const std::byte> send, std::span<std::byt
     missing = first_missing(call, missing);
   }
 
+  // Every rank sees every count, so a disagreement raises on every rank, and the slots stay in
+  // step for the next call.
+  for (int r = 0; r < size_; ++r) {
+    const std::uint64_t theirs =
+        at<std::uint64_t>(base, Layout::slot(size_, call, r) + Layout::kSlotBytesField)
+            .load(std::memory_order_relaxed);
+    if (theirs != n) {
+      throw Mismatch("rank " + std::to_string(rank_) + ": " + kWhat + ": rank " +
+                     std::to_string(r) + " sends " + std::to_string(theirs) + " bytes, this rank " +
+                     std::to_string(n));
+    }
+  }
   for (int r = 0; r < size_; ++r) {
     std::byte* dst = recv.data() + static_cast<std::size_t>(r) * n;
     const std::byte* src =

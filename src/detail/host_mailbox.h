@@ -10,9 +10,10 @@
 // still read it. Calls are matched by order, as for every collective of a communicator.
 //
 // Blocking: a wait spins briefly, then sleeps on the futex in slices of at most 20 ms, and
-// between slices checks the deadline (Timeout), interrupt() (Aborted), the caller's poll
-// function, and whether a missing peer's process still exists (RemoteError: a dead peer is
-// seen within about 100 ms, as a backend sees a closed connection).
+// between slices checks the deadline (Timeout, naming every rank that did not come),
+// interrupt() (Aborted), the caller's poll function, and whether a missing peer's process still
+// exists (RemoteError: a dead peer is seen within about 100 ms, as a backend sees a closed
+// connection). Ranks that send different byte counts all raise Mismatch.
 //
 // Threading: one thread drives a mailbox at a time; interrupt() may come from any thread.
 // Ownership: the mapping belongs to the mailbox; the /dev/shm name is gone once every rank has
@@ -48,8 +49,9 @@ class HostMailbox {
   HostMailbox& operator=(HostMailbox&&) = delete;
   ~HostMailbox();
 
-  // send.size() <= kSlotBytes and the same on every rank; rank r's bytes land at
-  // recv[r * send.size()]. `poll` runs on this thread between sleeps and may throw.
+  // send.size() <= kSlotBytes (else InvalidArgument) and the same on every rank (else Mismatch
+  // on every rank); rank r's bytes land at recv[r * send.size()]. `poll` runs on this thread
+  // between sleeps and may throw.
   void all_gather(std::span<const std::byte> send, std::span<std::byte> recv, Deadline deadline,
                   const std::function<void()>& poll);
 

@@ -63,6 +63,9 @@ std::unique_ptr<SharedBuffer> SharedBuffer::create(Communicator& comm, std::uint
     comm.all_gather(std::as_bytes(std::span(mine)), gathered, deadline);
   } catch (const CommunicationError&) {
     leak(gathered);  // a posted collective may still write it
+    if (name[0] != '\0') {
+      ::shm_unlink(name.data());  // no peer will map it: leave nothing in /dev/shm
+    }
     throw;
   }
   std::memcpy(all_names.data(), gathered.data(), kNameBytes);

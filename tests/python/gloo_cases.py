@@ -383,18 +383,19 @@ def timeout_case_abort_wakes_a_waiting_rank(rank, world):
     its deadline."""
     params = [torch.ones(3)]
     shardgather.foreach_all_gather(params, timeout=T)  # builds the communicator (collective)
-    if rank != 0:
-        time.sleep(2.0)
-        return
     comm = shardgather.communicator()
-    timer = threading.Timer(0.3, comm.abort)
+    assert comm.uses_host_mailbox
+    if rank != 0:
+        time.sleep(4.0)
+        return
+    timer = threading.Timer(1.0, comm.abort)  # rank 0 is asleep in the mailbox by then
     timer.start()
     start = time.monotonic()
     try:
         shardgather.foreach_all_gather(params, timeout=T)
     except shardgather.AbortedError as e:
-        assert "rank 0" in str(e), str(e)
-        assert time.monotonic() - start < 2.0, time.monotonic() - start
+        assert "rank 0" in str(e) and "while in" in str(e), str(e)
+        assert time.monotonic() - start < 3.0, time.monotonic() - start
     else:
         raise AssertionError("expected AbortedError")
     finally:
