@@ -259,7 +259,9 @@ void HostMailbox::all_gather(std::span<const std::byte> send, std::span<std::byt
   std::byte* base = buffer_->data();
   const std::uint64_t call = ++calls_;
   const std::size_t my_slot = Layout::slot(size_, call, rank_);
-  std::memcpy(base + my_slot + Layout::kLine, send.data(), n);
+  if (n != 0) {  // an empty span may have no data pointer at all
+    std::memcpy(base + my_slot + Layout::kLine, send.data(), n);
+  }
   at<std::uint64_t>(base, my_slot + Layout::kSlotBytesField).store(n, std::memory_order_relaxed);
   at<std::uint64_t>(base, my_slot).store(call, std::memory_order_release);
   auto epoch = at<std::uint32_t>(base, Layout::kEpoch);
@@ -319,7 +321,7 @@ void HostMailbox::all_gather(std::span<const std::byte> send, std::span<std::byt
                      std::to_string(n));
     }
   }
-  for (int r = 0; r < size_; ++r) {
+  for (int r = 0; r < size_ && n != 0; ++r) {
     std::byte* dst = recv.data() + static_cast<std::size_t>(r) * n;
     const std::byte* src =
         r == rank_ ? send.data() : base + Layout::slot(size_, call, r) + Layout::kLine;
