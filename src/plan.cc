@@ -93,6 +93,18 @@ void leak(std::vector<std::byte>& buffer) noexcept {
   }
 }
 
+std::vector<std::byte> gather_or_leak(Communicator& comm, std::span<const std::byte> mine,
+                                      Deadline deadline) {
+  std::vector<std::byte> all(mine.size() * static_cast<std::size_t>(comm.size()));
+  try {
+    comm.all_gather(mine, all, deadline);
+  } catch (const CommunicationError&) {
+    leak(all);  // a posted collective may still write it
+    throw;
+  }
+  return all;
+}
+
 void ScratchHolder::leak() noexcept {
   if (!scratch_) {
     return;

@@ -143,8 +143,13 @@ static_assert(std::atomic_ref<std::uint32_t>::is_always_lock_free);
 static_assert(std::atomic_ref<std::uint64_t>::is_always_lock_free);
 
 template <typename T>
+T* word(std::byte* base, std::size_t offset) {
+  return reinterpret_cast<T*>(base + offset);
+}
+
+template <typename T>
 std::atomic_ref<T> at(std::byte* base, std::size_t offset) {
-  return std::atomic_ref<T>(*reinterpret_cast<T*>(base + offset));
+  return std::atomic_ref<T>(*word<T>(base, offset));
 }
 
 }  // namespace
@@ -167,16 +172,6 @@ std::unique_ptr<HostMailbox> HostMailbox::create(Communicator& comm, Deadline de
     return nullptr;  // raised on every rank alike
   }
   std::byte* base = buffer->data();
-  const auto gather = [&](std::span<const std::byte> mine) {
-    std::vector<std::byte> all(mine.size() * static_cast<std::size_t>(size));
-    try {
-      comm.all_gather(mine, all, deadline);
-    } catch (const CommunicationError&) {
-      leak(all);  // a posted collective may still write it
-      throw;
-    }
-    return all;
-  };
   // Rank 0 stamps a random token into the object and sends it over `comm`: a rank that reads
   // another value mapped a different object under the same name (another machine).
   std::uint64_t token = 0;
@@ -186,13 +181,14 @@ std::unique_ptr<HostMailbox> HostMailbox::create(Communicator& comm, Deadline de
     token |= 1U;  // never 0, the value of a fresh object
     at<std::uint64_t>(base, Layout::kToken).store(token);
   }
-  const std::vector<std::byte> tokens = gather(std::as_bytes(std::span(&token, 1)));
+  const std::vector<std::byte> tokens =
+      gather_or_leak(comm, std::as_bytes(std::span(&token, 1)), deadline);
   std::uint64_t expected = 0;
   std::memcpy(&expected, tokens.data(), sizeof(expected));
   const bool same_object = at<std::uint64_t>(base, Layout::kToken).load() == expected;
 
   const std::byte ok{same_object ? std::uint8_t{1} : std::uint8_t{0}};
-  const std::vector<std::byte> oks = gather(std::span(&ok, 1));
+  const std::vector<std::byte> oks = gather_or_leak(comm, std::span(&ok, 1), deadline);
   if (std::find(oks.begin(), oks.end(), std::byte{0}) != oks.end()) {
     return nullptr;
   }
@@ -264,11 +260,12 @@ void HostMailbox::all_gather(std::span<const std::byte> send, std::span<std::byt
   }
   at<std::uint64_t>(base, my_slot + Layout::kSlotBytesField).store(n, std::memory_order_relaxed);
   at<std::uint64_t>(base, my_slot).store(call, std::memory_order_release);
-  auto epoch = at<std::uint32_t>(base, Layout::kEpoch);
+  auto* epoch_word = word<std::uint32_t>(base, Layout::kEpoch);
+  std::atomic_ref<std::uint32_t> epoch(*epoch_word);
   auto waiters = at<std::uint32_t>(base, Layout::kWaiters);
   epoch.fetch_add(1);
   if (waiters.load() != 0) {
-    futex_wake_all(reinterpret_cast<std::uint32_t*>(base + Layout::kEpoch));
+    futex_wake_all(epoch_word);
   }
 
   int missing = first_missing(call, 0);
@@ -303,8 +300,7 @@ void HostMailbox::all_gather(std::span<const std::byte> send, std::span<std::byt
     check_alive(call, missing, kWhat);
     const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
     waiters.fetch_add(1);
-    futex_wait(reinterpret_cast<std::uint32_t*>(base + Layout::kEpoch), seen,
-               std::min<std::chrono::nanoseconds>(left, kSleepSlice));
+    futex_wait(epoch_word, seen, std::min<std::chrono::nanoseconds>(left, kSleepSlice));
     waiters.fetch_sub(1);
     missing = first_missing(call, missing);
   }
@@ -331,9 +327,9 @@ void HostMailbox::all_gather(std::span<const std::byte> send, std::span<std::byt
 
 void HostMailbox::interrupt() noexcept {
   interrupted_.store(true);
-  std::byte* base = buffer_->data();
-  at<std::uint32_t>(base, Layout::kEpoch).fetch_add(1);
-  futex_wake_all(reinterpret_cast<std::uint32_t*>(base + Layout::kEpoch));
+  auto* epoch_word = word<std::uint32_t>(buffer_->data(), Layout::kEpoch);
+  std::atomic_ref<std::uint32_t>(*epoch_word).fetch_add(1);
+  futex_wake_all(epoch_word);
 }
 
 }  // namespace shardgather::detail

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,11 @@ void size_scratch(ExecScratch& x, int world, std::size_t n);
 // (a deliberate leak: the process is expected to end, see docs/errors.md).
 void leak(AlignedBuffer& buffer) noexcept;
 void leak(std::vector<std::byte>& buffer) noexcept;
+
+// comm.all_gather of `mine` into a new vector (world * mine.size() bytes); on a
+// CommunicationError the vector is leaked before the error propagates.
+std::vector<std::byte> gather_or_leak(Communicator& comm, std::span<const std::byte> mine,
+                                      Deadline deadline);
 
 [[noreturn]] void raise_through_header(Communicator& comm, const Error& error, bool exchange,
                                        Deadline deadline);

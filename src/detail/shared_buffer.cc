@@ -58,11 +58,10 @@ std::unique_ptr<SharedBuffer> SharedBuffer::create(Communicator& comm, std::uint
   }
   std::array<char, kNameBytes> all_names{};
   std::array<char, kNameBytes> mine = comm.rank() == 0 ? name : std::array<char, kNameBytes>{};
-  std::vector<std::byte> gathered(kNameBytes * static_cast<std::size_t>(comm.size()));
+  std::vector<std::byte> gathered;
   try {
-    comm.all_gather(std::as_bytes(std::span(mine)), gathered, deadline);
+    gathered = gather_or_leak(comm, std::as_bytes(std::span(mine)), deadline);
   } catch (const CommunicationError&) {
-    leak(gathered);  // a posted collective may still write it
     if (name[0] != '\0') {
       ::shm_unlink(name.data());  // no peer will map it: leave nothing in /dev/shm
     }
@@ -84,13 +83,7 @@ std::unique_ptr<SharedBuffer> SharedBuffer::create(Communicator& comm, std::uint
   // Everyone has mapped it (or failed) before rank 0 removes the name; a failure anywhere
   // raises everywhere.
   const std::byte ok{p == MAP_FAILED ? std::uint8_t{0} : std::uint8_t{1}};
-  std::vector<std::byte> oks(static_cast<std::size_t>(comm.size()));
-  try {
-    comm.all_gather(std::span(&ok, 1), oks, deadline);
-  } catch (const CommunicationError&) {
-    leak(oks);
-    throw;
-  }
+  const std::vector<std::byte> oks = gather_or_leak(comm, std::span(&ok, 1), deadline);
   if (comm.rank() == 0) {
     ::shm_unlink(shared_name.c_str());
   }

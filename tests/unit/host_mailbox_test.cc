@@ -3,10 +3,12 @@
 // (tests/mpi runs it across processes, tests/python through Gloo groups, with a peer that exits).
 #include "detail/host_mailbox.h"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -25,9 +27,17 @@ using namespace std::chrono_literals;
 using detail::HostMailbox;
 using testing::run_ranks;
 
-std::byte pattern(int rank, int call, std::size_t k) {
-  return static_cast<std::byte>(testing::mix((static_cast<std::uint64_t>(rank) << 40U) ^
-                                             (static_cast<std::uint64_t>(call) << 20U) ^ k));
+// fn(rank, comm, mailbox) on `world` thread ranks, each with its own mailbox over its rank.
+void with_mailboxes(int world, const std::function<void(int, Communicator&, HostMailbox&)>& fn) {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  run_ranks(
+      world,
+      [&fn](int rank, Communicator& comm) {
+        const auto box = HostMailbox::create(comm, Clock::now() + 10s);
+        ASSERT_NE(box, nullptr);
+        fn(rank, comm, *box);
+      },
+      std::string(info->test_suite_name()) + "." + info->name());
 }
 
 // A communicator that forwards to a thread rank but turns on the mailbox, as a backend does.
@@ -77,104 +87,87 @@ class HostMailboxWorld : public ::testing::TestWithParam<int> {};
 
 TEST_P(HostMailboxWorld, EverySizeBitExactOverManyCalls) {
   const int world = GetParam();
-  run_ranks(
-      world,
-      [world](int rank, Communicator& comm) {
-        const auto box = HostMailbox::create(comm, Clock::now() + 10s);
-        ASSERT_NE(box, nullptr);
-        const std::array<std::size_t, 6> sizes{0, 1, 7, 352, HostMailbox::kSlotBytes, 0};
-        std::vector<std::byte> send;
-        std::vector<std::byte> recv;
-        for (int call = 0; call < 600; ++call) {
-          const std::size_t n = call % 7 == 6
-                                    ? static_cast<std::size_t>(call) % (HostMailbox::kSlotBytes + 1)
-                                    : sizes[static_cast<std::size_t>(call) % sizes.size()];
-          send.resize(n);
-          for (std::size_t k = 0; k < n; ++k) {
-            send[k] = pattern(rank, call, k);
-          }
-          recv.assign(n * static_cast<std::size_t>(world), std::byte{0xEE});
-          // Skew, so that some waits spin and some sleep on the futex, and a fast rank comes
-          // back to a slot set its peers may still be reading.
-          if ((call + rank) % 37 == 0) {
-            std::this_thread::sleep_for(2ms);
-          }
-          box->all_gather(send, recv, Clock::now() + 10s, {});
-          for (int r = 0; r < world; ++r) {
-            for (std::size_t k = 0; k < n; ++k) {
-              if (recv[static_cast<std::size_t>(r) * n + k] != pattern(r, call, k)) {
-                FAIL() << "rank " << rank << " call " << call << ": byte " << k << " of rank " << r
-                       << " differs";
-              }
-            }
-          }
-        }
-      },
-      "HostMailbox.EverySizeBitExactOverManyCalls");
+  with_mailboxes(world, [world](int rank, Communicator&, HostMailbox& box) {
+    const std::array<std::size_t, 6> sizes{0, 1, 7, 352, HostMailbox::kSlotBytes, 0};
+    std::vector<std::byte> send;
+    std::vector<std::byte> recv;
+    std::vector<std::byte> want;
+    for (int call = 0; call < 600; ++call) {
+      const std::size_t n = call % 7 == 6
+                                ? static_cast<std::size_t>(call) % (HostMailbox::kSlotBytes + 1)
+                                : sizes[static_cast<std::size_t>(call) % sizes.size()];
+      send.resize(n);
+      testing::fill_pattern(send, static_cast<std::uint64_t>(call), rank, 0);
+      recv.assign(n * static_cast<std::size_t>(world), std::byte{0xEE});
+      // Skew, so that some waits spin and some sleep on the futex, and a fast rank comes
+      // back to a slot set its peers may still be reading.
+      if ((call + rank) % 37 == 0) {
+        std::this_thread::sleep_for(2ms);
+      }
+      box.all_gather(send, recv, Clock::now() + 10s, {});
+      for (int r = 0; r < world; ++r) {
+        want.resize(n);
+        testing::fill_pattern(want, static_cast<std::uint64_t>(call), r, 0);
+        ASSERT_TRUE(
+            std::equal(want.begin(), want.end(), recv.data() + static_cast<std::size_t>(r) * n))
+            << "rank " << rank << " call " << call << ": the bytes of rank " << r << " differ";
+      }
+    }
+  });
 }
 
 TEST_P(HostMailboxWorld, TimeoutNamesTheMissingRank) {
   const int world = GetParam();
   std::atomic<int> timeouts{0};
-  run_ranks(
-      world,
-      [&](int rank, Communicator& comm) {
-        const auto box = HostMailbox::create(comm, Clock::now() + 10s);
-        ASSERT_NE(box, nullptr);
-        if (rank == world - 1) {
-          return;  // never calls
-        }
-        const std::byte mine{1};
-        std::vector<std::byte> all(static_cast<std::size_t>(world));
-        const auto start = Clock::now();
-        try {
-          box->all_gather(std::span(&mine, 1), all, start + 200ms, {});
-          ADD_FAILURE() << "rank " << rank << ": no Timeout";
-        } catch (const Timeout& e) {
-          ++timeouts;
-          const std::string text = e.what();
-          EXPECT_NE(text.find("rank " + std::to_string(rank) + ":"), std::string::npos) << text;
-          // Every rank that did not come is named; the absent one always is.
-          const std::string named = text.substr(text.find("waiting for rank(s) "));
-          EXPECT_NE(named.find(std::to_string(world - 1) + " ("), std::string::npos) << text;
-        }
-        EXPECT_GE(Clock::now() - start, 200ms);
-      },
-      "HostMailbox.TimeoutNamesTheMissingRank");
+  with_mailboxes(world, [&](int rank, Communicator&, HostMailbox& box) {
+    if (rank == world - 1) {
+      return;  // never calls
+    }
+    const std::byte mine{1};
+    std::vector<std::byte> all(static_cast<std::size_t>(world));
+    const auto start = Clock::now();
+    try {
+      box.all_gather(std::span(&mine, 1), all, start + 200ms, {});
+      ADD_FAILURE() << "rank " << rank << ": no Timeout";
+    } catch (const Timeout& e) {
+      ++timeouts;
+      const std::string text = e.what();
+      EXPECT_NE(text.find("rank " + std::to_string(rank) + ":"), std::string::npos) << text;
+      // Every rank that did not come is named; the absent one always is.
+      const std::string named = text.substr(text.find("waiting for rank(s) "));
+      EXPECT_NE(named.find(std::to_string(world - 1) + " ("), std::string::npos) << text;
+    }
+    EXPECT_GE(Clock::now() - start, 200ms);
+  });
   EXPECT_EQ(timeouts.load(), world - 1);
 }
 
 TEST_P(HostMailboxWorld, DifferentCountsRaiseMismatchOnEveryRankThenStayInStep) {
   const int world = GetParam();
   std::atomic<int> mismatches{0};
-  run_ranks(
-      world,
-      [&](int rank, Communicator& comm) {
-        const auto box = HostMailbox::create(comm, Clock::now() + 10s);
-        ASSERT_NE(box, nullptr);
-        const std::size_t n = rank == 1 ? 16 : 8;
-        std::vector<std::byte> send(n, std::byte{3});
-        std::vector<std::byte> recv(n * static_cast<std::size_t>(world));
-        try {
-          box->all_gather(send, recv, Clock::now() + 10s, {});
-        } catch (const Mismatch& e) {
-          ++mismatches;
-          EXPECT_NE(std::string(e.what()).find("sends"), std::string::npos) << e.what();
-        }
-        // The next calls agree and succeed.
-        for (int call = 0; call < 3; ++call) {
-          const std::byte mine{static_cast<std::uint8_t>(rank + call)};
-          std::vector<std::byte> all(static_cast<std::size_t>(world));
-          box->all_gather(std::span(&mine, 1), all, Clock::now() + 10s, {});
-          for (int r = 0; r < world; ++r) {
-            EXPECT_EQ(all[static_cast<std::size_t>(r)], static_cast<std::byte>(r + call));
-          }
-        }
-        std::vector<std::byte> too_big(HostMailbox::kSlotBytes + 1);
-        std::vector<std::byte> out(too_big.size() * static_cast<std::size_t>(world));
-        EXPECT_THROW(box->all_gather(too_big, out, Clock::now() + 10s, {}), InvalidArgument);
-      },
-      "HostMailbox.DifferentCountsRaiseMismatchOnEveryRankThenStayInStep");
+  with_mailboxes(world, [&](int rank, Communicator&, HostMailbox& box) {
+    const std::size_t n = rank == 1 ? 16 : 8;
+    std::vector<std::byte> send(n, std::byte{3});
+    std::vector<std::byte> recv(n * static_cast<std::size_t>(world));
+    try {
+      box.all_gather(send, recv, Clock::now() + 10s, {});
+    } catch (const Mismatch& e) {
+      ++mismatches;
+      EXPECT_NE(std::string(e.what()).find("sends"), std::string::npos) << e.what();
+    }
+    // The next calls agree and succeed.
+    for (int call = 0; call < 3; ++call) {
+      const std::byte mine{static_cast<std::uint8_t>(rank + call)};
+      std::vector<std::byte> all(static_cast<std::size_t>(world));
+      box.all_gather(std::span(&mine, 1), all, Clock::now() + 10s, {});
+      for (int r = 0; r < world; ++r) {
+        EXPECT_EQ(all[static_cast<std::size_t>(r)], static_cast<std::byte>(r + call));
+      }
+    }
+    std::vector<std::byte> too_big(HostMailbox::kSlotBytes + 1);
+    std::vector<std::byte> out(too_big.size() * static_cast<std::size_t>(world));
+    EXPECT_THROW(box.all_gather(too_big, out, Clock::now() + 10s, {}), InvalidArgument);
+  });
   EXPECT_EQ(mismatches.load(), world);
 }
 
@@ -185,60 +178,50 @@ TEST(HostMailbox, InterruptWakesAWaitAndLaterCallsFail) {
   std::array<std::atomic<HostMailbox*>, 2> boxes{};
   std::atomic<bool> waiting{false};
   std::string what;
-  run_ranks(
-      2,
-      [&](int rank, Communicator& comm) {
-        const auto box = HostMailbox::create(comm, Clock::now() + 10s);
-        ASSERT_NE(box, nullptr);
-        boxes[static_cast<std::size_t>(rank)] = box.get();
-        const std::byte mine{1};
-        std::array<std::byte, 2> all{};
-        if (rank == 1) {  // never calls: interrupts rank 0's wait instead
-          while (!waiting.load()) {
-            std::this_thread::yield();
-          }
-          std::this_thread::sleep_for(200ms);  // rank 0 is asleep in the mailbox by now
-          boxes[0].load()->interrupt();
-          comm.barrier(Clock::now() + 10s);  // keeps rank 0's mailbox alive until it returned
-          return;
-        }
-        const auto start = Clock::now();
-        waiting = true;
-        try {
-          box->all_gather(std::span(&mine, 1), all, start + 30s, {});
-        } catch (const Aborted& e) {
-          what = e.what();
-        }
-        EXPECT_LT(Clock::now() - start, 5s);
-        EXPECT_THROW(box->all_gather(std::span(&mine, 1), all, Clock::now() + 30s, {}), Aborted);
-        comm.barrier(Clock::now() + 10s);
-      },
-      "HostMailbox.InterruptWakesAWaitAndLaterCallsFail");
+  with_mailboxes(2, [&](int rank, Communicator& comm, HostMailbox& box) {
+    boxes[static_cast<std::size_t>(rank)] = &box;
+    const std::byte mine{1};
+    std::array<std::byte, 2> all{};
+    if (rank == 1) {  // never calls: interrupts rank 0's wait instead
+      while (!waiting.load()) {
+        std::this_thread::yield();
+      }
+      std::this_thread::sleep_for(200ms);  // rank 0 is asleep in the mailbox by now
+      boxes[0].load()->interrupt();
+      comm.barrier(Clock::now() + 10s);  // keeps rank 0's mailbox alive until it returned
+      return;
+    }
+    const auto start = Clock::now();
+    waiting = true;
+    try {
+      box.all_gather(std::span(&mine, 1), all, start + 30s, {});
+    } catch (const Aborted& e) {
+      what = e.what();
+    }
+    EXPECT_LT(Clock::now() - start, 5s);
+    EXPECT_THROW(box.all_gather(std::span(&mine, 1), all, Clock::now() + 30s, {}), Aborted);
+    comm.barrier(Clock::now() + 10s);
+  });
   EXPECT_NE(what.find("while in"), std::string::npos) << "not woken from a wait: '" << what << "'";
 }
 
 TEST(HostMailbox, PollRunsWhileWaitingAndItsExceptionEndsTheWait) {
-  run_ranks(
-      2,
-      [](int rank, Communicator& comm) {
-        const auto box = HostMailbox::create(comm, Clock::now() + 10s);
-        ASSERT_NE(box, nullptr);
-        if (rank == 1) {
-          return;
-        }
-        int polls = 0;
-        const std::byte mine{1};
-        std::array<std::byte, 2> all{};
-        EXPECT_THROW(box->all_gather(std::span(&mine, 1), all, Clock::now() + 30s,
-                                     [&polls] {
-                                       if (++polls == 3) {
-                                         throw Aborted("poll asked to stop");
-                                       }
-                                     }),
-                     Aborted);
-        EXPECT_EQ(polls, 3);
-      },
-      "HostMailbox.PollRunsWhileWaitingAndItsExceptionEndsTheWait");
+  with_mailboxes(2, [](int rank, Communicator&, HostMailbox& box) {
+    if (rank == 1) {
+      return;
+    }
+    int polls = 0;
+    const std::byte mine{1};
+    std::array<std::byte, 2> all{};
+    EXPECT_THROW(box.all_gather(std::span(&mine, 1), all, Clock::now() + 30s,
+                                [&polls] {
+                                  if (++polls == 3) {
+                                    throw Aborted("poll asked to stop");
+                                  }
+                                }),
+                 Aborted);
+    EXPECT_EQ(polls, 3);
+  });
 }
 
 // Through Communicator: all_gather of at most kSlotBytes per rank takes the mailbox (the
