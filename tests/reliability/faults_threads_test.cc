@@ -169,17 +169,19 @@ TEST_P(ThreadsFaults, F3AbortWakesBlockedRanksQuickly) {
   const int world = GetParam();
   for (const bool preflight : {true, false}) {
     auto comms = make_thread_group(world);
-    std::atomic<long long> abort_at_ns{0};
+    // Set only after abort() returned: a last rank let in between a flag store and the abort
+    // could complete the call with everyone before the abort lands (seen once under TSan).
+    std::atomic<bool> aborted{false};
     std::thread aborter([&] {
       std::this_thread::sleep_for(200ms);
-      abort_at_ns = Clock::now().time_since_epoch().count();
       comms[0]->abort();
+      aborted = true;
     });
     const auto results = run_call(
         comms,
         [&](int rank, Communicator&) {
           if (rank == world - 1) {
-            while (abort_at_ns.load() == 0) {  // arrives only after the abort
+            while (!aborted.load()) {  // arrives only after the abort
               std::this_thread::sleep_for(5ms);
             }
           }
