@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -71,9 +72,12 @@ class SHARDGATHER_API Communicator {
   // How many ranks of this communicator share this rank's host (its memory bandwidth and
   // cores): copy kernels size their thread count from it.
   [[nodiscard]] virtual int ranks_on_host() const noexcept = 0;
-  // True when a gather copies each byte straight from the sender's memory into the receiver's
-  // (threads): staging through a shared window could then only add copies.
-  [[nodiscard]] virtual bool reads_peer_memory() const noexcept = 0;
+  // Per-rank bytes from which a plan's kAuto gathers through a node-shared window (one copy in,
+  // one out, a barrier) instead of through this transport, when every rank is on one host.
+  // kNeverShared where the transport already copies each byte straight from the sender's memory
+  // (threads): a window could then only add copies. Must be the same on every rank.
+  static constexpr std::uint64_t kNeverShared = std::numeric_limits<std::uint64_t>::max();
+  [[nodiscard]] virtual std::uint64_t shared_window_min_bytes() const noexcept = 0;
 
   // Equal-size gather: rank r's `send` lands at recv[r * send.size()]. recv.size() must be
   // size() * send.size(), and send.size() the same on every rank.
@@ -140,10 +144,11 @@ class SHARDGATHER_API Communicator {
 
   // Collective; a backend's constructor may call it once. When every rank is on this host and
   // all can map one /dev/shm object, all_gather() of at most 1 KiB per rank (the pre-flight
-  // header, setup records) then goes through that shared memory instead of do_all_gather():
-  // for backends whose small-message latency is high (a Gloo round trip through its loop
-  // thread). Otherwise nothing changes. Waits there honour the deadline, abort(), the
-  // interrupt check, and see a peer process that exited. Returns whether it is in use.
+  // header, setup records) and barrier() then go through that shared memory instead of
+  // do_all_gather() and do_barrier(): for backends whose small-message latency is high (a Gloo
+  // round trip through its loop thread). Otherwise nothing changes. Waits there honour the
+  // deadline, abort(), the interrupt check, and see a peer process that exited. Returns whether it
+  // is in use.
   bool enable_host_mailbox(Deadline deadline);
 
   // Backends call this when they discover the communicator is unusable (a peer aborted).

@@ -37,10 +37,6 @@ Strategy parse_strategy(std::string_view name) {
 
 namespace detail {
 
-namespace {
-constexpr std::uint64_t kSharedMinBytes = std::uint64_t{1} << 20;
-}  // namespace
-
 Strategy select_strategy(Strategy requested, const GatherJob& job, const Communicator& comm,
                          bool shared_unavailable) {
   if (requested == Strategy::kShared && !shared_available(comm)) {
@@ -49,14 +45,11 @@ Strategy select_strategy(Strategy requested, const GatherJob& job, const Communi
   if (requested != Strategy::kAuto) {
     return requested;
   }
-  // Measured on the target machine (docs/benchmarking.md): where the transport copies through
-  // its own buffers (MPI), one copy into a node-shared window and one out beats the transport
-  // once streams reach about a MiB; below that, and where the backend already copies straight
-  // from peer memory (threads), kDirect is fastest. Every input here, shared_unavailable included
-  // (see run_payload), is the same on every rank, so every rank picks the same strategy.
+  // The backend states where the window starts to beat its transport (measured per backend,
+  // docs/benchmarking.md). Every input here, shared_unavailable included (see run_payload), is
+  // the same on every rank, so every rank picks the same strategy.
   const std::uint64_t largest = *std::max_element(job.counts.begin(), job.counts.end());
-  if (shared_available(comm) && !shared_unavailable && !comm.reads_peer_memory() &&
-      largest >= kSharedMinBytes) {
+  if (shared_available(comm) && !shared_unavailable && largest >= comm.shared_window_min_bytes()) {
     return Strategy::kShared;
   }
   return Strategy::kDirect;

@@ -340,9 +340,10 @@ def case_result_lists_reused_until_edited(rank, world):
 
 
 def case_shared_window_on_one_host(rank, world):
-    """At >= 1 MiB per rank on one host, "auto" gathers through the node-shared window (the
-    group only carries the pre-flight and barriers); it and an explicit "shared" must be bit-exact
-    step after step, uneven and with small tensors mixed in, for both plans."""
+    """On one host, "auto" gathers through the node-shared window (the group only carries the
+    pre-flight and barriers): at any size when those go through the host mailbox (the default
+    communicator), from 1 MiB per rank when they go over the group. It and an explicit "shared"
+    must be bit-exact step after step, uneven and with small tensors mixed in, for both plans."""
     big = [(300_000 + 1000 * r,) for r in range(world)]  # ~1.2 MB of f32, uneven across ranks
     shapes = [[big[r], (3, 2), (), (0,)] for r in range(world)]
     dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.int8]
@@ -363,6 +364,21 @@ def case_shared_window_on_one_host(rank, world):
             for i in range(len(dtypes)):
                 for r in range(world):
                     same(out[i][r], params_of(r, step)[i], "%s step %d tensor %d rank %d" % (strategy, step, i, r))
+    over_group = shardgather._C._process_group_communicator(dist.group.WORLD, "cpu", True, False)
+    for comm, small_runs in ((None, "shared"), (over_group, "direct")):
+        for name, keep in (("big", slice(None)), ("small", slice(1, None))):
+            params = params_of(rank, 0)[keep]
+            plan = shardgather.AllGatherPlan.create(params, comm, [s[keep] for s in shapes], timeout=T)
+            for step in range(3):
+                for dst, src in zip(params, params_of(rank, step)[keep]):
+                    dst.copy_(src)
+                out = plan.execute(params, comm)
+                ran = plan.last_stats["strategy"]
+                want = "direct" if world == 1 else "shared" if name == "big" else small_runs
+                assert ran == want, (comm, name, ran)
+                for i in range(len(params)):
+                    for r in range(world):
+                        same(out[i][r], params_of(r, step)[keep][i], "%s step %d tensor %d rank %d" % (name, step, i, r))
     spec = shardgather.ShardSpec(torch.float32, (300_000 * world + 7, 2), 0)
     uplan = shardgather.UnshardPlan([spec], world, rank, timeout=T)
     for step in range(3):

@@ -50,7 +50,11 @@ class MailboxCommunicator final : public Communicator {
   [[nodiscard]] int size() const noexcept override { return inner_.size(); }
   [[nodiscard]] std::string_view backend_name() const noexcept override { return "forwarding"; }
   [[nodiscard]] int ranks_on_host() const noexcept override { return inner_.ranks_on_host(); }
-  [[nodiscard]] bool reads_peer_memory() const noexcept override { return false; }
+  // As the torch ProcessGroup backend: with the mailbox carrying the window's barriers, the
+  // window wins at every size.
+  [[nodiscard]] std::uint64_t shared_window_min_bytes() const noexcept override {
+    return uses_host_mailbox() ? 0 : kNeverShared;
+  }
 
  protected:
   void do_all_gather(std::span<const std::byte> send, std::span<std::byte> recv,
@@ -291,6 +295,56 @@ TEST(HostMailbox, AbortWakesACommunicatorWaitingInTheMailbox) {
       },
       "HostMailbox.AbortWakesACommunicatorWaitingInTheMailbox");
   EXPECT_TRUE(aborted.load());
+}
+
+// A plan's kAuto on such a communicator: even a few bytes per rank go through the node-shared
+// window, and once the window exists every synchronisation (the header, the barriers) takes the
+// mailbox, so the backend's transport carries nothing at all.
+TEST(HostMailbox, SmallPlanGathersThroughTheWindowWithoutTheTransport) {
+  constexpr int kWorld = 3;
+  run_ranks(
+      kWorld,
+      [](int rank, Communicator& inner) {
+        MailboxCommunicator comm(inner);
+        ASSERT_TRUE(comm.uses_host_mailbox());
+        const std::vector<DType> dtypes{DType::kUInt8, DType::kFloat32};
+        const std::vector<std::vector<Shape>> shapes{{{5}, {3}}, {{6}, {3}}, {{7}, {3}}};
+        const auto me = static_cast<std::size_t>(rank);
+        for (const bool preflight : {true, false}) {
+          AllGatherPlan plan(dtypes, shapes, rank,
+                             PlanOptions{.timeout = {}, .preflight = preflight});
+          std::vector<std::byte> out(plan.output_bytes());
+          std::uint64_t after_setup = 0;
+          for (int call = 0; call < 50; ++call) {
+            const auto seed = static_cast<std::uint64_t>(call);
+            std::vector<testing::HostTensor> tensors;
+            for (std::size_t i = 0; i < dtypes.size(); ++i) {
+              tensors.push_back(testing::make_tensor(dtypes[i], shapes[me][i], seed, rank, i));
+            }
+            std::fill(out.begin(), out.end(), std::byte{0xEE});
+            ASSERT_EQ(plan.execute(testing::views_of(tensors), comm, out).strategy,
+                      Strategy::kShared);
+            if (call == 0) {
+              after_setup = inner.collectives_issued();
+            }
+            const std::vector<TensorView> views = plan.views(out.data());
+            for (std::size_t i = 0; i < dtypes.size(); ++i) {
+              for (int r = 0; r < kWorld; ++r) {
+                const auto ur = static_cast<std::size_t>(r);
+                const testing::HostTensor want =
+                    testing::make_tensor(dtypes[i], shapes[ur][i], seed, r, i);
+                ASSERT_EQ(std::memcmp(views[i * kWorld + ur].data, want.storage.data(),
+                                      want.storage.size()),
+                          0)
+                    << "preflight " << preflight << " call " << call << " tensor " << i << " rank "
+                    << r;
+              }
+            }
+          }
+          EXPECT_EQ(inner.collectives_issued(), after_setup) << "preflight " << preflight;
+        }
+      },
+      "HostMailbox.SmallPlanGathersThroughTheWindowWithoutTheTransport");
 }
 
 }  // namespace

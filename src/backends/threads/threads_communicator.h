@@ -50,7 +50,9 @@ class ThreadsCommunicator final : public Communicator {
   [[nodiscard]] int size() const noexcept override { return group_->world_size; }
   [[nodiscard]] std::string_view backend_name() const noexcept override { return "threads"; }
   [[nodiscard]] int ranks_on_host() const noexcept override { return group_->world_size; }
-  [[nodiscard]] bool reads_peer_memory() const noexcept override { return true; }
+  [[nodiscard]] std::uint64_t shared_window_min_bytes() const noexcept override {
+    return kNeverShared;
+  }
 
  protected:
   void do_all_gather(std::span<const std::byte> send, std::span<std::byte> recv,
