@@ -117,6 +117,10 @@ def run(rank, world, args, mpi_comm_factory):
         flat_in = torch.empty(per_rank_bytes, dtype=torch.uint8)
         flat_out = torch.empty(per_rank_bytes * world, dtype=torch.uint8)
         outs = list(flat_out.chunk(world))
+        # What any call returning new tensors pays on top of the limit: one tensor object per
+        # (rank, tensor), made here by splitting the limit's output.
+        elsize = params[0].element_size()
+        split_sizes = [math.prod(s) * elsize for r in range(world) for s in hint[r]]
         # Plans: built once, executed every iteration into the plan's reused buffer (the views
         # and result lists are cached too). "auto" is what a caller gets: on one host at >= 1 MiB
         # per rank it gathers through the node-shared window (the group carries only the
@@ -135,6 +139,8 @@ def run(rank, world, args, mpi_comm_factory):
         plan.execute(params)
         methods = {
             "limit (group all_gather, prealloc)": lambda: dist.all_gather(outs, flat_in),
+            "limit + split into new tensors": lambda: (dist.all_gather(outs, flat_in),
+                                                      flat_out.split(split_sizes)),
             "plan auto (%s)" % plan.last_stats["strategy"]: lambda: plan.execute(params),
             "plan direct (Gloo send/recv)": lambda: direct.execute(params),
             "plan direct, preflight off": lambda: direct_nopf.execute(params),
