@@ -130,9 +130,23 @@ py::list make_thread_group_py(int world_size) {
   return out;
 }
 
+// The communicator may hold the last reference to its c10d group, and destroying a Gloo group
+// joins its worker threads, one of which may be releasing a Python-owned tensor and so waits
+// for the GIL: deleting it with the GIL held deadlocked at the end of a benchmark run. Torch's
+// own binding holds ProcessGroup objects the same way (released without the GIL).
+void delete_without_gil(Communicator* comm) {
+  if (PyGILState_Check() != 0) {
+    const py::gil_scoped_release release;
+    delete comm;
+  } else {
+    delete comm;
+  }
+}
+
 CommPtr process_group_communicator(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                    const std::string& device, bool p2p, bool host_mailbox) {
-  return std::make_shared<ProcessGroupCommunicator>(group, c10::Device(device), p2p, host_mailbox);
+  return {new ProcessGroupCommunicator(group, c10::Device(device), p2p, host_mailbox),
+          &delete_without_gil};
 }
 
 #ifdef SHARDGATHER_PYTHON_WITH_MPI

@@ -450,3 +450,21 @@ def timeout_case_stalled_peer(rank, world):
         assert time.monotonic() - start < 0.05
     else:
         raise AssertionError("a poisoned communicator must fail fast")
+
+
+def release_case_group_destroyed_then_dropped(rank, world):
+    """A group used through shardgather, destroyed, then dropped: the cached communicator goes
+    with the group object and holds the last reference to the c10d group, whose destructor joins
+    Gloo's worker threads. One of them may still be releasing a Python-owned tensor of the last
+    collective, which takes the GIL: destroying the communicator with the GIL held deadlocked
+    (every run, within a few groups, before the fix). 30 groups must come and go."""
+    for k in range(30):
+        group = dist.new_group(list(range(world)))
+        params = [torch.full((5,), float(rank))]
+        out = shardgather.foreach_all_gather(params, group, timeout=T)
+        assert [float(t[0]) for t in out[0]] == [float(r) for r in range(world)], k
+        for _ in range(5):
+            dist.all_reduce(torch.ones(1000), group=group)
+        dist.barrier(group=group)
+        dist.destroy_process_group(group)
+        del group, out  # the communicator goes with the group, at once (refcount)
