@@ -178,10 +178,6 @@ class AllGatherPlan(_PlanState):
         """A plan for ``params`` (this rank's tensors). With the shapes hint nothing moves (this
         rank's row is checked); without it, every rank must call create (one header and one
         exchange of shape records). Errors raise on every rank."""
-        if params_shapes_across_group is not None:
-            params_shapes_across_group = [
-                [tuple(s) for s in row] for row in params_shapes_across_group
-            ]
         plan = cls.__new__(cls)
         plan._plan = _C.AllGatherPlan.create(params, communicator(group),
                                              params_shapes_across_group, strategy, preflight,

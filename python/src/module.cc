@@ -44,23 +44,22 @@ namespace {
 
 using CommPtr = std::shared_ptr<Communicator>;
 
-py::list foreach_all_gather_py(py::handle params, Communicator& comm,
-                               const std::optional<std::vector<std::vector<Shape>>>& hint,
+py::list foreach_all_gather_py(py::handle params, Communicator& comm, py::handle hint_obj,
                                std::optional<double> timeout, bool preflight) {
   const ForeachAllGatherOptions options{.timeout = to_timeout(timeout), .preflight = preflight};
-  const std::span<const std::vector<Shape>> hint_span =
-      hint ? std::span<const std::vector<Shape>>(*hint) : std::span<const std::vector<Shape>>();
+  ShapesHint hint;
+  const LocalError hint_error = parse_hint(hint_obj, hint);
+  if (hint_error.kind != LocalError::kNone) {
+    fail_call(comm, hint_error, {}, true, options);
+  }
   Params parsed = parse_params(params);
   if (parsed.error.kind != LocalError::kNone) {
-    if (comm.size() > 1) {
-      notify_peers(comm, parsed.error, hint_span, options);
-    }
-    raise_local(comm, parsed.error);
+    fail_call(comm, parsed.error, hint, !hint_obj.is_none(), options);
   }
 
   auto result = std::make_unique<GatherResult>();
   call_interruptible(comm,
-                     [&] { *result = foreach_all_gather(parsed.views, comm, hint_span, options); });
+                     [&] { *result = foreach_all_gather(parsed.views, comm, hint, options); });
   parsed.tensors.clear();
 
   const GatherResult& gathered = *result;
@@ -295,10 +294,9 @@ PYBIND11_MODULE(_shardgather, m) {
            py::arg("timeout") = py::none())
       .def_static(
           "create",
-          [](py::handle params, Communicator& comm,
-             const std::optional<std::vector<std::vector<Shape>>>& hint,
-             const std::string& strategy, bool preflight, std::optional<double> timeout) {
-            return PyAllGatherPlan::create(params, comm, hint.value_or(ShapesHint{}),
+          [](py::handle params, Communicator& comm, py::handle hint, const std::string& strategy,
+             bool preflight, std::optional<double> timeout) {
+            return PyAllGatherPlan::create(params, comm, hint,
                                            plan_options(strategy, preflight, timeout));
           },
           py::arg("params"), py::arg("comm"), py::arg("params_shapes_across_group") = py::none(),

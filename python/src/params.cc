@@ -115,6 +115,93 @@ Params parse_params(py::handle params, const char* what) {
   return out;
 }
 
+namespace {
+
+// PySequence_Fast of `obj` (a new reference), or null for anything that is not a sequence, a
+// str or bytes included; never leaves a Python error set.
+py::object fast_sequence(py::handle obj) {
+  if (PyUnicode_Check(obj.ptr()) || PyBytes_Check(obj.ptr())) {
+    return {};
+  }
+  PyObject* seq = PySequence_Fast(obj.ptr(), "");
+  if (seq == nullptr) {
+    PyErr_Clear();
+  }
+  return py::reinterpret_steal<py::object>(seq);
+}
+
+std::string type_name(py::handle obj) { return Py_TYPE(obj.ptr())->tp_name; }
+
+}  // namespace
+
+LocalError parse_hint(py::handle hint, ShapesHint& out) {
+  out.clear();
+  if (hint.is_none()) {
+    return {};
+  }
+  static constexpr const char* kName = "params_shapes_across_group";
+  const py::object rows = fast_sequence(hint);
+  if (!rows) {
+    return {LocalError::kType, 0,
+            std::string(kName) +
+                " must be a list (per rank) of lists (per tensor) of shapes, got " +
+                type_name(hint)};
+  }
+  const auto at = [](const py::object& seq, std::size_t k) {
+    return py::handle(PySequence_Fast_ITEMS(seq.ptr())[k]);
+  };
+  const auto size = [](const py::object& seq) {
+    return static_cast<std::size_t>(PySequence_Fast_GET_SIZE(seq.ptr()));
+  };
+  out.resize(size(rows));
+  for (std::size_t r = 0; r < out.size(); ++r) {
+    const std::string row_name = std::string(kName) + "[" + std::to_string(r) + "]";
+    const py::object row = fast_sequence(at(rows, r));
+    if (!row) {
+      return {LocalError::kType, 0,
+              row_name + " is a " + type_name(at(rows, r)) + ", not a list of shapes"};
+    }
+    out[r].resize(size(row));
+    for (std::size_t i = 0; i < out[r].size(); ++i) {
+      const py::object dims = fast_sequence(at(row, i));
+      if (!dims) {
+        return {LocalError::kType, i,
+                row_name + "[" + std::to_string(i) + "] is a " + type_name(at(row, i)) +
+                    ", not a shape (a torch.Size, tuple or list of ints)"};
+      }
+      Shape& shape = out[r][i];
+      shape.resize(size(dims));
+      for (std::size_t d = 0; d < shape.size(); ++d) {
+        const py::handle dim = at(dims, d);
+        // int, or anything with __index__ (a numpy integer); never a float.
+        const py::object index = py::reinterpret_steal<py::object>(
+            PyLong_Check(dim.ptr()) != 0 ? py::handle(dim).inc_ref().ptr()
+                                         : PyNumber_Index(dim.ptr()));
+        int overflow = 0;
+        const long long value = index ? PyLong_AsLongLongAndOverflow(index.ptr(), &overflow) : -1;
+        if (!index || overflow != 0 || (value == -1 && PyErr_Occurred() != nullptr)) {
+          PyErr_Clear();
+          return {index ? LocalError::kValue : LocalError::kType, i,
+                  row_name + "[" + std::to_string(i) + "][" + std::to_string(d) + "] is " +
+                      (index ? "out of the int64 range" : "a " + type_name(dim) + ", not an int")};
+        }
+        shape[d] = value;
+      }
+    }
+  }
+  return {};
+}
+
+void fail_call(Communicator& comm, const LocalError& error,
+               std::span<const std::vector<Shape>> hint, bool hint_given,
+               const ForeachAllGatherOptions& options) {
+  // With a hint and the pre-flight off, the peers exchange no header and cannot be told.
+  if (comm.size() > 1 && (options.preflight || !hint_given)) {
+    notify_peers(comm, error, hint, options);
+  }
+  raise_local(comm, error);
+}
+
 void notify_peers(Communicator& comm, const LocalError& error,
                   std::span<const std::vector<Shape>> hint,
                   const ForeachAllGatherOptions& options) {

@@ -86,6 +86,20 @@ Params parse_params(pybind11::handle params, const char* what = "params");
 // allocates nothing after the first call). On error, `out.views` holds the tensors before it.
 void parse_params_into(pybind11::handle params, const char* what, Params& out);
 
+// params_shapes_across_group: None (no hint, `out` left empty) or, per rank, per tensor, a shape
+// (torch.Size, tuple or list of ints). Converted here rather than by pybind11's casters, which
+// took about 0.15 us per shape (a 2 x 1000-tensor hint cost more than the gather it described)
+// and rejected a malformed hint with a TypeError naming neither position nor rank, raised on
+// this rank alone while its peers waited for it.
+LocalError parse_hint(pybind11::handle hint, ShapesHint& out);
+
+// A local error before a collective call (`hint_given`: the call was meant to carry a hint):
+// tells the peers when they will be waiting in a pre-flight header (see notify_peers), then
+// raises it here.
+[[noreturn]] void fail_call(Communicator& comm, const LocalError& error,
+                            std::span<const std::vector<Shape>> hint, bool hint_given,
+                            const ForeachAllGatherOptions& options);
+
 // Makes the peers fail from the same call: the core is called with a view it rejects, so the
 // rejection travels in the pre-flight header and every rank raises InvalidArgument, instead of
 // the peers waiting for this rank until their deadline. Releases the GIL while it runs.

@@ -33,13 +33,11 @@ std::unique_lock<std::mutex> claim(std::mutex& busy, const char* what) {
   return lock;
 }
 
-// Peers are told only when they will read a header, i.e. when the plan exchanges one.
-[[noreturn]] void fail_locally(Communicator& comm, const LocalError& error, bool exchange,
-                               std::optional<std::chrono::milliseconds> timeout) {
-  if (exchange && comm.size() > 1) {
-    notify_peers(comm, error, {}, ForeachAllGatherOptions{.timeout = timeout, .preflight = true});
-  }
-  raise_local(comm, error);
+// A plan's execution carries its shapes as a hint would: peers are told only when they will
+// read a header, i.e. when the plan exchanges one.
+[[noreturn]] void fail_locally(Communicator& comm, const LocalError& error,
+                               const PlanOptions& options) {
+  fail_call(comm, error, {}, true, {.timeout = options.timeout, .preflight = options.preflight});
 }
 
 // Parses `args` into `into` (reusing it); a local error fails the call on this rank and, where
@@ -48,7 +46,7 @@ void parse_or_fail(py::handle args, const char* what, Params& into, Communicator
                    const PlanOptions& options) {
   parse_params_into(args, what, into);
   if (into.error.kind != LocalError::kNone) {
-    fail_locally(comm, into.error, options.preflight, options.timeout);
+    fail_locally(comm, into.error, options);
   }
 }
 
@@ -184,18 +182,20 @@ PlanOptions plan_options(const std::string& strategy, bool preflight,
                      .copy_threads = 0};
 }
 
-std::unique_ptr<PyAllGatherPlan> PyAllGatherPlan::create(
-    py::handle params, Communicator& comm,
-    const std::vector<std::vector<Shape>>& shapes_across_group, const PlanOptions& options) {
+std::unique_ptr<PyAllGatherPlan> PyAllGatherPlan::create(py::handle params, Communicator& comm,
+                                                         py::handle hint_obj,
+                                                         const PlanOptions& options) {
+  // create() exchanges a header unless a hint is given with the pre-flight off, as does a
+  // foreach call with these options: the peers learn of a local error the same way.
+  const ForeachAllGatherOptions call{.timeout = options.timeout, .preflight = options.preflight};
+  ShapesHint shapes_across_group;
+  const LocalError hint_error = parse_hint(hint_obj, shapes_across_group);
+  if (hint_error.kind != LocalError::kNone) {
+    fail_call(comm, hint_error, {}, true, call);
+  }
   Params parsed = parse_params(params);
   if (parsed.error.kind != LocalError::kNone) {
-    // create() exchanges a header unless a hint is given with the pre-flight off: so does this.
-    if (comm.size() > 1) {
-      notify_peers(
-          comm, parsed.error, shapes_across_group,
-          ForeachAllGatherOptions{.timeout = options.timeout, .preflight = options.preflight});
-    }
-    raise_local(comm, parsed.error);
+    fail_call(comm, parsed.error, shapes_across_group, !hint_obj.is_none(), call);
   }
   return call_interruptible(comm, [&] {
     return std::make_unique<PyAllGatherPlan>(
@@ -212,7 +212,7 @@ py::list PyAllGatherPlan::execute(py::handle params, Communicator& comm,
   at::Tensor target;
   if (out) {
     if (auto error = check_out(*out)) {
-      fail_locally(comm, *error, options.preflight, options.timeout);
+      fail_locally(comm, *error, options);
     }
     target = *out;
   } else {
@@ -276,7 +276,7 @@ py::list unshard_py(py::handle shards, Communicator& comm, const std::vector<Sha
                     const PlanOptions& options) {
   Params parsed = parse_params(shards, "shards");
   if (parsed.error.kind != LocalError::kNone) {
-    fail_locally(comm, parsed.error, options.preflight, options.timeout);
+    fail_locally(comm, parsed.error, options);
   }
   auto result =
       std::make_unique<UnshardResult>(std::vector<TensorView>{}, AlignedBuffer{}, ExecStats{});

@@ -56,10 +56,10 @@ class PyAllGatherPlan {
  public:
   explicit PyAllGatherPlan(AllGatherPlan plan) : plan_(std::move(plan)) {}
 
-  // shapes_across_group empty: gather the shapes (collective). Errors raise on every rank.
-  static std::unique_ptr<PyAllGatherPlan> create(
-      pybind11::handle params, Communicator& comm,
-      const std::vector<std::vector<Shape>>& shapes_across_group, const PlanOptions& options);
+  // shapes_across_group None: gather the shapes (collective). Errors raise on every rank.
+  static std::unique_ptr<PyAllGatherPlan> create(pybind11::handle params, Communicator& comm,
+                                                 pybind11::handle shapes_across_group,
+                                                 const PlanOptions& options);
 
   // out[i][r]: rank r's params[i], views of `out` (a contiguous CPU tensor of at least
   // output_bytes bytes) or, when none, of the plan's own buffer.

@@ -204,6 +204,54 @@ def case_wrong_hint_local_row(rank, world):
     _follow_up(rank, world)
 
 
+def case_hint_forms(rank, world):
+    """A hint's shapes may be torch.Size, tuples or lists, its dims ints or numpy integers."""
+    import numpy as np
+
+    params = [make((rank + 1, 2), torch.float32, rank), make((), torch.int64, rank)]
+    ref, _ = reference(params, world)
+    for hint in (
+        [[torch.Size((r + 1, 2)), torch.Size(())] for r in range(world)],
+        [[[np.int64(r + 1), np.int32(2)], []] for r in range(world)],
+        tuple(((r + 1, 2), ()) for r in range(world)),
+    ):
+        assert_same(shardgather.foreach_all_gather(params, None, hint, timeout=T), ref, world)
+        plan = shardgather.AllGatherPlan.create(params, None, hint, timeout=T)
+        assert_same(plan.execute(params), ref, world)
+
+
+def case_malformed_hint(rank, world):
+    """A hint one rank cannot read raises TypeError there, naming the position, and
+    InvalidArgumentError on its peers, naming that rank, at once rather than at their deadline;
+    through foreach_all_gather and AllGatherPlan.create alike."""
+    bad_rank = world - 1
+    params = [make((rank + 1, 2), torch.float32, rank)]
+    good = [[(r + 1, 2)] for r in range(world)]
+    malformed = (
+        ([[(r + 1, 2.0)] for r in range(world)], "params_shapes_across_group[0][0][1] is a float"),
+        ([["ab"] for r in range(world)], "params_shapes_across_group[0][0] is a str"),
+        ([[(r + 1, 2)] for r in range(world - 1)] + [5], "[%d] is a int" % bad_rank),
+        (7, "params_shapes_across_group must be a list"),
+    )
+    for bad, where in malformed:
+        for call in (
+            lambda h: shardgather.foreach_all_gather(params, None, h, timeout=T),
+            lambda h: shardgather.AllGatherPlan.create(params, None, h, timeout=T),
+        ):
+            start = time.monotonic()
+            try:
+                call(bad if rank == bad_rank else good)
+            except TypeError as e:
+                assert rank == bad_rank and where in str(e), (where, str(e))
+                assert ("rank %d" % rank) in str(e), str(e)
+            except shardgather.InvalidArgumentError as e:
+                assert rank != bad_rank and ("rank %d" % bad_rank) in str(e), str(e)
+            else:
+                raise AssertionError("a malformed hint must raise on every rank: " + where)
+            assert time.monotonic() - start < T / 3, (where, time.monotonic() - start)
+    _follow_up(rank, world)
+
+
 def case_wrong_hint_peer_row(rank, world):
     if world == 1:
         return
