@@ -78,9 +78,10 @@ class ProcessGroupCommunicator final : public Communicator {
   // hash of every rank's host name over the group: constructing one is collective (also for
   // the host mailbox: one /dev/shm object of about 2 KiB per rank, unlinked once mapped).
   [[nodiscard]] int ranks_on_host() const noexcept override { return ranks_on_host_; }
-  // Measured with Gloo on one host (docs/benchmarking.md): with the host mailbox carrying the
-  // window's barriers, the window beats Gloo from 1.6 KB per rank up (0.3-0.4x against 0.6-0.8x
-  // for Gloo send/recv); with the barriers over Gloo too, only from about 1-2 MiB.
+  // Measured with Gloo on one host (bench/python/window_crossover.py, docs/benchmarking.md):
+  // with the host mailbox carrying the window's barriers, the window beats Gloo from 1.6 KB per
+  // rank up (0.27-0.38x the group's all_gather, against 0.62-1.67x for Gloo send/recv); with
+  // the barriers over Gloo too, only from about 0.5-2 MB.
   [[nodiscard]] std::uint64_t shared_window_min_bytes() const noexcept override {
     return uses_host_mailbox() ? 0 : std::uint64_t{1} << 20;
   }
