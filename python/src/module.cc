@@ -54,7 +54,7 @@ py::list foreach_all_gather_py(py::handle params, Communicator& comm, py::handle
   }
   Params parsed = parse_params(params);
   if (parsed.error.kind != LocalError::kNone) {
-    fail_call(comm, parsed.error, hint, !hint_obj.is_none(), options);
+    fail_call(comm, parsed.error, hint, !hint.empty(), options);
   }
 
   auto result = std::make_unique<GatherResult>();

@@ -195,7 +195,7 @@ std::unique_ptr<PyAllGatherPlan> PyAllGatherPlan::create(py::handle params, Comm
   }
   Params parsed = parse_params(params);
   if (parsed.error.kind != LocalError::kNone) {
-    fail_call(comm, parsed.error, shapes_across_group, !hint_obj.is_none(), call);
+    fail_call(comm, parsed.error, shapes_across_group, !shapes_across_group.empty(), call);
   }
   return call_interruptible(comm, [&] {
     return std::make_unique<PyAllGatherPlan>(
