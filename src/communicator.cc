@@ -61,11 +61,16 @@ void Communicator::all_gather(std::span<const std::byte> send, std::span<std::by
   }
   run_collective("all_gather", [&] {
     if (mailbox_ != nullptr && send.size() <= detail::HostMailbox::kSlotBytes) {
-      mailbox_->all_gather(send, recv, deadline, [this] { check_interrupt(); });
+      gather_in_mailbox(send, recv, deadline);
     } else {
       do_all_gather(send, recv, deadline);
     }
   });
+}
+
+void Communicator::gather_in_mailbox(std::span<const std::byte> send, std::span<std::byte> recv,
+                                     Deadline deadline) {
+  mailbox_->all_gather(send, recv, deadline, [this] { check_interrupt(); });
 }
 
 bool Communicator::enable_host_mailbox(Deadline deadline) {
@@ -145,7 +150,7 @@ void Communicator::all_gather_scatter(std::span<const ConstSegment> send,
 void Communicator::barrier(Deadline deadline) {
   run_collective("barrier", [&] {
     if (mailbox_ != nullptr) {  // a zero-byte gather returns once every rank has arrived
-      mailbox_->all_gather({}, {}, deadline, [this] { check_interrupt(); });
+      gather_in_mailbox({}, {}, deadline);
     } else {
       do_barrier(deadline);
     }

@@ -161,6 +161,9 @@ class SHARDGATHER_API Communicator {
  private:
   template <typename Fn>
   void run_collective(std::string_view what, Fn&& fn);
+  // Through mailbox_ (set), with this communicator's interrupt check between sleeps.
+  void gather_in_mailbox(std::span<const std::byte> send, std::span<std::byte> recv,
+                         Deadline deadline);
 
   std::atomic<bool> poisoned_{false};
   std::atomic<std::uint64_t> collectives_{0};

@@ -47,20 +47,12 @@ using CommPtr = std::shared_ptr<Communicator>;
 py::list foreach_all_gather_py(py::handle params, Communicator& comm, py::handle hint_obj,
                                std::optional<double> timeout, bool preflight) {
   const ForeachAllGatherOptions options{.timeout = to_timeout(timeout), .preflight = preflight};
-  ShapesHint hint;
-  const LocalError hint_error = parse_hint(hint_obj, hint);
-  if (hint_error.kind != LocalError::kNone) {
-    fail_call(comm, hint_error, {}, true, options);
-  }
-  Params parsed = parse_params(params);
-  if (parsed.error.kind != LocalError::kNone) {
-    fail_call(comm, parsed.error, hint, !hint.empty(), options);
-  }
+  CallInputs in = parse_call_or_fail(params, hint_obj, comm, options);
 
   auto result = std::make_unique<GatherResult>();
-  call_interruptible(comm,
-                     [&] { *result = foreach_all_gather(parsed.views, comm, hint, options); });
-  parsed.tensors.clear();
+  call_interruptible(
+      comm, [&] { *result = foreach_all_gather(in.params.views, comm, in.hint, options); });
+  in.params.tensors.clear();
 
   const GatherResult& gathered = *result;
   const std::size_t n = gathered.size();

@@ -202,6 +202,20 @@ void fail_call(Communicator& comm, const LocalError& error,
   raise_local(comm, error);
 }
 
+CallInputs parse_call_or_fail(py::handle params, py::handle hint, Communicator& comm,
+                              const ForeachAllGatherOptions& options) {
+  CallInputs in;
+  const LocalError hint_error = parse_hint(hint, in.hint);
+  if (hint_error.kind != LocalError::kNone) {
+    fail_call(comm, hint_error, {}, true, options);
+  }
+  in.params = parse_params(params);
+  if (in.params.error.kind != LocalError::kNone) {
+    fail_call(comm, in.params.error, in.hint, !in.hint.empty(), options);
+  }
+  return in;
+}
+
 void notify_peers(Communicator& comm, const LocalError& error,
                   std::span<const std::vector<Shape>> hint,
                   const ForeachAllGatherOptions& options) {

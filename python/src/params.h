@@ -92,6 +92,16 @@ void parse_params_into(pybind11::handle params, const char* what, Params& out);
 // rank alone while its peers waited for it until their deadline.
 LocalError parse_hint(pybind11::handle hint, ShapesHint& out);
 
+// A collective call's hint and tensors, parsed; a local error in either fails the call here
+// and, where the peers exchange a header, on them too (fail_call). `inputs.params` holds the
+// tensors alive for the call.
+struct CallInputs {
+  ShapesHint hint;
+  Params params;
+};
+CallInputs parse_call_or_fail(pybind11::handle params, pybind11::handle hint, Communicator& comm,
+                              const ForeachAllGatherOptions& options);
+
 // A local error before a collective call (`hint_given`: the call was meant to carry a hint):
 // tells the peers when they will be waiting in a pre-flight header (see notify_peers), then
 // raises it here.

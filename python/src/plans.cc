@@ -187,19 +187,11 @@ std::unique_ptr<PyAllGatherPlan> PyAllGatherPlan::create(py::handle params, Comm
                                                          const PlanOptions& options) {
   // create() exchanges a header unless a hint is given with the pre-flight off, as does a
   // foreach call with these options: the peers learn of a local error the same way.
-  const ForeachAllGatherOptions call{.timeout = options.timeout, .preflight = options.preflight};
-  ShapesHint shapes_across_group;
-  const LocalError hint_error = parse_hint(hint_obj, shapes_across_group);
-  if (hint_error.kind != LocalError::kNone) {
-    fail_call(comm, hint_error, {}, true, call);
-  }
-  Params parsed = parse_params(params);
-  if (parsed.error.kind != LocalError::kNone) {
-    fail_call(comm, parsed.error, shapes_across_group, !shapes_across_group.empty(), call);
-  }
+  const CallInputs in = parse_call_or_fail(
+      params, hint_obj, comm, {.timeout = options.timeout, .preflight = options.preflight});
   return call_interruptible(comm, [&] {
     return std::make_unique<PyAllGatherPlan>(
-        AllGatherPlan::create(parsed.views, comm, shapes_across_group, options));
+        AllGatherPlan::create(in.params.views, comm, in.hint, options));
   });
 }
 
