@@ -8,8 +8,8 @@
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include "fuzz_common.h"
-#include "preflight.h"
-#include "records.h"
+#include "ops/preflight.h"
+#include "ops/records.h"
 
 #include "shardgather/errors.h"
 

@@ -10,7 +10,7 @@
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include "fuzz_common.h"
-#include "records.h"
+#include "ops/records.h"
 
 #include "shardgather/errors.h"
 #include "shardgather/layout.h"

@@ -3,14 +3,16 @@
 #include <numeric>
 #include <string>
 
-#include "detail/host_mailbox.h"
+#include "detail/op_queue.h"
 
 #include "shardgather/errors.h"
 
 namespace shardgather {
 
-Communicator::Communicator() = default;
+Communicator::Communicator() : ops_(std::make_unique<detail::OpQueue>()) {}
 Communicator::~Communicator() = default;
+
+void Communicator::finish_operations() noexcept { ops_->stop(); }
 
 Deadline Communicator::deadline_after(std::chrono::milliseconds timeout) const noexcept {
   const Deadline now = Clock::now();
@@ -59,25 +61,7 @@ void Communicator::all_gather(std::span<const std::byte> send, std::span<std::by
                           std::to_string(recv.size()) + " bytes, expected " +
                           std::to_string(send.size()) + " x " + std::to_string(size()));
   }
-  run_collective("all_gather", [&] {
-    if (mailbox_ != nullptr && send.size() <= detail::HostMailbox::kSlotBytes) {
-      gather_in_mailbox(send, recv, deadline);
-    } else {
-      do_all_gather(send, recv, deadline);
-    }
-  });
-}
-
-void Communicator::gather_in_mailbox(std::span<const std::byte> send, std::span<std::byte> recv,
-                                     Deadline deadline) {
-  mailbox_->all_gather(send, recv, deadline, [this] { check_interrupt(); });
-}
-
-bool Communicator::enable_host_mailbox(Deadline deadline) {
-  if (mailbox_ == nullptr) {
-    mailbox_ = detail::HostMailbox::create(*this, deadline);
-  }
-  return mailbox_ != nullptr;
+  run_collective("all_gather", [&] { do_all_gather(send, recv, deadline); });
 }
 
 void Communicator::all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
@@ -148,17 +132,13 @@ void Communicator::all_gather_scatter(std::span<const ConstSegment> send,
 }
 
 void Communicator::barrier(Deadline deadline) {
-  run_collective("barrier", [&] {
-    if (mailbox_ != nullptr) {  // a zero-byte gather returns once every rank has arrived
-      gather_in_mailbox({}, {}, deadline);
-    } else {
-      do_barrier(deadline);
-    }
-  });
+  run_collective("barrier", [&] { do_barrier(deadline); });
 }
 
 void Communicator::check_interrupt() {
-  if (!interrupt_check_) {
+  // The check belongs to the thread that set it (Python runs signal handlers on the main thread
+  // only); a started operation's waits on the progress thread leave it to the handle's waiter.
+  if (detail::OpQueue::on_progress_thread() || !interrupt_check_) {
     return;
   }
   const Clock::time_point now = Clock::now();
@@ -178,9 +158,6 @@ void Communicator::check_interrupt() {
 void Communicator::abort() noexcept {
   poison("abort() was called on rank " + std::to_string(rank()));
   do_abort();
-  if (mailbox_ != nullptr) {
-    mailbox_->interrupt();
-  }
 }
 
 }  // namespace shardgather

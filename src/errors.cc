@@ -24,6 +24,8 @@ std::string_view error_code_name(ErrorCode code) noexcept {
       return "CommAborted";
     case ErrorCode::kCommunicationError:
       return "CommunicationError";
+    case ErrorCode::kInvalidType:
+      return "InvalidType";
   }
   return "Unknown";
 }
@@ -48,6 +50,8 @@ void throw_error(ErrorCode code, const std::string& what) {
       throw CommAborted(what);
     case ErrorCode::kCommunicationError:
       throw CommunicationError(what);
+    case ErrorCode::kInvalidType:
+      throw InvalidType(what);
     case ErrorCode::kOk:
       break;
   }

@@ -10,6 +10,9 @@
 //     an abort or a backend failure the communicator is poisoned and every later call raises
 //     CommAborted at once (nothing is sent). Build a new communicator to continue.
 //  4. Buffers are host memory; the caller keeps them alive and unmodified until the call returns.
+//  5. Operations started asynchronously (Work, work.h) run on this communicator's progress
+//     thread, one after another in the order they were started; a blocking operation runs on
+//     the calling thread once every operation started before it has completed.
 #pragma once
 
 #include <atomic>
@@ -17,7 +20,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <limits>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -25,36 +27,32 @@
 #include <string_view>
 
 #include "shardgather/export.h"
+#include "shardgather/types.h"
 
 namespace shardgather {
 
 namespace detail {
-class HostMailbox;
+class OpQueue;
 }  // namespace detail
 
 using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
 
+// Facts a backend states about its transport (never tuning numbers: thresholds live with
+// strategy selection).
+struct Capabilities {
+  // Each byte is copied straight from the sender's memory by the receiver (threads): a
+  // node-shared window could only add copies.
+  bool reads_peer_memory = false;
+  // Small all_gathers and barriers travel through host shared memory (the torch backend's host
+  // mailbox), so a node-shared window's barriers cost a futex rendezvous, not a network round
+  // trip.
+  bool small_messages_in_shared_memory = false;
+};
+
 // Used when neither the call nor the communicator sets a timeout. Gloo uses 30 s; a large
 // checkpoint gather can legitimately take longer, so the default is generous.
 inline constexpr std::chrono::milliseconds kDefaultTimeout{std::chrono::minutes(10)};
-
-// A read-only run of bytes: one piece of a rank's contribution. A send is a list of these, so a
-// backend can send straight from the caller's tensors (no copy-in).
-struct ConstSegment {
-  const std::byte* data = nullptr;
-  std::uint64_t size = 0;
-};
-
-// Where received bytes land: `count` blocks of `block` bytes, block k at data + k * stride.
-// A contiguous destination is one block (count 1). Strided pieces let a gather write a shard
-// straight into its place inside a full tensor sharded along any dim.
-struct RecvPiece {
-  std::byte* data = nullptr;
-  std::uint64_t block = 0;
-  std::uint64_t count = 1;
-  std::uint64_t stride = 0;
-};
 
 class SHARDGATHER_API Communicator {
  public:
@@ -70,14 +68,11 @@ class SHARDGATHER_API Communicator {
   // "threads", "mpi", ...
   [[nodiscard]] virtual std::string_view backend_name() const noexcept = 0;
   // How many ranks of this communicator share this rank's host (its memory bandwidth and
-  // cores): copy kernels size their thread count from it.
+  // cores): copy kernels size their thread count from it, and the node-shared window needs all.
   [[nodiscard]] virtual int ranks_on_host() const noexcept = 0;
-  // Per-rank bytes from which a plan's kAuto gathers through a node-shared window (one copy in,
-  // one out, a barrier) instead of through this transport, when every rank is on one host.
-  // kNeverShared where the transport already copies each byte straight from the sender's memory
-  // (threads): a window could then only add copies. Must be the same on every rank.
-  static constexpr std::uint64_t kNeverShared = std::numeric_limits<std::uint64_t>::max();
-  [[nodiscard]] virtual std::uint64_t shared_window_min_bytes() const noexcept = 0;
+  // Facts about how this transport moves bytes; the strategy layer (src/strategies/select.cc)
+  // turns them into choices. Must be the same on every rank.
+  [[nodiscard]] virtual Capabilities capabilities() const noexcept = 0;
 
   // Equal-size gather: rank r's `send` lands at recv[r * send.size()]. recv.size() must be
   // size() * send.size(), and send.size() the same on every rank.
@@ -106,9 +101,6 @@ class SHARDGATHER_API Communicator {
 
   [[nodiscard]] bool is_poisoned() const noexcept { return poisoned_.load(); }
 
-  // Whether small all_gathers travel through host shared memory (see enable_host_mailbox).
-  [[nodiscard]] bool uses_host_mailbox() const noexcept { return mailbox_ != nullptr; }
-
   // Collectives issued through this communicator (all kinds), for tests and benchmarks.
   [[nodiscard]] std::uint64_t collectives_issued() const noexcept {
     return collectives_.load(std::memory_order_relaxed);
@@ -125,9 +117,9 @@ class SHARDGATHER_API Communicator {
   void set_timeout(std::chrono::milliseconds timeout) noexcept { timeout_ = timeout; }
   [[nodiscard]] Deadline deadline_after(std::chrono::milliseconds timeout) const noexcept;
 
-  // Operation sequence numbers: every foreach call takes the next one and puts it in its
-  // pre-flight header, so skewed call sequences are detected instead of mis-paired.
-  std::uint64_t next_op_seq() noexcept { return ++op_seq_; }
+  // The operation layer's state for this communicator: the order of its operations and the
+  // progress thread that runs started (asynchronous) ones. Not for direct use.
+  [[nodiscard]] detail::OpQueue& operations() noexcept { return *ops_; }
 
  protected:
   virtual void do_all_gather(std::span<const std::byte> send, std::span<std::byte> recv,
@@ -142,14 +134,10 @@ class SHARDGATHER_API Communicator {
   virtual void do_barrier(Deadline deadline) = 0;
   virtual void do_abort() noexcept = 0;
 
-  // Collective; a backend's constructor may call it once. When every rank is on this host and
-  // all can map one /dev/shm object, all_gather() of at most 1 KiB per rank (the pre-flight
-  // header, setup records) and barrier() then go through that shared memory instead of
-  // do_all_gather() and do_barrier(): for backends whose small-message latency is high (a Gloo
-  // round trip through its loop thread). Otherwise nothing changes. Waits there honour the
-  // deadline, abort(), the interrupt check, and see a peer process that exited. Returns whether it
-  // is in use.
-  bool enable_host_mailbox(Deadline deadline);
+  // Every backend's destructor calls this first: an operation started on this communicator and
+  // still running uses the backend's members, so it must end before they are destroyed.
+  // Waits for started operations (each bounded by its deadline); idempotent.
+  void finish_operations() noexcept;
 
   // Backends call this when they discover the communicator is unusable (a peer aborted).
   void poison(std::string_view reason) noexcept;
@@ -161,19 +149,15 @@ class SHARDGATHER_API Communicator {
  private:
   template <typename Fn>
   void run_collective(std::string_view what, Fn&& fn);
-  // Through mailbox_ (set), with this communicator's interrupt check between sleeps.
-  void gather_in_mailbox(std::span<const std::byte> send, std::span<std::byte> recv,
-                         Deadline deadline);
 
   std::atomic<bool> poisoned_{false};
   std::atomic<std::uint64_t> collectives_{0};
   std::chrono::milliseconds timeout_{kDefaultTimeout};
-  std::uint64_t op_seq_ = 0;
   std::function<bool()> interrupt_check_;
   Clock::time_point last_interrupt_check_{};
   mutable std::mutex reason_mu_;
-  std::string poison_reason_;                     // the first reason; guarded by reason_mu_
-  std::unique_ptr<detail::HostMailbox> mailbox_;  // set once, by the backend's constructor
+  std::string poison_reason_;  // the first reason; guarded by reason_mu_
+  std::unique_ptr<detail::OpQueue> ops_;
 };
 
 }  // namespace shardgather

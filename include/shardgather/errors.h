@@ -25,7 +25,11 @@ enum class ErrorCode : std::uint8_t {
   kRemoteError = 7,
   kCommAborted = 8,
   kCommunicationError = 9,
+  kInvalidType = 10,
 };
+
+// The highest code in use: a header carrying a larger one is corrupt.
+inline constexpr ErrorCode kLastErrorCode = ErrorCode::kInvalidType;
 
 SHARDGATHER_API std::string_view error_code_name(ErrorCode code) noexcept;
 
@@ -46,6 +50,13 @@ class SHARDGATHER_API InvalidArgument : public Error {
 
  protected:
   InvalidArgument(ErrorCode code, const std::string& what) : Error(code, what) {}
+};
+
+// An argument of the wrong kind (an embedder's: a Python object that is not a tensor, a hint
+// that is not a list of shapes). Python raises it as a TypeError (and an InvalidArgumentError).
+class SHARDGATHER_API InvalidType : public InvalidArgument {
+ public:
+  explicit InvalidType(const std::string& what) : InvalidArgument(ErrorCode::kInvalidType, what) {}
 };
 
 // Size arithmetic overflowed 64 bits, or a size exceeds what a backend can express.

@@ -17,6 +17,7 @@
 //  - Outputs are views into one gathered buffer that the result owns (no copy-out).
 //
 // Blocking: returns when the gather is complete on this rank, or raises. Inputs are only read.
+// start_foreach_all_gather() is the same call started asynchronously (work.h).
 #pragma once
 
 #include <chrono>
@@ -27,10 +28,12 @@
 #include <span>
 #include <vector>
 
+#include "shardgather/buffer.h"
 #include "shardgather/communicator.h"
 #include "shardgather/export.h"
 #include "shardgather/layout.h"
 #include "shardgather/types.h"
+#include "shardgather/work.h"
 
 namespace shardgather {
 
@@ -52,23 +55,6 @@ struct CallStats {
   std::uint64_t metadata_collectives = 0;   // the header, when it carried what the plan needed
   std::uint64_t payload_collectives = 0;
   std::uint64_t staged_bytes = 0;  // bytes packed before sending (non-contiguous inputs only)
-};
-
-// 64-byte aligned host memory. Owning, movable, not copyable.
-class SHARDGATHER_API AlignedBuffer {
- public:
-  AlignedBuffer() = default;
-  // OutOfMemory when the allocation fails.
-  explicit AlignedBuffer(std::uint64_t bytes);
-  [[nodiscard]] std::byte* data() const noexcept { return data_.get(); }
-  [[nodiscard]] std::uint64_t size() const noexcept { return size_; }
-
- private:
-  struct Free {
-    void operator()(std::byte* p) const noexcept;
-  };
-  std::unique_ptr<std::byte, Free> data_;
-  std::uint64_t size_ = 0;
 };
 
 // The gathered tensors. Owns the gathered buffer; the views stay valid while the result lives.
@@ -97,5 +83,13 @@ SHARDGATHER_API GatherResult
 foreach_all_gather(std::span<const TensorView> params, Communicator& comm,
                    std::span<const std::vector<Shape>> shapes_across_group = {},
                    const ForeachAllGatherOptions& options = {});
+
+// foreach_all_gather, started: returns at once; the gather runs on the communicator's progress
+// thread (work.h). `params` and the hint are copied; the tensors' memory stays alive until the
+// work completed.
+SHARDGATHER_API Work<GatherResult> start_foreach_all_gather(
+    std::span<const TensorView> params, Communicator& comm,
+    std::span<const std::vector<Shape>> shapes_across_group = {},
+    const ForeachAllGatherOptions& options = {});
 
 }  // namespace shardgather

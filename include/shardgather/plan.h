@@ -11,7 +11,9 @@
 // zero heap allocations and zero metadata collectives per execution (tests count both).
 //
 // A plan is a value: copyable, movable, usable with any communicator of the same world size and
-// rank. It is not thread-safe: one thread executes a plan at a time (it holds scratch space).
+// rank. It is not thread-safe: one thread executes a plan at a time (it holds scratch space), and
+// executions started asynchronously (start()) must all be on one communicator, whose progress
+// thread runs them one after another.
 #pragma once
 
 #include <chrono>
@@ -26,32 +28,11 @@
 #include "shardgather/communicator.h"
 #include "shardgather/export.h"
 #include "shardgather/layout.h"
+#include "shardgather/strategy.h"
 #include "shardgather/types.h"
+#include "shardgather/work.h"
 
 namespace shardgather {
-
-// How the payload moves. kAuto picks by backend and size (docs/benchmarking.md has the table
-// measured on the target machine).
-enum class Strategy : std::uint8_t {
-  kAuto = 0,
-  // One collective, sent straight from the tensors and received straight into the final layout
-  // (MPI derived datatypes; the threads backend copies peer memory directly). No copy-in, no
-  // copy-out.
-  kDirect = 1,
-  // Copy-in to one contiguous buffer (all cores for large lists), one collective, copy-out when
-  // the final layout is not the gathered one.
-  kPacked = 2,
-  // One collective per tensor: the baseline.
-  kPerTensor = 3,
-  // Every rank on one host: one copy into a node-shared window, a barrier, one copy out.
-  // Falls back to kDirect when the ranks span hosts.
-  kShared = 4,
-};
-
-SHARDGATHER_API std::string_view strategy_name(Strategy strategy) noexcept;
-// InvalidArgument for an unknown name. Accepts "auto", "direct", "packed", "per_tensor",
-// "shared".
-SHARDGATHER_API Strategy parse_strategy(std::string_view name);
 
 struct PlanOptions {
   // Deadline of each execution; unset: the communicator's timeout().
@@ -75,6 +56,9 @@ struct ExecStats {
 
 namespace detail {
 struct ExecScratch;
+struct GatherJob;
+class Call;
+struct PlanAccess;
 // Owns an execution's scratch space. Copies get their own, empty scratch: a plan copied to
 // another thread never shares mutable state with the original.
 class SHARDGATHER_API ScratchHolder {
@@ -87,6 +71,7 @@ class SHARDGATHER_API ScratchHolder {
   ScratchHolder& operator=(ScratchHolder&& other) noexcept;
   // Created on first use (also after a move left this holder empty).
   [[nodiscard]] ExecScratch& get();
+  [[nodiscard]] const ExecScratch* peek() const noexcept { return scratch_.get(); }
   // After a communication failure: gives the scratch up without freeing it, since a posted
   // collective may still read or write it; the next execution starts with fresh scratch.
   void leak() noexcept;
@@ -135,11 +120,24 @@ class SHARDGATHER_API AllGatherPlan {
   std::span<const std::byte> execute_shared(std::span<const TensorView> params, Communicator& comm,
                                             ExecStats* stats = nullptr);
 
+  // execute(), started: returns at once; the gather runs on the communicator's progress thread
+  // (work.h). `params` is copied; the tensors, `out` and this plan stay alive until it completed.
+  Work<ExecStats> start(std::span<const TensorView> params, Communicator& comm,
+                        std::span<std::byte> out);
+
  private:
-  // Validates, exchanges the header, builds the send stream and the destinations in `out`
-  // (none when out is null) into the scratch.
-  void prepare(std::span<const TensorView> params, Communicator& comm, std::byte* out,
-               std::uint64_t out_size, ExecStats& stats, Deadline deadline);
+  friend struct detail::PlanAccess;
+  ExecStats execute_now(std::span<const TensorView> params, Communicator& comm,
+                        std::span<std::byte> out);
+  // This plan's part of `call` up to the payload: its local checks and header fields (moving
+  // with `strategy`), the agreement, then this rank's send stream and the destinations in `out`
+  // (none when out is null) in the scratch. Returns the job.
+  detail::GatherJob prepare(detail::Call& call, std::span<const TensorView> params, std::byte* out,
+                            std::uint64_t out_size, Strategy strategy, ExecStats& stats);
+  // The local checks: world, count, output size, each tensor, aliasing; sizes the staging.
+  void check_params(const Communicator& comm, std::span<const TensorView> params,
+                    const std::byte* out, std::uint64_t out_size, ExecStats& stats);
+  [[nodiscard]] Strategy resolve(const Communicator& comm) const;
 
   LayoutPlan layout_;
   int rank_ = 0;

@@ -66,4 +66,21 @@ struct TensorView {
   Shape strides;
 };
 
+// A read-only run of bytes: one piece of a rank's contribution. A send is a list of these, so a
+// backend can send straight from the caller's tensors (no copy-in).
+struct ConstSegment {
+  const std::byte* data = nullptr;
+  std::uint64_t size = 0;
+};
+
+// Where received bytes land: `count` blocks of `block` bytes, block k at data + k * stride.
+// A contiguous destination is one block (count 1). Strided pieces let a gather write a shard
+// straight into its place inside a full tensor sharded along any dim.
+struct RecvPiece {
+  std::byte* data = nullptr;
+  std::uint64_t block = 0;
+  std::uint64_t count = 1;
+  std::uint64_t stride = 0;
+};
+
 }  // namespace shardgather

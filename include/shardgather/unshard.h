@@ -20,6 +20,7 @@
 #include "shardgather/foreach_all_gather.h"
 #include "shardgather/plan.h"
 #include "shardgather/types.h"
+#include "shardgather/work.h"
 
 namespace shardgather {
 
@@ -63,11 +64,32 @@ class SHARDGATHER_API UnshardPlan {
   ExecStats execute(std::span<const TensorView> shards, Communicator& comm,
                     std::span<std::byte> out);
 
+  // The executions, started: they return at once and run on the communicator's progress thread
+  // (work.h). The lists of views are copied; the tensors' memory, `out` and this plan stay
+  // alive until the work completed.
+  Work<ExecStats> start(std::span<const TensorView> shards, Communicator& comm,
+                        std::span<const TensorView> outputs);
+  Work<ExecStats> start(std::span<const TensorView> shards, Communicator& comm,
+                        std::span<std::byte> out);
+
  private:
-  // outputs (x.outputs in the scratch) are set; `one_buffer` when they lie in one buffer laid out
-  // by this plan, so only the shards need checking against it for aliasing.
-  ExecStats execute_into(std::span<const TensorView> shards, Communicator& comm,
-                         const std::optional<std::string>& output_error, bool one_buffer);
+  friend struct detail::PlanAccess;
+  // Checks one spec, fills in its sizes and this plan's parts of it; returns its full bytes.
+  std::uint64_t add_spec(std::size_t i, int world_size);
+  // Points x.outputs at `out`'s parameters; the error, if any, for the call to record.
+  std::optional<std::string> target_buffer(std::byte* out, std::uint64_t out_size);
+  std::optional<std::string> target_outputs(std::span<const TensorView> outputs);
+  ExecStats execute_now(std::span<const TensorView> shards, Communicator& comm,
+                        const std::optional<std::string>& output_error, bool one_buffer);
+  // This plan's part of a call: x.outputs are set; `one_buffer` when they lie in one buffer laid
+  // out by this plan, so only the shards need checking against it for aliasing.
+  ExecStats run(detail::Call& call, std::span<const TensorView> shards,
+                const std::optional<std::string>& output_error, bool one_buffer);
+  // The local checks: world, count, each shard against its spec, aliasing; sizes the staging.
+  void check_shards(const Communicator& comm, std::span<const TensorView> shards, bool one_buffer,
+                    ExecStats& stats);
+  // This rank's stream (the real part of each shard) and every rank's destination pieces.
+  void build_job(std::span<const TensorView> shards);
 
   std::vector<ShardSpec> specs_;  // sizes filled in
   int world_ = 1;
@@ -89,6 +111,7 @@ class SHARDGATHER_API UnshardPlan {
 // The full parameters, owned.
 class SHARDGATHER_API UnshardResult {
  public:
+  UnshardResult() = default;
   UnshardResult(std::vector<TensorView> views, AlignedBuffer buffer, ExecStats stats)
       : views_(std::move(views)), buffer_(std::move(buffer)), stats_(stats) {}
   [[nodiscard]] std::size_t size() const noexcept { return views_.size(); }
@@ -105,5 +128,12 @@ class SHARDGATHER_API UnshardResult {
 SHARDGATHER_API UnshardResult unshard(std::span<const TensorView> shards, Communicator& comm,
                                       std::span<const ShardSpec> specs,
                                       const PlanOptions& options = {});
+
+// unshard(), started (work.h): `shards` and `specs` are copied; the shards' memory stays alive
+// until the work completed.
+SHARDGATHER_API Work<UnshardResult> start_unshard(std::span<const TensorView> shards,
+                                                  Communicator& comm,
+                                                  std::span<const ShardSpec> specs,
+                                                  const PlanOptions& options = {});
 
 }  // namespace shardgather

@@ -46,8 +46,12 @@ using CommPtr = std::shared_ptr<Communicator>;
 
 py::list foreach_all_gather_py(py::handle params, Communicator& comm, py::handle hint_obj,
                                std::optional<double> timeout, bool preflight) {
-  const ForeachAllGatherOptions options{.timeout = to_timeout(timeout), .preflight = preflight};
-  CallInputs in = parse_call_or_fail(params, hint_obj, comm, options);
+  const ForeachAllGatherOptions options{
+      .timeout = timeout_or_fail(comm, timeout,
+                                 {Operation::kForeachAllGather,
+                                  header_exchanged(!hint_obj.is_none(), preflight), std::nullopt}),
+      .preflight = preflight};
+  CallInputs in = parse_call_or_fail(params, hint_obj, comm, Operation::kForeachAllGather, options);
 
   auto result = std::make_unique<GatherResult>();
   call_interruptible(
@@ -200,6 +204,8 @@ void register_exceptions(py::module_& m) {
   auto& base = py::register_exception<Error>(m, "ShardgatherError", runtime);
   auto& invalid = py::register_exception<InvalidArgument>(
       m, "InvalidArgumentError", py::make_tuple(base, py::handle(PyExc_ValueError)));
+  py::register_exception<InvalidType>(m, "InvalidTypeError",
+                                      py::make_tuple(invalid, py::handle(PyExc_TypeError)));
   py::register_exception<CountOverflow>(m, "CountOverflowError", invalid);
   py::register_exception<Mismatch>(m, "MismatchError", base);
   py::register_exception<OutOfMemory>(m, "OutOfMemoryError",
@@ -240,9 +246,14 @@ PYBIND11_MODULE(_shardgather, m) {
           "Default deadline of a call, in seconds")
       .def_property_readonly("is_poisoned", &Communicator::is_poisoned)
       .def_property_readonly("collectives_issued", &Communicator::collectives_issued)
-      .def_property_readonly("uses_host_mailbox", &Communicator::uses_host_mailbox,
-                             "Whether small exchanges (the pre-flight header) go through "
-                             "shared memory on this host instead of the backend")
+      .def_property_readonly(
+          "uses_host_mailbox",
+          [](const Communicator& c) {
+            const auto* pg = dynamic_cast<const ProcessGroupCommunicator*>(&c);
+            return pg != nullptr && pg->uses_host_mailbox();
+          },
+          "Whether small exchanges (the pre-flight header) go through shared memory on this "
+          "host instead of the backend")
       .def(
           "barrier",
           [](Communicator& c, std::optional<double> timeout) {

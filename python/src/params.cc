@@ -192,49 +192,37 @@ LocalError parse_hint(py::handle hint, ShapesHint& out) {
   return {};
 }
 
-void fail_call(Communicator& comm, const LocalError& error,
-               std::span<const std::vector<Shape>> hint, bool hint_given,
-               const ForeachAllGatherOptions& options) {
-  // With a hint and the pre-flight off, the peers exchange no header and cannot be told.
-  if (comm.size() > 1 && (options.preflight || !hint_given)) {
-    notify_peers(comm, error, hint, options);
-  }
-  raise_local(comm, error);
+void fail_call(Communicator& comm, const LocalError& error, const CallShape& call) {
+  const ErrorCode code =
+      error.kind == LocalError::kType ? ErrorCode::kInvalidType : ErrorCode::kInvalidArgument;
+  const pybind11::gil_scoped_release release;
+  shardgather::fail_call(comm, call, code, error.message);
 }
 
-CallInputs parse_call_or_fail(py::handle params, py::handle hint, Communicator& comm,
+std::optional<std::chrono::milliseconds> timeout_or_fail(Communicator& comm,
+                                                         std::optional<double> seconds,
+                                                         CallShape call) {
+  try {
+    return to_timeout(seconds);
+  } catch (const InvalidArgument& e) {
+    call.timeout.reset();  // the peers' deadline bounds the header that tells them
+    fail_call(comm, {LocalError::kValue, 0, e.what()}, call);
+  }
+}
+
+CallInputs parse_call_or_fail(py::handle params, py::handle hint, Communicator& comm, Operation op,
                               const ForeachAllGatherOptions& options) {
   CallInputs in;
   const LocalError hint_error = parse_hint(hint, in.hint);
   if (hint_error.kind != LocalError::kNone) {
-    fail_call(comm, hint_error, {}, true, options);
+    fail_call(comm, hint_error, {op, header_exchanged(true, options.preflight), options.timeout});
   }
   in.params = parse_params(params);
   if (in.params.error.kind != LocalError::kNone) {
-    fail_call(comm, in.params.error, in.hint, !in.hint.empty(), options);
+    fail_call(comm, in.params.error,
+              {op, header_exchanged(!in.hint.empty(), options.preflight), options.timeout});
   }
   return in;
-}
-
-void notify_peers(Communicator& comm, const LocalError& error,
-                  std::span<const std::vector<Shape>> hint,
-                  const ForeachAllGatherOptions& options) {
-  std::vector<TensorView> views(error.index + 1);
-  views.back().dtype = static_cast<DType>(0xff);  // no wire code: rejected by validation
-  try {
-    const py::gil_scoped_release release;
-    (void)foreach_all_gather(views, comm, hint, options);
-  } catch (const Error&) {
-    // expected: the peers got the same call's failure
-  }
-}
-
-void raise_local(const Communicator& comm, const LocalError& error) {
-  const std::string text = "rank " + std::to_string(comm.rank()) + ": " + error.message;
-  if (error.kind == LocalError::kType) {
-    throw py::type_error(text);
-  }
-  throw py::value_error(text);
 }
 
 }  // namespace shardgather::python

@@ -16,6 +16,7 @@
 #include <pybind11/pybind11.h>
 
 #include "shardgather/communicator.h"
+#include "shardgather/embedding.h"
 #include "shardgather/errors.h"
 #include "shardgather/foreach_all_gather.h"
 #include "shardgather/types.h"
@@ -65,8 +66,8 @@ decltype(auto) call_interruptible(Communicator& comm, Fn&& call) {
 // Seconds (None: unset) to the core's milliseconds; InvalidArgument for negative or non-finite.
 std::optional<std::chrono::milliseconds> to_timeout(std::optional<double> seconds);
 
-// A problem the binding finds before the core runs: raised here as TypeError or ValueError
-// after the peers have been told (see notify_peers).
+// A problem the binding finds before the core runs: raised on every rank of the call as
+// InvalidTypeError (a TypeError) or InvalidArgumentError (a ValueError), see fail_call.
 struct LocalError {
   enum Kind { kNone, kType, kValue } kind = kNone;
   std::size_t index = 0;
@@ -92,30 +93,27 @@ void parse_params_into(pybind11::handle params, const char* what, Params& out);
 // rank alone while its peers waited for it until their deadline.
 LocalError parse_hint(pybind11::handle hint, ShapesHint& out);
 
-// A collective call's hint and tensors, parsed; a local error in either fails the call here
-// and, where the peers exchange a header, on them too (fail_call). `inputs.params` holds the
-// tensors alive for the call.
+// A collective call's hint and tensors, parsed; a local error in either fails the call on this
+// rank and, where the peers exchange a header, on them too (fail_call). `inputs.params` holds
+// the tensors alive for the call.
 struct CallInputs {
   ShapesHint hint;
   Params params;
 };
 CallInputs parse_call_or_fail(pybind11::handle params, pybind11::handle hint, Communicator& comm,
-                              const ForeachAllGatherOptions& options);
+                              Operation op, const ForeachAllGatherOptions& options);
 
-// A local error before a collective call (`hint_given`: the call was meant to carry a hint):
-// tells the peers when they will be waiting in a pre-flight header (see notify_peers), then
-// raises it here.
-[[noreturn]] void fail_call(Communicator& comm, const LocalError& error,
-                            std::span<const std::vector<Shape>> hint, bool hint_given,
-                            const ForeachAllGatherOptions& options);
+// Whether a foreach or plan create exchanges its header (and so can tell the peers).
+inline bool header_exchanged(bool hint_given, bool preflight) { return preflight || !hint_given; }
 
-// Makes the peers fail from the same call: the core is called with a view it rejects, so the
-// rejection travels in the pre-flight header and every rank raises InvalidArgument, instead of
-// the peers waiting for this rank until their deadline. Releases the GIL while it runs.
-void notify_peers(Communicator& comm, const LocalError& error,
-                  std::span<const std::vector<Shape>> hint, const ForeachAllGatherOptions& options);
+// A local error before a collective call: fails that call on every rank, through the header
+// when the peers exchange one (shardgather::fail_call, with the GIL released), else here only.
+[[noreturn]] void fail_call(Communicator& comm, const LocalError& error, const CallShape& call);
 
-// Raises `error` as the Python TypeError or ValueError it stands for, naming this rank.
-[[noreturn]] void raise_local(const Communicator& comm, const LocalError& error);
+// The timeout argument of a collective call; a bad one (negative, NaN) fails the call on every
+// rank, as any argument error does.
+std::optional<std::chrono::milliseconds> timeout_or_fail(Communicator& comm,
+                                                         std::optional<double> seconds,
+                                                         CallShape call);
 
 }  // namespace shardgather::python

@@ -33,20 +33,20 @@ std::unique_lock<std::mutex> claim(std::mutex& busy, const char* what) {
   return lock;
 }
 
-// A plan's execution carries its shapes as a hint would: peers are told only when they will
-// read a header, i.e. when the plan exchanges one.
-[[noreturn]] void fail_locally(Communicator& comm, const LocalError& error,
+// A plan's execution (and unshard) carries its shapes as a hint would: peers are told only when
+// they will read a header, i.e. when the pre-flight is on.
+[[noreturn]] void fail_locally(Communicator& comm, const LocalError& error, Operation op,
                                const PlanOptions& options) {
-  fail_call(comm, error, {}, true, {.timeout = options.timeout, .preflight = options.preflight});
+  fail_call(comm, error, {op, options.preflight, options.timeout});
 }
 
 // Parses `args` into `into` (reusing it); a local error fails the call on this rank and, where
 // the plan exchanges a header, on its peers.
 void parse_or_fail(py::handle args, const char* what, Params& into, Communicator& comm,
-                   const PlanOptions& options) {
+                   Operation op, const PlanOptions& options) {
   parse_params_into(args, what, into);
   if (into.error.kind != LocalError::kNone) {
-    fail_locally(comm, into.error, options);
+    fail_locally(comm, into.error, op, options);
   }
 }
 
@@ -187,8 +187,9 @@ std::unique_ptr<PyAllGatherPlan> PyAllGatherPlan::create(py::handle params, Comm
                                                          const PlanOptions& options) {
   // create() exchanges a header unless a hint is given with the pre-flight off, as does a
   // foreach call with these options: the peers learn of a local error the same way.
-  const CallInputs in = parse_call_or_fail(
-      params, hint_obj, comm, {.timeout = options.timeout, .preflight = options.preflight});
+  const CallInputs in =
+      parse_call_or_fail(params, hint_obj, comm, Operation::kPlanCreate,
+                         {.timeout = options.timeout, .preflight = options.preflight});
   return call_interruptible(comm, [&] {
     return std::make_unique<PyAllGatherPlan>(
         AllGatherPlan::create(in.params.views, comm, in.hint, options));
@@ -200,11 +201,11 @@ py::list PyAllGatherPlan::execute(py::handle params, Communicator& comm,
   const auto lock = claim(busy_, "AllGatherPlan");
   const PlanOptions& options = plan_.options();
   const InputsHeld held(parsed_);
-  parse_or_fail(params, "params", parsed_, comm, options);
+  parse_or_fail(params, "params", parsed_, comm, Operation::kPlanExecute, options);
   at::Tensor target;
   if (out) {
     if (auto error = check_out(*out)) {
-      fail_locally(comm, *error, options);
+      fail_locally(comm, *error, Operation::kPlanExecute, options);
     }
     target = *out;
   } else {
@@ -238,10 +239,10 @@ py::list PyUnshardPlan::execute(py::handle shards, Communicator& comm,
   const auto lock = claim(busy_, "UnshardPlan");
   const PlanOptions& options = options_;
   const InputsHeld held(parsed_);
-  parse_or_fail(shards, "shards", parsed_, comm, options);
+  parse_or_fail(shards, "shards", parsed_, comm, Operation::kUnshardExecute, options);
   if (outputs && !outputs->is_none()) {
     const InputsHeld held_outputs(outputs_);
-    parse_or_fail(*outputs, "outputs", outputs_, comm, options);
+    parse_or_fail(*outputs, "outputs", outputs_, comm, Operation::kUnshardExecute, options);
     call_interruptible(comm, [&] {
       last_ = plan_.execute(parsed_.views, comm, std::span<const TensorView>(outputs_.views));
     });
@@ -268,7 +269,7 @@ py::list unshard_py(py::handle shards, Communicator& comm, const std::vector<Sha
                     const PlanOptions& options) {
   Params parsed = parse_params(shards, "shards");
   if (parsed.error.kind != LocalError::kNone) {
-    fail_locally(comm, parsed.error, options);
+    fail_locally(comm, parsed.error, Operation::kUnshard, options);
   }
   auto result =
       std::make_unique<UnshardResult>(std::vector<TensorView>{}, AlignedBuffer{}, ExecStats{});

@@ -64,9 +64,11 @@ ProcessGroupCommunicator::ProcessGroupCommunicator(
   if (host_mailbox) {
     // The pre-flight header is all latency, and over Gloo each exchange is a rendezvous through
     // the loop thread of both sides: on one host it goes through shared memory instead.
-    enable_host_mailbox(deadline_after(timeout()));
+    mailbox_ = detail::HostMailbox::create(*this, deadline_after(timeout()));
   }
 }
+
+ProcessGroupCommunicator::~ProcessGroupCommunicator() { finish_operations(); }
 
 at::Tensor ProcessGroupCommunicator::host_bytes(const std::byte* data, std::uint64_t size) const {
   // c10d takes non-const tensors; the send side is only read.
@@ -133,6 +135,10 @@ void ProcessGroupCommunicator::allgather(at::Tensor& input, std::vector<at::Tens
 
 void ProcessGroupCommunicator::do_all_gather(std::span<const std::byte> send,
                                              std::span<std::byte> recv, Deadline deadline) {
+  if (mailbox_ != nullptr && send.size() <= detail::HostMailbox::kSlotBytes) {
+    mailbox_->all_gather(send, recv, deadline, [this] { check_interrupt(); });
+    return;
+  }
   if (send.empty()) {
     return;  // the same size on every rank by contract: every rank skips
   }
@@ -407,6 +413,10 @@ int ProcessGroupCommunicator::count_ranks_on_host() {
 }
 
 void ProcessGroupCommunicator::do_barrier(Deadline deadline) {
+  if (mailbox_ != nullptr) {  // a zero-byte gather returns once every rank has arrived
+    mailbox_->all_gather({}, {}, deadline, [this] { check_interrupt(); });
+    return;
+  }
   c10::intrusive_ptr<c10d::Work> work;
   try {
     work = group_->barrier();
@@ -418,6 +428,9 @@ void ProcessGroupCommunicator::do_barrier(Deadline deadline) {
 
 void ProcessGroupCommunicator::do_abort() noexcept {
   abort_requested_.store(true);
+  if (mailbox_ != nullptr) {
+    mailbox_->interrupt();
+  }
   const std::lock_guard<std::mutex> lock(inflight_mu_);
   abort_works_locked();  // wakes a p2p wait (Gloo aborts the unbound buffer's wait)
 }

@@ -52,6 +52,8 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "detail/host_mailbox.h"
+
 #include "shardgather/communicator.h"
 
 namespace shardgather::python {
@@ -60,15 +62,22 @@ class ProcessGroupCommunicator final : public Communicator {
  public:
   // `p2p`: use the point-to-point gather where the group supports it (Gloo, host memory).
   // `host_mailbox`: when every rank is on this host, exchange the pre-flight header (and any
-  // all_gather of at most 1 KiB per rank, and barriers) through shared memory (Communicator::
-  // enable_host_mailbox); otherwise, or when false, they go over the group like the payload.
+  // all_gather of at most 1 KiB per rank, and barriers) through shared memory (the host
+  // mailbox, src/detail/host_mailbox.h); otherwise, or when false, they go over the group like
+  // the payload.
   ProcessGroupCommunicator(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device,
                            bool p2p = true, bool host_mailbox = true);
+  ProcessGroupCommunicator(const ProcessGroupCommunicator&) = delete;
+  ProcessGroupCommunicator& operator=(const ProcessGroupCommunicator&) = delete;
+  ProcessGroupCommunicator(ProcessGroupCommunicator&&) = delete;
+  ProcessGroupCommunicator& operator=(ProcessGroupCommunicator&&) = delete;
+  ~ProcessGroupCommunicator() override;
 
   // The send/recv tag the point-to-point gather uses on the group.
   static constexpr int kP2PTag = 0x5347;  // "SG"
 
-  [[nodiscard]] bool uses_p2p() const noexcept { return p2p_; }
+  // Whether small all_gathers and barriers travel through the host mailbox.
+  [[nodiscard]] bool uses_host_mailbox() const noexcept { return mailbox_ != nullptr; }
 
   [[nodiscard]] int rank() const noexcept override { return rank_; }
   [[nodiscard]] int size() const noexcept override { return size_; }
@@ -78,12 +87,8 @@ class ProcessGroupCommunicator final : public Communicator {
   // hash of every rank's host name over the group: constructing one is collective (also for
   // the host mailbox: one /dev/shm object of about 2 KiB per rank, unlinked once mapped).
   [[nodiscard]] int ranks_on_host() const noexcept override { return ranks_on_host_; }
-  // Measured with Gloo on one host (bench/python/window_crossover.py, docs/benchmarking.md):
-  // with the host mailbox carrying the window's barriers, the window beats Gloo from 1.6 KB per
-  // rank up (0.27-0.38x the group's all_gather, against 0.62-1.67x for Gloo send/recv); with
-  // the barriers over Gloo too, only from about 0.5-2 MB.
-  [[nodiscard]] std::uint64_t shared_window_min_bytes() const noexcept override {
-    return uses_host_mailbox() ? 0 : std::uint64_t{1} << 20;
+  [[nodiscard]] Capabilities capabilities() const noexcept override {
+    return {.reads_peer_memory = false, .small_messages_in_shared_memory = mailbox_ != nullptr};
   }
 
  protected:
@@ -139,6 +144,7 @@ class ProcessGroupCommunicator final : public Communicator {
   at::Tensor send_staging_;  // reused: packed, padded send bytes
   at::Tensor recv_staging_;  // reused: padded gather, when blocks are not equal and adjacent
   at::Tensor recv_host_;     // device staging only: the gathered bytes copied back to the host
+  std::unique_ptr<detail::HostMailbox> mailbox_;  // set once, by the constructor
 };
 
 }  // namespace shardgather::python

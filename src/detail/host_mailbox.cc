@@ -15,7 +15,7 @@
 #include <string_view>
 #include <vector>
 
-#include "detail/plan_common.h"
+#include "detail/graveyard.h"
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <unistd.h>
@@ -182,13 +182,13 @@ std::unique_ptr<HostMailbox> HostMailbox::create(Communicator& comm, Deadline de
     at<std::uint64_t>(base, Layout::kToken).store(token);
   }
   const std::vector<std::byte> tokens =
-      gather_or_leak(comm, std::as_bytes(std::span(&token, 1)), deadline);
+      gather_or_park(comm, std::as_bytes(std::span(&token, 1)), deadline);
   std::uint64_t expected = 0;
   std::memcpy(&expected, tokens.data(), sizeof(expected));
   const bool same_object = at<std::uint64_t>(base, Layout::kToken).load() == expected;
 
   const std::byte ok{same_object ? std::uint8_t{1} : std::uint8_t{0}};
-  const std::vector<std::byte> oks = gather_or_leak(comm, std::span(&ok, 1), deadline);
+  const std::vector<std::byte> oks = gather_or_park(comm, std::span(&ok, 1), deadline);
   if (std::find(oks.begin(), oks.end(), std::byte{0}) != oks.end()) {
     return nullptr;
   }

@@ -82,7 +82,6 @@ LocalInput validate_params(std::span<const TensorView> params) {
   LocalInput in;
   in.dtypes.reserve(params.size());
   in.shapes.reserve(params.size());
-  in.nbytes.reserve(params.size());
   for (std::size_t i = 0; i < params.size(); ++i) {
     const std::uint64_t bytes = check_tensor(params[i], i);
     if (!is_contiguous(params[i])) {
@@ -90,7 +89,6 @@ LocalInput validate_params(std::span<const TensorView> params) {
     }
     in.dtypes.push_back(params[i].dtype);
     in.shapes.push_back(params[i].shape);
-    in.nbytes.push_back(bytes);
   }
   return in;
 }
@@ -121,6 +119,27 @@ std::vector<Shape> check_hint(std::span<const std::vector<Shape>> hint, const Lo
     }
   }
   return flat;
+}
+
+void check_no_overlap(std::vector<TaggedExtent>& extents) {
+  std::sort(extents.begin(), extents.end(),
+            [](const auto& a, const auto& b) { return a.extent.begin < b.extent.begin; });
+  std::uintptr_t write_end = 0;  // end of the furthest written extent so far
+  std::uintptr_t any_end = 0;    // end of the furthest extent so far
+  for (const TaggedExtent& e : extents) {
+    if (e.extent.begin == e.extent.end) {
+      continue;
+    }
+    if (e.extent.begin < write_end || (e.written && e.extent.begin < any_end)) {
+      throw InvalidArgument(
+          "aliasing: an output overlaps a shard or another output (in-place unshard is not "
+          "supported; keep shards and full tensors apart)");
+    }
+    any_end = std::max(any_end, e.extent.end);
+    if (e.written) {
+      write_end = std::max(write_end, e.extent.end);
+    }
+  }
 }
 
 }  // namespace shardgather::detail

@@ -27,10 +27,17 @@ struct Extent {
 };
 Extent extent_of(const TensorView& t, std::uint64_t bytes);
 
+// An extent read (written false) or written by a call.
+struct TaggedExtent {
+  Extent extent;
+  bool written = false;
+};
+// InvalidArgument when a written extent overlaps any other non-empty one. Sorts `extents`.
+void check_no_overlap(std::vector<TaggedExtent>& extents);
+
 struct LocalInput {
   std::vector<DType> dtypes;
   std::vector<Shape> shapes;
-  std::vector<std::uint64_t> nbytes;
   std::uint64_t strided_bytes = 0;  // staging needed for non-contiguous inputs
 };
 

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "detail/plan_common.h"
+#include "detail/graveyard.h"
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -60,7 +60,7 @@ std::unique_ptr<SharedBuffer> SharedBuffer::create(Communicator& comm, std::uint
   std::array<char, kNameBytes> mine = comm.rank() == 0 ? name : std::array<char, kNameBytes>{};
   std::vector<std::byte> gathered;
   try {
-    gathered = gather_or_leak(comm, std::as_bytes(std::span(mine)), deadline);
+    gathered = gather_or_park(comm, std::as_bytes(std::span(mine)), deadline);
   } catch (const CommunicationError&) {
     if (name[0] != '\0') {
       ::shm_unlink(name.data());  // no peer will map it: leave nothing in /dev/shm
@@ -83,7 +83,7 @@ std::unique_ptr<SharedBuffer> SharedBuffer::create(Communicator& comm, std::uint
   // Everyone has mapped it (or failed) before rank 0 removes the name; a failure anywhere
   // raises everywhere.
   const std::byte ok{p == MAP_FAILED ? std::uint8_t{0} : std::uint8_t{1}};
-  const std::vector<std::byte> oks = gather_or_leak(comm, std::span(&ok, 1), deadline);
+  const std::vector<std::byte> oks = gather_or_park(comm, std::span(&ok, 1), deadline);
   if (comm.rank() == 0) {
     ::shm_unlink(shared_name.c_str());
   }

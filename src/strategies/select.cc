@@ -1,5 +1,6 @@
 // Strategy names and the automatic choice.
 #include <algorithm>
+#include <limits>
 #include <string>
 
 #include "strategies/strategy.h"
@@ -37,19 +38,32 @@ Strategy parse_strategy(std::string_view name) {
 
 namespace detail {
 
-Strategy select_strategy(Strategy requested, const GatherJob& job, const Communicator& comm,
-                         bool shared_unavailable) {
+std::uint64_t shared_window_min_bytes(const Capabilities& caps) noexcept {
+  if (caps.reads_peer_memory) {
+    return std::numeric_limits<std::uint64_t>::max();  // the window could only add copies
+  }
+  if (caps.small_messages_in_shared_memory) {
+    // Its barriers cost two futex rendezvous: the window took 0.27-0.38 of Gloo's own
+    // all-gather from 1.6 KB to 8 MB per rank (bench/python/window_crossover.py).
+    return 0;
+  }
+  // Open MPI's shared-memory transport, and Gloo with its barriers, beat the window's two copies
+  // below about a MiB per rank (docs/benchmarking.md, docs/python.md).
+  return std::uint64_t{1} << 20;
+}
+
+Strategy select_strategy(Strategy requested, std::span<const std::uint64_t> counts,
+                         const Communicator& comm, bool shared_unavailable) {
   if (requested == Strategy::kShared && !shared_available(comm)) {
     return Strategy::kDirect;  // documented fallback: ranks on several hosts
   }
   if (requested != Strategy::kAuto) {
     return requested;
   }
-  // The backend states where the window starts to beat its transport (measured per backend,
-  // docs/benchmarking.md). Every input here, shared_unavailable included (see run_payload), is
-  // the same on every rank, so every rank picks the same strategy.
-  const std::uint64_t largest = *std::max_element(job.counts.begin(), job.counts.end());
-  if (shared_available(comm) && !shared_unavailable && largest >= comm.shared_window_min_bytes()) {
+  const std::uint64_t largest =
+      counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
+  if (shared_available(comm) && !shared_unavailable &&
+      largest >= shared_window_min_bytes(comm.capabilities())) {
     return Strategy::kShared;
   }
   return Strategy::kDirect;

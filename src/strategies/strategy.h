@@ -15,7 +15,7 @@
 #include "detail/shared_buffer.h"
 
 #include "shardgather/communicator.h"
-#include "shardgather/plan.h"
+#include "shardgather/strategy.h"
 
 namespace shardgather::detail {
 
@@ -77,10 +77,16 @@ void run_shared(const GatherJob& job, Communicator& comm, Deadline deadline,
 // Whether kShared can run here: every rank on this host, more than one rank.
 bool shared_available(const Communicator& comm) noexcept;
 
-// kAuto resolved for this job and backend (docs/benchmarking.md has the measurements);
-// `shared_unavailable`: the plan's window could not be reserved, so kAuto never picks kShared.
-Strategy select_strategy(Strategy requested, const GatherJob& job, const Communicator& comm,
-                         bool shared_unavailable);
+// `requested` resolved for a payload of `counts` bytes per rank on this backend: kAuto from the
+// backend's facts and every threshold (docs/benchmarking.md has the measurements), kShared to
+// kDirect where the window cannot exist. `shared_unavailable`: the plan's window could not be
+// reserved, so kAuto never picks kShared. Every input is the same on every rank, and so is the
+// answer (the pre-flight header compares it).
+Strategy select_strategy(Strategy requested, std::span<const std::uint64_t> counts,
+                         const Communicator& comm, bool shared_unavailable);
+
+// Per-rank bytes from which kAuto gathers through the node-shared window on this backend.
+std::uint64_t shared_window_min_bytes(const Capabilities& caps) noexcept;
 
 // Runs the job with `strategy` (already resolved).
 void run_strategy(Strategy strategy, const GatherJob& job, Communicator& comm, Deadline deadline,

@@ -12,7 +12,8 @@
 #include <sstream>
 #include <thread>
 
-#include "preflight.h"
+#include "ops/call.h"
+#include "ops/preflight.h"
 #include "support/testing.h"
 #include <dirent.h>
 
@@ -576,7 +577,7 @@ Outcome m7a_seq_skew(Communicator& comm, const CaseContext& ctx) {
       "M7a", comm, ctx, "Mismatch", {"op sequence number", "rank 1 has"}, in,
       [&]() {
         if (comm.rank() == 1) {
-          (void)comm.next_op_seq();
+          (void)detail::next_op_seq(comm);
         }
         return foreach_all_gather(in.views, comm, rows, o);
       },
@@ -608,8 +609,9 @@ Outcome m7b_skipped_call(Communicator& comm, const CaseContext& ctx) {
   return o;
 }
 
-// M8: a different op kind. Only one op exists, so rank 1 sends a well-formed header whose op
-// field names another kind, through the real transport; every rank's decoder must raise.
+// M8: a different operation: rank 1 builds a plan (AllGatherPlan::create) while the others call
+// foreach_all_gather, both without a hint; every rank must raise the same Mismatch from the
+// header, before the shape records move.
 Outcome m8_op_kind(Communicator& comm, const CaseContext& ctx);
 
 // M9: 1000 good calls, then a count mismatch: earlier state must not mask it.
@@ -675,24 +677,18 @@ const CaseDef kCases[] = {
 namespace {
 
 Outcome m8_op_kind(Communicator& comm, const CaseContext& ctx) {
-  Inputs none;
-  const int world = comm.size();
-  const int rank = comm.rank();
+  const std::vector<DType> dtypes(2, DType::kFloat32);
+  const Rows rows = same_rows(comm.size(), {{5}, {6}});
+  const Inputs in = inputs_for(rows, dtypes, comm.rank());
+  const ForeachAllGatherOptions o = opts(ctx);
   return attempt(
-      "M8", comm, ctx, "Mismatch", {"unknown op 2", "rank 1"}, none,
+      "M8", comm, ctx, "Mismatch", {"operation differs", "AllGatherPlan::create"}, in,
       [&]() {
-        detail::PreflightHeader h;
-        h.world_size = static_cast<std::uint32_t>(world);
-        h.seq = 1;
-        if (rank == 1) {
-          h.op = 2;
+        if (comm.rank() == 1) {
+          (void)AllGatherPlan::create(in.views, comm, {}, {.timeout = o.timeout});
+          return GatherResult{};
         }
-        std::vector<std::byte> gathered(sizeof h * static_cast<std::size_t>(world));
-        comm.all_gather(std::as_bytes(std::span(&h, 1)), gathered,
-                        comm.deadline_after(ctx.timeout));
-        std::vector<detail::PreflightHeader> headers(static_cast<std::size_t>(world));
-        detail::check_headers(gathered, headers, rank);
-        return GatherResult{};
+        return foreach_all_gather(in.views, comm, {}, o);
       },
       std::nullopt);
 }

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -40,25 +41,33 @@ void with_mailboxes(int world, const std::function<void(int, Communicator&, Host
       std::string(info->test_suite_name()) + "." + info->name());
 }
 
-// A communicator that forwards to a thread rank but turns on the mailbox, as a backend does.
+// A communicator that forwards to a thread rank but composes the mailbox, as the torch
+// ProcessGroup backend does: small all_gathers and barriers go through it.
 class MailboxCommunicator final : public Communicator {
  public:
-  explicit MailboxCommunicator(Communicator& inner) : inner_(inner) {
-    enable_host_mailbox(Clock::now() + 10s);
-  }
+  explicit MailboxCommunicator(Communicator& inner)
+      : inner_(inner), mailbox_(HostMailbox::create(*this, Clock::now() + 10s)) {}
+  MailboxCommunicator(const MailboxCommunicator&) = delete;
+  MailboxCommunicator& operator=(const MailboxCommunicator&) = delete;
+  MailboxCommunicator(MailboxCommunicator&&) = delete;
+  MailboxCommunicator& operator=(MailboxCommunicator&&) = delete;
+  ~MailboxCommunicator() override { finish_operations(); }
+  [[nodiscard]] bool uses_host_mailbox() const noexcept { return mailbox_ != nullptr; }
   [[nodiscard]] int rank() const noexcept override { return inner_.rank(); }
   [[nodiscard]] int size() const noexcept override { return inner_.size(); }
   [[nodiscard]] std::string_view backend_name() const noexcept override { return "forwarding"; }
   [[nodiscard]] int ranks_on_host() const noexcept override { return inner_.ranks_on_host(); }
-  // As the torch ProcessGroup backend: with the mailbox carrying the window's barriers, the
-  // window wins at every size.
-  [[nodiscard]] std::uint64_t shared_window_min_bytes() const noexcept override {
-    return uses_host_mailbox() ? 0 : kNeverShared;
+  [[nodiscard]] Capabilities capabilities() const noexcept override {
+    return {.reads_peer_memory = false, .small_messages_in_shared_memory = mailbox_ != nullptr};
   }
 
  protected:
   void do_all_gather(std::span<const std::byte> send, std::span<std::byte> recv,
                      Deadline deadline) override {
+    if (mailbox_ != nullptr && send.size() <= HostMailbox::kSlotBytes) {
+      mailbox_->all_gather(send, recv, deadline, [this] { check_interrupt(); });
+      return;
+    }
     inner_.all_gather(send, recv, deadline);
   }
   void do_all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
@@ -71,11 +80,23 @@ class MailboxCommunicator final : public Communicator {
                              std::span<const std::uint64_t> counts, Deadline deadline) override {
     inner_.all_gather_scatter(send, pieces, first, counts, deadline);
   }
-  void do_barrier(Deadline deadline) override { inner_.barrier(deadline); }
-  void do_abort() noexcept override { inner_.abort(); }
+  void do_barrier(Deadline deadline) override {
+    if (mailbox_ != nullptr) {
+      mailbox_->all_gather({}, {}, deadline, [this] { check_interrupt(); });
+      return;
+    }
+    inner_.barrier(deadline);
+  }
+  void do_abort() noexcept override {
+    if (mailbox_ != nullptr) {
+      mailbox_->interrupt();
+    }
+    inner_.abort();
+  }
 
  private:
   Communicator& inner_;
+  std::unique_ptr<HostMailbox> mailbox_;
 };
 
 TEST(HostMailbox, NotCreatedForOneRank) {

@@ -1,11 +1,13 @@
 #include "backends/mpi/mpi_communicator.h"
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <string>
 #include <thread>
 
 #include "detail/check_mpi.h"
+#include "detail/op_queue.h"
 #include <sched.h>
 
 #include "shardgather/copy.h"
@@ -18,6 +20,7 @@ namespace detail {
 namespace {
 
 constexpr std::size_t kTypeCacheSize = 8;
+constexpr std::chrono::microseconds kProgressPoll{200};
 constexpr auto kIntMax = static_cast<std::uint64_t>(INT_MAX);
 
 // One run of memory in a datatype: `count` blocks of `block` bytes, `stride` apart.
@@ -189,6 +192,7 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, const MpiOptions& options) : opt
 }
 
 MpiCommunicator::~MpiCommunicator() {
+  finish_operations();
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized != 0) {
@@ -208,6 +212,7 @@ MpiCommunicator::~MpiCommunicator() {
 }
 
 void MpiCommunicator::wait(MPI_Request& request, Deadline deadline, const char* what) {
+  const bool started = OpQueue::on_progress_thread();
   for (std::uint64_t spins = 0;; ++spins) {
     int done = 0;
     SHARDGATHER_CHECK_MPI(rank_, MPI_Test(&request, &done, MPI_STATUS_IGNORE));
@@ -223,9 +228,14 @@ void MpiCommunicator::wait(MPI_Request& request, Deadline deadline, const char* 
                     " passed its deadline waiting for peers (MPI cannot cancel it: the "
                     "communicator is poisoned; end the process or the job)");
     }
-    // Yield only when ranks outnumber cores here: otherwise it costs a syscall per test and
-    // delays the progress that only MPI_Test makes.
-    if (oversubscribed_ && spins > 64) {
+    if (started && spins > 16) {
+      // A started operation: its caller computes meanwhile, so poll without holding a core.
+      // Open MPI progresses only inside MPI calls; between polls the kernel's socket buffers
+      // keep the transfer going, and kProgressPoll is short against the time they take to drain.
+      std::this_thread::sleep_for(kProgressPoll);
+    } else if (oversubscribed_ && spins > 64) {
+      // Yield only when ranks outnumber cores here: otherwise it costs a syscall per test and
+      // delays the progress that only MPI_Test makes.
       sched_yield();
     }
   }

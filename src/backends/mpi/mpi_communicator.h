@@ -37,11 +37,7 @@ class MpiCommunicator final : public Communicator {
   [[nodiscard]] int size() const noexcept override { return size_; }
   [[nodiscard]] std::string_view backend_name() const noexcept override { return "mpi"; }
   [[nodiscard]] int ranks_on_host() const noexcept override { return ranks_on_host_; }
-  // Measured on Open MPI's shared-memory transport (docs/benchmarking.md): below about a MiB
-  // per rank its own copies beat the window's two.
-  [[nodiscard]] std::uint64_t shared_window_min_bytes() const noexcept override {
-    return std::uint64_t{1} << 20;
-  }
+  [[nodiscard]] Capabilities capabilities() const noexcept override { return {}; }
 
  protected:
   void do_all_gather(std::span<const std::byte> send, std::span<std::byte> recv,

@@ -45,13 +45,18 @@ class ThreadsCommunicator final : public Communicator {
  public:
   ThreadsCommunicator(std::shared_ptr<GroupState> group, int rank)
       : group_(std::move(group)), rank_(rank) {}
+  ThreadsCommunicator(const ThreadsCommunicator&) = delete;
+  ThreadsCommunicator& operator=(const ThreadsCommunicator&) = delete;
+  ThreadsCommunicator(ThreadsCommunicator&&) = delete;
+  ThreadsCommunicator& operator=(ThreadsCommunicator&&) = delete;
+  ~ThreadsCommunicator() override { finish_operations(); }
 
   [[nodiscard]] int rank() const noexcept override { return rank_; }
   [[nodiscard]] int size() const noexcept override { return group_->world_size; }
   [[nodiscard]] std::string_view backend_name() const noexcept override { return "threads"; }
   [[nodiscard]] int ranks_on_host() const noexcept override { return group_->world_size; }
-  [[nodiscard]] std::uint64_t shared_window_min_bytes() const noexcept override {
-    return kNeverShared;
+  [[nodiscard]] Capabilities capabilities() const noexcept override {
+    return {.reads_peer_memory = true, .small_messages_in_shared_memory = false};
   }
 
  protected:

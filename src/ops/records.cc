@@ -1,4 +1,4 @@
-#include "records.h"
+#include "ops/records.h"
 
 #include <cstring>
 #include <string>
@@ -6,6 +6,16 @@
 #include "shardgather/errors.h"
 
 namespace shardgather::detail {
+
+void check_record_dims(std::span<const Shape> shapes) {
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    if (static_cast<std::int64_t>(shapes[i].size()) > kMaxRecordDims) {
+      throw InvalidArgument("tensor " + std::to_string(i) + ": " +
+                            std::to_string(shapes[i].size()) + " dims; without a shapes hint at " +
+                            "most " + std::to_string(kMaxRecordDims) + " can travel");
+    }
+  }
+}
 
 void encode_records(std::span<const Shape> shapes, std::byte* out) noexcept {
   for (const Shape& shape : shapes) {

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "detail/local_input.h"
-#include "preflight.h"
+#include "ops/call.h"
 #include "strategies/strategy.h"
 
 #include "shardgather/communicator.h"
@@ -21,18 +21,12 @@ struct ExecScratch {
   std::vector<std::size_t> first;       // per rank: its first piece; world + 1 entries
   std::vector<std::size_t> part_first;  // per (rank, tensor): its piece; world * n + 1
   std::vector<std::uint64_t> part_bytes;
-  std::vector<std::uint64_t> counts;
-  std::vector<std::byte> staging;       // packed non-contiguous (or in-place) inputs
-  std::vector<std::byte> owned;         // execute_shared's output where no window can exist
-  std::vector<std::byte> header_bytes;  // world headers, gathered
-  std::vector<PreflightHeader> headers;
+  std::vector<std::byte> staging;  // packed non-contiguous (or in-place) inputs
+  std::vector<std::byte> owned;    // execute_shared's output where no window can exist
+  HeaderBuffers headers;           // the pre-flight exchange's
   StrategyScratch strategy;
   // unshard: each parameter's full tensor, and the extents checked for aliasing.
   std::vector<std::byte*> outputs;
-  struct TaggedExtent {
-    Extent extent;
-    bool written = false;
-  };
   std::vector<TaggedExtent> extents;
 };
 

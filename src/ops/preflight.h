@@ -13,26 +13,29 @@
 #include <vector>
 
 #include "shardgather/communicator.h"
+#include "shardgather/embedding.h"
 #include "shardgather/errors.h"
+#include "shardgather/strategy.h"
 #include "shardgather/types.h"
 
 namespace shardgather::detail {
 
 inline constexpr std::uint32_t kHeaderMagic = 0x52484753;  // "SGHR"
-inline constexpr std::uint16_t kHeaderVersion = 1;
+inline constexpr std::uint16_t kHeaderVersion = 2;
 inline constexpr std::size_t kInlineDTypes = 128;
 inline constexpr std::size_t kStatusTextBytes = 160;
-
-enum class OpKind : std::uint8_t { kForeachAllGather = 1 };
 
 enum HeaderFlags : std::uint32_t {
   kHasHint = 1U << 0U,  // hint_hash fingerprints the shapes of every rank (hint or plan)
 };
+// Bits 8-15 of flags: the strategy the payload moves with (resolved, so kAuto never travels),
+// because two ranks moving one payload two ways would mis-pair their transfers.
+inline constexpr unsigned kStrategyShift = 8;
 
 struct PreflightHeader {
   std::uint32_t magic = kHeaderMagic;
   std::uint16_t version = kHeaderVersion;
-  std::uint8_t op = static_cast<std::uint8_t>(OpKind::kForeachAllGather);
+  std::uint8_t op = static_cast<std::uint8_t>(Operation::kForeachAllGather);
   std::uint8_t status = static_cast<std::uint8_t>(ErrorCode::kOk);
   std::uint32_t flags = 0;
   std::uint32_t world_size = 0;
@@ -47,6 +50,14 @@ struct PreflightHeader {
 };
 static_assert(sizeof(PreflightHeader) == 352, "the header layout is part of the wire format");
 
+inline void set_strategy(PreflightHeader& header, Strategy strategy) noexcept {
+  header.flags = (header.flags & ~(0xffU << kStrategyShift)) |
+                 (static_cast<std::uint32_t>(strategy) << kStrategyShift);
+}
+inline Strategy strategy_of(const PreflightHeader& header) noexcept {
+  return static_cast<Strategy>((header.flags >> kStrategyShift) & 0xffU);
+}
+
 // Records a local failure; the text is truncated to fit.
 void set_status(PreflightHeader& header, ErrorCode code, std::string_view text) noexcept;
 
@@ -60,7 +71,7 @@ void set_dtypes(PreflightHeader& header, std::span<const DType> dtypes,
 std::uint64_t hash_hint(std::span<const std::vector<std::int64_t>> flat_hint, int world_size);
 
 // Validates and copies one received header. Mismatch("corrupt ...") on bad magic, version,
-// op, status code or an unterminated text.
+// operation, strategy, status code or an unterminated text.
 PreflightHeader decode_header(std::span<const std::byte> bytes, int from_rank);
 
 // Sends `header` to every rank and receives theirs (one all_gather of the fixed size), then
@@ -71,7 +82,8 @@ void exchange_headers(Communicator& comm, const PreflightHeader& header,
                       Deadline deadline);
 
 // Decodes every rank's header from an all_gather and raises, identically on every rank, the
-// first disagreement or failed status. `me` only prefixes the message.
+// first failed status or disagreement: operation, world size, sequence number, strategy, tensor
+// count, hint presence and hash, dtypes. `me` only prefixes the message.
 void check_headers(std::span<const std::byte> gathered, std::span<PreflightHeader> headers, int me);
 
 }  // namespace shardgather::detail

@@ -14,6 +14,10 @@ namespace shardgather::detail {
 // The records never describe more dims than this; a larger ndim on the wire is corruption.
 inline constexpr std::int64_t kMaxRecordDims = 64;
 
+// InvalidArgument naming the first tensor with more dims than records carry: checked before
+// anything is sent, so that no rank's payload is rejected only after it moved.
+void check_record_dims(std::span<const Shape> shapes);
+
 // Writes the records of `shapes` to `out`, which holds record_bytes(shapes) bytes.
 void encode_records(std::span<const Shape> shapes, std::byte* out) noexcept;
 

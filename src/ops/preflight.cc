@@ -1,4 +1,4 @@
-#include "preflight.h"
+#include "ops/preflight.h"
 
 #include <algorithm>
 #include <cstring>
@@ -11,8 +11,22 @@ namespace shardgather::detail {
 namespace {
 
 std::string op_prefix(int me, const PreflightHeader& h) {
-  return "rank " + std::to_string(me) + ": foreach_all_gather op seq " + std::to_string(h.seq) +
-         ": ";
+  return "rank " + std::to_string(me) + ": " +
+         std::string(operation_name(static_cast<Operation>(h.op))) + " op seq " +
+         std::to_string(h.seq) + ": ";
+}
+
+bool known_operation(std::uint8_t op) noexcept {
+  return op >= static_cast<std::uint8_t>(Operation::kForeachAllGather) &&
+         op <= static_cast<std::uint8_t>(Operation::kUnshardExecute);
+}
+
+std::string op_str(std::uint8_t op) {
+  return std::string(operation_name(static_cast<Operation>(op)));
+}
+
+std::string strategy_str(const PreflightHeader& h) {
+  return std::string(strategy_name(strategy_of(h)));
 }
 
 template <typename T>
@@ -82,10 +96,14 @@ PreflightHeader decode_header(std::span<const std::byte> bytes, int from_rank) {
     throw Mismatch(where() + ": version " + std::to_string(h.version) + ", this build speaks " +
                    std::to_string(kHeaderVersion));
   }
-  if (h.op != static_cast<std::uint8_t>(OpKind::kForeachAllGather)) {
-    throw Mismatch(where() + ": unknown op " + std::to_string(h.op));
+  if (!known_operation(h.op)) {
+    throw Mismatch(where() + ": unknown operation " + std::to_string(h.op));
   }
-  if (h.status > static_cast<std::uint8_t>(ErrorCode::kCommunicationError)) {
+  if (strategy_name(strategy_of(h)) == "invalid") {
+    throw Mismatch(where() + ": unknown strategy " +
+                   std::to_string((h.flags >> kStrategyShift) & 0xffU));
+  }
+  if (h.status > static_cast<std::uint8_t>(kLastErrorCode)) {
     throw Mismatch(where() + ": unknown status " + std::to_string(h.status));
   }
   if (std::memchr(h.status_text, '\0', kStatusTextBytes) == nullptr) {
@@ -121,11 +139,19 @@ void check_headers(std::span<const std::byte> gathered, std::span<PreflightHeade
   for (std::size_t r = 1; r < world; ++r) {
     const PreflightHeader& h = headers[r];
     const int rr = static_cast<int>(r);
+    if (h.op != h0.op) {
+      throw Mismatch(op_prefix(me, h0) + "operation differs: rank 0 calls " + op_str(h0.op) +
+                     ", rank " + std::to_string(r) + " calls " + op_str(h.op));
+    }
     if (h.world_size != h0.world_size) {
       throw_field_mismatch(me, h0, "world size", 0, h0.world_size, rr, h.world_size);
     }
     if (h.seq != h0.seq) {
       throw_field_mismatch(me, h0, "op sequence number", 0, h0.seq, rr, h.seq);
+    }
+    if (strategy_of(h) != strategy_of(h0)) {
+      throw Mismatch(op_prefix(me, h0) + "strategy differs: rank 0 moves the payload with " +
+                     strategy_str(h0) + ", rank " + std::to_string(r) + " with " + strategy_str(h));
     }
     if (h.num_tensors != h0.num_tensors) {
       throw_field_mismatch(me, h0, "tensor count", 0, h0.num_tensors, rr, h.num_tensors);

@@ -1,0 +1,36 @@
+// Strategies: how one gather's bytes move (src/strategies/ has one file each). Every
+// operation that moves a payload takes one; kAuto lets src/strategies/select.cc choose from the
+// backend's facts (Communicator::capabilities) and the sizes.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+#include "shardgather/export.h"
+
+namespace shardgather {
+
+// How the payload moves. kAuto picks by backend and size (docs/benchmarking.md has the table
+// measured on the target machine).
+enum class Strategy : std::uint8_t {
+  kAuto = 0,
+  // One collective, sent straight from the tensors and received straight into the final layout
+  // (MPI derived datatypes; the threads backend copies peer memory directly). No copy-in, no
+  // copy-out.
+  kDirect = 1,
+  // Copy-in to one contiguous buffer (all cores for large lists), one collective, copy-out when
+  // the final layout is not the gathered one.
+  kPacked = 2,
+  // One collective per tensor: the baseline.
+  kPerTensor = 3,
+  // Every rank on one host: one copy into a node-shared window, a barrier, one copy out.
+  // Falls back to kDirect when the ranks span hosts.
+  kShared = 4,
+};
+
+SHARDGATHER_API std::string_view strategy_name(Strategy strategy) noexcept;
+// InvalidArgument for an unknown name. Accepts "auto", "direct", "packed", "per_tensor",
+// "shared".
+SHARDGATHER_API Strategy parse_strategy(std::string_view name);
+
+}  // namespace shardgather

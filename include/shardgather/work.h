@@ -1,0 +1,115 @@
+// Work: the handle of an operation started asynchronously (the c10d Work contract, smaller).
+//
+//   Work<ExecStats> work = plan.start(params, comm, out);   // returns at once
+//   ... compute while the gather moves ...
+//   ExecStats stats = work.wait();                          // the result, or the error
+//
+// Semantics, as equivalent code:
+//   bool test(timeout = 0)  { wait up to `timeout` for completion; return whether complete }
+//   T wait()                { test(forever); if (failed) rethrow(error); return move(result); }
+//   ~Work()                 { test(forever); }  // an incomplete operation is waited for; its
+//                                              // error, if any, is dropped
+// wait() returns (or rethrows) once: the handle is empty afterwards, and wait() on an empty
+// handle (default-constructed, moved from, waited) raises InvalidArgument; test() on one
+// returns true.
+//
+// Progress: started operations on one communicator run on its progress thread, one after
+// another in the order they were started, with no polling by the caller; a blocking call on
+// the same communicator runs after them. Every error contract of the blocking call holds: the
+// same class is rethrown on every rank's wait(), the call's deadline bounds it, abort() on the
+// communicator ends a running operation with Aborted (and those queued behind it with
+// CommAborted).
+// Lifetime: the memory of the tensors (inputs and outputs) and the plan an operation was
+// started from stay alive and unmodified until it completed (test() true or wait() returned).
+// The lists of views and shapes passed to start are copied.
+// Threading: one thread at a time uses a handle, any thread.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <utility>
+
+#include "shardgather/errors.h"
+#include "shardgather/export.h"
+
+namespace shardgather {
+
+namespace detail {
+
+// Completion shared by a handle and the operation's job on the progress thread.
+class SHARDGATHER_API WorkState {
+ public:
+  // The job, once: `error` null on success.
+  void finish(std::exception_ptr error) noexcept;
+  // Waits up to `timeout` (forever when negative); true once complete.
+  bool wait_for(std::chrono::milliseconds timeout) noexcept;
+  // After completion: the failure, or null.
+  [[nodiscard]] std::exception_ptr error() const noexcept;
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;         // guarded by mu_
+  std::exception_ptr error_;  // written before done_
+};
+
+template <typename T>
+struct WorkResult final : WorkState {
+  std::optional<T> value;  // written by the job before finish()
+};
+
+}  // namespace detail
+
+template <typename T>
+class Work {
+ public:
+  Work() = default;
+  explicit Work(std::shared_ptr<detail::WorkResult<T>> state) : state_(std::move(state)) {}
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
+  Work(Work&&) noexcept = default;
+  Work& operator=(Work&& other) noexcept {
+    if (this != &other) {
+      settle();
+      state_ = std::move(other.state_);
+    }
+    return *this;
+  }
+  ~Work() { settle(); }
+
+  [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
+
+  // Whether the operation completed, waiting up to `timeout` for it. Never throws.
+  bool test(std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) const noexcept {
+    return state_ == nullptr || state_->wait_for(timeout);
+  }
+
+  // Blocks until the operation completed; returns its result or rethrows its error.
+  T wait() {
+    if (state_ == nullptr) {
+      throw InvalidArgument(
+          "Work::wait: the handle is empty (default-constructed, moved from, "
+          "or already waited)");
+    }
+    const std::shared_ptr<detail::WorkResult<T>> state = std::move(state_);
+    state->wait_for(std::chrono::milliseconds(-1));
+    if (const std::exception_ptr error = state->error()) {
+      std::rethrow_exception(error);
+    }
+    return std::move(*state->value);
+  }
+
+ private:
+  void settle() noexcept {
+    if (state_ != nullptr) {
+      state_->wait_for(std::chrono::milliseconds(-1));
+    }
+  }
+  std::shared_ptr<detail::WorkResult<T>> state_;
+};
+
+}  // namespace shardgather

@@ -1,0 +1,62 @@
+// The order of operations on one communicator: their sequence numbers, and the progress thread
+// that runs started (asynchronous) operations one after another.
+//
+// Ordering: jobs run in the order they were submitted, one at a time, on one thread per queue
+// (created on the first submit). A blocking operation drain()s first and then runs on its
+// caller's thread, so it too runs after every operation started before it. Every rank numbers
+// its operations alike (one number per operation, taken when it runs), which the pre-flight
+// header compares.
+//
+// Threading: one thread drives a communicator, so submit() and drain() come from one thread at a
+// time; a job runs on the progress thread and must not throw (it stores its own failure).
+// Blocking: submit() never blocks on a job; drain() and stop() wait for the jobs, each bounded by
+// its own deadline (abort() on the communicator ends them early).
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+namespace shardgather::detail {
+
+class OpQueue {
+ public:
+  OpQueue() = default;
+  OpQueue(const OpQueue&) = delete;
+  OpQueue& operator=(const OpQueue&) = delete;
+  OpQueue(OpQueue&&) = delete;
+  OpQueue& operator=(OpQueue&&) = delete;
+  ~OpQueue() { stop(); }
+
+  // The next operation's sequence number (1, 2, ...).
+  std::uint64_t next_seq() noexcept { return ++seq_; }
+
+  // Runs `job` on the progress thread after every job submitted before it.
+  void submit(std::function<void()> job);
+
+  // Returns once every job submitted so far has run.
+  void drain();
+
+  // drain(), then ends the progress thread. Later submits start a new one. Idempotent.
+  void stop() noexcept;
+
+  // Whether the calling thread is a progress thread: backends sleep between polls there rather
+  // than spin, so that the caller's own work keeps its core.
+  static bool on_progress_thread() noexcept;
+
+ private:
+  void run();
+
+  std::uint64_t seq_ = 0;  // read and written by whichever thread runs the current operation
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;  // guarded by mu_
+  bool busy_ = false;                       // a job is running; guarded by mu_
+  bool stopping_ = false;                   // guarded by mu_
+  std::thread thread_;
+};
+
+}  // namespace shardgather::detail

@@ -1,0 +1,113 @@
+#include "ops/call.h"
+
+#include <string>
+
+#include "detail/graveyard.h"
+#include "detail/op_queue.h"
+#include "ops/exec_scratch.h"
+
+#include "shardgather/plan.h"
+
+namespace shardgather {
+
+std::string_view operation_name(Operation op) noexcept {
+  switch (op) {
+    case Operation::kForeachAllGather:
+      return "foreach_all_gather";
+    case Operation::kPlanCreate:
+      return "AllGatherPlan::create";
+    case Operation::kPlanExecute:
+      return "AllGatherPlan::execute";
+    case Operation::kUnshard:
+      return "unshard";
+    case Operation::kUnshardExecute:
+      return "UnshardPlan::execute";
+  }
+  return "unknown operation";
+}
+
+void fail_call(Communicator& comm, const CallShape& call, ErrorCode code,
+               std::string_view message) {
+  detail::Call c(comm, call.op, call.timeout, call.header_exchanged);
+  c.fail(code == ErrorCode::kOk ? ErrorCode::kInvalidArgument : code, message);
+  c.agree();
+  throw Error(ErrorCode::kCommunicationError, "unreachable: a failed call always raises");
+}
+
+namespace detail {
+
+std::uint64_t next_op_seq(Communicator& comm) noexcept { return comm.operations().next_seq(); }
+
+Call::Call(Communicator& comm, Operation op, std::optional<std::chrono::milliseconds> timeout,
+           bool exchange, HeaderBuffers* buffers)
+    : comm_(comm),
+      op_(op),
+      deadline_(comm.deadline_after(comm.timeout())),
+      exchange_(exchange && comm.size() > 1),
+      buffers_(buffers != nullptr ? buffers : &own_) {
+  header_.op = static_cast<std::uint8_t>(op);
+  header_.world_size = static_cast<std::uint32_t>(comm.size());
+  header_.seq = next_op_seq(comm);
+  if (timeout && timeout->count() < 0) {
+    // Told to the peers like any local check: they would otherwise wait out their deadline.
+    fail(ErrorCode::kInvalidArgument,
+         "timeout must be >= 0, got " + std::to_string(timeout->count()) + " ms");
+  } else if (timeout) {
+    deadline_ = comm.deadline_after(*timeout);
+  }
+}
+
+void Call::fail(ErrorCode code, std::string_view message) {
+  if (failed()) {
+    return;  // the first failure is the one every rank raises
+  }
+  set_status(header_, code, message);
+  if (!exchange_) {
+    raise_local();
+  }
+}
+
+void Call::raise_local() const {
+  throw_error(static_cast<ErrorCode>(header_.status),
+              "rank " + std::to_string(comm_.rank()) + ": " + header_.status_text);
+}
+
+std::span<const PreflightHeader> Call::agree() {
+  if (!exchange_) {
+    if (failed()) {
+      raise_local();
+    }
+    return {};
+  }
+  const auto world = static_cast<std::size_t>(comm_.size());
+  HeaderBuffers& b = *buffers_;
+  b.gathered.resize(world * sizeof(PreflightHeader));  // no-ops once sized
+  b.decoded.resize(world);
+  try {
+    exchange_headers(comm_, header_, b.gathered, b.decoded, deadline_);
+  } catch (const CommunicationError&) {
+    if (buffers_ == &own_) {
+      park(own_.gathered);
+    }
+    park_guarded();  // a plan's header buffers live in its scratch
+    throw;
+  }
+  return b.decoded;
+}
+
+void Call::park_guarded() noexcept {
+  for (std::size_t k = 0; k < aligned_n_; ++k) {
+    park(*aligned_[k]);
+  }
+  for (std::size_t k = 0; k < vectors_n_; ++k) {
+    park(*vectors_[k]);
+  }
+  if (scratch_ != nullptr) {
+    scratch_->leak();
+  }
+  aligned_n_ = vectors_n_ = 0;
+  scratch_ = nullptr;
+}
+
+}  // namespace detail
+}  // namespace shardgather

@@ -1,0 +1,134 @@
+// The one call protocol. Every operation is a short client of it:
+//
+//   Call call(comm, Operation::kPlanExecute, options.timeout, options.preflight, &scratch.hb);
+//   call.check([&] { validate(...); call.header().payload_bytes = ...; });  // local steps
+//   call.agree();                                     // header exchange + every check, all ranks
+//   call.guard(out);                                  // what a failed collective may touch
+//   call.transfer([&] { run_payload(...); });         // the payload
+//
+// It owns the deadline (one for the whole call), the operation's sequence number, the capture of
+// local failures (Error and bad_alloc: recorded in the header so every rank raises the same
+// class from agree(), or raised at once where no header travels), the header exchange and its
+// checks, and the guard that parks every buffer a failed collective may still touch.
+//
+// Threading: a Call lives on the stack of one operation on one thread.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <new>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "ops/preflight.h"
+
+#include "shardgather/buffer.h"
+#include "shardgather/communicator.h"
+#include "shardgather/embedding.h"
+#include "shardgather/errors.h"
+#include "shardgather/strategy.h"
+
+namespace shardgather::detail {
+
+class ScratchHolder;
+
+// The header exchange's buffers. Plans keep theirs in their scratch so that a steady-state
+// execution allocates nothing; a one-shot call uses the Call's own.
+struct HeaderBuffers {
+  std::vector<std::byte> gathered;
+  std::vector<PreflightHeader> decoded;
+};
+
+class Call {
+ public:
+  // `exchange`: whether the header travels (it never does at world size 1). A negative timeout
+  // is a local failure of the call (the communicator's timeout bounds its header).
+  Call(Communicator& comm, Operation op, std::optional<std::chrono::milliseconds> timeout,
+       bool exchange, HeaderBuffers* buffers = nullptr);
+  Call(const Call&) = delete;
+  Call& operator=(const Call&) = delete;
+  Call(Call&&) = delete;
+  Call& operator=(Call&&) = delete;
+  ~Call() = default;
+
+  [[nodiscard]] Communicator& comm() const noexcept { return comm_; }
+  [[nodiscard]] Deadline deadline() const noexcept { return deadline_; }
+  [[nodiscard]] bool exchanges() const noexcept { return exchange_; }
+  [[nodiscard]] bool failed() const noexcept { return header_.status != 0; }
+  // The operation fills its fields (dtypes, bytes, fingerprint, strategy) in its check steps.
+  [[nodiscard]] PreflightHeader& header() noexcept { return header_; }
+
+  // Runs a local step unless an earlier one failed. What it throws (Error, bad_alloc) is
+  // recorded for agree(); where no header travels it is raised here, naming this rank.
+  template <typename Step>
+  void check(Step&& step) {
+    if (failed()) {
+      return;
+    }
+    try {
+      step();
+    } catch (const Error& e) {
+      fail(e.code(), e.what());
+    } catch (const std::bad_alloc&) {
+      fail(ErrorCode::kOutOfMemory, "allocation failed while preparing the call");
+    }
+  }
+
+  // Records a local failure (as check does).
+  void fail(ErrorCode code, std::string_view message);
+
+  // Exchanges the header and raises, identically on every rank, the first failed local check or
+  // disagreement (operation, strategy, world size, sequence number, count, hint, dtypes).
+  // Returns every rank's header; empty when no header travels.
+  std::span<const PreflightHeader> agree();
+
+  // Buffers a collective of this call may still touch after a CommunicationError: transfer()
+  // parks them instead of letting them be freed. Guarded objects must outlive the transfer.
+  void guard(AlignedBuffer& buffer) noexcept { add(aligned_, aligned_n_, &buffer); }
+  void guard(std::vector<std::byte>& buffer) noexcept { add(vectors_, vectors_n_, &buffer); }
+  void guard(ScratchHolder& scratch) noexcept { scratch_ = &scratch; }
+
+  // Runs a collective of this call; on a CommunicationError parks everything guarded and
+  // rethrows.
+  template <typename Fn>
+  decltype(auto) transfer(Fn&& fn) {
+    try {
+      return fn();
+    } catch (const CommunicationError&) {
+      park_guarded();
+      throw;
+    }
+  }
+
+ private:
+  template <typename T, std::size_t N>
+  static void add(std::array<T*, N>& slots, std::size_t& n, T* p) noexcept {
+    if (n < N) {  // N is the most any operation guards
+      slots[n++] = p;
+    }
+  }
+  void park_guarded() noexcept;
+  [[noreturn]] void raise_local() const;
+
+  Communicator& comm_;
+  Operation op_;
+  Deadline deadline_;
+  bool exchange_;
+  HeaderBuffers own_;
+  HeaderBuffers* buffers_;
+  PreflightHeader header_;
+  std::array<AlignedBuffer*, 2> aligned_{};
+  std::size_t aligned_n_ = 0;
+  std::array<std::vector<std::byte>*, 4> vectors_{};
+  std::size_t vectors_n_ = 0;
+  ScratchHolder* scratch_ = nullptr;
+};
+
+// The operations' sequence numbers come from here (tests skew them through it).
+std::uint64_t next_op_seq(Communicator& comm) noexcept;
+
+}  // namespace shardgather::detail

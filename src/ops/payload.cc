@@ -1,0 +1,106 @@
+#include "ops/payload.h"
+
+#include <algorithm>
+
+#include "detail/graveyard.h"
+#include "detail/parallel.h"
+
+#include "shardgather/copy.h"
+
+namespace shardgather::detail {
+
+ScratchHolder::ScratchHolder() = default;
+ScratchHolder::~ScratchHolder() = default;
+ScratchHolder::ScratchHolder(const ScratchHolder& /*other*/) {}
+ScratchHolder& ScratchHolder::operator=(const ScratchHolder& /*other*/) { return *this; }
+ScratchHolder::ScratchHolder(ScratchHolder&& other) noexcept = default;
+ScratchHolder& ScratchHolder::operator=(ScratchHolder&& other) noexcept = default;
+
+ExecScratch& ScratchHolder::get() {
+  if (!scratch_) {
+    scratch_ = std::make_unique<ExecScratch>();
+  }
+  return *scratch_;
+}
+
+void ScratchHolder::leak() noexcept {
+  if (scratch_) {
+    park(scratch_);
+  }
+}
+
+void size_scratch(ExecScratch& x, int world, std::size_t n) {
+  const auto w = static_cast<std::size_t>(world);
+  if (x.first.size() == w + 1 && x.pieces.size() == w * n) {
+    return;
+  }
+  x.segments.reserve(2 * n + 1);
+  x.send_first.reserve(n + 1);
+  x.pieces.resize(w * n);
+  x.first.resize(w + 1);
+  x.part_first.resize(w * n + 1);
+  x.part_bytes.resize(w * n);
+  x.headers.gathered.resize(w * sizeof(PreflightHeader));
+  x.headers.decoded.resize(w);
+  x.strategy.displs.reserve(w);
+  x.strategy.counts.reserve(w);
+  x.strategy.first.reserve(w + 1);
+  x.strategy.pieces.reserve(w);
+}
+
+void run_payload(Call& call, Strategy requested, Strategy strategy, const GatherJob& job,
+                 StrategyScratch& scratch, ExecStats& stats) {
+  Communicator& comm = call.comm();
+  stats.strategy = strategy;
+  if (comm.size() == 1) {
+    copy_stream(job.send, job.pieces);
+    return;
+  }
+  if (std::all_of(job.counts.begin(), job.counts.end(), [](std::uint64_t c) { return c == 0; })) {
+    return;
+  }
+  const std::uint64_t before = comm.collectives_issued();
+  const std::uint64_t setup_before = scratch.setup_collectives;
+  const auto run = [&] {
+    call.transfer([&] { run_strategy(stats.strategy, job, comm, call.deadline(), scratch); });
+  };
+  try {
+    run();
+  } catch (const OutOfMemory&) {
+    // kAuto chose the node-shared window and it could not be reserved (a small /dev/shm, as in
+    // a container): SharedBuffer::create raises that on every rank alike, after its collectives
+    // completed, so every rank takes the transport path instead, now and for every later
+    // execution (select_strategy reads shared_unavailable). An explicit kShared keeps the error.
+    if (requested != Strategy::kAuto || stats.strategy != Strategy::kShared || scratch.window) {
+      throw;
+    }
+    scratch.shared_unavailable = true;
+    stats.strategy = select_strategy(requested, job.counts, comm, true);
+    run();
+  }
+  stats.setup_collectives = scratch.setup_collectives - setup_before;
+  stats.payload_collectives = comm.collectives_issued() - before - stats.setup_collectives;
+}
+
+std::vector<TensorView> layout_views(const LayoutPlan& layout, const std::byte* buffer) {
+  const auto world = static_cast<std::size_t>(layout.world_size);
+  std::vector<TensorView> out(layout.num_tensors * world);
+  for (std::size_t i = 0; i < layout.num_tensors; ++i) {
+    for (std::size_t r = 0; r < world; ++r) {
+      const std::size_t k = layout.index(static_cast<int>(r), i);
+      // Writable views over read-only memory only where the caller's buffer is writable.
+      out[i * world + r] = TensorView{.data = const_cast<std::byte*>(buffer) + layout.offsets[k],
+                                      .dtype = layout.dtypes[i],
+                                      .shape = layout.shapes[k],
+                                      .strides = {}};
+    }
+  }
+  return out;
+}
+
+int copy_threads(const PlanOptions& options, const Communicator& comm) {
+  return options.copy_threads > 0 ? options.copy_threads
+                                  : default_copy_threads(comm.ranks_on_host());
+}
+
+}  // namespace shardgather::detail

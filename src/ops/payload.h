@@ -1,0 +1,34 @@
+// What every operation does once its call agreed: move a GatherJob through the strategy layer.
+// Shared by the operations in src/ops/ (foreach, plans, unshard).
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "ops/call.h"
+#include "ops/exec_scratch.h"
+#include "strategies/strategy.h"
+
+#include "shardgather/communicator.h"
+#include "shardgather/layout.h"
+#include "shardgather/plan.h"
+
+namespace shardgather::detail {
+
+// Sizes the scratch for world ranks of n tensors (no-op when already sized).
+void size_scratch(ExecScratch& x, int world, std::size_t n);
+
+// Moves the job's payload with `strategy` (from select_strategy; `requested` is what the caller
+// asked for, which decides the kAuto window fallback): a local copy at world size 1, nothing
+// when no rank sends a byte, else the strategy, inside call.transfer (the caller guards what the
+// collective may touch). Fills stats.strategy and the collective counts.
+void run_payload(Call& call, Strategy requested, Strategy strategy, const GatherJob& job,
+                 StrategyScratch& scratch, ExecStats& stats);
+
+// Views of a layout's tensors over `buffer`: element i * world + r is rank r's tensor i.
+std::vector<TensorView> layout_views(const LayoutPlan& layout, const std::byte* buffer);
+
+// The copy kernels' thread count for these options on this communicator.
+int copy_threads(const PlanOptions& options, const Communicator& comm);
+
+}  // namespace shardgather::detail

@@ -1,0 +1,218 @@
+// AllGatherPlan: the steady-state path. Construction does every allocation and computation that
+// depends only on shapes; an execution checks this rank's tensors, agrees through the call,
+// builds the send list and the destination pieces into reused scratch, and runs one strategy.
+#include "shardgather/plan.h"
+
+#include <string>
+
+#include "detail/local_input.h"
+#include "detail/send_stream.h"
+#include "ops/call.h"
+#include "ops/payload.h"
+#include "ops/plan_access.h"
+#include "ops/start.h"
+
+#include "shardgather/copy.h"
+#include "shardgather/errors.h"
+
+namespace shardgather {
+
+using detail::ExecScratch;
+
+AllGatherPlan::AllGatherPlan(std::span<const DType> dtypes,
+                             std::span<const std::vector<Shape>> shapes_across_group, int rank,
+                             const PlanOptions& options)
+    : rank_(rank), options_(options) {
+  const auto world = static_cast<int>(shapes_across_group.size());
+  if (world < 1 || rank < 0 || rank >= world) {
+    throw InvalidArgument("AllGatherPlan: rank " + std::to_string(rank) + " of " +
+                          std::to_string(world) + " ranks of shapes");
+  }
+  std::vector<Shape> flat;
+  flat.reserve(shapes_across_group.size() * dtypes.size());
+  for (std::size_t r = 0; r < shapes_across_group.size(); ++r) {
+    if (shapes_across_group[r].size() != dtypes.size()) {
+      throw InvalidArgument("AllGatherPlan: rank " + std::to_string(r) + " has " +
+                            std::to_string(shapes_across_group[r].size()) + " shapes for " +
+                            std::to_string(dtypes.size()) + " dtypes");
+    }
+    flat.insert(flat.end(), shapes_across_group[r].begin(), shapes_across_group[r].end());
+  }
+  layout_ = plan_layout(dtypes, flat, world);
+  fingerprint_ = detail::hash_hint(flat, world);
+  dtype_hash_ = detail::hash_dtypes(dtypes);
+}
+
+std::vector<TensorView> AllGatherPlan::views(const std::byte* buffer) const {
+  return detail::layout_views(layout_, buffer);
+}
+
+void AllGatherPlan::check_params(const Communicator& comm, std::span<const TensorView> params,
+                                 const std::byte* out, std::uint64_t out_size, ExecStats& stats) {
+  const int world = layout_.world_size;
+  const std::size_t n = layout_.num_tensors;
+  if (comm.size() != world || comm.rank() != rank_) {
+    throw InvalidArgument("the plan was built for rank " + std::to_string(rank_) + " of " +
+                          std::to_string(world) + ", the communicator is rank " +
+                          std::to_string(comm.rank()) + " of " + std::to_string(comm.size()));
+  }
+  if (params.size() != n) {
+    throw InvalidArgument("the plan has " + std::to_string(n) + " tensors, got " +
+                          std::to_string(params.size()));
+  }
+  if (out_size < layout_.total_bytes) {
+    throw InvalidArgument("the output holds " + std::to_string(out_size) +
+                          " bytes, the plan needs " + std::to_string(layout_.total_bytes));
+  }
+  const auto me = static_cast<std::size_t>(rank_);
+  const auto out_begin = reinterpret_cast<std::uintptr_t>(out);
+  const std::uintptr_t out_end = out == nullptr ? 0 : out_begin + layout_.total_bytes;
+  std::uint64_t staged = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t k = me * n + i;
+    detail::check_tensor_matches(params[i], i, layout_.dtypes[i], layout_.shapes[k],
+                                 layout_.sizes[k]);
+    const bool contiguous = is_contiguous(params[i]);
+    const detail::Extent e = detail::extent_of(params[i], layout_.sizes[k]);
+    const bool overlaps = e.begin < out_end && out_begin < e.end;
+    const bool in_place = out != nullptr && params[i].data == out + layout_.offsets[k];
+    if (overlaps && !(in_place && contiguous)) {
+      throw InvalidArgument("tensor " + std::to_string(i) +
+                            ": aliasing: the input overlaps the output outside its own slot");
+    }
+    if (overlaps || !contiguous) {
+      staged += layout_.sizes[k];
+    }
+  }
+  ExecScratch& x = scratch_.get();
+  if (x.staging.size() < staged) {
+    x.staging.resize(staged);  // once: later executions reuse it
+  }
+  stats.staged_bytes = staged;
+}
+
+Strategy AllGatherPlan::resolve(const Communicator& comm) const {
+  return detail::select_strategy(
+      options_.strategy, layout_.counts, comm,
+      scratch_.peek() != nullptr && scratch_.peek()->strategy.shared_unavailable);
+}
+
+detail::GatherJob AllGatherPlan::prepare(detail::Call& call, std::span<const TensorView> params,
+                                         std::byte* out, std::uint64_t out_size, Strategy strategy,
+                                         ExecStats& stats) {
+  ExecScratch& x = scratch_.get();
+  const int world = layout_.world_size;
+  const std::size_t n = layout_.num_tensors;
+  const auto me = static_cast<std::size_t>(rank_);
+  detail::size_scratch(x, world, n);
+  call.guard(scratch_);
+  detail::PreflightHeader& header = call.header();
+  header.flags |= detail::kHasHint;
+  header.hint_hash = fingerprint_;
+  detail::set_dtypes(header, layout_.dtypes, dtype_hash_);
+  detail::set_strategy(header, strategy);
+  call.check([&] {
+    check_params(call.comm(), params, out, out_size, stats);
+    header.payload_bytes = layout_.counts[me];
+  });
+  call.agree();
+  stats.preflight_collectives = call.exchanges() ? 1 : 0;
+
+  // This rank's stream: gaps and tensors, in place or staged.
+  const auto in_place = [&](std::size_t i) {
+    return out != nullptr && params[i].data == out + layout_.offsets[me * n + i];
+  };
+  detail::append_block(params, std::span(layout_.offsets).subspan(me * n, n), layout_.displs[me],
+                       std::span(layout_.sizes).subspan(me * n, n), {}, x.staging.data(), in_place,
+                       x.segments, x.send_first);
+  // Destinations: one piece per (rank, tensor), the tensor and the gap before it.
+  for (std::size_t r = 0; r < static_cast<std::size_t>(world); ++r) {
+    std::uint64_t end = layout_.displs[r];
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::size_t k = r * n + i;
+      const std::uint64_t part_end =
+          layout_.sizes[k] == 0 ? end : layout_.offsets[k] + layout_.sizes[k];
+      x.pieces[k] = RecvPiece{out == nullptr ? nullptr : out + end, part_end - end, 1, 0};
+      x.part_bytes[k] = part_end - end;
+      x.part_first[k] = k;
+      end = part_end;
+    }
+    x.first[r] = r * n;
+  }
+  x.first[static_cast<std::size_t>(world)] = static_cast<std::size_t>(world) * n;
+  x.part_first[static_cast<std::size_t>(world) * n] = static_cast<std::size_t>(world) * n;
+  return detail::GatherJob{
+      .send = x.segments,
+      .pieces = x.pieces,
+      .first = x.first,
+      .counts = layout_.counts,
+      .num_tensors = n,
+      .part_bytes = x.part_bytes,
+      .part_first = x.part_first,
+      .send_first = x.send_first,
+      .copy_threads = detail::copy_threads(options_, call.comm()),
+      .stream_displs = layout_.displs,
+      .entry_synchronized = call.exchanges(),
+  };
+}
+
+ExecStats AllGatherPlan::execute_now(std::span<const TensorView> params, Communicator& comm,
+                                     std::span<std::byte> out) {
+  detail::Call call(comm, Operation::kPlanExecute, options_.timeout, options_.preflight,
+                    &scratch_.get().headers);
+  return detail::PlanAccess::run(*this, call, params, out.data(), out.size());
+}
+
+ExecStats AllGatherPlan::execute(std::span<const TensorView> params, Communicator& comm,
+                                 std::span<std::byte> out) {
+  return detail::run_blocking(comm, [&] { return execute_now(params, comm, out); });
+}
+
+Work<ExecStats> AllGatherPlan::start(std::span<const TensorView> params, Communicator& comm,
+                                     std::span<std::byte> out) {
+  return detail::start_on<ExecStats>(
+      comm, [this, &comm, views = std::vector<TensorView>(params.begin(), params.end()), out] {
+        return execute_now(views, comm, out);
+      });
+}
+
+std::span<const std::byte> AllGatherPlan::execute_shared(std::span<const TensorView> params,
+                                                         Communicator& comm, ExecStats* stats) {
+  ExecStats local;
+  ExecStats& st = stats != nullptr ? *stats : local;
+  st = ExecStats{};
+  return detail::run_blocking(comm, [&]() -> std::span<const std::byte> {
+    ExecScratch& x = scratch_.get();
+    if (!detail::shared_available(comm) || layout_.total_bytes == 0) {
+      x.owned.resize(layout_.total_bytes);
+      st = execute_now(params, comm, x.owned);
+      return x.owned;
+    }
+    detail::Call call(comm, Operation::kPlanExecute, options_.timeout, options_.preflight,
+                      &x.headers);
+    const detail::GatherJob job =
+        prepare(call, params, nullptr, layout_.total_bytes, Strategy::kShared, st);
+    st.strategy = Strategy::kShared;
+    const std::uint64_t before = comm.collectives_issued();
+    const std::uint64_t setup_before = x.strategy.setup_collectives;
+    const std::byte* base = call.transfer(
+        [&] { return detail::shared_copy_in(job, comm, call.deadline(), x.strategy); });
+    st.setup_collectives = x.strategy.setup_collectives - setup_before;
+    st.payload_collectives = comm.collectives_issued() - before - st.setup_collectives;
+    return {base, layout_.total_bytes};
+  });
+}
+
+namespace detail {
+
+ExecStats PlanAccess::run(AllGatherPlan& plan, Call& call, std::span<const TensorView> params,
+                          std::byte* out, std::uint64_t out_size) {
+  ExecStats stats;
+  const Strategy strategy = plan.resolve(call.comm());
+  const GatherJob job = plan.prepare(call, params, out, out_size, strategy, stats);
+  run_payload(call, plan.options_.strategy, strategy, job, plan.scratch_.get().strategy, stats);
+  return stats;
+}
+
+}  // namespace detail
+}  // namespace shardgather

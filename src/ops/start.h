@@ -1,0 +1,38 @@
+// How an operation runs: blocking (on the caller's thread, after every operation started before
+// it on the communicator) or started (on the communicator's progress thread, returning a Work).
+#pragma once
+
+#include <exception>
+#include <memory>
+#include <utility>
+
+#include "detail/op_queue.h"
+
+#include "shardgather/communicator.h"
+#include "shardgather/work.h"
+
+namespace shardgather::detail {
+
+template <typename Fn>
+decltype(auto) run_blocking(Communicator& comm, Fn&& op) {
+  comm.operations().drain();
+  return op();
+}
+
+// `op` (copied into the job) returns the operation's result; it must hold copies of whatever the
+// caller may free before the work completes (lists of views, hints, options).
+template <typename T, typename Fn>
+Work<T> start_on(Communicator& comm, Fn op) {
+  auto state = std::make_shared<WorkResult<T>>();
+  comm.operations().submit([state, op = std::move(op)]() mutable noexcept {
+    try {
+      state->value.emplace(op());
+      state->finish(nullptr);
+    } catch (...) {
+      state->finish(std::current_exception());
+    }
+  });
+  return Work<T>(std::move(state));
+}
+
+}  // namespace shardgather::detail

@@ -1,0 +1,68 @@
+// unshard(): an UnshardPlan built from the specs and executed once into a fresh buffer, in one
+// call (one header covers the specs' checks and the shards').
+#include "shardgather/unshard.h"
+
+#include <algorithm>
+#include <string>
+
+#include "ops/call.h"
+#include "ops/plan_access.h"
+#include "ops/start.h"
+
+#include "shardgather/errors.h"
+
+namespace shardgather {
+
+namespace {
+
+UnshardResult unshard_now(std::span<const TensorView> shards, Communicator& comm,
+                          std::span<const ShardSpec> specs, const PlanOptions& options) {
+  detail::Call call(comm, Operation::kUnshard, options.timeout, options.preflight);
+  // A one-shot call must not create a node-shared window it uses once: kAuto means kDirect.
+  PlanOptions one_shot = options;
+  if (one_shot.strategy == Strategy::kAuto) {
+    one_shot.strategy = Strategy::kDirect;
+  }
+  UnshardPlan plan;
+  AlignedBuffer buffer;
+  call.check([&] {
+    plan = UnshardPlan(specs, comm.size(), comm.rank(), one_shot);
+    buffer = AlignedBuffer(plan.output_bytes());
+  });
+  call.guard(buffer);
+  const ExecStats stats = detail::PlanAccess::run(plan, call, shards, buffer.data(), buffer.size());
+  std::vector<TensorView> views = plan.views(buffer.data());
+  return {std::move(views), std::move(buffer), stats};
+}
+
+}  // namespace
+
+std::vector<std::int64_t> chunk_sizes(std::int64_t full, int world_size) {
+  if (world_size < 1 || full < 0) {
+    throw InvalidArgument("chunk_sizes: " + std::to_string(full) + " over " +
+                          std::to_string(world_size) + " ranks");
+  }
+  const std::int64_t chunk = full == 0 ? 0 : (full + world_size - 1) / world_size;
+  std::vector<std::int64_t> sizes(static_cast<std::size_t>(world_size));
+  std::int64_t left = full;
+  for (auto& size : sizes) {
+    size = std::min(chunk, left);
+    left -= size;
+  }
+  return sizes;
+}
+
+UnshardResult unshard(std::span<const TensorView> shards, Communicator& comm,
+                      std::span<const ShardSpec> specs, const PlanOptions& options) {
+  return detail::run_blocking(comm, [&] { return unshard_now(shards, comm, specs, options); });
+}
+
+Work<UnshardResult> start_unshard(std::span<const TensorView> shards, Communicator& comm,
+                                  std::span<const ShardSpec> specs, const PlanOptions& options) {
+  return detail::start_on<UnshardResult>(
+      comm, [&comm, views = std::vector<TensorView>(shards.begin(), shards.end()),
+             copied = std::vector<ShardSpec>(specs.begin(), specs.end()),
+             options] { return unshard_now(views, comm, copied, options); });
+}
+
+}  // namespace shardgather

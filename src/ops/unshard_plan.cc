@@ -1,0 +1,427 @@
+// UnshardPlan: shards along any dim into full parameters, received straight into place.
+//
+// Rank r's wire stream is the real part of each of its shards, parameter by parameter (padding
+// never travels). Part (r, i) lands in parameter i's full tensor as `outer` blocks of
+// sizes[r] * inner bytes, one per index of the dims before the shard dim, full[d] * inner bytes
+// apart, starting at row offset sum(sizes[< r]). For dim 0 (outer == 1) that is one contiguous
+// block, so a single dim-0 parameter gathers straight into the full tensor with a plain
+// all_gather_v.
+#include <algorithm>
+#include <string>
+
+#include "detail/checked_math.h"
+#include "detail/hash.h"
+#include "detail/local_input.h"
+#include "detail/send_stream.h"
+#include "ops/call.h"
+#include "ops/payload.h"
+#include "ops/plan_access.h"
+#include "ops/start.h"
+
+#include "shardgather/copy.h"
+#include "shardgather/errors.h"
+#include "shardgather/layout.h"
+#include "shardgather/unshard.h"
+
+namespace shardgather {
+
+namespace {
+
+constexpr std::uint64_t kOutputAlignment = 64;
+
+std::string param_prefix(std::size_t i) { return "parameter " + std::to_string(i) + ": "; }
+
+// Bytes of the dims before (outer, as a count) and after (inner, in bytes) the shard dim.
+struct Split {
+  std::uint64_t outer = 1;
+  std::uint64_t inner_bytes = 1;
+};
+
+Split split_of(const ShardSpec& s) {
+  const auto d = static_cast<std::ptrdiff_t>(s.shard_dim);
+  const Shape before(s.full_shape.begin(), s.full_shape.begin() + d);
+  const Shape after(s.full_shape.begin() + d + 1, s.full_shape.end());
+  return {checked_nbytes(DType::kUInt8, before), checked_nbytes(s.dtype, after)};
+}
+
+// Checks the spec's dim and sizes (filling torch.chunk sizes in); returns its full bytes.
+std::uint64_t check_spec(ShardSpec& s, std::size_t i, int world_size) {
+  const std::string where = param_prefix(i);
+  const auto ndim = static_cast<int>(s.full_shape.size());
+  if (ndim == 0) {
+    throw InvalidArgument(where + "a 0-d parameter has no dim to shard");
+  }
+  if (s.shard_dim < -ndim || s.shard_dim >= ndim) {
+    throw InvalidArgument(where + "shard dim " + std::to_string(s.shard_dim) +
+                          " out of range for " + detail::shape_str(s.full_shape));
+  }
+  if (s.shard_dim < 0) {
+    s.shard_dim += ndim;
+  }
+  std::uint64_t full_bytes = 0;
+  try {
+    full_bytes = checked_nbytes(s.dtype, s.full_shape);
+  } catch (const CountOverflow& e) {
+    throw CountOverflow(where + e.what());
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(where + e.what());
+  }
+  const std::int64_t full_d = s.full_shape[static_cast<std::size_t>(s.shard_dim)];
+  if (s.sizes.empty()) {
+    s.sizes = chunk_sizes(full_d, world_size);
+  }
+  if (s.sizes.size() != static_cast<std::size_t>(world_size)) {
+    throw InvalidArgument(where + std::to_string(s.sizes.size()) + " shard sizes for " +
+                          std::to_string(world_size) + " ranks");
+  }
+  std::uint64_t sum = 0;
+  for (const std::int64_t size : s.sizes) {
+    if (size < 0) {
+      throw InvalidArgument(where + "negative shard size " + std::to_string(size));
+    }
+    // Checked: sizes near 2^62 must not wrap into a plausible sum.
+    sum = detail::add_checked(sum, static_cast<std::uint64_t>(size), "sum of shard sizes");
+  }
+  if (sum != static_cast<std::uint64_t>(full_d)) {
+    throw InvalidArgument(where + "shard sizes sum to " + std::to_string(sum) + " but dim " +
+                          std::to_string(s.shard_dim) + " of " + detail::shape_str(s.full_shape) +
+                          " is " + std::to_string(full_d));
+  }
+  const std::int64_t largest = *std::max_element(s.sizes.begin(), s.sizes.end());
+  if (s.padded_size != 0 && s.padded_size < largest) {
+    throw InvalidArgument(where + "padded size " + std::to_string(s.padded_size) +
+                          " is smaller than the largest shard, " + std::to_string(largest));
+  }
+  return full_bytes;
+}
+
+void hash_spec(detail::Hasher& hasher, const ShardSpec& s) {
+  hasher.add(static_cast<std::uint64_t>(s.dtype));
+  hasher.add(static_cast<std::uint64_t>(s.shard_dim));
+  hasher.add(static_cast<std::uint64_t>(s.padded_size));
+  for (const std::int64_t dim : s.full_shape) {
+    hasher.add(static_cast<std::uint64_t>(dim));
+  }
+  for (const std::int64_t size : s.sizes) {
+    hasher.add(static_cast<std::uint64_t>(size));
+  }
+}
+
+}  // namespace
+
+UnshardPlan::UnshardPlan(std::span<const ShardSpec> specs, int world_size, int rank,
+                         const PlanOptions& options)
+    : specs_(specs.begin(), specs.end()), world_(world_size), rank_(rank), options_(options) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    throw InvalidArgument("UnshardPlan: rank " + std::to_string(rank) + " of " +
+                          std::to_string(world_size));
+  }
+  const auto world = static_cast<std::size_t>(world_size);
+  const std::size_t n = specs_.size();
+  detail::Hasher hasher;
+  hasher.add(world);
+  hasher.add(n);
+  output_offsets_.resize(n);
+  part_bytes_.assign(world * n, 0);
+  part_pieces_.assign(world * n, RecvPiece{});
+  part_offsets_.assign(world * n, 0);
+  counts_.assign(world, 0);
+  std::uint64_t end = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uint64_t full_bytes = add_spec(i, world_size);
+    end = detail::align_up_checked(end, kOutputAlignment, "output offset");
+    output_offsets_[i] = end;
+    end = detail::add_checked(end, full_bytes, "output size");
+    hash_spec(hasher, specs_[i]);
+  }
+  output_bytes_ = end;
+  for (std::size_t i = 0; i < n; ++i) {
+    local_bytes_.push_back(checked_nbytes(specs_[i].dtype, shard_shape(rank, i)));
+  }
+  fingerprint_ = hasher.value() == 0 ? 1 : hasher.value();
+}
+
+std::uint64_t UnshardPlan::add_spec(std::size_t i, int world_size) {
+  ShardSpec& s = specs_[i];
+  const std::uint64_t full_bytes = check_spec(s, i, world_size);
+  const std::size_t n = specs_.size();
+  const Split split = split_of(s);
+  const auto full_d =
+      static_cast<std::uint64_t>(s.full_shape[static_cast<std::size_t>(s.shard_dim)]);
+  const std::uint64_t row_bytes = full_d * split.inner_bytes;
+  std::uint64_t row = 0;
+  for (std::size_t r = 0; r < static_cast<std::size_t>(world_size); ++r) {
+    const auto rows = static_cast<std::uint64_t>(s.sizes[r]);
+    const std::uint64_t block = rows * split.inner_bytes;
+    const std::size_t k = r * n + i;
+    part_bytes_[k] = block * split.outer;
+    // An execution sets `data` to the full tensor's address plus the offset.
+    part_offsets_[k] = row * split.inner_bytes;
+    part_pieces_[k] = RecvPiece{nullptr, block, split.outer, row_bytes};
+    counts_[r] = detail::add_checked(counts_[r], part_bytes_[k], "bytes per rank");
+    row += rows;
+  }
+  return full_bytes;
+}
+
+Shape UnshardPlan::shard_shape(int rank, std::size_t i) const {
+  const ShardSpec& s = specs_.at(i);
+  Shape shape = s.full_shape;
+  shape[static_cast<std::size_t>(s.shard_dim)] =
+      s.padded_size != 0 ? s.padded_size : s.sizes.at(static_cast<std::size_t>(rank));
+  return shape;
+}
+
+std::vector<TensorView> UnshardPlan::views(std::byte* buffer) const {
+  std::vector<TensorView> out;
+  out.reserve(specs_.size());
+  for (std::size_t i = 0; i < specs_.size(); ++i) {
+    out.push_back(TensorView{.data = buffer + output_offsets_[i],
+                             .dtype = specs_[i].dtype,
+                             .shape = specs_[i].full_shape,
+                             .strides = {}});
+  }
+  return out;
+}
+
+std::optional<std::string> UnshardPlan::target_buffer(std::byte* out, std::uint64_t out_size) {
+  detail::ExecScratch& x = scratch_.get();
+  x.outputs.resize(specs_.size());
+  for (std::size_t i = 0; i < specs_.size(); ++i) {
+    x.outputs[i] = out + output_offsets_[i];
+  }
+  if (out_size < output_bytes_) {
+    return "the output holds " + std::to_string(out_size) + " bytes, the plan needs " +
+           std::to_string(output_bytes_);
+  }
+  return std::nullopt;
+}
+
+std::optional<std::string> UnshardPlan::target_outputs(std::span<const TensorView> outputs) {
+  detail::ExecScratch& x = scratch_.get();
+  x.outputs.resize(specs_.size());
+  if (outputs.size() != specs_.size()) {
+    return "the plan has " + std::to_string(specs_.size()) + " parameters, got " +
+           std::to_string(outputs.size()) + " outputs";
+  }
+  for (std::size_t i = 0; i < specs_.size(); ++i) {
+    const TensorView& o = outputs[i];
+    const ShardSpec& s = specs_[i];
+    if (o.dtype != s.dtype || o.shape != s.full_shape || !is_contiguous(o)) {
+      return "output " + std::to_string(i) + ": needs a contiguous " +
+             std::string(dtype_name(s.dtype)) + " tensor of " + detail::shape_str(s.full_shape) +
+             ", got " + std::string(dtype_name(o.dtype)) + " " + detail::shape_str(o.shape);
+    }
+    if (o.data == nullptr && checked_nbytes(s.dtype, s.full_shape) != 0) {
+      return "output " + std::to_string(i) + ": null data";
+    }
+    x.outputs[i] = static_cast<std::byte*>(o.data);
+  }
+  return std::nullopt;
+}
+
+ExecStats UnshardPlan::execute(std::span<const TensorView> shards, Communicator& comm,
+                               std::span<std::byte> out) {
+  return detail::run_blocking(comm, [&] {
+    const std::optional<std::string> error = target_buffer(out.data(), out.size());
+    return execute_now(shards, comm, error, true);
+  });
+}
+
+ExecStats UnshardPlan::execute(std::span<const TensorView> shards, Communicator& comm,
+                               std::span<const TensorView> outputs) {
+  return detail::run_blocking(comm, [&] {
+    const std::optional<std::string> error = target_outputs(outputs);
+    return execute_now(shards, comm, error, false);
+  });
+}
+
+Work<ExecStats> UnshardPlan::start(std::span<const TensorView> shards, Communicator& comm,
+                                   std::span<std::byte> out) {
+  return detail::start_on<ExecStats>(
+      comm, [this, &comm, views = std::vector<TensorView>(shards.begin(), shards.end()), out] {
+        const std::optional<std::string> error = target_buffer(out.data(), out.size());
+        return execute_now(views, comm, error, true);
+      });
+}
+
+Work<ExecStats> UnshardPlan::start(std::span<const TensorView> shards, Communicator& comm,
+                                   std::span<const TensorView> outputs) {
+  return detail::start_on<ExecStats>(
+      comm, [this, &comm, views = std::vector<TensorView>(shards.begin(), shards.end()),
+             outs = std::vector<TensorView>(outputs.begin(), outputs.end())] {
+        const std::optional<std::string> error = target_outputs(outs);
+        return execute_now(views, comm, error, false);
+      });
+}
+
+ExecStats UnshardPlan::execute_now(std::span<const TensorView> shards, Communicator& comm,
+                                   const std::optional<std::string>& output_error,
+                                   bool one_buffer) {
+  detail::Call call(comm, Operation::kUnshardExecute, options_.timeout, options_.preflight,
+                    &scratch_.get().headers);
+  return run(call, shards, output_error, one_buffer);
+}
+
+void UnshardPlan::check_shards(const Communicator& comm, std::span<const TensorView> shards,
+                               bool one_buffer, ExecStats& stats) {
+  detail::ExecScratch& x = scratch_.get();
+  const std::size_t n = specs_.size();
+  const auto me = static_cast<std::size_t>(rank_);
+  if (comm.size() != world_ || comm.rank() != rank_) {
+    throw InvalidArgument("the plan was built for rank " + std::to_string(rank_) + " of " +
+                          std::to_string(world_) + ", the communicator is rank " +
+                          std::to_string(comm.rank()) + " of " + std::to_string(comm.size()));
+  }
+  if (shards.size() != n) {
+    throw InvalidArgument("the plan has " + std::to_string(n) + " parameters, got " +
+                          std::to_string(shards.size()) + " shards");
+  }
+  // Aliasing: against the one output buffer (O(n)), or across every extent, shards read and
+  // outputs written (sorted, O(n log n)).
+  const auto out_begin =
+      reinterpret_cast<std::uintptr_t>(x.outputs.empty() ? nullptr : x.outputs[0]);
+  const std::uintptr_t out_end = out_begin + output_bytes_;
+  std::uint64_t staged = 0;
+  x.extents.clear();
+  for (std::size_t i = 0; i < n; ++i) {
+    const ShardSpec& s = specs_[i];
+    const TensorView& t = shards[i];
+    if (t.dtype != s.dtype || t.shape.size() != s.full_shape.size()) {
+      throw InvalidArgument("tensor " + std::to_string(i) + ": expected a " +
+                            std::string(dtype_name(s.dtype)) + " shard of rank " +
+                            std::to_string(s.full_shape.size()) + ", got " +
+                            std::string(dtype_name(t.dtype)) + " " + detail::shape_str(t.shape));
+    }
+    for (std::size_t d = 0; d < t.shape.size(); ++d) {
+      const std::int64_t want = d != static_cast<std::size_t>(s.shard_dim) ? s.full_shape[d]
+                                : s.padded_size != 0                       ? s.padded_size
+                                                                           : s.sizes[me];
+      if (t.shape[d] != want) {
+        throw InvalidArgument("tensor " + std::to_string(i) + ": shard shape " +
+                              detail::shape_str(t.shape) + ", rank " + std::to_string(rank_) +
+                              " should pass dim " + std::to_string(d) + " = " +
+                              std::to_string(want) + " (full " + detail::shape_str(s.full_shape) +
+                              ", shard dim " + std::to_string(s.shard_dim) + ")");
+      }
+    }
+    detail::check_tensor_matches(t, i, s.dtype, t.shape, local_bytes_[i]);
+    if (!is_contiguous(t)) {
+      staged += local_bytes_[i];
+    }
+    const detail::Extent e = detail::extent_of(t, local_bytes_[i]);
+    if (one_buffer) {
+      if (e.begin < e.end && e.begin < out_end && out_begin < e.end) {
+        throw InvalidArgument("tensor " + std::to_string(i) +
+                              ": aliasing: the shard overlaps the output (in-place unshard is "
+                              "not supported; keep shards and full tensors apart)");
+      }
+      continue;
+    }
+    const auto o = reinterpret_cast<std::uintptr_t>(x.outputs[i]);
+    x.extents.push_back({e, false});
+    x.extents.push_back({{o, o + checked_nbytes(s.dtype, s.full_shape)}, true});
+  }
+  detail::check_no_overlap(x.extents);
+  if (x.staging.size() < staged) {
+    x.staging.resize(staged);
+  }
+  stats.staged_bytes = staged;
+}
+
+void UnshardPlan::build_job(std::span<const TensorView> shards) {
+  detail::ExecScratch& x = scratch_.get();
+  const std::size_t n = specs_.size();
+  const auto world = static_cast<std::size_t>(world_);
+  const auto me = static_cast<std::size_t>(rank_);
+  x.segments.clear();
+  x.send_first.clear();
+  std::byte* staging = x.staging.data();
+  for (std::size_t i = 0; i < n; ++i) {
+    x.send_first.push_back(x.segments.size());
+    const ShardSpec& s = specs_[i];
+    const auto real = static_cast<std::uint64_t>(s.sizes[me]);
+    const auto local = static_cast<std::uint64_t>(s.padded_size != 0 ? s.padded_size : s.sizes[me]);
+    const std::uint64_t bytes = part_bytes_[me * n + i];
+    if (bytes == 0) {
+      continue;
+    }
+    if (real == local) {
+      detail::append_tensor(shards[i], bytes, false, staging, x.segments);
+      continue;
+    }
+    // Padded: the real rows of every outer index, from the shard (packed first if strided).
+    const Split split = split_of(s);
+    const auto* base = static_cast<const std::byte*>(shards[i].data);
+    if (!is_contiguous(shards[i])) {
+      pack(shards[i], staging);
+      base = staging;
+      staging += split.outer * local * split.inner_bytes;
+    }
+    for (std::uint64_t o = 0; o < split.outer; ++o) {
+      x.segments.push_back({base + o * local * split.inner_bytes, real * split.inner_bytes});
+    }
+  }
+  x.send_first.push_back(x.segments.size());
+  for (std::size_t k = 0; k < world * n; ++k) {
+    const RecvPiece& p = part_pieces_[k];
+    x.pieces[k] = RecvPiece{x.outputs[k % n] + part_offsets_[k], p.block, p.count, p.stride};
+    x.part_bytes[k] = part_bytes_[k];
+    x.part_first[k] = k;
+  }
+  for (std::size_t r = 0; r <= world; ++r) {
+    x.first[r] = r * n;
+  }
+  x.part_first[world * n] = world * n;
+}
+
+ExecStats UnshardPlan::run(detail::Call& call, std::span<const TensorView> shards,
+                           const std::optional<std::string>& output_error, bool one_buffer) {
+  detail::ExecScratch& x = scratch_.get();
+  detail::size_scratch(x, world_, specs_.size());
+  call.guard(scratch_);
+  ExecStats stats;
+  const Strategy strategy = detail::select_strategy(options_.strategy, counts_, call.comm(),
+                                                    x.strategy.shared_unavailable);
+  detail::PreflightHeader& header = call.header();
+  header.flags |= detail::kHasHint;
+  header.hint_hash = fingerprint_;
+  header.num_tensors = specs_.size();
+  detail::set_strategy(header, strategy);
+  call.check([&] {
+    if (output_error) {
+      throw InvalidArgument(*output_error);
+    }
+    check_shards(call.comm(), shards, one_buffer, stats);
+    header.payload_bytes = counts_[static_cast<std::size_t>(rank_)];
+  });
+  call.agree();
+  stats.preflight_collectives = call.exchanges() ? 1 : 0;
+  build_job(shards);
+  const detail::GatherJob job{
+      .send = x.segments,
+      .pieces = x.pieces,
+      .first = x.first,
+      .counts = counts_,
+      .num_tensors = specs_.size(),
+      .part_bytes = x.part_bytes,
+      .part_first = x.part_first,
+      .send_first = x.send_first,
+      .copy_threads = detail::copy_threads(options_, call.comm()),
+      .stream_displs = {},
+      .entry_synchronized = call.exchanges(),
+  };
+  detail::run_payload(call, options_.strategy, strategy, job, x.strategy, stats);
+  return stats;
+}
+
+namespace detail {
+
+ExecStats PlanAccess::run(UnshardPlan& plan, Call& call, std::span<const TensorView> shards,
+                          std::byte* out, std::uint64_t out_size) {
+  const std::optional<std::string> error = plan.target_buffer(out, out_size);
+  return plan.run(call, shards, error, true);
+}
+
+}  // namespace detail
+}  // namespace shardgather
