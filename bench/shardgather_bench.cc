@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "compute.h"
 #include "presets.h"
 #include "support/alloc_counter.h"
 #include <unistd.h>
@@ -71,6 +72,8 @@ struct Result {
   std::uint64_t preflight_collectives = 0;
   std::uint64_t payload_collectives = 0;
   double allocations = 0;  // per timed call, the largest rank's
+  // op "overlap", strategy "both" only: time(both) / max(time(gather), time(compute)).
+  double overlap_ratio = 0;
 };
 
 // What one rank holds: its shards of every parameter, and what every rank's shard looks like.
@@ -255,6 +258,8 @@ class RankBench {
         add_limit();
       } else if (op == "per_tensor") {
         add_foreach(sg::Strategy::kPerTensor, "per_tensor");
+      } else if (op == "overlap") {
+        add_overlap();
       } else {
         for (const sg::Strategy strategy : cfg_.strategies) {
           if (op == "unshard") {
@@ -338,6 +343,67 @@ class RankBench {
     cases_.push_back(std::move(k));
   }
 
+  // The overlap cases: a planned gather alone (execute), the stand-in compute alone, and both
+  // (start, compute, wait). The compute is sized on every rank to about the gather's time,
+  // and the same on every rank (the largest rank's count).
+  void add_overlap() {
+    auto& plan = gather_plans_.emplace_back(std::make_unique<sg::AllGatherPlan>(
+        setup_.dtypes, setup_.shapes, comm_.rank(), plan_options(sg::Strategy::kAuto)));
+    sg::AllGatherPlan* p = plan.get();
+    overlap_out_.resize(p->output_bytes(), std::byte{0xee});
+    const double gather_us =
+        median_us(3, [&] { (void)p->execute(setup_.views, comm_, overlap_out_); });
+    const double unit_us = median_us(3, [&] { compute_.run(1); });
+    std::uint64_t units =
+        std::max<std::uint64_t>(1, static_cast<std::uint64_t>(gather_us / unit_us));
+    std::vector<std::uint64_t> all(static_cast<std::size_t>(comm_.size()));
+    comm_.all_gather(std::as_bytes(std::span(&units, 1)), std::as_writable_bytes(std::span(all)),
+                     deadline());
+    overlap_units_ = *std::max_element(all.begin(), all.end());
+    auto& stats = stats_.emplace_back(std::make_unique<sg::ExecStats>());
+    const auto verify = [this, p] {
+      const std::uint64_t wrong = count_wrong_views(p->views(overlap_out_.data()));
+      std::memset(overlap_out_.data(), 0xee, overlap_out_.size());
+      return wrong;
+    };
+    const auto add = [&](const char* what, std::function<void()> call, bool gathers) {
+      Case k;
+      k.result = Result{.op = "overlap", .strategy = what};
+      k.result.gathered_bytes = p->output_bytes();
+      k.stats = gathers ? stats.get() : nullptr;
+      k.call = std::move(call);
+      k.verify = gathers ? std::function<std::uint64_t()>(verify) : [] { return std::uint64_t{0}; };
+      cases_.push_back(std::move(k));
+    };
+    add(
+        "gather",
+        [this, p, st = stats.get()] { *st = p->execute(setup_.views, comm_, overlap_out_); }, true);
+    add(
+        "compute", [this] { compute_.run(overlap_units_); }, false);
+    add(
+        "both",
+        [this, p, st = stats.get()] {
+          sg::Work<sg::ExecStats> work = p->start(setup_.views, comm_, overlap_out_);
+          compute_.run(overlap_units_);
+          *st = work.wait();
+        },
+        true);
+  }
+
+  // Median wall time of `n` barrier-separated calls on this rank, in microseconds.
+  double median_us(int n, const std::function<void()>& fn) {
+    std::vector<double> t;
+    for (int k = 0; k < n; ++k) {
+      comm_.barrier(deadline());
+      const auto t0 = std::chrono::steady_clock::now();
+      fn();
+      t.push_back(
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  }
+
   // execute_shared: the gathered bytes are read in place; nothing is copied out.
   void add_foreach_shared() {
     auto& plan = gather_plans_.emplace_back(std::make_unique<sg::AllGatherPlan>(
@@ -399,8 +465,33 @@ class RankBench {
   std::vector<std::byte> limit_recv_;
   std::vector<std::byte> foreach_out_;
   std::vector<std::byte> unshard_out_;
+  std::vector<std::byte> overlap_out_;
   std::span<const std::byte> shared_result_;
+  sg::bench::Compute compute_;
+  std::uint64_t overlap_units_ = 1;
 };
+
+// Fills in the overlap ratio of the "both" row from the medians of the three overlap rows.
+void add_overlap_ratio(std::vector<Result>& results) {
+  double gather = 0;
+  double compute = 0;
+  Result* both = nullptr;
+  for (Result& r : results) {
+    if (r.op != "overlap") {
+      continue;
+    }
+    if (r.strategy == "gather" || r.strategy.rfind("gather", 0) == 0) {
+      gather = r.time_us;
+    } else if (r.strategy == "compute") {
+      compute = r.time_us;
+    } else {
+      both = &r;
+    }
+  }
+  if (both != nullptr && std::max(gather, compute) > 0) {
+    both->overlap_ratio = both->time_us / std::max(gather, compute);
+  }
+}
 
 std::string json_escape(const std::string& s) {
   std::string out;
@@ -448,6 +539,14 @@ void print_table(const Config& cfg, int world, const Setup& setup,
     wrong += r.wrong;
     busbw_sum += r.busbw;
   }
+  for (const Result& r : results) {
+    if (r.overlap_ratio > 0) {
+      std::printf(
+          "# overlap: time(both) / max(time(gather), time(compute)) = %.3f (1.0: full overlap, "
+          "2.0: none)\n",
+          r.overlap_ratio);
+    }
+  }
   std::printf("# Out of bounds values : %llu %s\n", static_cast<unsigned long long>(wrong),
               wrong == 0 ? "OK" : "FAILED");
   std::printf("# Avg bus bandwidth    : %.3f GB/s\n#\n",
@@ -486,7 +585,8 @@ void write_json(const Config& cfg, int world, const std::vector<Result>& results
                  "\"op\": \"%s\", \"strategy\": \"%s\", \"time_us\": %.3f, \"min_us\": %.3f, "
                  "\"algbw_gbps\": %.4f, \"busbw_gbps\": %.4f, \"wrong\": %llu, "
                  "\"metadata_collectives\": %llu, \"preflight_collectives\": %llu, "
-                 "\"payload_collectives\": %llu, \"allocations\": %.2f}%s\n",
+                 "\"payload_collectives\": %llu, \"allocations\": %.2f, "
+                 "\"overlap_ratio\": %.4f}%s\n",
                  cfg.preset.c_str(), cfg.backend.c_str(), world,
                  std::string(sg::dtype_name(cfg.dtype)).c_str(), r.tensors,
                  static_cast<unsigned long long>(r.bytes_per_rank),
@@ -496,7 +596,7 @@ void write_json(const Config& cfg, int world, const std::vector<Result>& results
                  static_cast<unsigned long long>(r.metadata_collectives),
                  static_cast<unsigned long long>(r.preflight_collectives),
                  static_cast<unsigned long long>(r.payload_collectives), r.allocations,
-                 k + 1 == results.size() ? "" : ",");
+                 r.overlap_ratio, k + 1 == results.size() ? "" : ",");
   }
   std::fprintf(f, "  ]\n}\n");
   std::fclose(f);
@@ -522,7 +622,8 @@ void usage() {
       "  -r, --ranks N          ranks of the threads backend (default 4)\n"
       "  -n, --iters N          timed iterations per case (default 20)\n"
       "  -w, --warmup N         untimed iterations first (default 3)\n"
-      "  -o, --ops LIST         limit,foreach_all_gather,unshard,per_tensor (default: all)\n"
+      "  -o, --ops LIST         limit,foreach_all_gather,unshard,per_tensor (default: these),\n"
+      "                         overlap (a started gather while this thread computes)\n"
       "  -s, --strategies LIST  auto,direct,packed,shared (default: all four)\n"
       "      --no-in-place      skip the execute_shared case (views into the window)\n"
       "      --no-preflight     skip the pre-flight header check\n"
@@ -575,7 +676,8 @@ Config parse(int argc, char** argv) {
     }
   }
   for (const std::string& op : cfg.ops) {
-    if (op != "limit" && op != "foreach_all_gather" && op != "unshard" && op != "per_tensor") {
+    if (op != "limit" && op != "foreach_all_gather" && op != "unshard" && op != "per_tensor" &&
+        op != "overlap") {
       throw sg::InvalidArgument("unknown op " + op);
     }
   }
@@ -586,8 +688,9 @@ Config parse(int argc, char** argv) {
   return cfg;
 }
 
-int report(const Config& cfg, int world, const Setup& setup, const std::vector<Result>& results,
+int report(const Config& cfg, int world, const Setup& setup, std::vector<Result> results,
            const std::string& mpi_library) {
+  add_overlap_ratio(results);
   print_table(cfg, world, setup, results, mpi_library);
   if (!cfg.json.empty()) {
     write_json(cfg, world, results, mpi_library);
@@ -641,7 +744,8 @@ int run_threads(const Config& cfg) {
 #ifdef SHARDGATHER_BENCH_WITH_MPI
 int run_mpi(const Config& cfg, int argc, char** argv) {
   int provided = 0;
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  // SERIALIZED: started operations (the overlap op) call MPI from the progress thread.
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided);
   int rank = 0;
   int world = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);

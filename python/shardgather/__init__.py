@@ -24,11 +24,13 @@ from ._shardgather import (  # noqa: F401  (re-exported)
     Communicator,
     CountOverflowError,
     InvalidArgumentError,
+    InvalidTypeError,
     MismatchError,
     OutOfMemoryError,
     RemoteError,
     ShardgatherError,
     ShardSpec,
+    Work,
     __version__,
     chunk_sizes,
 )
@@ -43,6 +45,7 @@ __all__ = [
     "Communicator",
     "CountOverflowError",
     "InvalidArgumentError",
+    "InvalidTypeError",
     "MismatchError",
     "OutOfMemoryError",
     "RemoteError",
@@ -50,6 +53,7 @@ __all__ = [
     "ShardgatherError",
     "ThreadGroup",
     "UnshardPlan",
+    "Work",
     "chunk_sizes",
     "communicator",
     "foreach_all_gather",
@@ -99,6 +103,7 @@ def foreach_all_gather(
     *,
     timeout=None,
     preflight=True,
+    async_op=False,
 ):
     """Gathers ``params`` from every rank of ``group`` in one collective.
 
@@ -114,12 +119,20 @@ def foreach_all_gather(
     communicator is poisoned. ``preflight=False`` (with a hint only) skips the header that makes
     mismatches raise on every rank.
 
-    Errors: TypeError for a non-tensor, ValueError (InvalidArgumentError) for bad arguments,
-    MismatchError when ranks disagree, CollectiveTimeout (a TimeoutError) past the deadline.
-    The results share one buffer and never require grad.
+    Errors: InvalidTypeError (a TypeError) for a non-tensor, InvalidArgumentError (a ValueError)
+    for bad arguments, MismatchError when ranks disagree, CollectiveTimeout (a TimeoutError)
+    past the deadline; each is raised on every rank. The results share one buffer and never
+    require grad.
+
+    ``async_op=True`` returns a :class:`Work` at once: the gather runs on the communicator's
+    progress thread without the GIL, and ``work.wait()`` returns the lists above (or raises the
+    call's error, on every rank). Started calls on one group complete in the order they were
+    started. The tensors in ``params`` must not be modified until then (the handle keeps them
+    alive).
     """
     comm = communicator(group)
-    return _C.foreach_all_gather(params, comm, params_shapes_across_group, timeout, preflight)
+    return _C.foreach_all_gather(params, comm, params_shapes_across_group, timeout, preflight,
+                                 async_op)
 
 
 def _from_plan(name, doc=None):
@@ -184,9 +197,10 @@ class AllGatherPlan(_PlanState):
                                              timeout)
         return plan
 
-    def execute(self, params, group=None, out=None):
-        """Gathers ``params`` (matching the plan); returns ``out[i][r]`` views (see the class)."""
-        return self._plan.execute(params, communicator(group), out)
+    def execute(self, params, group=None, out=None, *, async_op=False):
+        """Gathers ``params`` (matching the plan); returns ``out[i][r]`` views (see the class).
+        ``async_op=True`` returns a :class:`Work` whose ``wait()`` returns them."""
+        return self._plan.execute(params, communicator(group), out, async_op)
 
     rank = _from_plan("rank")
     num_tensors = _from_plan("num_tensors")
@@ -208,9 +222,10 @@ class UnshardPlan(_PlanState):
         self._plan = _C.UnshardPlan(list(specs), int(world_size), int(rank), strategy,
                                     preflight, timeout)
 
-    def execute(self, shards, group=None, outputs=None):
-        """Gathers this rank's ``shards``; returns the full parameters (see the class)."""
-        return self._plan.execute(shards, communicator(group), outputs)
+    def execute(self, shards, group=None, outputs=None, *, async_op=False):
+        """Gathers this rank's ``shards``; returns the full parameters (see the class).
+        ``async_op=True`` returns a :class:`Work` whose ``wait()`` returns them."""
+        return self._plan.execute(shards, communicator(group), outputs, async_op)
 
     def shard_shape(self, rank, index):
         """The local shard shape rank ``rank`` passes for parameter ``index`` (padded if the
@@ -220,11 +235,14 @@ class UnshardPlan(_PlanState):
     specs = _from_plan("specs", "The specs with their sizes filled in.")
 
 
-def unshard(shards, specs, group=None, *, strategy="auto", preflight=True, timeout=None):
+def unshard(shards, specs, group=None, *, strategy="auto", preflight=True, timeout=None,
+            async_op=False):
     """One-shot unshard: the full parameters (new tensors sharing one fresh buffer) from every
     rank's ``shards`` as described by ``specs`` (a list of :class:`ShardSpec`). Shard shapes are
-    checked against the specs; a wrong one raises on every rank."""
-    return _C.unshard(shards, communicator(group), list(specs), strategy, preflight, timeout)
+    checked against the specs; a wrong one raises on every rank. ``async_op=True`` returns a
+    :class:`Work` whose ``wait()`` returns them."""
+    return _C.unshard(shards, communicator(group), list(specs), strategy, preflight, timeout,
+                      async_op)
 
 
 class ThreadGroup:
@@ -286,11 +304,13 @@ for _cls in (
     Communicator,
     CountOverflowError,
     InvalidArgumentError,
+    InvalidTypeError,
     MismatchError,
     OutOfMemoryError,
     RemoteError,
     ShardSpec,
     ShardgatherError,
+    Work,
 ):
     _cls.__module__ = __name__
 del _cls

@@ -21,6 +21,7 @@
 #include "plans.h"
 #include "process_group.h"
 #include "torch_tensors.h"
+#include "work.h"
 
 #include "shardgather/communicator.h"
 #include "shardgather/errors.h"
@@ -44,20 +45,8 @@ namespace {
 
 using CommPtr = std::shared_ptr<Communicator>;
 
-py::list foreach_all_gather_py(py::handle params, Communicator& comm, py::handle hint_obj,
-                               std::optional<double> timeout, bool preflight) {
-  const ForeachAllGatherOptions options{
-      .timeout = timeout_or_fail(comm, timeout,
-                                 {Operation::kForeachAllGather,
-                                  header_exchanged(!hint_obj.is_none(), preflight), std::nullopt}),
-      .preflight = preflight};
-  CallInputs in = parse_call_or_fail(params, hint_obj, comm, Operation::kForeachAllGather, options);
-
-  auto result = std::make_unique<GatherResult>();
-  call_interruptible(
-      comm, [&] { *result = foreach_all_gather(in.params.views, comm, in.hint, options); });
-  in.params.tensors.clear();
-
+// out[i][r] over the result's buffer, which the tensors keep alive together.
+py::list result_lists(std::unique_ptr<GatherResult> result) {
   const GatherResult& gathered = *result;
   const std::size_t n = gathered.size();
   const auto world = static_cast<std::size_t>(gathered.world_size());
@@ -77,6 +66,31 @@ py::list foreach_all_gather_py(py::handle params, Communicator& comm, py::handle
     PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), per_rank.release().ptr());
   }
   return out;
+}
+
+py::object foreach_all_gather_py(py::handle params, const CommPtr& comm_ptr, py::handle hint_obj,
+                                 std::optional<double> timeout, bool preflight, bool async_op) {
+  Communicator& comm = *comm_ptr;
+  const ForeachAllGatherOptions options{
+      .timeout = timeout_or_fail(comm, timeout,
+                                 {Operation::kForeachAllGather,
+                                  header_exchanged(!hint_obj.is_none(), preflight), std::nullopt}),
+      .preflight = preflight};
+  auto in = std::make_shared<CallInputs>(
+      parse_call_or_fail(params, hint_obj, comm, Operation::kForeachAllGather, options));
+  if (async_op) {
+    Work<GatherResult> work = start_foreach_all_gather(in->params.views, comm, in->hint, options);
+    auto result = [in](GatherResult r) -> py::object {
+      in->params.tensors.clear();
+      return result_lists(std::make_unique<GatherResult>(std::move(r)));
+    };
+    return py::cast(std::make_unique<PyWork>(comm_ptr, std::move(work), result, py::none()));
+  }
+  auto result = std::make_unique<GatherResult>();
+  call_interruptible(
+      comm, [&] { *result = foreach_all_gather(in->params.views, comm, in->hint, options); });
+  in->params.tensors.clear();
+  return result_lists(std::move(result));
 }
 
 // torch.dtype <-> wire dtype, for ShardSpec and the AllGatherPlan constructor.
@@ -270,7 +284,12 @@ PYBIND11_MODULE(_shardgather, m) {
 
   m.def("foreach_all_gather", &foreach_all_gather_py, py::arg("params"), py::arg("comm"),
         py::arg("params_shapes_across_group") = py::none(), py::arg("timeout") = py::none(),
-        py::arg("preflight") = true);
+        py::arg("preflight") = true, py::arg("async_op") = false);
+  py::class_<PyWork>(m, "Work",
+                     "The handle of an async_op=True call: wait() returns what the blocking call "
+                     "returns (or raises its error, on every rank); is_completed() polls.")
+      .def("wait", &PyWork::wait)
+      .def("is_completed", &PyWork::is_completed);
   py::class_<ShardSpec>(m, "ShardSpec",
                         "How one parameter is sharded: full shape, shard dim (negative allowed), "
                         "per-rank sizes (None: torch.chunk) and the padded local size (0: none)")
@@ -305,8 +324,15 @@ PYBIND11_MODULE(_shardgather, m) {
           py::arg("params"), py::arg("comm"), py::arg("params_shapes_across_group") = py::none(),
           py::arg("strategy") = "auto", py::arg("preflight") = true,
           py::arg("timeout") = py::none())
-      .def("execute", &PyAllGatherPlan::execute, py::arg("params"), py::arg("comm"),
-           py::arg("out") = py::none())
+      .def(
+          "execute",
+          [](const py::object& self, py::handle params, const CommPtr& comm,
+             std::optional<at::Tensor> out, bool async_op) {
+            return self.cast<PyAllGatherPlan&>().execute(params, comm, std::move(out), async_op,
+                                                         self);
+          },
+          py::arg("params"), py::arg("comm"), py::arg("out") = py::none(),
+          py::arg("async_op") = false)
       .def_property_readonly("output_bytes",
                              [](const PyAllGatherPlan& p) { return p.plan().output_bytes(); })
       .def_property_readonly("world_size",
@@ -333,8 +359,14 @@ PYBIND11_MODULE(_shardgather, m) {
            }),
            py::arg("specs"), py::arg("world_size"), py::arg("rank"), py::arg("strategy") = "auto",
            py::arg("preflight") = true, py::arg("timeout") = py::none())
-      .def("execute", &PyUnshardPlan::execute, py::arg("shards"), py::arg("comm"),
-           py::arg("outputs") = py::none())
+      .def(
+          "execute",
+          [](const py::object& self, py::handle shards, const CommPtr& comm,
+             std::optional<py::handle> outputs, bool async_op) {
+            return self.cast<PyUnshardPlan&>().execute(shards, comm, outputs, async_op, self);
+          },
+          py::arg("shards"), py::arg("comm"), py::arg("outputs") = py::none(),
+          py::arg("async_op") = false)
       .def(
           "shard_shape",
           [](const PyUnshardPlan& p, int rank, std::size_t i) {
@@ -364,12 +396,14 @@ PYBIND11_MODULE(_shardgather, m) {
 
   m.def(
       "unshard",
-      [](py::handle shards, Communicator& comm, const std::vector<ShardSpec>& specs,
-         const std::string& strategy, bool preflight, std::optional<double> timeout) {
-        return unshard_py(shards, comm, specs, plan_options(strategy, preflight, timeout));
+      [](py::handle shards, const CommPtr& comm, const std::vector<ShardSpec>& specs,
+         const std::string& strategy, bool preflight, std::optional<double> timeout,
+         bool async_op) {
+        return unshard_py(shards, comm, specs, plan_options(strategy, preflight, timeout),
+                          async_op);
       },
       py::arg("shards"), py::arg("comm"), py::arg("specs"), py::arg("strategy") = "auto",
-      py::arg("preflight") = true, py::arg("timeout") = py::none());
+      py::arg("preflight") = true, py::arg("timeout") = py::none(), py::arg("async_op") = false);
   m.def("_make_thread_group", &make_thread_group_py, py::arg("world_size"));
   m.def("_process_group_communicator", &process_group_communicator, py::arg("group"),
         py::arg("device") = "cpu", py::arg("p2p") = true, py::arg("host_mailbox") = true);

@@ -1,6 +1,7 @@
 #include "plans.h"
 
 #include <algorithm>
+#include <array>
 #include <memory>
 #include <stdexcept>
 #include <utility>
@@ -10,6 +11,7 @@
 
 #include "params.h"
 #include "torch_tensors.h"
+#include "work.h"
 
 #include "shardgather/errors.h"
 
@@ -196,12 +198,19 @@ std::unique_ptr<PyAllGatherPlan> PyAllGatherPlan::create(py::handle params, Comm
   });
 }
 
-py::list PyAllGatherPlan::execute(py::handle params, Communicator& comm,
-                                  std::optional<at::Tensor> out) {
+py::object PyAllGatherPlan::execute(py::handle params,
+                                    const std::shared_ptr<Communicator>& comm_ptr,
+                                    std::optional<at::Tensor> out, bool async_op,
+                                    const py::object& self) {
+  Communicator& comm = *comm_ptr;
   const auto lock = claim(busy_, "AllGatherPlan");
   const PlanOptions& options = plan_.options();
+  // A started execution holds its own parsed inputs until it ends; a blocking one reuses the
+  // plan's (no allocation after the first step).
+  const auto started = async_op ? std::make_shared<Params>() : nullptr;
+  Params& parsed = async_op ? *started : parsed_;
   const InputsHeld held(parsed_);
-  parse_or_fail(params, "params", parsed_, comm, Operation::kPlanExecute, options);
+  parse_or_fail(params, "params", parsed, comm, Operation::kPlanExecute, options);
   at::Tensor target;
   if (out) {
     if (auto error = check_out(*out)) {
@@ -215,6 +224,15 @@ py::list PyAllGatherPlan::execute(py::handle params, Communicator& comm,
     target = buffer_;
   }
   const std::span<std::byte> bytes(static_cast<std::byte*>(target.data_ptr()), target.nbytes());
+  if (async_op) {
+    Work<ExecStats> work = plan_.start(parsed.views, comm, bytes);
+    auto result = [this, started, target](ExecStats stats) -> py::object {
+      last_ = stats;
+      started->tensors.clear();
+      return results_over(target);
+    };
+    return py::cast(std::make_unique<PyWork>(comm_ptr, std::move(work), result, self));
+  }
   call_interruptible(comm, [&] { last_ = plan_.execute(parsed_.views, comm, bytes); });
   return results_over(target);
 }
@@ -234,47 +252,60 @@ py::list PyAllGatherPlan::results_over(const at::Tensor& target) {
   return lists_.get(cached_, static_cast<std::size_t>(plan_.layout().world_size));
 }
 
-py::list PyUnshardPlan::execute(py::handle shards, Communicator& comm,
-                                std::optional<py::handle> outputs) {
+py::object PyUnshardPlan::execute(py::handle shards, const std::shared_ptr<Communicator>& comm_ptr,
+                                  std::optional<py::handle> outputs, bool async_op,
+                                  const py::object& self) {
+  Communicator& comm = *comm_ptr;
   const auto lock = claim(busy_, "UnshardPlan");
   const PlanOptions& options = options_;
+  const auto started = async_op ? std::make_shared<std::array<Params, 2>>() : nullptr;
+  Params& parsed = async_op ? (*started)[0] : parsed_;
+  Params& parsed_outputs = async_op ? (*started)[1] : outputs_;
   const InputsHeld held(parsed_);
-  parse_or_fail(shards, "shards", parsed_, comm, Operation::kUnshardExecute, options);
-  if (outputs && !outputs->is_none()) {
-    const InputsHeld held_outputs(outputs_);
-    parse_or_fail(*outputs, "outputs", outputs_, comm, Operation::kUnshardExecute, options);
-    call_interruptible(comm, [&] {
-      last_ = plan_.execute(parsed_.views, comm, std::span<const TensorView>(outputs_.views));
-    });
-    const auto given = py::reinterpret_borrow<py::sequence>(*outputs);
-    py::list result(outputs_.views.size());
-    for (std::size_t i = 0; i < outputs_.views.size(); ++i) {
-      result[i] = given[i];
+  const InputsHeld held_outputs(outputs_);
+  parse_or_fail(shards, "shards", parsed, comm, Operation::kUnshardExecute, options);
+  const bool given = outputs && !outputs->is_none();
+  py::list result;
+  if (given) {
+    parse_or_fail(*outputs, "outputs", parsed_outputs, comm, Operation::kUnshardExecute, options);
+    const auto seq = py::reinterpret_borrow<py::sequence>(*outputs);
+    result = py::list(parsed_outputs.views.size());
+    for (std::size_t i = 0; i < parsed_outputs.views.size(); ++i) {
+      result[i] = seq[i];
     }
-    return result;
-  }
-  if (!buffer_.defined()) {
+  } else if (!buffer_.defined()) {
     // Once: every later execution reuses the buffer and these tensors. Kept only when every
     // tensor was built, so a failure here is retried by the next call.
     at::Tensor buffer = new_buffer(plan_.output_bytes());
     cached_ = wrap_views(buffer.storage(), plan_.views(static_cast<std::byte*>(buffer.data_ptr())));
     buffer_ = std::move(buffer);
   }
-  const std::span<std::byte> bytes(static_cast<std::byte*>(buffer_.data_ptr()), buffer_.nbytes());
-  call_interruptible(comm, [&] { last_ = plan_.execute(parsed_.views, comm, bytes); });
-  return lists_.get(cached_, 0);
+  const std::span<std::byte> bytes(
+      static_cast<std::byte*>(buffer_.defined() ? buffer_.data_ptr() : nullptr),
+      buffer_.defined() ? buffer_.nbytes() : 0);
+  if (async_op) {
+    Work<ExecStats> work =
+        given ? plan_.start(parsed.views, comm, std::span<const TensorView>(parsed_outputs.views))
+              : plan_.start(parsed.views, comm, bytes);
+    auto finish = [this, started, given, result](ExecStats stats) -> py::object {
+      last_ = stats;
+      (*started)[0].tensors.clear();
+      (*started)[1].tensors.clear();
+      return given ? result : lists_.get(cached_, 0);
+    };
+    return py::cast(std::make_unique<PyWork>(comm_ptr, std::move(work), finish, self));
+  }
+  call_interruptible(comm, [&] {
+    last_ = given ? plan_.execute(parsed_.views, comm, std::span<const TensorView>(outputs_.views))
+                  : plan_.execute(parsed_.views, comm, bytes);
+  });
+  return given ? result : lists_.get(cached_, 0);
 }
 
-py::list unshard_py(py::handle shards, Communicator& comm, const std::vector<ShardSpec>& specs,
-                    const PlanOptions& options) {
-  Params parsed = parse_params(shards, "shards");
-  if (parsed.error.kind != LocalError::kNone) {
-    fail_locally(comm, parsed.error, Operation::kUnshard, options);
-  }
-  auto result =
-      std::make_unique<UnshardResult>(std::vector<TensorView>{}, AlignedBuffer{}, ExecStats{});
-  call_interruptible(comm, [&] { *result = unshard(parsed.views, comm, specs, options); });
-  parsed.tensors.clear();
+namespace {
+
+// The full tensors over the result's buffer, which they keep alive together.
+py::list full_tensors(std::unique_ptr<UnshardResult> result) {
   const std::size_t n = result->size();
   if (n == 0) {
     return py::list();
@@ -284,10 +315,7 @@ py::list unshard_py(py::handle shards, Communicator& comm, const std::vector<Sha
   std::uint64_t end = 0;
   for (std::size_t i = 0; i < n; ++i) {
     const TensorView& v = (*result)[i];
-    std::uint64_t bytes = dtype_size(v.dtype);
-    for (const std::int64_t d : v.shape) {
-      bytes *= static_cast<std::uint64_t>(d);
-    }
+    const std::uint64_t bytes = checked_nbytes(v.dtype, v.shape);
     end = std::max<std::uint64_t>(
         end, static_cast<std::uint64_t>(static_cast<std::byte*>(v.data) - base) + bytes);
   }
@@ -298,6 +326,30 @@ py::list unshard_py(py::handle shards, Communicator& comm, const std::vector<Sha
     out[i] = wrap(tensor_over(storage, base, full[i]));
   }
   return out;
+}
+
+}  // namespace
+
+py::object unshard_py(py::handle shards, const std::shared_ptr<Communicator>& comm_ptr,
+                      const std::vector<ShardSpec>& specs, const PlanOptions& options,
+                      bool async_op) {
+  Communicator& comm = *comm_ptr;
+  auto parsed = std::make_shared<Params>(parse_params(shards, "shards"));
+  if (parsed->error.kind != LocalError::kNone) {
+    fail_locally(comm, parsed->error, Operation::kUnshard, options);
+  }
+  if (async_op) {
+    Work<UnshardResult> work = start_unshard(parsed->views, comm, specs, options);
+    auto result = [parsed](UnshardResult r) -> py::object {
+      parsed->tensors.clear();
+      return full_tensors(std::make_unique<UnshardResult>(std::move(r)));
+    };
+    return py::cast(std::make_unique<PyWork>(comm_ptr, std::move(work), result, py::none()));
+  }
+  auto result = std::make_unique<UnshardResult>();
+  call_interruptible(comm, [&] { *result = unshard(parsed->views, comm, specs, options); });
+  parsed->tensors.clear();
+  return full_tensors(std::move(result));
 }
 
 }  // namespace shardgather::python

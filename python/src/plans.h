@@ -63,8 +63,10 @@ class PyAllGatherPlan {
 
   // out[i][r]: rank r's params[i], views of `out` (a contiguous CPU tensor of at least
   // output_bytes bytes) or, when none, of the plan's own buffer.
-  pybind11::list execute(pybind11::handle params, Communicator& comm,
-                         std::optional<at::Tensor> out);
+  // `async_op`: returns a Work whose wait() returns the lists (`self` is kept alive until then).
+  pybind11::object execute(pybind11::handle params, const std::shared_ptr<Communicator>& comm,
+                           std::optional<at::Tensor> out, bool async_op,
+                           const pybind11::object& self);
 
   [[nodiscard]] const AllGatherPlan& plan() const noexcept { return plan_; }
   [[nodiscard]] const ExecStats& last_stats() const noexcept { return last_; }
@@ -93,8 +95,9 @@ class PyUnshardPlan {
 
   // The full parameters: `outputs` (contiguous tensors of each full shape and dtype, returned
   // as a new list) or, when none, views of the plan's own buffer.
-  pybind11::list execute(pybind11::handle shards, Communicator& comm,
-                         std::optional<pybind11::handle> outputs);
+  pybind11::object execute(pybind11::handle shards, const std::shared_ptr<Communicator>& comm,
+                           std::optional<pybind11::handle> outputs, bool async_op,
+                           const pybind11::object& self);
 
   [[nodiscard]] const UnshardPlan& plan() const noexcept { return plan_; }
   [[nodiscard]] const PlanOptions& options() const noexcept { return options_; }
@@ -114,7 +117,8 @@ class PyUnshardPlan {
 };
 
 // One-shot unshard: plan, allocate (a torch-owned buffer), execute; returns the full tensors.
-pybind11::list unshard_py(pybind11::handle shards, Communicator& comm,
-                          const std::vector<ShardSpec>& specs, const PlanOptions& options);
+pybind11::object unshard_py(pybind11::handle shards, const std::shared_ptr<Communicator>& comm,
+                            const std::vector<ShardSpec>& specs, const PlanOptions& options,
+                            bool async_op);
 
 }  // namespace shardgather::python

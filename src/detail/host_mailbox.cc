@@ -120,10 +120,13 @@ struct HostMailbox::Layout {
   static constexpr std::size_t kEpoch = 0;
   static constexpr std::size_t kWaiters = 4;
   static constexpr std::size_t kToken = 8;
-  // Rank record: pid, pid-namespace dev and inode.
+  // Rank record: pid, pid-namespace dev and inode, and the first call this rank gave up on
+  // (0: none), so that a peer arriving late never reads that call's slots as a success.
   static constexpr std::size_t kPid = 0;
   static constexpr std::size_t kPidDev = 8;
   static constexpr std::size_t kPidIno = 16;
+  static constexpr std::size_t kAbandoned = 24;
+  static constexpr std::size_t kAbandonCode = 32;  // the ErrorCode it gave up with
 
   static std::size_t record(int rank) { return kLine + static_cast<std::size_t>(rank) * kLine; }
   static std::size_t slot(int size, std::uint64_t call, int rank) {
@@ -239,6 +242,90 @@ void HostMailbox::check_alive(std::uint64_t call, int from, const char* what) {
   }
 }
 
+void HostMailbox::give_up(std::uint64_t call, ErrorCode code) noexcept {
+  // This rank leaves `call` for good (its communicator is poisoned): a peer that comes later, or
+  // waits still, must fail with the same class, not read the slots written so far as a
+  // completed exchange.
+  std::byte* base = buffer_->data();
+  const std::size_t record = Layout::record(rank_);
+  at<std::uint64_t>(base, record + Layout::kAbandonCode).store(static_cast<std::uint64_t>(code));
+  std::uint64_t none = 0;
+  (void)at<std::uint64_t>(base, record + Layout::kAbandoned).compare_exchange_strong(none, call);
+  auto* epoch_word = word<std::uint32_t>(base, Layout::kEpoch);
+  std::atomic_ref<std::uint32_t>(*epoch_word).fetch_add(1);
+  futex_wake_all(epoch_word);
+}
+
+void HostMailbox::check_abandoned(std::uint64_t call, int missing) const {
+  std::byte* base = buffer_->data();
+  for (int r = 0; r < size_; ++r) {
+    const std::size_t record = Layout::record(r);
+    const std::uint64_t gave_up = at<std::uint64_t>(base, record + Layout::kAbandoned).load();
+    if (r == rank_ || gave_up == 0 || gave_up > call) {
+      continue;
+    }
+    const auto code =
+        static_cast<ErrorCode>(at<std::uint64_t>(base, record + Layout::kAbandonCode).load());
+    std::string ranks;
+    for (int m = missing; m < size_; m = first_missing(call, m + 1)) {
+      ranks += (ranks.empty() ? "" : ", ") + std::to_string(m);
+    }
+    throw_error(code == ErrorCode::kTimeout ? code : ErrorCode::kRemoteError,
+                "rank " + std::to_string(rank_) +
+                    ": an all_gather through the host mailbox: rank " + std::to_string(r) +
+                    " gave up on exchange " + std::to_string(gave_up) + " (" +
+                    std::string(error_code_name(code)) + ")" +
+                    (ranks.empty() ? "" : " waiting for rank(s) " + ranks) +
+                    " (the communicator is poisoned; rebuild the group or end the process)");
+  }
+}
+
+void HostMailbox::wait_for_peers(std::uint64_t call, Deadline deadline,
+                                 const std::function<void()>& poll) {
+  static constexpr const char* kWhat = "an all_gather through the host mailbox";
+  std::byte* base = buffer_->data();
+  auto* epoch_word = word<std::uint32_t>(base, Layout::kEpoch);
+  std::atomic_ref<std::uint32_t> epoch(*epoch_word);
+  auto waiters = at<std::uint32_t>(base, Layout::kWaiters);
+  int missing = first_missing(call, 0);
+  for (int spin = 0; missing < size_ && spin < kSpins; ++spin) {
+    cpu_relax();
+    missing = first_missing(call, missing);
+  }
+  while (missing < size_) {
+    // Read the word before the last check: an arrival after it changes the word, and the
+    // futex then returns at once instead of sleeping through it.
+    const std::uint32_t seen = epoch.load();
+    missing = first_missing(call, missing);
+    if (missing == size_) {
+      break;
+    }
+    check_abandoned(call, missing);
+    if (interrupted_.load()) {
+      throw Aborted("rank " + std::to_string(rank_) + ": abort() while in " + kWhat);
+    }
+    const Clock::time_point now = Clock::now();
+    if (now >= deadline) {
+      std::string ranks;
+      for (int r = missing; r < size_; r = first_missing(call, r + 1)) {
+        ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+      }
+      throw Timeout("rank " + std::to_string(rank_) + ": " + kWhat +
+                    " passed its deadline waiting for rank(s) " + ranks +
+                    " (the communicator is poisoned; rebuild the group or end the process)");
+    }
+    if (poll) {
+      poll();
+    }
+    check_alive(call, missing, kWhat);
+    const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
+    waiters.fetch_add(1);
+    futex_wait(epoch_word, seen, std::min<std::chrono::nanoseconds>(left, kSleepSlice));
+    waiters.fetch_sub(1);
+    missing = first_missing(call, missing);
+  }
+}
+
 void HostMailbox::all_gather(std::span<const std::byte> send, std::span<std::byte> recv,
                              Deadline deadline, const std::function<void()>& poll) {
   static constexpr const char* kWhat = "an all_gather through the host mailbox";
@@ -268,42 +355,16 @@ void HostMailbox::all_gather(std::span<const std::byte> send, std::span<std::byt
     futex_wake_all(epoch_word);
   }
 
-  int missing = first_missing(call, 0);
-  for (int spin = 0; missing < size_ && spin < kSpins; ++spin) {
-    cpu_relax();
-    missing = first_missing(call, missing);
+  try {
+    wait_for_peers(call, deadline, poll);
+  } catch (const Error& e) {
+    give_up(call, e.code());
+    throw;
+  } catch (...) {
+    give_up(call, ErrorCode::kAborted);
+    throw;
   }
-  while (missing < size_) {
-    // Read the word before the last check: an arrival after it changes the word, and the
-    // futex then returns at once instead of sleeping through it.
-    const std::uint32_t seen = epoch.load();
-    missing = first_missing(call, missing);
-    if (missing == size_) {
-      break;
-    }
-    if (interrupted_.load()) {
-      throw Aborted("rank " + std::to_string(rank_) + ": abort() while in " + kWhat);
-    }
-    const Clock::time_point now = Clock::now();
-    if (now >= deadline) {
-      std::string ranks;
-      for (int r = missing; r < size_; r = first_missing(call, r + 1)) {
-        ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-      }
-      throw Timeout("rank " + std::to_string(rank_) + ": " + kWhat +
-                    " passed its deadline waiting for rank(s) " + ranks +
-                    " (the communicator is poisoned; rebuild the group or end the process)");
-    }
-    if (poll) {
-      poll();
-    }
-    check_alive(call, missing, kWhat);
-    const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
-    waiters.fetch_add(1);
-    futex_wait(epoch_word, seen, std::min<std::chrono::nanoseconds>(left, kSleepSlice));
-    waiters.fetch_sub(1);
-    missing = first_missing(call, missing);
-  }
+  check_abandoned(call, size_);
 
   // Every rank sees every count, so a disagreement raises on every rank, and the slots stay in
   // step for the next call.

@@ -30,6 +30,7 @@
 #include "detail/shared_buffer.h"
 
 #include "shardgather/communicator.h"
+#include "shardgather/errors.h"
 
 namespace shardgather::detail {
 
@@ -68,6 +69,14 @@ class HostMailbox {
   // Throws RemoteError when the process of a rank from `from` on that has not written `call`
   // is gone (checked at most every 100 ms).
   void check_alive(std::uint64_t call, int from, const char* what);
+  // Returns once every peer's slot holds `call`; throws Timeout, Aborted, RemoteError (a peer
+  // exited or gave up on an exchange up to `call`), or what `poll` throws.
+  void wait_for_peers(std::uint64_t call, Deadline deadline, const std::function<void()>& poll);
+  // Marks `call` as given up by this rank, with the class it raises, and wakes the waiters.
+  void give_up(std::uint64_t call, ErrorCode code) noexcept;
+  // When a peer gave up on an exchange up to `call`: Timeout if its deadline passed, else
+  // RemoteError, naming the ranks still missing from `missing` on.
+  void check_abandoned(std::uint64_t call, int missing) const;
 
   std::unique_ptr<SharedBuffer> buffer_;
   int rank_;

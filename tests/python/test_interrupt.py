@@ -49,3 +49,23 @@ def test_ctrl_c_interrupts_a_blocked_call(api):
         t0 = time.monotonic()
         shardgather.foreach_all_gather(params, comm, timeout=30.0)
     assert time.monotonic() - t0 < 0.5
+
+
+def test_ctrl_c_while_waiting_on_a_started_call():
+    """The operation runs on the progress thread; the handle's wait() on the main thread sees
+    the signal, aborts the communicator, and raises KeyboardInterrupt."""
+    group = shardgather.ThreadGroup(2)
+    comm = group[0]  # rank 1 never calls
+    params = [torch.arange(6, dtype=torch.float32)]
+    work = shardgather.foreach_all_gather(params, comm, timeout=30.0, async_op=True)
+    assert not work.is_completed()
+    timer, sent = _interrupt_after(0.5)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        work.wait()
+    raised = time.monotonic()
+    timer.join()
+    assert raised - start < 5.0, "the wait lasted far past the signal"
+    assert raised - sent["t"] < 1.0, f"KeyboardInterrupt {raised - sent['t']:.2f} s after SIGINT"
+    assert work.is_completed()  # aborted, not abandoned
+    assert comm.is_poisoned

@@ -45,8 +45,10 @@ void with_mailboxes(int world, const std::function<void(int, Communicator&, Host
 // ProcessGroup backend does: small all_gathers and barriers go through it.
 class MailboxCommunicator final : public Communicator {
  public:
-  explicit MailboxCommunicator(Communicator& inner)
-      : inner_(inner), mailbox_(HostMailbox::create(*this, Clock::now() + 10s)) {}
+  // The mailbox's setup exchanges go over `inner` (mailbox_ is still null while they run).
+  explicit MailboxCommunicator(Communicator& inner) : inner_(inner) {
+    mailbox_ = HostMailbox::create(*this, Clock::now() + 10s);
+  }
   MailboxCommunicator(const MailboxCommunicator&) = delete;
   MailboxCommunicator& operator=(const MailboxCommunicator&) = delete;
   MailboxCommunicator(MailboxCommunicator&&) = delete;
@@ -165,6 +167,32 @@ TEST_P(HostMailboxWorld, TimeoutNamesTheMissingRank) {
     EXPECT_GE(Clock::now() - start, 200ms);
   });
   EXPECT_EQ(timeouts.load(), world - 1);
+}
+
+// A rank that arrives after the others gave up must fail too (Timeout, their class), not read
+// the slots they wrote before giving up as a completed exchange: with zero bytes (an empty
+// list's header) nothing else would catch it.
+TEST_P(HostMailboxWorld, ALateRankFailsInsteadOfReadingTheAbandonedSlots) {
+  const int world = GetParam();
+  std::atomic<int> timeouts{0};
+  with_mailboxes(world, [&](int rank, Communicator&, HostMailbox& box) {
+    const bool late = rank == world - 1;
+    if (late) {
+      std::this_thread::sleep_for(400ms);
+    }
+    const auto start = Clock::now();
+    try {
+      box.all_gather({}, {}, start + (late ? 10s : 200ms), {});
+      ADD_FAILURE() << "rank " << rank << ": the exchange returned";
+    } catch (const Timeout& e) {
+      ++timeouts;
+      if (late) {
+        EXPECT_NE(std::string(e.what()).find("gave up"), std::string::npos) << e.what();
+        EXPECT_LT(Clock::now() - start, 1s) << "the late rank must not wait out its deadline";
+      }
+    }
+  });
+  EXPECT_EQ(timeouts.load(), world);
 }
 
 TEST_P(HostMailboxWorld, DifferentCountsRaiseMismatchOnEveryRankThenStayInStep) {

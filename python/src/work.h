@@ -1,0 +1,60 @@
+// shardgather._shardgather.Work: the handle an `async_op=True` call returns (c10d's Work, for
+// Python). wait() returns what the blocking call returns, or raises its error; is_completed()
+// polls. The operation runs on the communicator's progress thread without the GIL.
+//
+// Ctrl-C: wait() sleeps with the GIL released in slices of 100 ms and runs Python's signal
+// handlers between them (on the main thread); a KeyboardInterrupt aborts the communicator (the
+// running operation ends with Aborted and the communicator is poisoned), waits for the
+// operation to end, and is raised.
+// Lifetime: the handle holds the inputs (and the plan it came from) until the operation ended;
+// dropping an incomplete handle waits for it, with the GIL released.
+#pragma once
+
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <utility>
+
+#include <pybind11/pybind11.h>
+
+#include "shardgather/communicator.h"
+#include "shardgather/work.h"
+
+namespace shardgather::python {
+
+class PyWork {
+ public:
+  // `result(value)` runs with the GIL held, once, and builds what wait() returns.
+  template <typename T, typename Result>
+  PyWork(std::shared_ptr<Communicator> comm, Work<T> work, Result result, pybind11::object keep)
+      : comm_(std::move(comm)), keep_(std::move(keep)) {
+    auto shared = std::make_shared<Work<T>>(std::move(work));
+    test_ = [shared](std::chrono::milliseconds timeout) { return shared->test(timeout); };
+    finish_ = [shared, result = std::move(result)]() mutable { return result(shared->wait()); };
+  }
+  PyWork(const PyWork&) = delete;
+  PyWork& operator=(const PyWork&) = delete;
+  PyWork(PyWork&&) = default;
+  PyWork& operator=(PyWork&&) = delete;
+  ~PyWork();
+
+  [[nodiscard]] bool is_completed() const { return done_ || test_(std::chrono::milliseconds(0)); }
+  pybind11::object wait();
+
+ private:
+  // Until the operation completed, with the GIL released and Ctrl-C checked between slices.
+  void block();
+
+  std::shared_ptr<Communicator> comm_;
+  pybind11::object keep_;  // what the operation reads (a plan); released after it ended
+  std::function<bool(std::chrono::milliseconds)> test_;
+  std::function<pybind11::object()> finish_;
+  bool done_ = false;
+  // wait()'s outcome, kept so that a second wait() returns (or raises) it again.
+  pybind11::object value_;
+  std::exception_ptr error_;
+  bool waited_ = false;
+};
+
+}  // namespace shardgather::python
