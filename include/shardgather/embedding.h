@@ -2,7 +2,8 @@
 // operation: how to fail that call on every rank, as the core's own local checks do.
 //
 //   if (!is_tensor(params[3]))  // found by the binding, before any core call
-//     fail_call(comm, {.op = Operation::kForeachAllGather, .header_exchanged = true},
+//     fail_call(comm, {.op = Operation::kForeachAllGather, .header_exchanged = true, .timeout =
+//     {}},
 //               ErrorCode::kInvalidType, "params[3] is a str, not a torch.Tensor");
 //
 // The peers, which are making that call, raise the same class with the same message naming this

@@ -65,15 +65,20 @@ __all__ = [
 
 # One communicator per group object: its op sequence numbers and poisoned state must persist
 # across calls, and it must go away with the group (torch keeps groups alive while they exist).
+# Building one is collective, so it happens under a lock of its own group only: two threads whose
+# first calls on two groups come in opposite orders on two ranks must not wait for each other.
 _comms = weakref.WeakKeyDictionary()
+_building = weakref.WeakKeyDictionary()  # group -> the lock its first call builds under
 _comms_lock = threading.Lock()
 
 
-def communicator(group=None):
+def communicator(group=None, timeout=None):
     """The shardgather Communicator for ``group``.
 
     ``group`` may be a Communicator (returned as is), a torch.distributed ProcessGroup, or None
-    for torch.distributed's default group.
+    for torch.distributed's default group. The first call for a group builds its communicator,
+    which is collective over the group (every rank's first call does it) and bounded by
+    ``timeout`` seconds (None: the default timeout); it runs without the GIL.
     """
     if isinstance(group, Communicator):
         return group
@@ -85,14 +90,26 @@ def communicator(group=None):
                 "a group or a shardgather.Communicator"
             )
         group = dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            "group must be a torch.distributed ProcessGroup, a shardgather.Communicator or "
+            "None, got %s" % type(group).__name__
+        )
     with _comms_lock:
         comm = _comms.get(group)
+        if comm is not None:
+            return comm
+        building = _building.setdefault(group, threading.Lock())
+    with building:
+        with _comms_lock:
+            comm = _comms.get(group)
         if comm is None:
             device = "cpu"
             if dist.get_backend(group) == "nccl":
                 device = "cuda:%d" % torch.cuda.current_device()
-            comm = _C._process_group_communicator(group, device)
-            _comms[group] = comm
+            comm = _C._process_group_communicator(group, device, timeout=timeout)
+            with _comms_lock:
+                _comms[group] = comm
     return comm
 
 
@@ -130,9 +147,19 @@ def foreach_all_gather(
     started. The tensors in ``params`` must not be modified until then (the handle keeps them
     alive).
     """
-    comm = communicator(group)
+    comm = communicator(group, _setup_timeout(timeout))
     return _C.foreach_all_gather(params, comm, params_shapes_across_group, timeout, preflight,
                                  async_op)
+
+
+def _setup_timeout(timeout):
+    """The call's timeout, for building the group's communicator on a first call; a bad value
+    is left to the call itself, which reports it on every rank."""
+    try:
+        seconds = float(timeout)
+    except (TypeError, ValueError):
+        return None
+    return seconds if seconds >= 0 and seconds == seconds and seconds != float("inf") else None
 
 
 def _from_plan(name, doc=None):
@@ -156,6 +183,9 @@ class _PlanState:
     )
     output_bytes = _from_plan("output_bytes")
     world_size = _from_plan("world_size")
+
+    def _timeout(self):
+        return self._plan.timeout
 
 
 class AllGatherPlan(_PlanState):
@@ -192,7 +222,7 @@ class AllGatherPlan(_PlanState):
         rank's row is checked); without it, every rank must call create (one header and one
         exchange of shape records). Errors raise on every rank."""
         plan = cls.__new__(cls)
-        plan._plan = _C.AllGatherPlan.create(params, communicator(group),
+        plan._plan = _C.AllGatherPlan.create(params, communicator(group, _setup_timeout(timeout)),
                                              params_shapes_across_group, strategy, preflight,
                                              timeout)
         return plan
@@ -200,7 +230,7 @@ class AllGatherPlan(_PlanState):
     def execute(self, params, group=None, out=None, *, async_op=False):
         """Gathers ``params`` (matching the plan); returns ``out[i][r]`` views (see the class).
         ``async_op=True`` returns a :class:`Work` whose ``wait()`` returns them."""
-        return self._plan.execute(params, communicator(group), out, async_op)
+        return self._plan.execute(params, communicator(group, self._timeout()), out, async_op)
 
     rank = _from_plan("rank")
     num_tensors = _from_plan("num_tensors")
@@ -225,7 +255,7 @@ class UnshardPlan(_PlanState):
     def execute(self, shards, group=None, outputs=None, *, async_op=False):
         """Gathers this rank's ``shards``; returns the full parameters (see the class).
         ``async_op=True`` returns a :class:`Work` whose ``wait()`` returns them."""
-        return self._plan.execute(shards, communicator(group), outputs, async_op)
+        return self._plan.execute(shards, communicator(group, self._timeout()), outputs, async_op)
 
     def shard_shape(self, rank, index):
         """The local shard shape rank ``rank`` passes for parameter ``index`` (padded if the
@@ -241,8 +271,8 @@ def unshard(shards, specs, group=None, *, strategy="auto", preflight=True, timeo
     rank's ``shards`` as described by ``specs`` (a list of :class:`ShardSpec`). Shard shapes are
     checked against the specs; a wrong one raises on every rank. ``async_op=True`` returns a
     :class:`Work` whose ``wait()`` returns them."""
-    return _C.unshard(shards, communicator(group), list(specs), strategy, preflight, timeout,
-                      async_op)
+    return _C.unshard(shards, communicator(group, _setup_timeout(timeout)), list(specs), strategy,
+                      preflight, timeout, async_op)
 
 
 class ThreadGroup:

@@ -93,6 +93,20 @@ py::object foreach_all_gather_py(py::handle params, const CommPtr& comm_ptr, py:
   return result_lists(std::move(result));
 }
 
+// The options of a collective call; a bad strategy name or timeout fails the call on every rank.
+PlanOptions collective_plan_options(Communicator& comm, const std::string& strategy, bool preflight,
+                                    std::optional<double> timeout, const CallShape& call) {
+  try {
+    return plan_options(strategy, preflight, timeout);
+  } catch (const InvalidArgument& e) {
+    fail_call(comm, {LocalError::kValue, 0, e.what()}, call);
+  }
+}
+
+py::object seconds_or_none(std::optional<std::chrono::milliseconds> timeout) {
+  return timeout ? py::cast(std::chrono::duration<double>(*timeout).count()) : py::none();
+}
+
 // torch.dtype <-> wire dtype, for ShardSpec and the AllGatherPlan constructor.
 DType dtype_from_py(py::handle dtype, const std::string& what) {
   if (!THPDtype_Check(dtype.ptr())) {
@@ -152,10 +166,19 @@ void delete_without_gil(Communicator* comm) {
   }
 }
 
+// Collective over the group: built with the GIL released (the peers may be Python threads of
+// this process) and within `timeout` seconds (None: the default).
 CommPtr process_group_communicator(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                   const std::string& device, bool p2p, bool host_mailbox) {
-  return {new ProcessGroupCommunicator(group, c10::Device(device), p2p, host_mailbox),
-          &delete_without_gil};
+                                   const std::string& device, bool p2p, bool host_mailbox,
+                                   std::optional<double> timeout) {
+  const std::chrono::milliseconds setup = to_timeout(timeout).value_or(kDefaultTimeout);
+  const c10::Device dev(device);
+  ProcessGroupCommunicator* comm = nullptr;
+  {
+    const py::gil_scoped_release release;
+    comm = new ProcessGroupCommunicator(group, dev, p2p, host_mailbox, setup);
+  }
+  return {comm, &delete_without_gil};
 }
 
 #ifdef SHARDGATHER_PYTHON_WITH_MPI
@@ -318,8 +341,11 @@ PYBIND11_MODULE(_shardgather, m) {
           "create",
           [](py::handle params, Communicator& comm, py::handle hint, const std::string& strategy,
              bool preflight, std::optional<double> timeout) {
-            return PyAllGatherPlan::create(params, comm, hint,
-                                           plan_options(strategy, preflight, timeout));
+            return PyAllGatherPlan::create(
+                params, comm, hint,
+                collective_plan_options(
+                    comm, strategy, preflight, timeout,
+                    {Operation::kPlanCreate, header_exchanged(!hint.is_none(), preflight), {}}));
           },
           py::arg("params"), py::arg("comm"), py::arg("params_shapes_across_group") = py::none(),
           py::arg("strategy") = "auto", py::arg("preflight") = true,
@@ -338,6 +364,9 @@ PYBIND11_MODULE(_shardgather, m) {
       .def_property_readonly("world_size",
                              [](const PyAllGatherPlan& p) { return p.plan().layout().world_size; })
       .def_property_readonly("rank", [](const PyAllGatherPlan& p) { return p.plan().rank(); })
+      .def_property_readonly(
+          "timeout",
+          [](const PyAllGatherPlan& p) { return seconds_or_none(p.plan().options().timeout); })
       .def_property_readonly("num_tensors",
                              [](const PyAllGatherPlan& p) { return p.plan().layout().num_tensors; })
       .def_property_readonly("strategy",
@@ -386,6 +415,8 @@ PYBIND11_MODULE(_shardgather, m) {
       .def_property_readonly("world_size",
                              [](const PyUnshardPlan& p) { return p.plan().world_size(); })
       .def_property_readonly(
+          "timeout", [](const PyUnshardPlan& p) { return seconds_or_none(p.options().timeout); })
+      .def_property_readonly(
           "strategy",
           [](const PyUnshardPlan& p) { return std::string(strategy_name(p.options().strategy)); })
       .def_property_readonly("last_stats",
@@ -399,14 +430,17 @@ PYBIND11_MODULE(_shardgather, m) {
       [](py::handle shards, const CommPtr& comm, const std::vector<ShardSpec>& specs,
          const std::string& strategy, bool preflight, std::optional<double> timeout,
          bool async_op) {
-        return unshard_py(shards, comm, specs, plan_options(strategy, preflight, timeout),
+        return unshard_py(shards, comm, specs,
+                          collective_plan_options(*comm, strategy, preflight, timeout,
+                                                  {Operation::kUnshard, preflight, {}}),
                           async_op);
       },
       py::arg("shards"), py::arg("comm"), py::arg("specs"), py::arg("strategy") = "auto",
       py::arg("preflight") = true, py::arg("timeout") = py::none(), py::arg("async_op") = false);
   m.def("_make_thread_group", &make_thread_group_py, py::arg("world_size"));
   m.def("_process_group_communicator", &process_group_communicator, py::arg("group"),
-        py::arg("device") = "cpu", py::arg("p2p") = true, py::arg("host_mailbox") = true);
+        py::arg("device") = "cpu", py::arg("p2p") = true, py::arg("host_mailbox") = true,
+        py::arg("timeout") = py::none());
 #ifdef SHARDGATHER_PYTHON_WITH_MPI
   m.attr("_has_mpi") = true;
   m.def("_mpi_init", &mpi_init);

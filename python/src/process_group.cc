@@ -52,7 +52,7 @@ std::uint64_t max_count(std::span<const std::uint64_t> counts) {
 
 ProcessGroupCommunicator::ProcessGroupCommunicator(
     const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device, bool p2p,
-    bool host_mailbox)
+    bool host_mailbox, std::chrono::milliseconds setup_timeout)
     : group_(group),
       rank_(group->getRank()),
       size_(group->getSize()),
@@ -60,11 +60,12 @@ ProcessGroupCommunicator::ProcessGroupCommunicator(
       device_(device),
       staged_on_device_(!device.is_cpu()),
       p2p_(p2p && device.is_cpu() && group->getBackendName() == "gloo") {
-  ranks_on_host_ = count_ranks_on_host();
+  const Deadline setup = deadline_after(setup_timeout);
+  ranks_on_host_ = count_ranks_on_host(setup);
   if (host_mailbox) {
     // The pre-flight header is all latency, and over Gloo each exchange is a rendezvous through
     // the loop thread of both sides: on one host it goes through shared memory instead.
-    mailbox_ = detail::HostMailbox::create(*this, deadline_after(timeout()));
+    mailbox_ = detail::HostMailbox::create(*this, setup);
   }
 }
 
@@ -396,20 +397,28 @@ void ProcessGroupCommunicator::wait_p2p(Deadline deadline, const char* what) {
   }
 }
 
-int ProcessGroupCommunicator::count_ranks_on_host() {
-  if (const char* env = std::getenv("LOCAL_WORLD_SIZE"); env != nullptr && std::atoi(env) > 0) {
-    return std::atoi(env);
-  }
+int ProcessGroupCommunicator::count_ranks_on_host(Deadline deadline) {
   if (size_ == 1) {
     return 1;
   }
+  // Every rank exchanges its host name's hash and its LOCAL_WORLD_SIZE (torchrun sets it), so
+  // that every rank decides alike even when the environment differs between ranks: the
+  // variable is believed only when every rank has the same one.
   std::array<char, 256> name{};
   (void)::gethostname(name.data(), name.size() - 1);
-  const std::uint64_t mine = std::hash<std::string_view>{}(std::string_view(name.data()));
-  std::vector<std::uint64_t> all(static_cast<std::size_t>(size_));
-  do_all_gather(std::as_bytes(std::span(&mine, 1)), std::as_writable_bytes(std::span(all)),
-                deadline_after(timeout()));
-  return static_cast<int>(std::count(all.begin(), all.end(), mine));
+  const char* env = std::getenv("LOCAL_WORLD_SIZE");
+  const std::array<std::uint64_t, 2> mine{
+      std::hash<std::string_view>{}(std::string_view(name.data())),
+      env != nullptr && std::atoi(env) > 0 ? static_cast<std::uint64_t>(std::atoi(env)) : 0};
+  std::vector<std::array<std::uint64_t, 2>> all(static_cast<std::size_t>(size_));
+  do_all_gather(std::as_bytes(std::span(mine)), std::as_writable_bytes(std::span(all)), deadline);
+  const bool env_agrees =
+      std::all_of(all.begin(), all.end(), [&](const auto& r) { return r[1] == all[0][1]; });
+  if (env_agrees && all[0][1] != 0) {
+    return static_cast<int>(all[0][1]);
+  }
+  return static_cast<int>(
+      std::count_if(all.begin(), all.end(), [&](const auto& r) { return r[0] == mine[0]; }));
 }
 
 void ProcessGroupCommunicator::do_barrier(Deadline deadline) {

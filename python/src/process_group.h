@@ -65,8 +65,10 @@ class ProcessGroupCommunicator final : public Communicator {
   // all_gather of at most 1 KiB per rank, and barriers) through shared memory (the host
   // mailbox, src/detail/host_mailbox.h); otherwise, or when false, they go over the group like
   // the payload.
+  // Construction is collective (the host count, the mailbox) and bounded by `setup_timeout`.
   ProcessGroupCommunicator(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device,
-                           bool p2p = true, bool host_mailbox = true);
+                           bool p2p = true, bool host_mailbox = true,
+                           std::chrono::milliseconds setup_timeout = kDefaultTimeout);
   ProcessGroupCommunicator(const ProcessGroupCommunicator&) = delete;
   ProcessGroupCommunicator& operator=(const ProcessGroupCommunicator&) = delete;
   ProcessGroupCommunicator(ProcessGroupCommunicator&&) = delete;
@@ -83,9 +85,10 @@ class ProcessGroupCommunicator final : public Communicator {
   [[nodiscard]] int size() const noexcept override { return size_; }
   // "torch.gloo", "torch.nccl", ...
   [[nodiscard]] std::string_view backend_name() const noexcept override { return name_; }
-  // From LOCAL_WORLD_SIZE (torchrun sets it), else counted once at construction by gathering a
-  // hash of every rank's host name over the group: constructing one is collective (also for
-  // the host mailbox: one /dev/shm object of about 2 KiB per rank, unlinked once mapped).
+  // Counted once at construction by gathering every rank's host-name hash and LOCAL_WORLD_SIZE
+  // over the group (the variable wins when every rank has the same value): constructing one is
+  // collective (also for the host mailbox: one /dev/shm object of about 2 KiB per rank,
+  // unlinked once mapped).
   [[nodiscard]] int ranks_on_host() const noexcept override { return ranks_on_host_; }
   [[nodiscard]] Capabilities capabilities() const noexcept override {
     return {.reads_peer_memory = false, .small_messages_in_shared_memory = mailbox_ != nullptr};
@@ -123,7 +126,7 @@ class ProcessGroupCommunicator final : public Communicator {
   void wait_p2p(Deadline deadline, const char* what);
   // Aborts every in-flight p2p work (wakes their waits); inflight_mu_ held.
   void abort_works_locked() noexcept;
-  int count_ranks_on_host();
+  int count_ranks_on_host(Deadline deadline);
   // Byte tensors over host memory (borrowed), or on device_ (owned) for device-only backends.
   at::Tensor host_bytes(const std::byte* data, std::uint64_t size) const;
   at::Tensor& scratch(at::Tensor& buffer, std::uint64_t size);

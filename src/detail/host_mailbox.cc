@@ -89,7 +89,8 @@ bool process_gone(std::int64_t pid) noexcept {
   const std::string path = "/proc/" + std::to_string(pid) + "/stat";
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
-    return false;
+    // Reaped between the two looks: gone if kill() no longer finds it either.
+    return errno == ENOENT && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
   }
   char text[512];
   const ssize_t n = ::read(fd, text, sizeof(text) - 1);
@@ -217,9 +218,9 @@ int HostMailbox::first_missing(std::uint64_t call, int from) const noexcept {
   return size_;
 }
 
-void HostMailbox::check_alive(std::uint64_t call, int from, const char* what) {
+void HostMailbox::check_alive(std::uint64_t call, int from, const char* what, bool now_or_never) {
   const Clock::time_point now = Clock::now();
-  if (now - last_liveness_check_ < kLivenessPeriod) {
+  if (!now_or_never && now - last_liveness_check_ < kLivenessPeriod) {
     return;
   }
   last_liveness_check_ = now;
@@ -256,7 +257,7 @@ void HostMailbox::give_up(std::uint64_t call, ErrorCode code) noexcept {
   futex_wake_all(epoch_word);
 }
 
-void HostMailbox::check_abandoned(std::uint64_t call, int missing) const {
+void HostMailbox::check_abandoned(std::uint64_t call, int missing) {
   std::byte* base = buffer_->data();
   for (int r = 0; r < size_; ++r) {
     const std::size_t record = Layout::record(r);
@@ -266,6 +267,10 @@ void HostMailbox::check_abandoned(std::uint64_t call, int missing) const {
     }
     const auto code =
         static_cast<ErrorCode>(at<std::uint64_t>(base, record + Layout::kAbandonCode).load());
+    if (code != ErrorCode::kTimeout && missing < size_) {
+      // The peer may have given up because a missing rank exited: name that cause if so.
+      check_alive(call, missing, "an all_gather through the host mailbox", true);
+    }
     std::string ranks;
     for (int m = missing; m < size_; m = first_missing(call, m + 1)) {
       ranks += (ranks.empty() ? "" : ", ") + std::to_string(m);

@@ -68,7 +68,8 @@ class HostMailbox {
   [[nodiscard]] int first_missing(std::uint64_t call, int from) const noexcept;
   // Throws RemoteError when the process of a rank from `from` on that has not written `call`
   // is gone (checked at most every 100 ms).
-  void check_alive(std::uint64_t call, int from, const char* what);
+  // `now_or_never`: check even if the last check was less than 100 ms ago.
+  void check_alive(std::uint64_t call, int from, const char* what, bool now_or_never = false);
   // Returns once every peer's slot holds `call`; throws Timeout, Aborted, RemoteError (a peer
   // exited or gave up on an exchange up to `call`), or what `poll` throws.
   void wait_for_peers(std::uint64_t call, Deadline deadline, const std::function<void()>& poll);
@@ -76,7 +77,7 @@ class HostMailbox {
   void give_up(std::uint64_t call, ErrorCode code) noexcept;
   // When a peer gave up on an exchange up to `call`: Timeout if its deadline passed, else
   // RemoteError, naming the ranks still missing from `missing` on.
-  void check_abandoned(std::uint64_t call, int missing) const;
+  void check_abandoned(std::uint64_t call, int missing);
 
   std::unique_ptr<SharedBuffer> buffer_;
   int rank_;

@@ -51,7 +51,10 @@ void OpQueue::run() {
     jobs_.pop_front();
     busy_ = true;
     lock.unlock();
-    job();
+    {
+      const std::unique_lock<std::mutex> driving = drive();
+      job();
+    }
     job = nullptr;  // whatever the job held is released before it counts as done
     lock.lock();
     busy_ = false;

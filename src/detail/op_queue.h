@@ -7,8 +7,11 @@
 // its operations alike (one number per operation, taken when it runs), which the pre-flight
 // header compares.
 //
-// Threading: one thread drives a communicator, so submit() and drain() come from one thread at a
-// time; a job runs on the progress thread and must not throw (it stores its own failure).
+// Threading: one thread should drive a communicator; when two do anyway, their operations are
+// serialised (each runs under the drive lock, blocking or started), never interleaved: the
+// ranks may then pair different calls, which the pre-flight header reports as a Mismatch, but
+// no two operations share the communicator's state at once. A job runs on the progress thread
+// and must not throw (it stores its own failure).
 // Blocking: submit() never blocks on a job; drain() and stop() wait for the jobs, each bounded by
 // its own deadline (abort() on the communicator ends them early).
 #pragma once
@@ -40,6 +43,11 @@ class OpQueue {
   // Returns once every job submitted so far has run.
   void drain();
 
+  // Held by every operation while it runs (jobs take it on the progress thread).
+  [[nodiscard]] std::unique_lock<std::mutex> drive() {
+    return std::unique_lock<std::mutex>(drive_);
+  }
+
   // drain(), then ends the progress thread. Later submits start a new one. Idempotent.
   void stop() noexcept;
 
@@ -57,6 +65,7 @@ class OpQueue {
   bool busy_ = false;                       // a job is running; guarded by mu_
   bool stopping_ = false;                   // guarded by mu_
   std::thread thread_;
+  std::mutex drive_;  // one operation at a time on the communicator
 };
 
 }  // namespace shardgather::detail

@@ -5,6 +5,7 @@
 #include "detail/graveyard.h"
 #include "detail/op_queue.h"
 #include "ops/exec_scratch.h"
+#include "ops/start.h"
 
 #include "shardgather/plan.h"
 
@@ -28,9 +29,11 @@ std::string_view operation_name(Operation op) noexcept {
 
 void fail_call(Communicator& comm, const CallShape& call, ErrorCode code,
                std::string_view message) {
-  detail::Call c(comm, call.op, call.timeout, call.header_exchanged);
-  c.fail(code == ErrorCode::kOk ? ErrorCode::kInvalidArgument : code, message);
-  c.agree();
+  detail::run_blocking(comm, [&] {
+    detail::Call c(comm, call.op, call.timeout, call.header_exchanged);
+    c.fail(code == ErrorCode::kOk ? ErrorCode::kInvalidArgument : code, message);
+    c.agree();
+  });
   throw Error(ErrorCode::kCommunicationError, "unreachable: a failed call always raises");
 }
 

@@ -15,7 +15,9 @@ namespace shardgather::detail {
 
 template <typename Fn>
 decltype(auto) run_blocking(Communicator& comm, Fn&& op) {
-  comm.operations().drain();
+  OpQueue& ops = comm.operations();
+  ops.drain();
+  const std::unique_lock<std::mutex> driving = ops.drive();
   return op();
 }
 

@@ -383,4 +383,37 @@ def case_shared_window_on_one_host(rank, world):
         same(full[0], _expected_full(spec, world, 0, step), "unshard step %d" % step)
 
 
+def case_plans_moving_the_payload_two_ways(rank, world):
+    """Plans of the same shapes built with different strategies on different ranks: every rank
+    raises MismatchError from the header, with nothing written, and the group stays usable.
+    (Before the strategy was in the header, per_tensor against direct returned wrong bytes on
+    one rank and killed the other's process in Gloo.)"""
+    if world == 1:
+        return
+    params = _gather_params(rank)
+    hint = [[tuple(t.shape) for t in _gather_params(r)] for r in range(world)]
+    dtypes = [t.dtype for t in params]
+    for mine, theirs in (("per_tensor", "direct"), ("shared", "direct"), ("packed", "per_tensor")):
+        strategy = mine if rank == 0 else theirs
+        # create() exchanges a header (the requested strategies differ); the pure constructor
+        # does not, so its first execution is where every rank finds out.
+        for build in (
+            lambda: shardgather.AllGatherPlan.create(params, None, hint, strategy=strategy,
+                                                     timeout=T),
+            lambda: shardgather.AllGatherPlan(dtypes, hint, rank, strategy=strategy, timeout=T),
+        ):
+            out = None
+            try:
+                plan = build()
+                out = torch.full((plan.output_bytes,), 0xEE, dtype=torch.uint8)
+                plan.execute(params, out=out)
+            except shardgather.MismatchError as e:
+                assert "strategy differs" in str(e), str(e)
+            else:
+                raise AssertionError("%s against %s must raise on every rank" % (mine, theirs))
+            assert out is None or bool((out == 0xEE).all()), "a mismatched execution wrote"
+    _check_gather(shardgather.AllGatherPlan.create(params, None, hint, timeout=T).execute(params),
+                  world, 0)
+
+
 CASES = sorted(name for name in dir() if name.startswith("case_"))

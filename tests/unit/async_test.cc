@@ -208,6 +208,34 @@ TEST_P(AsyncWorld, DestroyingAnIncompleteHandleWaitsForIt) {
       test_name());
 }
 
+// Misuse, but never a crash: two threads calling on one communicator at once are serialised.
+// Rank 0's calls come from two threads, its peers' from one; every call gathers the same shapes,
+// so every pairing is a correct gather.
+TEST_P(AsyncWorld, TwoThreadsOnOneCommunicatorAreSerialised) {
+  const int world = GetParam();
+  constexpr int kPerThread = 40;
+  run_ranks(
+      world,
+      [world](int rank, Communicator& comm) {
+        const auto tensors = tensors_for(world, rank, 21);
+        const std::vector<TensorView> views = testing::views_of(tensors);
+        const auto calls = [&](int n) {
+          for (int k = 0; k < n; ++k) {
+            const GatherResult out = foreach_all_gather(views, comm, shapes_for(world));
+            ASSERT_EQ(testing::verify_gather(out, shapes_for(world), kDTypes, 21), "");
+          }
+        };
+        if (rank != 0) {
+          calls(2 * kPerThread);
+          return;
+        }
+        std::thread other([&] { calls(kPerThread); });
+        calls(kPerThread);
+        other.join();
+      },
+      test_name());
+}
+
 INSTANTIATE_TEST_SUITE_P(Worlds, AsyncWorld, ::testing::Values(1, 2, 3, 4, 7),
                          [](const auto& param_info) {
                            return "w" + std::to_string(param_info.param);

@@ -1,0 +1,20 @@
+"""The first call on a torch group: timeout, GIL, locks, environment (see setup_cases)."""
+
+import pytest
+
+import setup_cases
+from conftest import CaseResults
+
+_results = CaseResults("setup_cases", setup_cases.CASES)
+_timeouts = CaseResults("setup_cases", ["timeout_case_first_call_honours_timeout"])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("case", setup_cases.CASES)
+def test_setup_gloo(world, case):
+    _results.check(world, case)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_first_call_honours_timeout(world):
+    _timeouts.check(world, "timeout_case_first_call_honours_timeout")

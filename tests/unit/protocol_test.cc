@@ -1,0 +1,188 @@
+// The one call protocol on the threads backend: disagreements that shape the wire pattern are
+// caught from the header on every rank, before any payload moves (RELIABILITY.md, round 2).
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "support/testing.h"
+
+#include "shardgather/shardgather.h"
+
+namespace shardgather {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::run_ranks;
+
+std::string test_name() {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return std::string(info->test_suite_name()) + "." + info->name();
+}
+
+// Runs `call` and returns the class it raised ("Ok" when it returned) and its message.
+template <typename Fn>
+std::pair<std::string, std::string> outcome(Fn&& call) {
+  try {
+    call();
+  } catch (const Error& e) {
+    return {std::string(error_code_name(e.code())), e.what()};
+  }
+  return {"Ok", ""};
+}
+
+std::vector<std::vector<Shape>> rows(int world) {
+  std::vector<std::vector<Shape>> r;
+  for (int q = 0; q < world; ++q) {
+    r.push_back({{q + 1, 2}, {3}});
+  }
+  return r;
+}
+
+const std::vector<DType> kDTypes{DType::kFloat32, DType::kInt32};
+
+std::vector<testing::HostTensor> tensors(int world, int rank) {
+  const auto shapes = rows(world);
+  std::vector<testing::HostTensor> t;
+  for (std::size_t i = 0; i < kDTypes.size(); ++i) {
+    t.push_back(
+        testing::make_tensor(kDTypes[i], shapes[static_cast<std::size_t>(rank)][i], 7, rank, i));
+  }
+  return t;
+}
+
+// After a Mismatch or InvalidArgument, the next call on the communicator works.
+void expect_usable(Communicator& comm, int world) {
+  const auto t = tensors(world, comm.rank());
+  const GatherResult out = foreach_all_gather(testing::views_of(t), comm, rows(world));
+  EXPECT_EQ(testing::verify_gather(out, rows(world), kDTypes, 7), "");
+}
+
+class ProtocolWorld : public ::testing::TestWithParam<int> {};
+
+TEST_P(ProtocolWorld, PlansMovingThePayloadTwoWaysRaiseMismatchBeforeAnythingMoves) {
+  const int world = GetParam();
+  if (world < 2) {
+    GTEST_SKIP() << "one rank cannot disagree with itself";
+  }
+  run_ranks(
+      world,
+      [world](int rank, Communicator& comm) {
+        const Strategy mine = rank == 0 ? Strategy::kPerTensor : Strategy::kDirect;
+        AllGatherPlan plan(kDTypes, rows(world), rank,
+                           {.timeout = {}, .preflight = true, .strategy = mine, .copy_threads = 0});
+        const auto t = tensors(world, rank);
+        std::vector<std::byte> out(plan.output_bytes(), std::byte{0xee});
+        const std::uint64_t before = comm.collectives_issued();
+        const auto [cls, what] =
+            outcome([&] { (void)plan.execute(testing::views_of(t), comm, out); });
+        EXPECT_EQ(cls, "Mismatch") << what;
+        EXPECT_NE(what.find("strategy differs"), std::string::npos) << what;
+        EXPECT_EQ(comm.collectives_issued(), before + 1) << "only the header may have moved";
+        for (const std::byte b : out) {
+          ASSERT_EQ(b, std::byte{0xee}) << "nothing may be written on a mismatch";
+        }
+        expect_usable(comm, world);
+      },
+      test_name());
+}
+
+TEST_P(ProtocolWorld, APlanBuiltForAnotherWorldSizeFailsOnEveryRankNamingIt) {
+  const int world = GetParam();
+  run_ranks(
+      world,
+      [world](int rank, Communicator& comm) {
+        const int bad = world - 1;
+        const int planned = rank == bad ? world + 1 : world;
+        AllGatherPlan plan(kDTypes, rows(planned), rank);
+        const auto t = tensors(world, rank);
+        std::vector<std::byte> out(plan.output_bytes());
+        const auto start = Clock::now();
+        const auto [cls, what] =
+            outcome([&] { (void)plan.execute(testing::views_of(t), comm, out); });
+        EXPECT_EQ(cls, "InvalidArgument") << what;
+        EXPECT_NE(what.find("the plan was built for rank " + std::to_string(bad) + " of " +
+                            std::to_string(world + 1)),
+                  std::string::npos)
+            << what;
+        EXPECT_LT(Clock::now() - start, 5s);
+        expect_usable(comm, world);
+      },
+      test_name());
+}
+
+TEST_P(ProtocolWorld, TooManyDimsWithoutAHintAreRejectedBeforeThePayload) {
+  const int world = GetParam();
+  run_ranks(
+      world,
+      [world](int rank, Communicator& comm) {
+        const Shape shape(rank == 0 ? 65 : 2, 1);
+        auto t = testing::make_tensor(DType::kUInt8, shape, 1, rank, 0);
+        const std::uint64_t before = comm.collectives_issued();
+        const auto [cls, what] =
+            outcome([&] { (void)foreach_all_gather(std::span(&t.view, 1), comm); });
+        EXPECT_EQ(cls, "InvalidArgument") << what;
+        EXPECT_NE(what.find("65 dims"), std::string::npos) << what;
+        EXPECT_LE(comm.collectives_issued(), before + 1) << "the payload must not have moved";
+        expect_usable(comm, world);
+      },
+      test_name());
+}
+
+TEST_P(ProtocolWorld, ANegativeTimeoutOnOneRankFailsTheCallOnEveryRank) {
+  const int world = GetParam();
+  run_ranks(
+      world,
+      [world](int rank, Communicator& comm) {
+        const auto t = tensors(world, rank);
+        const ForeachAllGatherOptions options{.timeout = rank == world - 1 ? std::optional(-5ms)
+                                                                           : std::optional(30s)};
+        const auto start = Clock::now();
+        const auto [cls, what] = outcome(
+            [&] { (void)foreach_all_gather(testing::views_of(t), comm, rows(world), options); });
+        EXPECT_EQ(cls, "InvalidArgument") << what;
+        EXPECT_NE(what.find("timeout must be >= 0"), std::string::npos) << what;
+        EXPECT_LT(Clock::now() - start, 5s) << "the peers must not wait out their deadline";
+        expect_usable(comm, world);
+      },
+      test_name());
+}
+
+TEST_P(ProtocolWorld, AnEmbeddersFailureReachesEveryRankWithItsMessage) {
+  const int world = GetParam();
+  run_ranks(
+      world,
+      [world](int rank, Communicator& comm) {
+        const auto t = tensors(world, rank);
+        const auto [cls, what] = outcome([&] {
+          if (rank == world - 1) {
+            fail_call(comm,
+                      {.op = Operation::kForeachAllGather, .header_exchanged = true, .timeout = {}},
+                      ErrorCode::kInvalidType, "params[3] is a str, not a torch.Tensor");
+          }
+          (void)foreach_all_gather(testing::views_of(t), comm);
+        });
+        EXPECT_EQ(cls, "InvalidType") << what;
+        EXPECT_NE(what.find("rank " + std::to_string(world - 1)), std::string::npos) << what;
+        EXPECT_NE(what.find("params[3] is a str"), std::string::npos) << what;
+        expect_usable(comm, world);
+      },
+      test_name());
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, ProtocolWorld, ::testing::Values(1, 2, 3, 4, 7),
+                         [](const auto& param_info) {
+                           return "w" + std::to_string(param_info.param);
+                         });
+
+TEST(UnshardSpecs, SizesThatWouldWrapAreACountOverflow) {
+  constexpr std::int64_t kHuge = std::int64_t{1} << 62;
+  const std::vector<ShardSpec> specs{
+      {DType::kFloat32, {4}, 0, {kHuge, kHuge, kHuge, kHuge + 4}, 0}};
+  EXPECT_THROW(UnshardPlan(specs, 4, 0), CountOverflow);
+}
+
+}  // namespace
+}  // namespace shardgather
