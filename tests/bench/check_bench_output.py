@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 
-OPS = {"limit", "foreach_all_gather", "unshard", "per_tensor"}
+OPS = {"limit", "foreach_all_gather", "unshard", "per_tensor", "overlap"}
 FIELDS = {"preset", "backend", "world_size", "dtype", "tensors", "bytes_per_rank", "op",
           "strategy", "time_us", "algbw_gbps", "busbw_gbps", "wrong",
           "metadata_collectives", "allocations"}
@@ -56,7 +56,16 @@ def main():
             # Planned executions: no metadata collective, no allocation in steady state.
             assert r["metadata_collectives"] == 0, r
             assert r["allocations"] == 0, r
-    assert {"limit", "foreach_all_gather", "unshard", "per_tensor"} <= seen_ops
+    if "overlap" in seen_ops:
+        # The overlap op: its three rows, and the ratio on the "both" row (no bar here: tests
+        # never assert on time; docs/benchmarking.md has the measured figures).
+        rows_by = {r["strategy"]: r for r in results if r["op"] == "overlap"}
+        assert {"gather", "compute", "both"} <= set(rows_by), rows_by.keys()
+        assert rows_by["both"]["overlap_ratio"] > 0, rows_by["both"]
+        assert re.search(r"^# overlap: time\(both\) / max\(time\(gather\), time\(compute\)\) = "
+                         r"[0-9.]+", out, re.M)
+    else:
+        assert {"limit", "foreach_all_gather", "unshard", "per_tensor"} <= seen_ops
     print(f"check_bench_output: {len(results)} results OK")
 
 

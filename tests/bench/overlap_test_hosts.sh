@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# shardgather-bench --ops overlap on two simulated hosts joined by a 1 Gbit/s link, checked by
+# check_bench_output.py. Exit 77 (skipped) where namespaces cannot be made (not root).
+#   overlap_test_hosts.sh NETNS_MPIRUN PYTHON CHECK_SCRIPT JSON BENCH
+set -euo pipefail
+netns_mpirun=$1 python=$2 check=$3 json=$4 bench=$5
+if [ "$(id -u)" != 0 ] || ! command -v ip >/dev/null || ! command -v nsenter >/dev/null ||
+  ! unshare --net --uts --mount true 2>/dev/null; then
+  echo "skipped: simulated hosts need root, ip, nsenter and namespaces"
+  exit 77
+fi
+exec "$python" "$check" "$json" -- "$netns_mpirun" --hosts 2 --per-host 1 --rate 1gbit -- \
+  "$bench" --backend mpi --preset tiny-1000 --ops limit,overlap --iters 3 --warmup 1 --json "$json"
