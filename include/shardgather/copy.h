@@ -5,7 +5,6 @@
 #include <cstddef>
 #include <span>
 
-#include "shardgather/communicator.h"
 #include "shardgather/export.h"
 #include "shardgather/types.h"
 

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <span>
 
-#include "shardgather/communicator.h"
+#include "shardgather/types.h"
 
 namespace shardgather::detail {
 

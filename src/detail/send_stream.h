@@ -5,7 +5,6 @@
 #include <span>
 #include <vector>
 
-#include "shardgather/communicator.h"
 #include "shardgather/copy.h"
 #include "shardgather/types.h"
 

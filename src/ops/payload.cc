@@ -1,11 +1,13 @@
 #include "ops/payload.h"
 
 #include <algorithm>
+#include <string>
 
 #include "detail/graveyard.h"
 #include "detail/parallel.h"
 
 #include "shardgather/copy.h"
+#include "shardgather/errors.h"
 
 namespace shardgather::detail {
 
@@ -96,6 +98,14 @@ std::vector<TensorView> layout_views(const LayoutPlan& layout, const std::byte* 
     }
   }
   return out;
+}
+
+void check_plan_world(const Communicator& comm, int world, int rank) {
+  if (comm.size() != world || comm.rank() != rank) {
+    throw InvalidArgument("the plan was built for rank " + std::to_string(rank) + " of " +
+                          std::to_string(world) + ", the communicator is rank " +
+                          std::to_string(comm.rank()) + " of " + std::to_string(comm.size()));
+  }
 }
 
 int copy_threads(const PlanOptions& options, const Communicator& comm) {

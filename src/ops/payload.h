@@ -28,6 +28,9 @@ void run_payload(Call& call, Strategy requested, Strategy strategy, const Gather
 // Views of a layout's tensors over `buffer`: element i * world + r is rank r's tensor i.
 std::vector<TensorView> layout_views(const LayoutPlan& layout, const std::byte* buffer);
 
+// InvalidArgument unless `comm` is rank `rank` of `world`, as the plan was built.
+void check_plan_world(const Communicator& comm, int world, int rank);
+
 // The copy kernels' thread count for these options on this communicator.
 int copy_threads(const PlanOptions& options, const Communicator& comm);
 

@@ -51,11 +51,7 @@ void AllGatherPlan::check_params(const Communicator& comm, std::span<const Tenso
                                  const std::byte* out, std::uint64_t out_size, ExecStats& stats) {
   const int world = layout_.world_size;
   const std::size_t n = layout_.num_tensors;
-  if (comm.size() != world || comm.rank() != rank_) {
-    throw InvalidArgument("the plan was built for rank " + std::to_string(rank_) + " of " +
-                          std::to_string(world) + ", the communicator is rank " +
-                          std::to_string(comm.rank()) + " of " + std::to_string(comm.size()));
-  }
+  detail::check_plan_world(comm, world, rank_);
   if (params.size() != n) {
     throw InvalidArgument("the plan has " + std::to_string(n) + " tensors, got " +
                           std::to_string(params.size()));

@@ -268,11 +268,7 @@ void UnshardPlan::check_shards(const Communicator& comm, std::span<const TensorV
   detail::ExecScratch& x = scratch_.get();
   const std::size_t n = specs_.size();
   const auto me = static_cast<std::size_t>(rank_);
-  if (comm.size() != world_ || comm.rank() != rank_) {
-    throw InvalidArgument("the plan was built for rank " + std::to_string(rank_) + " of " +
-                          std::to_string(world_) + ", the communicator is rank " +
-                          std::to_string(comm.rank()) + " of " + std::to_string(comm.size()));
-  }
+  detail::check_plan_world(comm, world_, rank_);
   if (shards.size() != n) {
     throw InvalidArgument("the plan has " + std::to_string(n) + " parameters, got " +
                           std::to_string(shards.size()) + " shards");

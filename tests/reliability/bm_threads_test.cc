@@ -1,5 +1,6 @@
 // B (bad inputs) and M (mismatch) on the threads backend at W = 2 and 3, each M case also once
 // "naked" (pre-flight off) to record what the transport alone does.
+#include <algorithm>
 #include <string>
 #include <tuple>
 
@@ -48,6 +49,22 @@ std::vector<Param> params() {
   }
   return out;
 }
+
+std::vector<Param> d_params() {
+  std::vector<Param> out;
+  for (const CaseDef& c : d_cases()) {
+    for (const int world : {2, 3, 4}) {
+      out.emplace_back(c.id, world, false);
+    }
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Disagree, ThreadsBM, ::testing::ValuesIn(d_params()), [](const auto& p) {
+  std::string id = std::get<0>(p.param);
+  std::replace(id.begin(), id.end(), '-', '_');
+  return id + "_w" + std::to_string(std::get<1>(p.param));
+});
 
 INSTANTIATE_TEST_SUITE_P(Cases, ThreadsBM, ::testing::ValuesIn(params()), [](const auto& p) {
   return std::get<0>(p.param) + "_w" + std::to_string(std::get<1>(p.param)) +

@@ -602,6 +602,13 @@ int run(int argc, char** argv) {
 }  // namespace shardgather::reliability
 
 int main(int argc, char** argv) {
+  if (argc == 2 && std::string(argv[1]) == "--list-d") {
+    // The generated family's ids, for run_mpi_cases.py (no MPI needed).
+    for (const auto& c : shardgather::reliability::d_cases()) {
+      std::printf("%s %d\n", c.id, c.min_world);
+    }
+    return 0;
+  }
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
   // Open MPI 4.1 reports an error found while progressing a nonblocking collective (for

@@ -1,6 +1,7 @@
 #include "rel_cases.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -11,6 +12,7 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include "ops/call.h"
 #include "ops/preflight.h"
@@ -693,14 +695,339 @@ Outcome m8_op_kind(Communicator& comm, const CaseContext& ctx) {
       std::nullopt);
 }
 
+// ---- D: the generated disagreement family (RELIABILITY round 2) -------------------------
+// One row per (parameter, disagreeing value): every rank but the last makes the reference call,
+// the last rank makes the same call with one thing changed. Every rank must raise the same
+// class, naming the disagreement, from the pre-flight header alone (exactly one collective:
+// no payload moves), well within the deadline, and the communicator must stay usable.
+
+enum class DOp : std::uint8_t { kForeach, kCreate, kExecute, kUnshard, kUnshardExecute };
+
+struct DCall {
+  DOp op = DOp::kForeach;
+  bool hint = true;
+  Strategy strategy = Strategy::kDirect;
+  int extra_tensors = 0;  // more tensors than the reference
+  bool many = false;      // 131 tensors, so one differs past the 128 inline dtypes
+  DType dtype0 = DType::kFloat32;
+  DType dtype130 = DType::kFloat32;
+  int plan_world_delta = 0;  // the plan was built for world + delta ranks
+  int shape_shift = 0;       // the hint's (or plan's) row of rank 0 is this much longer
+  int timeout_ms = 0;        // negative: a bad timeout; 0: the context's
+  bool swap_sizes = false;   // unshard: the specs' sizes of ranks 0 and 1 swapped
+};
+
+struct DRow {
+  const char* id;
+  const char* what;
+  const char* expect;  // the class every rank raises
+  const char* needle;  // what every message names
+  int min_world;
+  DCall ref;
+  DCall odd;  // the last rank's
+};
+
+constexpr DCall kRefForeach{};
+constexpr DCall kRefExecute{.op = DOp::kExecute};
+
+const DRow kDRows[] = {
+    {"D-op-foreach-nohint",
+     "foreach with and without a hint",
+     "Mismatch",
+     "shapes hint",
+     2,
+     kRefForeach,
+     {.hint = false}},
+    {"D-op-create",
+     "foreach against AllGatherPlan::create",
+     "Mismatch",
+     "operation differs",
+     2,
+     kRefForeach,
+     {.op = DOp::kCreate}},
+    {"D-op-create-nohint",
+     "foreach against create without a hint",
+     "Mismatch",
+     "operation differs",
+     2,
+     kRefForeach,
+     {.op = DOp::kCreate, .hint = false}},
+    {"D-op-execute",
+     "foreach against a plan's execute",
+     "Mismatch",
+     "operation differs",
+     2,
+     kRefForeach,
+     {.op = DOp::kExecute}},
+    {"D-op-unshard",
+     "foreach against unshard",
+     "Mismatch",
+     "operation differs",
+     2,
+     kRefForeach,
+     {.op = DOp::kUnshard}},
+    {"D-op-unshard-execute",
+     "a plan's execute against UnshardPlan::execute",
+     "Mismatch",
+     "operation differs",
+     2,
+     kRefExecute,
+     {.op = DOp::kUnshardExecute}},
+    {"D-strategy-packed",
+     "plans moving with direct and packed",
+     "Mismatch",
+     "strategy differs",
+     2,
+     kRefExecute,
+     {.op = DOp::kExecute, .strategy = Strategy::kPacked}},
+    {"D-strategy-per-tensor",
+     "plans moving with direct and per_tensor",
+     "Mismatch",
+     "strategy differs",
+     2,
+     kRefExecute,
+     {.op = DOp::kExecute, .strategy = Strategy::kPerTensor}},
+    {"D-strategy-shared",
+     "plans moving with direct and shared",
+     "Mismatch",
+     "strategy differs",
+     2,
+     kRefExecute,
+     {.op = DOp::kExecute, .strategy = Strategy::kShared}},
+    {"D-strategy-create",
+     "plans created with direct and packed",
+     "Mismatch",
+     "strategy differs",
+     2,
+     {.op = DOp::kCreate},
+     {.op = DOp::kCreate, .strategy = Strategy::kPacked}},
+    {"D-count-foreach",
+     "one tensor more, with a hint",
+     "Mismatch",
+     "tensor count",
+     2,
+     kRefForeach,
+     {.extra_tensors = 1}},
+    {"D-count-nohint",
+     "one tensor more, without a hint",
+     "Mismatch",
+     "tensor count",
+     2,
+     {.hint = false},
+     {.hint = false, .extra_tensors = 1}},
+    {"D-count-execute",
+     "plans of different tensor counts",
+     "Mismatch",
+     "tensor count",
+     2,
+     kRefExecute,
+     {.op = DOp::kExecute, .extra_tensors = 1}},
+    {"D-dtype-0",
+     "dtype of tensor 0",
+     "Mismatch",
+     "dtype of tensor 0",
+     2,
+     kRefForeach,
+     {.dtype0 = DType::kFloat64}},
+    {"D-dtype-130",
+     "dtype of tensor 130 (past the inline dtypes)",
+     "Mismatch",
+     "index >= 128",
+     2,
+     {.many = true},
+     {.many = true, .dtype130 = DType::kInt32}},
+    {"D-dtype-execute",
+     "plans of different dtypes",
+     "Mismatch",
+     "dtype of tensor 0",
+     2,
+     kRefExecute,
+     {.op = DOp::kExecute, .dtype0 = DType::kFloat64}},
+    {"D-hint-row",
+     "the hint's row of rank 0",
+     "Mismatch",
+     "shapes hint / plan differs",
+     2,
+     kRefForeach,
+     {.shape_shift = 1}},
+    {"D-plan-shapes",
+     "plans of different shapes",
+     "Mismatch",
+     "shapes hint / plan differs",
+     2,
+     kRefExecute,
+     {.op = DOp::kExecute, .shape_shift = 1}},
+    {"D-plan-world",
+     "a plan built for another world size",
+     "InvalidArgument",
+     "the plan was built for",
+     2,
+     kRefExecute,
+     {.op = DOp::kExecute, .plan_world_delta = 1}},
+    {"D-timeout",
+     "a negative timeout",
+     "InvalidArgument",
+     "timeout must be >= 0",
+     2,
+     kRefForeach,
+     {.timeout_ms = -5}},
+    {"D-unshard-sizes",
+     "unshard specs whose sizes differ",
+     "Mismatch",
+     "shapes hint / plan differs",
+     3,
+     {.op = DOp::kUnshardExecute},
+     {.op = DOp::kUnshardExecute, .swap_sizes = true}},
+};
+
+// Rank r's shape of tensor i (tensor 2 is sharded along dim 1).
+Shape d_shape(const DCall& c, int r, std::size_t i) {
+  if (i == 0) {
+    return {r + 1 + (r == 0 ? c.shape_shift : 0), 4};
+  }
+  if (i == 1) {
+    return {6};
+  }
+  if (i == 2) {
+    return {2, r};
+  }
+  return {static_cast<std::int64_t>(i % 3)};
+}
+
+std::vector<DType> d_dtypes(const DCall& c) {
+  const std::size_t n = (c.many ? 131 : 3) + static_cast<std::size_t>(c.extra_tensors);
+  std::vector<DType> d(n, DType::kFloat32);
+  d[0] = c.dtype0;
+  d[1] = DType::kBFloat16;
+  d[2] = DType::kInt64;
+  if (c.many) {
+    d[130] = c.dtype130;
+  }
+  return d;
+}
+
+Rows d_rows(const DCall& c, int world) {
+  Rows rows(static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    for (std::size_t i = 0; i < d_dtypes(c).size(); ++i) {
+      rows[static_cast<std::size_t>(r)].push_back(d_shape(c, r, i));
+    }
+  }
+  return rows;
+}
+
+// The specs that make each rank's tensors its shards: tensors 0 and 1 along dim 0, 2 along 1.
+std::vector<ShardSpec> d_specs(const DCall& c, int world) {
+  const Rows rows = d_rows(c, world);
+  const std::vector<DType> dtypes = d_dtypes(c);
+  std::vector<ShardSpec> specs;
+  for (std::size_t i = 0; i < dtypes.size(); ++i) {
+    const int dim = i == 2 ? 1 : 0;
+    ShardSpec s{dtypes[i], rows[0][i], dim, {}, 0};
+    std::int64_t full = 0;
+    for (const auto& row : rows) {
+      s.sizes.push_back(row[i][static_cast<std::size_t>(dim)]);
+      full += row[i][static_cast<std::size_t>(dim)];
+    }
+    if (c.swap_sizes) {
+      std::swap(s.sizes[0], s.sizes[1]);
+    }
+    s.full_shape[static_cast<std::size_t>(dim)] = full;
+    specs.push_back(std::move(s));
+  }
+  return specs;
+}
+
+GatherResult d_call(const DCall& c, Communicator& comm, const CaseContext& ctx, const Inputs& in) {
+  const int world = comm.size();
+  const std::optional<std::chrono::milliseconds> timeout =
+      c.timeout_ms < 0 ? std::optional(std::chrono::milliseconds(c.timeout_ms))
+                       : std::optional(ctx.timeout);
+  const Rows rows = d_rows(c, world + c.plan_world_delta);
+  const Rows none;
+  const PlanOptions po{
+      .timeout = timeout, .preflight = true, .strategy = c.strategy, .copy_threads = 0};
+  switch (c.op) {
+    case DOp::kForeach:
+      return foreach_all_gather(in.views, comm, c.hint ? rows : none,
+                                {.timeout = timeout, .preflight = true});
+    case DOp::kCreate:
+      (void)AllGatherPlan::create(in.views, comm, c.hint ? rows : none, po);
+      return {};
+    case DOp::kExecute: {
+      AllGatherPlan plan(d_dtypes(c), rows, comm.rank(), po);
+      std::vector<std::byte> out(plan.output_bytes());
+      (void)plan.execute(in.views, comm, out);
+      return {};
+    }
+    case DOp::kUnshard:
+      (void)unshard(in.views, comm, d_specs(c, world), po);
+      return {};
+    case DOp::kUnshardExecute: {
+      UnshardPlan plan(d_specs(c, world), world, comm.rank(), po);
+      std::vector<std::byte> out(plan.output_bytes());
+      (void)plan.execute(in.views, comm, out);
+      return {};
+    }
+  }
+  return {};
+}
+
+Outcome run_d(const DRow& row, Communicator& comm, const CaseContext& ctx) {
+  const bool odd = comm.rank() == comm.size() - 1;
+  const DCall& c = odd ? row.odd : row.ref;
+  Inputs in;
+  const std::vector<DType> dtypes = d_dtypes(c);
+  for (std::size_t i = 0; i < dtypes.size(); ++i) {
+    in.add(dtypes[i], d_shape(c, comm.rank(), i), comm.rank());
+  }
+  std::uint64_t moved = 0;
+  Outcome o = attempt(
+      row.id, comm, ctx, row.expect, {row.needle}, in,
+      [&]() {
+        const std::uint64_t before = comm.collectives_issued();
+        try {
+          return d_call(c, comm, ctx, in);
+        } catch (...) {
+          moved = comm.collectives_issued() - before;
+          throw;
+        }
+      },
+      std::nullopt);
+  if (o.outcome == "error" && moved != 1) {
+    o.msg_ok = false;
+    o.note += std::to_string(moved) + " collectives before the error, not just the header; ";
+  }
+  if (o.outcome == "error" &&
+      o.t_err_s > 0.5 * std::chrono::duration<double>(ctx.timeout).count()) {
+    o.msg_ok = false;
+    o.note += "raised late (the deadline, not the header); ";
+  }
+  return o;
+}
+
+template <std::size_t... K>
+constexpr auto d_defs(std::index_sequence<K...> /*rows*/) {
+  return std::array<CaseDef, sizeof...(K)>{CaseDef{
+      kDRows[K].id,
+      [](Communicator& comm, const CaseContext& ctx) { return run_d(kDRows[K], comm, ctx); },
+      kDRows[K].min_world, false, kDRows[K].what}...};
+}
+
+const auto kDCases = d_defs(std::make_index_sequence<std::size(kDRows)>());
+
 }  // namespace
 
 std::span<const CaseDef> bm_cases() { return kCases; }
 
+std::span<const CaseDef> d_cases() { return kDCases; }
+
 const CaseDef* find_case(std::string_view id) {
-  for (const CaseDef& c : kCases) {
-    if (id == c.id) {
-      return &c;
+  for (const std::span<const CaseDef> family : {bm_cases(), d_cases()}) {
+    for (const CaseDef& c : family) {
+      if (id == c.id) {
+        return &c;
+      }
     }
   }
   return nullptr;

@@ -75,6 +75,8 @@ struct CaseDef {
 
 // Every B and M case, in plan order.
 std::span<const CaseDef> bm_cases();
+// The generated disagreement family D: one case per (parameter, disagreeing value).
+std::span<const CaseDef> d_cases();
 const CaseDef* find_case(std::string_view id);
 
 // A case's verdict from all ranks' outcomes: empty when it passes. Naked runs only fail when

@@ -21,9 +21,18 @@ M_IDS = "M1 M2 M3 M4 M5a M5b M6 M7a M8 M9".split()
 M_NAKED = "M1 M2 M3 M4 M5a M5b M6 M7a".split()
 
 
-def launches(families, nps, big):
+def d_ids(binary, np_):
+    """The generated disagreement family's ids that run at np_ ranks (from the binary)."""
+    r = subprocess.run([binary, "--list-d"], capture_output=True, text=True, check=True)
+    rows = [line.split() for line in r.stdout.splitlines() if line.strip()]
+    return [cid for cid, min_world in rows if int(min_world) <= np_]
+
+
+def launches(families, nps, big, binary=None):
     out = []
     for np_ in nps:
+        if "D" in families:
+            out.append(dict(name="D", np=np_, ids=d_ids(binary, np_), job="clean"))
         if "B" in families or "M" in families:
             ids = (B_IDS if "B" in families else []) + (M_IDS if "M" in families else [])
             out.append(dict(name="BM", np=np_, ids=ids, job="clean"))
@@ -196,7 +205,7 @@ def main():
     if pgrep(args.bin):
         print("processes of %s already running; refusing to start" % args.bin)
         return 2
-    for spec in launches(families, nps, False):
+    for spec in launches(families, nps, False, args.bin):
         res = run_launch(args, spec, args.timeout_ms)
         for cid in spec["ids"]:
             if cid[0] in "BM" and spec["np"] < 2 and cid not in ("B1",):
