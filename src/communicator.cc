@@ -67,6 +67,12 @@ void Communicator::all_gather(std::span<const std::byte> send, std::span<std::by
 void Communicator::all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
                                 std::span<const std::uint64_t> counts,
                                 std::span<const std::uint64_t> displs, Deadline deadline) {
+  if (!capabilities().gather_v) {
+    throw InvalidArgument("rank " + std::to_string(rank()) + ": all_gather_v: the " +
+                          std::string(backend_name()) +
+                          " transport has no exact gather-v (capabilities().gather_v is false); "
+                          "the operations pad through all_gather");
+  }
   const auto world = static_cast<std::size_t>(size());
   if (counts.size() != world || displs.size() != world) {
     throw InvalidArgument("rank " + std::to_string(rank()) +
@@ -99,6 +105,11 @@ void Communicator::all_gather_scatter(std::span<const ConstSegment> send,
                                       std::span<const std::uint64_t> counts, Deadline deadline) {
   const auto world = static_cast<std::size_t>(size());
   const auto where = [this] { return "rank " + std::to_string(rank()) + ": all_gather_scatter: "; };
+  if (!capabilities().scatter) {
+    throw InvalidArgument(where() + "the " + std::string(backend_name()) +
+                          " transport does not scatter (capabilities().scatter is false); the "
+                          "operations gather rank-major and copy out");
+  }
   if (counts.size() != world || first.size() != world + 1 || first[0] != 0 ||
       first[world] != pieces.size()) {
     throw InvalidArgument(where() + "counts/first do not describe " + std::to_string(world) +
@@ -135,18 +146,26 @@ void Communicator::barrier(Deadline deadline) {
   run_collective("barrier", [&] { do_barrier(deadline); });
 }
 
+namespace {
+// The calling thread's interrupt check and when it last ran (see set_interrupt_check).
+thread_local std::function<bool()> t_interrupt_check;
+thread_local Clock::time_point t_last_interrupt_check{};
+}  // namespace
+
+void Communicator::set_interrupt_check(std::function<bool()> check) {
+  t_interrupt_check = std::move(check);
+}
+
 void Communicator::check_interrupt() {
-  // The check belongs to the thread that set it (Python runs signal handlers on the main thread
-  // only); a started operation's waits on the progress thread leave it to the handle's waiter.
-  if (detail::OpQueue::on_progress_thread() || !interrupt_check_) {
+  if (!t_interrupt_check) {
     return;
   }
   const Clock::time_point now = Clock::now();
-  if (now - last_interrupt_check_ < std::chrono::milliseconds(100)) {
+  if (now - t_last_interrupt_check < std::chrono::milliseconds(100)) {
     return;
   }
-  last_interrupt_check_ = now;
-  if (interrupt_check_()) {
+  t_last_interrupt_check = now;
+  if (t_interrupt_check()) {
     poison("interrupted on rank " + std::to_string(rank()));
     do_abort();
     throw Aborted("rank " + std::to_string(rank()) +

@@ -12,7 +12,9 @@
 //  4. Buffers are host memory; the caller keeps them alive and unmodified until the call returns.
 //  5. Operations started asynchronously (Work, work.h) run on this communicator's progress
 //     thread, one after another in the order they were started; a blocking operation runs on
-//     the calling thread once every operation started before it has completed.
+//     the calling thread once every operation started before it has completed. The raw
+//     collectives of this interface are not ordered with started operations: wait for them
+//     first.
 #pragma once
 
 #include <atomic>
@@ -48,6 +50,14 @@ struct Capabilities {
   // mailbox), so a node-shared window's barriers cost a futex rendezvous, not a network round
   // trip.
   bool small_messages_in_shared_memory = false;
+  // all_gather_v moves exactly each rank's bytes (threads, MPI, Gloo point to point). False: the
+  // transport has only the equal-size all_gather (c10d's allgather), all_gather_v and
+  // all_gather_scatter raise InvalidArgument, and the strategy layer pads
+  // (src/strategies/padded.cc).
+  bool gather_v = true;
+  // all_gather_scatter lands bytes in strided pieces itself (threads, MPI derived datatypes).
+  // False: the strategy layer gathers rank-major and copies out.
+  bool scatter = true;
 };
 
 // Used when neither the call nor the communicator sets a timeout. Gloo uses 30 s; a large
@@ -78,15 +88,16 @@ class SHARDGATHER_API Communicator {
   // size() * send.size(), and send.size() the same on every rank.
   void all_gather(std::span<const std::byte> send, std::span<std::byte> recv, Deadline deadline);
 
-  // Variable-size gather: rank r's bytes (the concatenation of its segments, counts[r] bytes in
-  // all) land at recv + displs[r]. counts and displs have size() entries and must be the same
-  // on every rank; the sum of this rank's segment sizes must equal counts[rank()].
-  // Blocks may not overlap; gaps between them are left untouched.
+  // Variable-size gather (where capabilities().gather_v): rank r's bytes (the concatenation of
+  // its segments, counts[r] bytes in all) land at recv + displs[r]. counts and displs have size()
+  // entries and must be the same on every rank; the sum of this rank's segment sizes must equal
+  // counts[rank()]. Blocks may not overlap; gaps between them are left untouched.
   void all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
                     std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs,
                     Deadline deadline);
 
-  // Variable-size gather into scattered destinations: rank r's counts[r] bytes fill, in order,
+  // Variable-size gather into scattered destinations (where capabilities().scatter): rank r's
+  // counts[r] bytes fill, in order,
   // the pieces pieces[first[r]] .. pieces[first[r + 1] - 1] (first has size() + 1 entries and
   // the pieces of rank r hold exactly counts[r] bytes). Pieces must not overlap.
   void all_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
@@ -107,14 +118,22 @@ class SHARDGATHER_API Communicator {
   }
 
   // An interrupt check for embedders (the Python binding turns Ctrl-C into KeyboardInterrupt
-  // with it). Blocking waits call it on the waiting thread about every 100 ms; when it returns
-  // true the wait ends with Aborted and the communicator is poisoned. Set it only while no call
-  // is running; an empty function removes it.
-  void set_interrupt_check(std::function<bool()> check) { interrupt_check_ = std::move(check); }
+  // with it), for the calling thread: the blocking waits of this thread (on any communicator)
+  // call it about every 100 ms, and when it returns true the wait ends with Aborted and that
+  // communicator is poisoned. Other threads (a progress thread) never run it. An empty
+  // function removes it.
+  static void set_interrupt_check(std::function<bool()> check);
+  // Runs the calling thread's interrupt check (at most every 100 ms) and raises Aborted, after
+  // aborting this communicator, when it asks to stop. Backends call it from their wait loops.
+  void check_interrupt();
 
-  // Per-communicator default timeout for operations that do not set their own.
-  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
-  void set_timeout(std::chrono::milliseconds timeout) noexcept { timeout_ = timeout; }
+  // Per-communicator default timeout for operations that do not set their own. Thread-safe.
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
+    return std::chrono::milliseconds(timeout_ms_.load(std::memory_order_relaxed));
+  }
+  void set_timeout(std::chrono::milliseconds timeout) noexcept {
+    timeout_ms_.store(timeout.count(), std::memory_order_relaxed);
+  }
   [[nodiscard]] Deadline deadline_after(std::chrono::milliseconds timeout) const noexcept;
 
   // The operation layer's state for this communicator: the order of its operations and the
@@ -142,19 +161,13 @@ class SHARDGATHER_API Communicator {
   // Backends call this when they discover the communicator is unusable (a peer aborted).
   void poison(std::string_view reason) noexcept;
 
-  // Backends call this from their wait loops; it runs the interrupt check at most every 100 ms
-  // and raises Aborted (after do_abort()) when it asks to stop.
-  void check_interrupt();
-
  private:
   template <typename Fn>
   void run_collective(std::string_view what, Fn&& fn);
 
   std::atomic<bool> poisoned_{false};
   std::atomic<std::uint64_t> collectives_{0};
-  std::chrono::milliseconds timeout_{kDefaultTimeout};
-  std::function<bool()> interrupt_check_;
-  Clock::time_point last_interrupt_check_{};
+  std::atomic<std::chrono::milliseconds::rep> timeout_ms_{kDefaultTimeout.count()};
   mutable std::mutex reason_mu_;
   std::string poison_reason_;  // the first reason; guarded by reason_mu_
   std::unique_ptr<detail::OpQueue> ops_;

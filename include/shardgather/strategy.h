@@ -26,11 +26,15 @@ enum class Strategy : std::uint8_t {
   // Every rank on one host: one copy into a node-shared window, a barrier, one copy out.
   // Falls back to kDirect when the ranks span hosts.
   kShared = 4,
+  // Every rank's stream padded to the largest rank's (the padding goes on the wire), one
+  // equal-size all_gather, each rank's real bytes copied out. What kDirect becomes on a
+  // transport without an exact gather-v (Communicator::capabilities().gather_v false).
+  kPadded = 5,
 };
 
 SHARDGATHER_API std::string_view strategy_name(Strategy strategy) noexcept;
 // InvalidArgument for an unknown name. Accepts "auto", "direct", "packed", "per_tensor",
-// "shared".
+// "shared", "padded".
 SHARDGATHER_API Strategy parse_strategy(std::string_view name);
 
 }  // namespace shardgather

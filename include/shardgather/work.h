@@ -83,8 +83,15 @@ class Work {
 
   [[nodiscard]] bool valid() const noexcept { return state_ != nullptr; }
 
+  // The shared completion, for embedders that wait from several threads (the Python binding):
+  // wait_for() on it, then value / error(). Null for an empty handle.
+  [[nodiscard]] std::shared_ptr<detail::WorkResult<T>> shared_state() const noexcept {
+    return state_;
+  }
+
   // Whether the operation completed, waiting up to `timeout` for it. Never throws.
-  bool test(std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) const noexcept {
+  [[nodiscard]] bool test(
+      std::chrono::milliseconds timeout = std::chrono::milliseconds(0)) const noexcept {
     return state_ == nullptr || state_->wait_for(timeout);
   }
 

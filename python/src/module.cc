@@ -17,6 +17,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include "ops/start.h"
 #include "params.h"
 #include "plans.h"
 #include "process_group.h"
@@ -74,7 +75,7 @@ py::object foreach_all_gather_py(py::handle params, const CommPtr& comm_ptr, py:
   const ForeachAllGatherOptions options{
       .timeout = timeout_or_fail(comm, timeout,
                                  {Operation::kForeachAllGather,
-                                  header_exchanged(!hint_obj.is_none(), preflight), std::nullopt}),
+                                  header_exchanged(hint_given(hint_obj), preflight), std::nullopt}),
       .preflight = preflight};
   auto in = std::make_shared<CallInputs>(
       parse_call_or_fail(params, hint_obj, comm, Operation::kForeachAllGather, options));
@@ -295,8 +296,9 @@ PYBIND11_MODULE(_shardgather, m) {
           "barrier",
           [](Communicator& c, std::optional<double> timeout) {
             const auto deadline = c.deadline_after(to_timeout(timeout).value_or(c.timeout()));
-            const py::gil_scoped_release release;
-            c.barrier(deadline);
+            // In the communicator's operation order: after every started call, never beside one.
+            call_interruptible(
+                c, [&] { shardgather::detail::run_blocking(c, [&] { c.barrier(deadline); }); });
           },
           py::arg("timeout") = py::none())
       .def("abort", &Communicator::abort)

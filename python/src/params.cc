@@ -14,8 +14,8 @@ namespace py = pybind11;
 
 namespace shardgather::python {
 
-SignalWatch::SignalWatch(Communicator& comm) : comm_(comm) {
-  comm_.set_interrupt_check([this]() noexcept {
+SignalWatch::SignalWatch() {
+  Communicator::set_interrupt_check([this]() noexcept {
     const PyGILState_STATE state = PyGILState_Ensure();
     const int rc = PyErr_CheckSignals();
     if (rc != 0) {
@@ -27,7 +27,7 @@ SignalWatch::SignalWatch(Communicator& comm) : comm_(comm) {
 }
 
 SignalWatch::~SignalWatch() {
-  comm_.set_interrupt_check({});
+  Communicator::set_interrupt_check({});
   if (type_ != nullptr) {  // never restored: drop the references (the GIL is held here)
     Py_XDECREF(type_);
     Py_XDECREF(value_);
@@ -190,6 +190,18 @@ LocalError parse_hint(py::handle hint, ShapesHint& out) {
     }
   }
   return {};
+}
+
+bool hint_given(py::handle hint) {
+  if (hint.is_none()) {
+    return false;
+  }
+  const Py_ssize_t n = PyObject_Length(hint.ptr());
+  if (n < 0) {
+    PyErr_Clear();
+    return true;
+  }
+  return n > 0;
 }
 
 void fail_call(Communicator& comm, const LocalError& error, const CallShape& call) {

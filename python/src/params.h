@@ -23,12 +23,12 @@
 
 namespace shardgather::python {
 
-// While alive, the communicator's blocking waits check for Python signals about every 100 ms
+// While alive, this thread's blocking waits check for Python signals about every 100 ms
 // (taking the GIL briefly; only the main thread runs signal handlers). When a handler raises
 // (Ctrl-C: KeyboardInterrupt) the call is aborted and the exception is kept for restore().
 class SignalWatch {
  public:
-  explicit SignalWatch(Communicator& comm);
+  SignalWatch();
   SignalWatch(const SignalWatch&) = delete;
   SignalWatch& operator=(const SignalWatch&) = delete;
   SignalWatch(SignalWatch&&) = delete;
@@ -39,7 +39,6 @@ class SignalWatch {
   void restore() noexcept;
 
  private:
-  Communicator& comm_;
   PyObject* type_ = nullptr;
   PyObject* value_ = nullptr;
   PyObject* traceback_ = nullptr;
@@ -49,8 +48,8 @@ class SignalWatch {
 // by a signal handler during the call ends it within about 100 ms, poisons the communicator
 // (as abort() does), and is what the caller sees. Call with the GIL held.
 template <typename Fn>
-decltype(auto) call_interruptible(Communicator& comm, Fn&& call) {
-  SignalWatch watch(comm);
+decltype(auto) call_interruptible(Communicator& /*comm*/, Fn&& call) {
+  SignalWatch watch;
   try {
     const pybind11::gil_scoped_release release;
     return call();
@@ -105,6 +104,10 @@ CallInputs parse_call_or_fail(pybind11::handle params, pybind11::handle hint, Co
 
 // Whether a foreach or plan create exchanges its header (and so can tell the peers).
 inline bool header_exchanged(bool hint_given, bool preflight) { return preflight || !hint_given; }
+
+// Whether `hint` counts as given, as the core reads it: not None and not empty (an object
+// that has no length counts as given: parsing it fails, and that is reported like any hint).
+bool hint_given(pybind11::handle hint);
 
 // A local error before a collective call: fails that call on every rank, through the header
 // when the peers exchange one (shardgather::fail_call, with the GIL released), else here only.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <memory>
 #include <stdexcept>
 #include <utility>
@@ -25,12 +26,21 @@ namespace {
 constexpr std::uintptr_t kOutAlignment = 8;
 
 // The mutex a plan's execute() holds; a second thread gets an error instead of sharing scratch.
-std::unique_lock<std::mutex> claim(std::mutex& busy, const char* what) {
+// `started` (the plan's last started execution, on `started_on`) still running on another
+// communicator is the same conflict: that one's queue does not order this call.
+std::unique_lock<std::mutex> claim(std::mutex& busy, const char* what,
+                                   const std::shared_ptr<detail::WorkState>& started,
+                                   const Communicator* started_on, const Communicator& comm) {
   std::unique_lock<std::mutex> lock(busy, std::try_to_lock);
   if (!lock.owns_lock()) {
     throw std::runtime_error(std::string(what) +
                              ".execute: the plan is being executed by another thread (a plan "
                              "holds scratch space: use one plan per thread)");
+  }
+  if (started && started_on != &comm && !started->wait_for(std::chrono::milliseconds(0))) {
+    throw std::runtime_error(std::string(what) +
+                             ".execute: an execution of this plan started on another "
+                             "communicator is still running (a plan runs one at a time)");
   }
   return lock;
 }
@@ -203,7 +213,7 @@ py::object PyAllGatherPlan::execute(py::handle params,
                                     std::optional<at::Tensor> out, bool async_op,
                                     const py::object& self) {
   Communicator& comm = *comm_ptr;
-  const auto lock = claim(busy_, "AllGatherPlan");
+  const auto lock = claim(busy_, "AllGatherPlan", started_, started_on_, comm);
   const PlanOptions& options = plan_.options();
   // A started execution holds its own parsed inputs until it ends; a blocking one reuses the
   // plan's (no allocation after the first step).
@@ -226,6 +236,8 @@ py::object PyAllGatherPlan::execute(py::handle params,
   const std::span<std::byte> bytes(static_cast<std::byte*>(target.data_ptr()), target.nbytes());
   if (async_op) {
     Work<ExecStats> work = plan_.start(parsed.views, comm, bytes);
+    started_ = work.shared_state();
+    started_on_ = &comm;
     auto result = [this, started, target](ExecStats stats) -> py::object {
       last_ = stats;
       started->tensors.clear();
@@ -233,7 +245,9 @@ py::object PyAllGatherPlan::execute(py::handle params,
     };
     return py::cast(std::make_unique<PyWork>(comm_ptr, std::move(work), result, self));
   }
-  call_interruptible(comm, [&] { last_ = plan_.execute(parsed_.views, comm, bytes); });
+  ExecStats stats;
+  call_interruptible(comm, [&] { stats = plan_.execute(parsed_.views, comm, bytes); });
+  last_ = stats;  // with the GIL, as a started execution's wait() writes it
   return results_over(target);
 }
 
@@ -256,7 +270,7 @@ py::object PyUnshardPlan::execute(py::handle shards, const std::shared_ptr<Commu
                                   std::optional<py::handle> outputs, bool async_op,
                                   const py::object& self) {
   Communicator& comm = *comm_ptr;
-  const auto lock = claim(busy_, "UnshardPlan");
+  const auto lock = claim(busy_, "UnshardPlan", started_, started_on_, comm);
   const PlanOptions& options = options_;
   const auto started = async_op ? std::make_shared<std::array<Params, 2>>() : nullptr;
   Params& parsed = async_op ? (*started)[0] : parsed_;
@@ -287,6 +301,8 @@ py::object PyUnshardPlan::execute(py::handle shards, const std::shared_ptr<Commu
     Work<ExecStats> work =
         given ? plan_.start(parsed.views, comm, std::span<const TensorView>(parsed_outputs.views))
               : plan_.start(parsed.views, comm, bytes);
+    started_ = work.shared_state();
+    started_on_ = &comm;
     auto finish = [this, started, given, result](ExecStats stats) -> py::object {
       last_ = stats;
       (*started)[0].tensors.clear();
@@ -295,10 +311,12 @@ py::object PyUnshardPlan::execute(py::handle shards, const std::shared_ptr<Commu
     };
     return py::cast(std::make_unique<PyWork>(comm_ptr, std::move(work), finish, self));
   }
+  ExecStats stats;
   call_interruptible(comm, [&] {
-    last_ = given ? plan_.execute(parsed_.views, comm, std::span<const TensorView>(outputs_.views))
+    stats = given ? plan_.execute(parsed_.views, comm, std::span<const TensorView>(outputs_.views))
                   : plan_.execute(parsed_.views, comm, bytes);
   });
+  last_ = stats;
   return given ? result : lists_.get(cached_, 0);
 }
 

@@ -85,6 +85,8 @@ class PyAllGatherPlan {
   std::vector<pybind11::object> cached_;  // [i * world + r]
   ResultLists lists_;                     // what execute() returns
   ExecStats last_;
+  std::shared_ptr<detail::WorkState> started_;  // the last started execution
+  const Communicator* started_on_ = nullptr;
 };
 
 class PyUnshardPlan {
@@ -114,6 +116,8 @@ class PyUnshardPlan {
   std::vector<pybind11::object> cached_;  // the full tensors over buffer_
   ResultLists lists_;                     // what execute() returns
   ExecStats last_;
+  std::shared_ptr<detail::WorkState> started_;  // the last started execution
+  const Communicator* started_on_ = nullptr;
 };
 
 // One-shot unshard: plan, allocate (a torch-owned buffer), execute; returns the full tensors.

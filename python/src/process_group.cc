@@ -26,10 +26,6 @@ namespace {
 // while c10d blocks; a slice that expires costs one c10::Error, cheap at this period.
 constexpr std::chrono::milliseconds kWaitSlice{50};
 
-std::uint64_t max_count(std::span<const std::uint64_t> counts) {
-  return counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
-}
-
 // c10d rejects a call with c10::Error; Gloo's transport throws its own exceptions (IoException,
 // a std::runtime_error) straight through c10d when a peer's connection is gone. (Newer torch
 // may wrap transport failures in c10::Error subclasses: those raise CommunicationError, which
@@ -176,125 +172,22 @@ void ProcessGroupCommunicator::do_all_gather(std::span<const std::byte> send,
       .copy_(gathered.narrow(0, 0, static_cast<std::int64_t>(recv.size())));
 }
 
-const std::byte* ProcessGroupCommunicator::gather_padded(std::span<const ConstSegment> send,
-                                                         std::span<const std::uint64_t> counts,
-                                                         std::byte* recv, Deadline deadline,
-                                                         const char* what) {
-  const std::uint64_t width = max_count(counts);
-  if (width == 0) {
-    return nullptr;  // counts are the same on every rank: every rank skips
-  }
-  const auto world = static_cast<std::size_t>(size_);
-  const auto me = static_cast<std::size_t>(rank_);
-  const auto n = static_cast<std::int64_t>(width);
-  const bool equal =
-      std::all_of(counts.begin(), counts.end(), [width](std::uint64_t c) { return c == width; });
-  const ConstSegment* only = nullptr;
-  std::size_t nonempty = 0;
-  for (const ConstSegment& s : send) {
-    if (s.size != 0) {
-      ++nonempty;
-      only = &s;
-    }
-  }
-
-  at::Tensor input;
-  if (!staged_on_device_ && nonempty == 1 && only->size == width) {
-    input = host_bytes(only->data, width);
-  } else {
-    at::Tensor& staging = scratch(send_staging_, width);
-    if (staged_on_device_) {
-      std::vector<std::byte> packed(width);
-      copy_segments(send, packed.data());
-      staging.narrow(0, 0, n).copy_(host_bytes(packed.data(), width));
-    } else {
-      auto* dst = static_cast<std::byte*>(staging.data_ptr());
-      copy_segments(send, dst);
-      // The padding is zeros, so no stale bytes of an earlier call travel to a peer.
-      std::memset(dst + counts[me], 0, width - counts[me]);
-    }
-    input = staging.narrow(0, 0, n);
-  }
-
-  std::vector<at::Tensor> outputs(world);
-  if (!staged_on_device_ && equal && recv != nullptr) {
-    for (std::size_t r = 0; r < world; ++r) {
-      outputs[r] = host_bytes(recv + r * width, width);
-    }
-    allgather(input, outputs, deadline, what);
-    return recv;
-  }
-  at::Tensor gathered = scratch(recv_staging_, width * world);
-  for (std::size_t r = 0; r < world; ++r) {
-    outputs[r] = gathered.narrow(0, static_cast<std::int64_t>(r * width), n);
-  }
-  allgather(input, outputs, deadline, what);
-  if (!staged_on_device_) {
-    return static_cast<const std::byte*>(gathered.data_ptr());
-  }
-  recv_host_ = gathered.narrow(0, 0, n * size_).cpu();
-  return static_cast<const std::byte*>(recv_host_.data_ptr());
-}
-
 void ProcessGroupCommunicator::do_all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
                                                std::span<const std::uint64_t> counts,
                                                std::span<const std::uint64_t> displs,
                                                Deadline deadline) {
-  if (p2p_) {
-    gather_p2p(send, recv, counts, displs, deadline, "all_gather_v");
-    return;
-  }
-  const std::uint64_t width = max_count(counts);
-  bool adjacent = true;  // every block `width` bytes at r * width: receive in place
-  for (std::size_t r = 0; r < counts.size(); ++r) {
-    adjacent = adjacent && displs[r] == r * width;
-  }
-  const std::byte* gathered =
-      gather_padded(send, counts, adjacent ? recv : nullptr, deadline, "all_gather_v");
-  if (gathered == nullptr || gathered == recv) {
-    return;
-  }
-  for (std::size_t r = 0; r < counts.size(); ++r) {
-    if (counts[r] != 0) {
-      std::memcpy(recv + displs[r], gathered + r * width, counts[r]);
-    }
-  }
+  // Reached only where capabilities().gather_v (point to point); the base checks it.
+  gather_p2p(send, recv, counts, displs, deadline, "all_gather_v");
 }
 
-void ProcessGroupCommunicator::do_all_gather_scatter(std::span<const ConstSegment> send,
-                                                     std::span<const RecvPiece> pieces,
-                                                     std::span<const std::size_t> first,
-                                                     std::span<const std::uint64_t> counts,
-                                                     Deadline deadline) {
-  if (p2p_) {
-    // Rank-major into reused scratch (no padding), then every block to its pieces.
-    std::uint64_t total = 0;
-    p2p_displs_.resize(counts.size());
-    for (std::size_t r = 0; r < counts.size(); ++r) {
-      p2p_displs_[r] = total;
-      total += counts[r];
-    }
-    if (total == 0) {
-      return;
-    }
-    auto* gathered = static_cast<std::byte*>(scratch(recv_staging_, total).data_ptr());
-    const std::vector<std::uint64_t> displs = p2p_displs_;  // gather_p2p may not alias it
-    gather_p2p(send, gathered, counts, displs, deadline, "all_gather_scatter");
-    for (std::size_t r = 0; r < counts.size(); ++r) {
-      const ConstSegment block{gathered + displs[r], counts[r]};
-      copy_stream(std::span(&block, 1), pieces.subspan(first[r], first[r + 1] - first[r]));
-    }
-    return;
-  }
-  const std::uint64_t width = max_count(counts);
-  const std::byte* gathered = gather_padded(send, counts, nullptr, deadline, "all_gather_scatter");
-  if (gathered == nullptr) {
-    return;
-  }
-  for (std::size_t r = 0; r < counts.size(); ++r) {
-    const ConstSegment block{gathered + r * width, counts[r]};
-    copy_stream(std::span(&block, 1), pieces.subspan(first[r], first[r + 1] - first[r]));
-  }
+void ProcessGroupCommunicator::do_all_gather_scatter(std::span<const ConstSegment> /*send*/,
+                                                     std::span<const RecvPiece> /*pieces*/,
+                                                     std::span<const std::size_t> /*first*/,
+                                                     std::span<const std::uint64_t> /*counts*/,
+                                                     Deadline /*deadline*/) {
+  // capabilities().scatter is false: the base raises before this is reached.
+  throw InvalidArgument("rank " + std::to_string(rank_) + ": all_gather_scatter on " + name_ +
+                        ": this transport does not scatter");
 }
 
 void ProcessGroupCommunicator::gather_p2p(std::span<const ConstSegment> send, std::byte* recv,

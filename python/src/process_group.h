@@ -12,12 +12,10 @@
 //  4. Host memory at this interface. On NCCL groups the bytes are staged through device buffers
 //     on `device` (the binding passes torch.cuda.current_device()); untested here (no CUDA).
 //
-// Gather-v: c10d's allgather needs the same size on every rank and Gloo has no gather-v, so
-// all_gather_v pads every rank's bytes to the largest rank's count (the padding does go on the
-// wire) and, unless the blocks are already equal and adjacent, receives into a reused scratch
-// buffer and copies each block to its place. Equal blocks from one segment (one tensor, or any
-// list after foreach packs it) are sent and received with no copy on our side; several segments
-// are packed into a reused staging buffer first (Gloo takes one input tensor).
+// This transport states facts and holds no strategy: without point to point (NCCL, or
+// `p2p=false`) it has only c10d's equal-size allgather (capabilities().gather_v false), and the
+// strategy layer pads (src/strategies/padded.cc); it never scatters into strided pieces itself
+// (capabilities().scatter false), and the strategies gather rank-major and copy out.
 //
 // Point-to-point gather (Gloo on the host, the default there): torch 1.13's ProcessGroupGloo
 // has no _allgather_base, and its allgather receives into a fresh flat tensor (first touch of
@@ -25,8 +23,8 @@
 // hand, post Gloo unbound buffers over the tensors' own memory. So all_gather_v/all_gather on a
 // Gloo group post one recv per peer straight into that peer's slot of the output, copy this
 // rank's bytes once into its own slot while those arrive, and post one send per peer from the
-// slot: no padding (a true gather-v), no staging, no internal buffer, no copy-out. Tag kP2PTag
-// is reserved on the group.
+// slot: no padding (a true gather-v), no staging, no internal buffer. Tag kP2PTag is reserved
+// on the group.
 // Waits are not sliced there: a Gloo unbound-buffer wait that times out signals the failure on
 // the whole Gloo context, so each work is waited on until the deadline, and abort() aborts the
 // in-flight works (SendWork/RecvWork::abort) to wake the wait.
@@ -90,8 +88,13 @@ class ProcessGroupCommunicator final : public Communicator {
   // collective (also for the host mailbox: one /dev/shm object of about 2 KiB per rank,
   // unlinked once mapped).
   [[nodiscard]] int ranks_on_host() const noexcept override { return ranks_on_host_; }
+  // Point to point (Gloo, host memory) is an exact gather-v; otherwise only c10d's equal-size
+  // allgather, and the strategy layer pads. It never scatters: the strategies copy out.
   [[nodiscard]] Capabilities capabilities() const noexcept override {
-    return {.reads_peer_memory = false, .small_messages_in_shared_memory = mailbox_ != nullptr};
+    return {.reads_peer_memory = false,
+            .small_messages_in_shared_memory = mailbox_ != nullptr,
+            .gather_v = p2p_,
+            .scatter = false};
   }
 
  protected:
@@ -112,12 +115,6 @@ class ProcessGroupCommunicator final : public Communicator {
   void allgather(at::Tensor& input, std::vector<at::Tensor>& outputs, Deadline deadline,
                  const char* what);
   void wait(const c10::intrusive_ptr<c10d::Work>& work, Deadline deadline, const char* what);
-  // Every rank's bytes padded to the largest count: block r at r * max(counts). Received in
-  // place at `recv` when given and the blocks are equal; otherwise into recv_staging_ (on the
-  // host). Returns the host address of block 0, or nullptr when nothing was sent.
-  const std::byte* gather_padded(std::span<const ConstSegment> send,
-                                 std::span<const std::uint64_t> counts, std::byte* recv,
-                                 Deadline deadline, const char* what);
   // The point-to-point gather into `recv` (every rank's block at recv + displs[r]).
   void gather_p2p(std::span<const ConstSegment> send, std::byte* recv,
                   std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs,
@@ -144,9 +141,8 @@ class ProcessGroupCommunicator final : public Communicator {
   std::vector<c10::intrusive_ptr<c10d::Work>> inflight_;
   std::vector<at::Tensor> p2p_tensors_;  // reused: one-element lists for send/recv
   std::vector<std::uint64_t> p2p_displs_;
-  at::Tensor send_staging_;  // reused: packed, padded send bytes
-  at::Tensor recv_staging_;  // reused: padded gather, when blocks are not equal and adjacent
-  at::Tensor recv_host_;     // device staging only: the gathered bytes copied back to the host
+  at::Tensor send_staging_;  // reused: device staging of an all_gather's send
+  at::Tensor recv_staging_;  // reused: device staging of an all_gather's receive
   std::unique_ptr<detail::HostMailbox> mailbox_;  // set once, by the constructor
 };
 

@@ -25,9 +25,9 @@ void PyWork::block() {
       return;
     }
     if (PyErr_CheckSignals() != 0) {
-      comm_->abort();  // the running operation ends with Aborted; the peers see it fail
       {
         const py::gil_scoped_release release;
+        comm_->abort();  // the running operation ends with Aborted; the peers see it fail
         (void)test_(std::chrono::milliseconds(-1));
       }
       done_ = true;
@@ -39,6 +39,9 @@ void PyWork::block() {
 py::object PyWork::wait() {
   if (!waited_) {
     block();
+  }
+  // Checked again with the GIL: another thread's wait() may have taken the result meanwhile.
+  if (!waited_) {
     waited_ = true;
     try {
       value_ = finish_();  // the operation's error is rethrown here

@@ -29,9 +29,17 @@ class PyWork {
   template <typename T, typename Result>
   PyWork(std::shared_ptr<Communicator> comm, Work<T> work, Result result, pybind11::object keep)
       : comm_(std::move(comm)), keep_(std::move(keep)) {
-    auto shared = std::make_shared<Work<T>>(std::move(work));
-    test_ = [shared](std::chrono::milliseconds timeout) { return shared->test(timeout); };
-    finish_ = [shared, result = std::move(result)]() mutable { return result(shared->wait()); };
+    // Waits go to the shared completion (any thread, any number at once); the result is taken
+    // once, with the GIL, by the first wait() that finds it complete.
+    auto state = work.shared_state();
+    auto owner = std::make_shared<Work<T>>(std::move(work));  // its destructor waits, too
+    test_ = [state](std::chrono::milliseconds timeout) { return state->wait_for(timeout); };
+    finish_ = [state, owner, result = std::move(result)]() mutable -> pybind11::object {
+      if (const std::exception_ptr error = state->error()) {
+        std::rethrow_exception(error);
+      }
+      return result(std::move(*state->value));
+    };
   }
   PyWork(const PyWork&) = delete;
   PyWork& operator=(const PyWork&) = delete;

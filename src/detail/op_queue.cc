@@ -1,5 +1,6 @@
 #include "detail/op_queue.h"
 
+#include <chrono>
 #include <utility>
 
 namespace shardgather::detail {
@@ -12,17 +13,25 @@ bool OpQueue::on_progress_thread() noexcept { return t_progress_thread; }
 
 void OpQueue::submit(std::function<void()> job) {
   const std::lock_guard<std::mutex> lock(mu_);
-  jobs_.push_back(std::move(job));
   if (!thread_.joinable()) {
+    // Before the job is queued: a thread that cannot start leaves no job that nothing runs.
     stopping_ = false;
     thread_ = std::thread([this] { run(); });
   }
+  jobs_.push_back(std::move(job));
   cv_.notify_all();
 }
 
-void OpQueue::drain() {
+void OpQueue::drain(const std::function<void()>& poll) {
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [this] { return jobs_.empty() && !busy_; });
+  while (!cv_.wait_for(lock, std::chrono::milliseconds(100),
+                       [this] { return jobs_.empty() && !busy_; })) {
+    if (poll) {
+      lock.unlock();
+      poll();
+      lock.lock();
+    }
+  }
 }
 
 void OpQueue::stop() noexcept {

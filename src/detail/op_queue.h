@@ -40,8 +40,9 @@ class OpQueue {
   // Runs `job` on the progress thread after every job submitted before it.
   void submit(std::function<void()> job);
 
-  // Returns once every job submitted so far has run.
-  void drain();
+  // Returns once every job submitted so far has run; `poll` (may throw, which ends the wait)
+  // runs on this thread about every 100 ms meanwhile.
+  void drain(const std::function<void()>& poll = {});
 
   // Held by every operation while it runs (jobs take it on the progress thread).
   [[nodiscard]] std::unique_lock<std::mutex> drive() {

@@ -1,5 +1,6 @@
 #include "ops/call.h"
 
+#include <cstring>
 #include <string>
 
 #include "detail/graveyard.h"
@@ -84,17 +85,20 @@ std::span<const PreflightHeader> Call::agree() {
   }
   const auto world = static_cast<std::size_t>(comm_.size());
   HeaderBuffers& b = *buffers_;
-  b.gathered.resize(world * sizeof(PreflightHeader));  // no-ops once sized
+  b.mine.resize(sizeof(PreflightHeader));  // no-ops once sized
+  std::memcpy(b.mine.data(), &header_, sizeof header_);
+  b.gathered.resize(world * sizeof(PreflightHeader));
   b.decoded.resize(world);
   try {
-    exchange_headers(comm_, header_, b.gathered, b.decoded, deadline_);
+    comm_.all_gather(b.mine, b.gathered, deadline_);
   } catch (const CommunicationError&) {
     if (buffers_ == &own_) {
-      park(own_.gathered);
+      park(own_);  // the vectors' memory moves with them, so what MPI may touch stays valid
     }
     park_guarded();  // a plan's header buffers live in its scratch
     throw;
   }
+  check_headers(b.gathered, b.decoded, comm_.rank());
   return b.decoded;
 }
 

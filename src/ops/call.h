@@ -39,6 +39,7 @@ class ScratchHolder;
 // The header exchange's buffers. Plans keep theirs in their scratch so that a steady-state
 // execution allocates nothing; a one-shot call uses the Call's own.
 struct HeaderBuffers {
+  std::vector<std::byte> mine;  // this rank's header as sent: a failed exchange may still read it
   std::vector<std::byte> gathered;
   std::vector<PreflightHeader> decoded;
 };
@@ -62,8 +63,10 @@ class Call {
   // The operation fills its fields (dtypes, bytes, fingerprint, strategy) in its check steps.
   [[nodiscard]] PreflightHeader& header() noexcept { return header_; }
 
-  // Runs a local step unless an earlier one failed. What it throws (Error, bad_alloc) is
-  // recorded for agree(); where no header travels it is raised here, naming this rank.
+  // Runs a local step unless an earlier one failed. What it throws (an Error, bad_alloc, any
+  // std::exception) is recorded for agree(); where no header travels it is raised here, naming
+  // this rank. Allocations after agree() (the no-hint output) are outside this: a failure there
+  // is raised on its rank only, and the peers meet it at their deadline.
   template <typename Step>
   void check(Step&& step) {
     if (failed()) {
@@ -75,6 +78,8 @@ class Call {
       fail(e.code(), e.what());
     } catch (const std::bad_alloc&) {
       fail(ErrorCode::kOutOfMemory, "allocation failed while preparing the call");
+    } catch (const std::exception& e) {  // a length_error from a resize, ...
+      fail(ErrorCode::kInvalidArgument, e.what());
     }
   }
 
@@ -123,7 +128,7 @@ class Call {
   PreflightHeader header_;
   std::array<AlignedBuffer*, 2> aligned_{};
   std::size_t aligned_n_ = 0;
-  std::array<std::vector<std::byte>*, 4> vectors_{};
+  std::array<std::vector<std::byte>*, 8> vectors_{};
   std::size_t vectors_n_ = 0;
   ScratchHolder* scratch_ = nullptr;
 };

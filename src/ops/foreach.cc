@@ -74,7 +74,9 @@ LayoutPlan layout_from_records(const detail::Call& call, const AlignedBuffer& ou
 GatherResult gather_without_hint(std::span<const TensorView> params, Communicator& comm,
                                  const ForeachAllGatherOptions& options) {
   detail::Call call(comm, Operation::kForeachAllGather, options.timeout, true);
-  detail::set_strategy(call.header(), Strategy::kDirect);
+  // kDirect, or what it becomes on this transport (kPadded without an exact gather-v).
+  const Strategy strategy = detail::select_strategy(Strategy::kDirect, {}, comm, false);
+  detail::set_strategy(call.header(), strategy);
   detail::LocalInput in;
   BlockLayout block;
   std::vector<std::byte> records;
@@ -125,14 +127,17 @@ GatherResult gather_without_hint(std::span<const TensorView> params, Communicato
                               .copy_threads = 1,
                               .stream_displs = {},
                               .entry_synchronized = call.exchanges()};
-  detail::StrategyScratch scratch;
+  detail::StrategyScratch scratch;  // a padded move stages here
+  call.guard(scratch.padded);
+  call.guard(scratch.gathered);
   ExecStats exec;
-  detail::run_payload(call, Strategy::kDirect, Strategy::kDirect, job, scratch, exec);
+  detail::run_payload(call, Strategy::kDirect, strategy, job, scratch, exec);
   const CallStats stats{.preflight_collectives = 0,
                         .metadata_collectives = call.exchanges() ? 1U : 0U,
                         .payload_collectives = exec.payload_collectives,
                         .staged_bytes = in.strided_bytes};
-  return {layout_from_records(call, out, in.dtypes, counts, displs), std::move(out), stats};
+  LayoutPlan layout = layout_from_records(call, out, in.dtypes, counts, displs);
+  return {std::move(layout), std::move(out), stats};
 }
 
 GatherResult gather_now(std::span<const TensorView> params, Communicator& comm,

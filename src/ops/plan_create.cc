@@ -1,6 +1,7 @@
 // AllGatherPlan::create: a plan from this rank's tensors. With a hint nothing but the header
 // travels; without one the header says how many record bytes each rank has, and one exchange
 // of the shape records follows.
+#include <algorithm>
 #include <optional>
 #include <string>
 
@@ -8,6 +9,7 @@
 #include "ops/call.h"
 #include "ops/records.h"
 #include "ops/start.h"
+#include "strategies/strategy.h"
 
 #include "shardgather/errors.h"
 #include "shardgather/layout.h"
@@ -32,9 +34,20 @@ std::vector<std::vector<Shape>> gather_shapes(detail::Call& call,
   call.guard(records);
   call.guard(all);
   const ConstSegment mine{records.data(), records.size()};
+  std::vector<RecvPiece> pieces(counts.size());
+  std::vector<std::size_t> first(counts.size() + 1, counts.size());
+  for (std::size_t r = 0; r < counts.size(); ++r) {
+    pieces[r] = RecvPiece{all.data() + displs[r], counts[r], 1, 0};
+    first[r] = r;
+  }
+  detail::StrategyScratch scratch;  // a padded move stages here: parked with the call's buffers
+  call.guard(scratch.padded);
+  call.guard(scratch.gathered);
   call.transfer([&] {
-    comm.all_gather_v(std::span(&mine, records.empty() ? 0 : 1), all.data(), counts, displs,
-                      call.deadline());
+    if (std::any_of(counts.begin(), counts.end(), [](std::uint64_t c) { return c != 0; })) {
+      detail::gather_into_pieces(std::span(&mine, records.empty() ? 0 : 1), pieces, first, counts,
+                                 false, 1, comm, call.deadline(), scratch);
+    }
   });
   std::vector<std::vector<Shape>> shapes;
   for (std::size_t r = 0; r < counts.size(); ++r) {

@@ -112,13 +112,6 @@ PreflightHeader decode_header(std::span<const std::byte> bytes, int from_rank) {
   return h;
 }
 
-void exchange_headers(Communicator& comm, const PreflightHeader& header,
-                      std::span<std::byte> gathered, std::span<PreflightHeader> decoded,
-                      Deadline deadline) {
-  comm.all_gather(std::as_bytes(std::span(&header, 1)), gathered, deadline);
-  check_headers(gathered, decoded, comm.rank());
-}
-
 void check_headers(std::span<const std::byte> gathered, std::span<PreflightHeader> headers,
                    int me) {
   const std::size_t world = headers.size();
@@ -149,10 +142,6 @@ void check_headers(std::span<const std::byte> gathered, std::span<PreflightHeade
     if (h.seq != h0.seq) {
       throw_field_mismatch(me, h0, "op sequence number", 0, h0.seq, rr, h.seq);
     }
-    if (strategy_of(h) != strategy_of(h0)) {
-      throw Mismatch(op_prefix(me, h0) + "strategy differs: rank 0 moves the payload with " +
-                     strategy_str(h0) + ", rank " + std::to_string(r) + " with " + strategy_str(h));
-    }
     if (h.num_tensors != h0.num_tensors) {
       throw_field_mismatch(me, h0, "tensor count", 0, h0.num_tensors, rr, h.num_tensors);
     }
@@ -180,6 +169,11 @@ void check_headers(std::span<const std::byte> gathered, std::span<PreflightHeade
                      "dtype of a tensor at index >= " + std::to_string(kInlineDTypes) +
                      " differs between rank 0 and rank " + std::to_string(r) + " (dtype hash " +
                      std::to_string(h0.dtype_hash) + " vs " + std::to_string(h.dtype_hash) + ")");
+    }
+    // Last: plans that differ resolve kAuto differently, and "plan differs" is the cause.
+    if (strategy_of(h) != strategy_of(h0)) {
+      throw Mismatch(op_prefix(me, h0) + "strategy differs: rank 0 moves the payload with " +
+                     strategy_str(h0) + ", rank " + std::to_string(r) + " with " + strategy_str(h));
     }
   }
 }

@@ -74,16 +74,9 @@ std::uint64_t hash_hint(std::span<const std::vector<std::int64_t>> flat_hint, in
 // operation, strategy, status code or an unterminated text.
 PreflightHeader decode_header(std::span<const std::byte> bytes, int from_rank);
 
-// Sends `header` to every rank and receives theirs (one all_gather of the fixed size), then
-// check_headers. `gathered` holds world * sizeof(PreflightHeader) bytes, `decoded` world
-// headers: both preallocated, so a successful exchange allocates nothing.
-void exchange_headers(Communicator& comm, const PreflightHeader& header,
-                      std::span<std::byte> gathered, std::span<PreflightHeader> decoded,
-                      Deadline deadline);
-
 // Decodes every rank's header from an all_gather and raises, identically on every rank, the
-// first failed status or disagreement: operation, world size, sequence number, strategy, tensor
-// count, hint presence and hash, dtypes. `me` only prefixes the message.
+// first failed status or disagreement: operation, world size, sequence number, tensor count,
+// hint presence and hash, dtypes, strategy. `me` only prefixes the message.
 void check_headers(std::span<const std::byte> gathered, std::span<PreflightHeader> headers, int me);
 
 }  // namespace shardgather::detail

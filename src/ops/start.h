@@ -16,7 +16,7 @@ namespace shardgather::detail {
 template <typename Fn>
 decltype(auto) run_blocking(Communicator& comm, Fn&& op) {
   OpQueue& ops = comm.operations();
-  ops.drain();
+  ops.drain([&comm] { comm.check_interrupt(); });  // Ctrl-C while queued behind started ones
   const std::unique_lock<std::mutex> driving = ops.drive();
   return op();
 }

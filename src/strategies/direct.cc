@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <functional>
 
+#include "detail/parallel_copy.h"
 #include "strategies/strategy.h"
 
 namespace shardgather::detail {
@@ -44,14 +45,44 @@ bool contiguous_per_rank(std::span<const RecvPiece> pieces, std::span<const std:
   return true;
 }
 
+void gather_into_pieces(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
+                        std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
+                        bool may_scatter, int copy_threads, Communicator& comm, Deadline deadline,
+                        StrategyScratch& scratch) {
+  const Capabilities caps = comm.capabilities();
+  if (!caps.gather_v) {
+    gather_padded(send, pieces, first, counts, copy_threads, comm, deadline, scratch);
+    return;
+  }
+  std::byte* base = nullptr;
+  if (contiguous_per_rank(pieces, first, counts, base, scratch.displs)) {
+    comm.all_gather_v(send, base, counts, scratch.displs, deadline);
+    return;
+  }
+  if (may_scatter && caps.scatter) {
+    comm.all_gather_scatter(send, pieces, first, counts, deadline);
+    return;
+  }
+  // Rank-major into scratch, then every rank's stream out to its pieces.
+  scratch.displs.resize(counts.size());
+  std::uint64_t total = 0;
+  for (std::size_t r = 0; r < counts.size(); ++r) {
+    scratch.displs[r] = total;
+    total += counts[r];
+  }
+  scratch.gathered.resize(total);  // capacity kept across executions
+  comm.all_gather_v(send, scratch.gathered.data(), counts, scratch.displs, deadline);
+  for (std::size_t r = 0; r < counts.size(); ++r) {
+    const ConstSegment stream{scratch.gathered.data() + scratch.displs[r], counts[r]};
+    copy_stream_parallel(std::span(&stream, 1), pieces.subspan(first[r], first[r + 1] - first[r]),
+                         copy_threads);
+  }
+}
+
 void run_direct(const GatherJob& job, Communicator& comm, Deadline deadline,
                 StrategyScratch& scratch) {
-  std::byte* base = nullptr;
-  if (contiguous_per_rank(job.pieces, job.first, job.counts, base, scratch.displs)) {
-    comm.all_gather_v(job.send, base, job.counts, scratch.displs, deadline);
-  } else {
-    comm.all_gather_scatter(job.send, job.pieces, job.first, job.counts, deadline);
-  }
+  gather_into_pieces(job.send, job.pieces, job.first, job.counts, true, job.copy_threads, comm,
+                     deadline, scratch);
 }
 
 }  // namespace shardgather::detail

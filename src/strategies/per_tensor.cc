@@ -27,12 +27,8 @@ void run_per_tensor(const GatherJob& job, Communicator& comm, Deadline deadline,
     }
     const auto send =
         job.send.subspan(job.send_first[i], job.send_first[i + 1] - job.send_first[i]);
-    std::byte* base = nullptr;
-    if (contiguous_per_rank(scratch.pieces, scratch.first, scratch.counts, base, scratch.displs)) {
-      comm.all_gather_v(send, base, scratch.counts, scratch.displs, deadline);
-    } else {
-      comm.all_gather_scatter(send, scratch.pieces, scratch.first, scratch.counts, deadline);
-    }
+    gather_into_pieces(send, scratch.pieces, scratch.first, scratch.counts, true, job.copy_threads,
+                       comm, deadline, scratch);
   }
 }
 

@@ -21,19 +21,21 @@ std::string_view strategy_name(Strategy strategy) noexcept {
       return "per_tensor";
     case Strategy::kShared:
       return "shared";
+    case Strategy::kPadded:
+      return "padded";
   }
   return "invalid";
 }
 
 Strategy parse_strategy(std::string_view name) {
   for (const Strategy s : {Strategy::kAuto, Strategy::kDirect, Strategy::kPacked,
-                           Strategy::kPerTensor, Strategy::kShared}) {
+                           Strategy::kPerTensor, Strategy::kShared, Strategy::kPadded}) {
     if (strategy_name(s) == name) {
       return s;
     }
   }
   throw InvalidArgument("unknown strategy \"" + std::string(name) +
-                        "\" (auto, direct, packed, per_tensor, shared)");
+                        "\" (auto, direct, packed, per_tensor, shared, padded)");
 }
 
 namespace detail {
@@ -54,19 +56,24 @@ std::uint64_t shared_window_min_bytes(const Capabilities& caps) noexcept {
 
 Strategy select_strategy(Strategy requested, std::span<const std::uint64_t> counts,
                          const Communicator& comm, bool shared_unavailable) {
+  const Capabilities caps = comm.capabilities();
+  // kDirect needs an exact gather-v; without one the same job moves padded.
+  const auto direct = [&caps] { return caps.gather_v ? Strategy::kDirect : Strategy::kPadded; };
   if (requested == Strategy::kShared && !shared_available(comm)) {
-    return Strategy::kDirect;  // documented fallback: ranks on several hosts
+    return direct();  // documented fallback: ranks on several hosts
+  }
+  if (requested == Strategy::kDirect) {
+    return direct();
   }
   if (requested != Strategy::kAuto) {
     return requested;
   }
   const std::uint64_t largest =
       counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
-  if (shared_available(comm) && !shared_unavailable &&
-      largest >= shared_window_min_bytes(comm.capabilities())) {
+  if (shared_available(comm) && !shared_unavailable && largest >= shared_window_min_bytes(caps)) {
     return Strategy::kShared;
   }
-  return Strategy::kDirect;
+  return direct();
 }
 
 void run_strategy(Strategy strategy, const GatherJob& job, Communicator& comm, Deadline deadline,
@@ -80,6 +87,10 @@ void run_strategy(Strategy strategy, const GatherJob& job, Communicator& comm, D
       return;
     case Strategy::kShared:
       run_shared(job, comm, deadline, scratch);
+      return;
+    case Strategy::kPadded:
+      gather_padded(job.send, job.pieces, job.first, job.counts, job.copy_threads, comm, deadline,
+                    scratch);
       return;
     case Strategy::kAuto:
     case Strategy::kDirect:

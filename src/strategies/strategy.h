@@ -43,7 +43,8 @@ struct GatherJob {
 // Scratch a strategy may need; owned by the plan so executions allocate nothing.
 struct StrategyScratch {
   std::vector<std::byte> packed;      // kPacked: this rank's stream, contiguous
-  std::vector<std::byte> gathered;    // kPacked: every rank's stream, rank-major
+  std::vector<std::byte> padded;      // padded moves: this rank's stream, padded to the widest
+  std::vector<std::byte> gathered;    // every rank's stream, rank-major, before a copy-out
   std::vector<std::uint64_t> displs;  // size()
   std::vector<std::uint64_t> counts;  // size()
   std::vector<std::size_t> first;     // size() + 1
@@ -61,6 +62,22 @@ struct StrategyScratch {
 bool contiguous_per_rank(std::span<const RecvPiece> pieces, std::span<const std::size_t> first,
                          std::span<const std::uint64_t> counts, std::byte*& base,
                          std::vector<std::uint64_t>& displs);
+
+// One collective moving `send` (this rank's stream) into every rank's pieces: straight into
+// place where the transport can (all_gather_v into contiguous blocks; all_gather_scatter where
+// it scatters and `may_scatter`), else rank-major into scratch.gathered and copied out, and
+// padded (gather_padded) where it has no exact gather-v. Copy-outs run on `copy_threads`.
+// Leaves scratch.counts, .first and .pieces alone (kPerTensor's per-tensor views live there).
+void gather_into_pieces(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
+                        std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
+                        bool may_scatter, int copy_threads, Communicator& comm, Deadline deadline,
+                        StrategyScratch& scratch);
+// The padded move: every rank's stream padded to the largest count, one all_gather, each rank's
+// real bytes copied to its pieces (received in place when the blocks are equal and adjacent).
+void gather_padded(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
+                   std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
+                   int copy_threads, Communicator& comm, Deadline deadline,
+                   StrategyScratch& scratch);
 
 void run_direct(const GatherJob& job, Communicator& comm, Deadline deadline,
                 StrategyScratch& scratch);

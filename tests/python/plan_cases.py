@@ -416,4 +416,31 @@ def case_plans_moving_the_payload_two_ways(rank, world):
                   world, 0)
 
 
+def case_group_allgather_transport(rank, world):
+    """A communicator over the group's allgather only (p2p=False: no exact gather-v, as on
+    NCCL): the strategy layer pads (direct runs as "padded"), copies out, and every operation
+    stays bit-exact."""
+    comm = shardgather._C._process_group_communicator(dist.group.WORLD, "cpu", False, True)
+    params = _gather_params(rank)
+    hint = [[tuple(t.shape) for t in _gather_params(r)] for r in range(world)]
+    _check_gather(shardgather.foreach_all_gather(params, comm, hint, timeout=T), world, 0)
+    _check_gather(shardgather.foreach_all_gather(params, comm, timeout=T), world, 0)
+    for strategy in ("direct", "packed", "per_tensor", "padded"):
+        plan = shardgather.AllGatherPlan.create(params, comm, hint, strategy=strategy, timeout=T)
+        for _ in range(2):
+            _check_gather(plan.execute(params, comm), world, 0)
+        if world > 1:
+            want = "padded" if strategy == "direct" else strategy
+            assert plan.last_stats["strategy"] == want, (strategy, plan.last_stats)
+    plan = shardgather.AllGatherPlan.create(params, comm, timeout=T)  # records gathered padded
+    _check_gather(plan.execute(params, comm, async_op=True).wait(), world, 0)
+    specs = _param_specs(world)
+    shards = [_local_shard(s, rank, world, i) for i, s in enumerate(specs)]
+    for strategy in ("direct", "packed", "per_tensor"):
+        full = shardgather.UnshardPlan(specs, world, rank, strategy=strategy,
+                                       timeout=T).execute(shards, comm)
+        for i, s in enumerate(specs):
+            same(full[i], _expected_full(s, world, i), "%s param %d" % (strategy, i))
+
+
 CASES = sorted(name for name in dir() if name.startswith("case_"))
