@@ -9,6 +9,7 @@
 #include <new>
 #include <string>
 #include <string_view>
+#include <thread>
 
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>

@@ -27,7 +27,10 @@
 // on the group.
 // Waits are not sliced there: a Gloo unbound-buffer wait that times out signals the failure on
 // the whole Gloo context, so each work is waited on until the deadline, and abort() aborts the
-// in-flight works (SendWork/RecvWork::abort) to wake the wait.
+// in-flight works (SendWork/RecvWork::abort) to wake the wait. Nor can they be polled: torch
+// 1.13's SendWork/RecvWork mark themselves completed only inside wait(). So Ctrl-C reaches a
+// blocking call waiting here only at its deadline; a started call (its Work's wait() checks
+// signals and aborts these works) is interrupted at once.
 //
 // Errors: a call c10d rejects raises CommunicationError; a Gloo transport exception (a peer's
 // connection closed), when issuing or waiting, raises RemoteError. Either poisons.

@@ -30,6 +30,12 @@ void park_shared(std::shared_ptr<void> keep) noexcept {
   }
 }
 
+std::size_t parked_count() noexcept {
+  Graveyard& g = graveyard();
+  const std::lock_guard<std::mutex> lock(g.mu);
+  return g.kept.size();
+}
+
 std::vector<std::byte> gather_or_park(Communicator& comm, std::span<const std::byte> mine,
                                       Deadline deadline) {
   std::vector<std::byte> all(mine.size() * static_cast<std::size_t>(comm.size()));

@@ -24,6 +24,9 @@ namespace shardgather::detail {
 // Keeps `keep` alive forever. Never throws: if even that allocation fails, the object leaks.
 void park_shared(std::shared_ptr<void> keep) noexcept;
 
+// How many objects were parked so far (tests check that a failed call parks what it must).
+std::size_t parked_count() noexcept;
+
 // Moves `value` (a buffer, a vector, a unique_ptr to scratch) into the graveyard.
 template <typename T>
 void park(T& value) noexcept {

@@ -109,29 +109,11 @@ GatherResult gather_without_hint(std::span<const TensorView> params, Communicato
   detail::append_block(
       params, block.offsets, 0, block.sizes, records, staging.data(),
       [](std::size_t /*i*/) { return false; }, segments, send_first);
-  std::vector<RecvPiece> pieces(world);
-  std::vector<std::size_t> first(world + 1, world);
-  for (std::size_t r = 0; r < world; ++r) {
-    pieces[r] = RecvPiece{out.data() + displs[r], counts[r], 1, 0};
-    first[r] = r;
-  }
-  const std::vector<std::size_t> whole{0, segments.size()};  // the block is one part
-  const detail::GatherJob job{.send = segments,
-                              .pieces = pieces,
-                              .first = first,
-                              .counts = counts,
-                              .num_tensors = 1,
-                              .part_bytes = counts,
-                              .part_first = first,
-                              .send_first = whole,
-                              .copy_threads = 1,
-                              .stream_displs = {},
-                              .entry_synchronized = call.exchanges()};
-  detail::StrategyScratch scratch;  // a padded move stages here
-  call.guard(scratch.padded);
-  call.guard(scratch.gathered);
+  detail::BlockJob blocks(segments, out.data(), counts, displs, call.exchanges());
+  call.guard(blocks.scratch.padded);
+  call.guard(blocks.scratch.gathered);
   ExecStats exec;
-  detail::run_payload(call, Strategy::kDirect, strategy, job, scratch, exec);
+  detail::run_payload(call, Strategy::kDirect, strategy, blocks.job, blocks.scratch, exec);
   const CallStats stats{.preflight_collectives = 0,
                         .metadata_collectives = call.exchanges() ? 1U : 0U,
                         .payload_collectives = exec.payload_collectives,

@@ -84,6 +84,27 @@ void run_payload(Call& call, Strategy requested, Strategy strategy, const Gather
   stats.payload_collectives = comm.collectives_issued() - before - stats.setup_collectives;
 }
 
+BlockJob::BlockJob(std::span<const ConstSegment> send, std::byte* base,
+                   std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs,
+                   bool entry_synchronized)
+    : pieces(counts.size()), first(counts.size() + 1, counts.size()), whole{0, send.size()} {
+  for (std::size_t r = 0; r < counts.size(); ++r) {
+    pieces[r] = RecvPiece{base + displs[r], counts[r], 1, 0};
+    first[r] = r;
+  }
+  job = GatherJob{.send = send,
+                  .pieces = pieces,
+                  .first = first,
+                  .counts = counts,
+                  .num_tensors = 1,
+                  .part_bytes = counts,
+                  .part_first = first,
+                  .send_first = whole,
+                  .copy_threads = 1,
+                  .stream_displs = {},
+                  .entry_synchronized = entry_synchronized};
+}
+
 std::vector<TensorView> layout_views(const LayoutPlan& layout, const std::byte* buffer) {
   const auto world = static_cast<std::size_t>(layout.world_size);
   std::vector<TensorView> out(layout.num_tensors * world);

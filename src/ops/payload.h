@@ -25,6 +25,26 @@ void size_scratch(ExecScratch& x, int world, std::size_t n);
 void run_payload(Call& call, Strategy requested, Strategy strategy, const GatherJob& job,
                  StrategyScratch& scratch, ExecStats& stats);
 
+// A payload whose every rank's stream lands as one contiguous block at base + displs[r] (the
+// no-hint foreach, a plan's record exchange): the pieces and the job over them. Filled in place
+// (the job's spans point into it), so neither copied nor moved.
+struct BlockJob {
+  BlockJob(std::span<const ConstSegment> send, std::byte* base,
+           std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs,
+           bool entry_synchronized);
+  BlockJob(const BlockJob&) = delete;
+  BlockJob& operator=(const BlockJob&) = delete;
+  BlockJob(BlockJob&&) = delete;
+  BlockJob& operator=(BlockJob&&) = delete;
+  ~BlockJob() = default;
+
+  std::vector<RecvPiece> pieces;
+  std::vector<std::size_t> first;
+  std::vector<std::size_t> whole;  // this rank's stream is one part
+  StrategyScratch scratch;         // a padded or rank-major move stages here
+  GatherJob job;
+};
+
 // Views of a layout's tensors over `buffer`: element i * world + r is rank r's tensor i.
 std::vector<TensorView> layout_views(const LayoutPlan& layout, const std::byte* buffer);
 

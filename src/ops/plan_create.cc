@@ -1,15 +1,14 @@
 // AllGatherPlan::create: a plan from this rank's tensors. With a hint nothing but the header
 // travels; without one the header says how many record bytes each rank has, and one exchange
 // of the shape records follows.
-#include <algorithm>
 #include <optional>
 #include <string>
 
 #include "detail/local_input.h"
 #include "ops/call.h"
+#include "ops/payload.h"
 #include "ops/records.h"
 #include "ops/start.h"
-#include "strategies/strategy.h"
 
 #include "shardgather/errors.h"
 #include "shardgather/layout.h"
@@ -34,21 +33,13 @@ std::vector<std::vector<Shape>> gather_shapes(detail::Call& call,
   call.guard(records);
   call.guard(all);
   const ConstSegment mine{records.data(), records.size()};
-  std::vector<RecvPiece> pieces(counts.size());
-  std::vector<std::size_t> first(counts.size() + 1, counts.size());
-  for (std::size_t r = 0; r < counts.size(); ++r) {
-    pieces[r] = RecvPiece{all.data() + displs[r], counts[r], 1, 0};
-    first[r] = r;
-  }
-  detail::StrategyScratch scratch;  // a padded move stages here: parked with the call's buffers
-  call.guard(scratch.padded);
-  call.guard(scratch.gathered);
-  call.transfer([&] {
-    if (std::any_of(counts.begin(), counts.end(), [](std::uint64_t c) { return c != 0; })) {
-      detail::gather_into_pieces(std::span(&mine, records.empty() ? 0 : 1), pieces, first, counts,
-                                 false, 1, comm, call.deadline(), scratch);
-    }
-  });
+  const std::span<const ConstSegment> send(&mine, records.empty() ? 0 : 1);
+  detail::BlockJob blocks(send, all.data(), counts, displs, true);
+  call.guard(blocks.scratch.padded);
+  call.guard(blocks.scratch.gathered);
+  ExecStats stats;
+  const Strategy strategy = detail::select_strategy(Strategy::kDirect, counts, comm, false);
+  detail::run_payload(call, Strategy::kDirect, strategy, blocks.job, blocks.scratch, stats);
   std::vector<std::vector<Shape>> shapes;
   for (std::size_t r = 0; r < counts.size(); ++r) {
     shapes.push_back(detail::decode_records(std::span(all).subspan(displs[r], counts[r]),

@@ -112,6 +112,58 @@ PreflightHeader decode_header(std::span<const std::byte> bytes, int from_rank) {
   return h;
 }
 
+namespace {
+
+// Raises, naming rank `r`, the first field in which its header disagrees with rank 0's.
+void check_agrees(const PreflightHeader& h0, const PreflightHeader& h, std::size_t r, int me) {
+  const int rr = static_cast<int>(r);
+  if (h.op != h0.op) {
+    throw Mismatch(op_prefix(me, h0) + "operation differs: rank 0 calls " + op_str(h0.op) +
+                   ", rank " + std::to_string(r) + " calls " + op_str(h.op));
+  }
+  if (h.world_size != h0.world_size) {
+    throw_field_mismatch(me, h0, "world size", 0, h0.world_size, rr, h.world_size);
+  }
+  if (h.seq != h0.seq) {
+    throw_field_mismatch(me, h0, "op sequence number", 0, h0.seq, rr, h.seq);
+  }
+  if (h.num_tensors != h0.num_tensors) {
+    throw_field_mismatch(me, h0, "tensor count", 0, h0.num_tensors, rr, h.num_tensors);
+  }
+  if ((h.flags & kHasHint) != (h0.flags & kHasHint)) {
+    throw Mismatch(op_prefix(me, h0) + "shapes hint given on rank " +
+                   std::to_string((h0.flags & kHasHint) != 0 ? 0 : rr) + " but not on rank " +
+                   std::to_string((h0.flags & kHasHint) != 0 ? rr : 0));
+  }
+  if (h.hint_hash != h0.hint_hash) {
+    throw Mismatch(op_prefix(me, h0) + "shapes hint / plan differs between rank 0 and rank " +
+                   std::to_string(r) + " (shapes hash " + std::to_string(h0.hint_hash) + " vs " +
+                   std::to_string(h.hint_hash) + ")");
+  }
+  const std::size_t inline_n = std::min<std::uint64_t>(h.num_tensors, kInlineDTypes);
+  for (std::size_t i = 0; i < inline_n; ++i) {
+    if (h.dtypes[i] != h0.dtypes[i]) {
+      throw Mismatch(
+          op_prefix(me, h0) + "dtype of tensor " + std::to_string(i) + " differs: rank 0 has " +
+          std::string(dtype_name(static_cast<DType>(h0.dtypes[i]))) + ", rank " +
+          std::to_string(r) + " has " + std::string(dtype_name(static_cast<DType>(h.dtypes[i]))));
+    }
+  }
+  if (h.dtype_hash != h0.dtype_hash) {
+    throw Mismatch(op_prefix(me, h0) +
+                   "dtype of a tensor at index >= " + std::to_string(kInlineDTypes) +
+                   " differs between rank 0 and rank " + std::to_string(r) + " (dtype hash " +
+                   std::to_string(h0.dtype_hash) + " vs " + std::to_string(h.dtype_hash) + ")");
+  }
+  // Last: plans that differ resolve kAuto differently, and "plan differs" is the cause.
+  if (strategy_of(h) != strategy_of(h0)) {
+    throw Mismatch(op_prefix(me, h0) + "strategy differs: rank 0 moves the payload with " +
+                   strategy_str(h0) + ", rank " + std::to_string(r) + " with " + strategy_str(h));
+  }
+}
+
+}  // namespace
+
 void check_headers(std::span<const std::byte> gathered, std::span<PreflightHeader> headers,
                    int me) {
   const std::size_t world = headers.size();
@@ -130,51 +182,7 @@ void check_headers(std::span<const std::byte> gathered, std::span<PreflightHeade
     }
   }
   for (std::size_t r = 1; r < world; ++r) {
-    const PreflightHeader& h = headers[r];
-    const int rr = static_cast<int>(r);
-    if (h.op != h0.op) {
-      throw Mismatch(op_prefix(me, h0) + "operation differs: rank 0 calls " + op_str(h0.op) +
-                     ", rank " + std::to_string(r) + " calls " + op_str(h.op));
-    }
-    if (h.world_size != h0.world_size) {
-      throw_field_mismatch(me, h0, "world size", 0, h0.world_size, rr, h.world_size);
-    }
-    if (h.seq != h0.seq) {
-      throw_field_mismatch(me, h0, "op sequence number", 0, h0.seq, rr, h.seq);
-    }
-    if (h.num_tensors != h0.num_tensors) {
-      throw_field_mismatch(me, h0, "tensor count", 0, h0.num_tensors, rr, h.num_tensors);
-    }
-    if ((h.flags & kHasHint) != (h0.flags & kHasHint)) {
-      throw Mismatch(op_prefix(me, h0) + "shapes hint given on rank " +
-                     std::to_string((h0.flags & kHasHint) != 0 ? 0 : rr) + " but not on rank " +
-                     std::to_string((h0.flags & kHasHint) != 0 ? rr : 0));
-    }
-    if (h.hint_hash != h0.hint_hash) {
-      throw Mismatch(op_prefix(me, h0) + "shapes hint / plan differs between rank 0 and rank " +
-                     std::to_string(r) + " (shapes hash " + std::to_string(h0.hint_hash) + " vs " +
-                     std::to_string(h.hint_hash) + ")");
-    }
-    const std::size_t inline_n = std::min<std::uint64_t>(h.num_tensors, kInlineDTypes);
-    for (std::size_t i = 0; i < inline_n; ++i) {
-      if (h.dtypes[i] != h0.dtypes[i]) {
-        throw Mismatch(
-            op_prefix(me, h0) + "dtype of tensor " + std::to_string(i) + " differs: rank 0 has " +
-            std::string(dtype_name(static_cast<DType>(h0.dtypes[i]))) + ", rank " +
-            std::to_string(r) + " has " + std::string(dtype_name(static_cast<DType>(h.dtypes[i]))));
-      }
-    }
-    if (h.dtype_hash != h0.dtype_hash) {
-      throw Mismatch(op_prefix(me, h0) +
-                     "dtype of a tensor at index >= " + std::to_string(kInlineDTypes) +
-                     " differs between rank 0 and rank " + std::to_string(r) + " (dtype hash " +
-                     std::to_string(h0.dtype_hash) + " vs " + std::to_string(h.dtype_hash) + ")");
-    }
-    // Last: plans that differ resolve kAuto differently, and "plan differs" is the cause.
-    if (strategy_of(h) != strategy_of(h0)) {
-      throw Mismatch(op_prefix(me, h0) + "strategy differs: rank 0 moves the payload with " +
-                     strategy_str(h0) + ", rank " + std::to_string(r) + " with " + strategy_str(h));
-    }
+    check_agrees(h0, headers[r], r, me);
   }
 }
 

@@ -99,6 +99,64 @@ def timeout_case_first_call_honours_timeout(rank, world):
     assert waited < 6.0, "the first call waited %.1f s for a 2 s timeout" % waited
 
 
+def timeout_case_late_rank_zero_bytes(rank, world):
+    """A zero-byte call (an empty list) whose last rank arrives 1.6 s after its peers' 1 s
+    deadline: the peers raise CollectiveTimeout, and so does the late rank, at once, instead of
+    reading the peers' abandoned header from the host mailbox as a completed call."""
+    shardgather.foreach_all_gather([torch.ones(1)], timeout=T)  # the communicator exists
+    late = rank == world - 1
+    if late:
+        time.sleep(1.6)
+    start = time.monotonic()
+    try:
+        shardgather.foreach_all_gather([], timeout=10.0 if late else 1.0)
+    except shardgather.CollectiveTimeout as e:
+        if late:
+            assert "gave up" in str(e), str(e)
+            assert time.monotonic() - start < 1.0, time.monotonic() - start
+    else:
+        raise AssertionError("rank %d returned success from a call its peers gave up" % rank)
+
+
+def _interrupt_after(seconds):
+    import signal
+
+    timer = threading.Timer(seconds, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def timeout_case_ctrl_c_in_gloo_waits(rank, world):
+    """Ctrl-C while rank 0 waits on a started call over Gloo point to point (the header over
+    Gloo: a communicator without the host mailbox; its peer never comes): KeyboardInterrupt
+    within about a second, not at the 30 s deadline. (A blocking call waiting there sees it
+    only at its deadline: torch 1.13's Gloo send/recv works can neither be waited on in slices
+    nor polled; see python/src/process_group.h.)"""
+    group = dist.new_group(list(range(world)))
+    comms = [shardgather._C._process_group_communicator(group, "cpu", True, False)]
+    if rank != 0:
+        time.sleep(5.0)  # alive, never calling
+        return
+    for started, comm in zip((True,), comms):
+        timer = _interrupt_after(0.5)
+        start = time.monotonic()
+        try:
+            if started:
+                shardgather.foreach_all_gather([torch.ones(4)], comm, timeout=30.0,
+                                               async_op=True).wait()
+            else:
+                shardgather.foreach_all_gather([torch.ones(4)], comm, timeout=30.0)
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("no KeyboardInterrupt (started=%s)" % started)
+        finally:
+            timer.join()
+        waited = time.monotonic() - start
+        assert waited < 2.0, "KeyboardInterrupt after %.1f s (started=%s)" % (waited, started)
+        assert comm.is_poisoned
+
+
 CASES = [
     "case_env_differs_between_ranks",
     "case_bad_group_argument",

@@ -7,6 +7,8 @@ from conftest import CaseResults
 
 _results = CaseResults("setup_cases", setup_cases.CASES)
 _timeouts = CaseResults("setup_cases", ["timeout_case_first_call_honours_timeout"])
+_late = CaseResults("setup_cases", ["timeout_case_late_rank_zero_bytes"])
+_ctrl_c = CaseResults("setup_cases", ["timeout_case_ctrl_c_in_gloo_waits"])
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -18,3 +20,12 @@ def test_setup_gloo(world, case):
 @pytest.mark.parametrize("world", [2, 3])
 def test_first_call_honours_timeout(world):
     _timeouts.check(world, "timeout_case_first_call_honours_timeout")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_late_rank_zero_bytes(world):
+    _late.check(world, "timeout_case_late_rank_zero_bytes")
+
+
+def test_ctrl_c_in_gloo_waits():
+    _ctrl_c.check(2, "timeout_case_ctrl_c_in_gloo_waits")

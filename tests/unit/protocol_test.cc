@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include "detail/graveyard.h"
 #include "support/testing.h"
 
 #include "shardgather/shardgather.h"
@@ -176,6 +177,26 @@ INSTANTIATE_TEST_SUITE_P(Worlds, ProtocolWorld, ::testing::Values(1, 2, 3, 4, 7)
                          [](const auto& param_info) {
                            return "w" + std::to_string(param_info.param);
                          });
+
+// A one-shot call with a hint whose collective fails (a peer never comes: Timeout) parks its
+// output, its header buffers and its plan's scratch instead of freeing them: MPI may still
+// write them. (The one-shot hint path used to free its output here.)
+TEST(FailedCalls, ParkWhatTheirCollectivesMayTouch) {
+  run_ranks(
+      2,
+      [](int rank, Communicator& comm) {
+        if (rank == 1) {
+          return;  // never calls
+        }
+        const auto t = tensors(2, rank);
+        const std::size_t before = detail::parked_count();
+        const ForeachAllGatherOptions options{.timeout = 200ms, .preflight = true};
+        EXPECT_THROW((void)foreach_all_gather(testing::views_of(t), comm, rows(2), options),
+                     Timeout);
+        EXPECT_GE(detail::parked_count(), before + 3) << "output, header buffers, plan scratch";
+      },
+      test_name());
+}
 
 TEST(UnshardSpecs, SizesThatWouldWrapAreACountOverflow) {
   constexpr std::int64_t kHuge = std::int64_t{1} << 62;
