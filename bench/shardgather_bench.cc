@@ -172,10 +172,12 @@ class RankBench {
         }
         comm_.barrier(deadline());
         const std::uint64_t a0 = sg::testing::thread_allocations();
+        const std::uint64_t c0 = comm_.collectives_issued();
         const auto t0 = std::chrono::steady_clock::now();
         k.call();
         const auto t1 = std::chrono::steady_clock::now();
         const std::uint64_t a1 = sg::testing::thread_allocations();
+        k.issued = comm_.collectives_issued() - c0;
         if (it >= cfg_.warmup) {
           const auto timed = static_cast<std::size_t>(it - cfg_.warmup);
           mine[c * stride + timed] = std::chrono::duration<double, std::micro>(t1 - t0).count();
@@ -221,7 +223,9 @@ class RankBench {
       r.busbw = r.algbw * (w - 1) / w;
       if (cases_[c].stats != nullptr) {
         const sg::ExecStats& st = *cases_[c].stats;
-        r.metadata_collectives = st.metadata_collectives;
+        // What the call issued beyond its header, payload and one-time setup: metadata.
+        r.metadata_collectives = cases_[c].issued - st.preflight_collectives -
+                                 st.payload_collectives - st.setup_collectives;
         r.preflight_collectives = st.preflight_collectives;
         r.payload_collectives = st.payload_collectives;
         if (r.strategy == "auto") {
@@ -241,6 +245,7 @@ class RankBench {
     std::function<void()> call;
     std::function<std::uint64_t()> verify;  // wrong elements on this rank
     const sg::ExecStats* stats = nullptr;
+    std::uint64_t issued = 0;  // collectives of the last timed call on this rank
   };
 
   sg::Deadline deadline() const { return comm_.deadline_after(std::chrono::minutes(5)); }

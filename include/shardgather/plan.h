@@ -46,7 +46,6 @@ struct PlanOptions {
 
 struct ExecStats {
   std::uint64_t preflight_collectives = 0;
-  std::uint64_t metadata_collectives = 0;  // always 0 for an execution
   std::uint64_t payload_collectives = 0;
   // One-time setup on a first execution (kShared: creating the node-shared window).
   std::uint64_t setup_collectives = 0;

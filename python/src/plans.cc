@@ -180,8 +180,8 @@ py::dict stats_dict(const ExecStats& stats) {
   py::dict d;
   d["strategy"] = std::string(strategy_name(stats.strategy));
   d["preflight_collectives"] = stats.preflight_collectives;
-  d["metadata_collectives"] = stats.metadata_collectives;
   d["payload_collectives"] = stats.payload_collectives;
+  d["setup_collectives"] = stats.setup_collectives;
   d["staged_bytes"] = stats.staged_bytes;
   return d;
 }

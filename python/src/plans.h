@@ -28,8 +28,7 @@
 
 namespace shardgather::python {
 
-// ExecStats as a dict: strategy (its name), preflight/metadata/payload_collectives,
-// staged_bytes.
+// ExecStats as a dict: strategy (its name), preflight/payload/setup_collectives, staged_bytes.
 pybind11::dict stats_dict(const ExecStats& stats);
 
 // PlanOptions from the Python keywords.
