@@ -43,8 +43,9 @@ namespace detail {
 // Completion shared by a handle and the operation's job on the progress thread.
 class SHARDGATHER_API WorkState {
  public:
-  // The job, once: `error` null on success.
-  void finish(std::exception_ptr error) noexcept;
+  // The job, once: `error` null on success. Gives up `owner` (the job's reference) first, so
+  // that the waiter, who holds another, is the one that destroys the state.
+  static void finish(std::shared_ptr<WorkState> owner, std::exception_ptr error) noexcept;
   // Waits up to `timeout` (forever when negative); true once complete.
   bool wait_for(std::chrono::milliseconds timeout) noexcept;
   // After completion: the failure, or null.

@@ -27,12 +27,17 @@ template <typename T, typename Fn>
 Work<T> start_on(Communicator& comm, Fn op) {
   auto state = std::make_shared<WorkResult<T>>();
   comm.operations().submit([state, op = std::move(op)]() mutable noexcept {
+    // The job lets go of the state before it completes it: the handle (which always holds one,
+    // its destructor waits) is then the last owner, so the state and a stored exception are
+    // destroyed on the waiter's thread, never under its reading of them.
+    std::shared_ptr<WorkResult<T>> mine = std::move(state);
+    std::exception_ptr error;
     try {
-      state->value.emplace(op());
-      state->finish(nullptr);
+      mine->value.emplace(op());
     } catch (...) {
-      state->finish(std::current_exception());
+      error = std::current_exception();
     }
+    WorkState::finish(std::move(mine), std::move(error));
   });
   return Work<T>(std::move(state));
 }
