@@ -42,7 +42,8 @@ std::vector<std::int64_t> chunk_sizes(std::int64_t full, int world_size) {
     throw InvalidArgument("chunk_sizes: " + std::to_string(full) + " over " +
                           std::to_string(world_size) + " ranks");
   }
-  const std::int64_t chunk = full == 0 ? 0 : (full + world_size - 1) / world_size;
+  // ceil(full / world) without full + world - 1, which overflows near INT64_MAX (found by Z4).
+  const std::int64_t chunk = full / world_size + (full % world_size != 0 ? 1 : 0);
   std::vector<std::int64_t> sizes(static_cast<std::size_t>(world_size));
   std::int64_t left = full;
   for (auto& size : sizes) {
