@@ -2,6 +2,7 @@
 // caught from the header on every rank, before any payload moves (RELIABILITY.md, round 2).
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -196,6 +197,21 @@ TEST(FailedCalls, ParkWhatTheirCollectivesMayTouch) {
         EXPECT_GE(detail::parked_count(), before + 3) << "output, header buffers, plan scratch";
       },
       test_name());
+}
+
+// torch.chunk sizes of a dim near INT64_MAX: ceil(full / world) must not overflow (Z4 found it).
+TEST(UnshardSpecs, ChunkSizesNearTheInt64Limit) {
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  for (const int world : {2, 3, 7}) {
+    const std::vector<std::int64_t> sizes = chunk_sizes(kMax, world);
+    std::int64_t left = kMax;
+    for (const std::int64_t s : sizes) {
+      ASSERT_GE(s, 0);
+      ASSERT_LE(s, left);
+      left -= s;
+    }
+    EXPECT_EQ(left, 0) << "world " << world;
+  }
 }
 
 TEST(UnshardSpecs, SizesThatWouldWrapAreACountOverflow) {
