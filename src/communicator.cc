@@ -156,6 +156,8 @@ void Communicator::set_interrupt_check(std::function<bool()> check) {
   t_interrupt_check = std::move(check);
 }
 
+bool Communicator::has_interrupt_check() noexcept { return static_cast<bool>(t_interrupt_check); }
+
 void Communicator::check_interrupt() {
   if (!t_interrupt_check) {
     return;

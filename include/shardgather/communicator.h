@@ -123,6 +123,9 @@ class SHARDGATHER_API Communicator {
   // communicator is poisoned. Other threads (a progress thread) never run it. An empty
   // function removes it.
   static void set_interrupt_check(std::function<bool()> check);
+  // Whether the calling thread has an interrupt check: a backend whose waits cannot be sliced
+  // then waits on a helper thread so that this one can run the check.
+  [[nodiscard]] static bool has_interrupt_check() noexcept;
   // Runs the calling thread's interrupt check (at most every 100 ms) and raises Aborted, after
   // aborting this communicator, when it asks to stop. Backends call it from their wait loops.
   void check_interrupt();

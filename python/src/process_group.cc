@@ -251,6 +251,16 @@ void ProcessGroupCommunicator::gather_p2p(std::span<const ConstSegment> send, st
 }
 
 void ProcessGroupCommunicator::wait_p2p(Deadline deadline, const char* what) {
+  if (!Communicator::has_interrupt_check()) {
+    wait_p2p_here(deadline, what);
+    return;
+  }
+  // This thread runs the interrupt check (Python's signal handlers), so the unsliceable wait
+  // moves to the helper thread; an interrupt aborts the works, which ends that wait.
+  waiter_.run([&] { wait_p2p_here(deadline, what); }, [this] { check_interrupt(); }, kWaitSlice);
+}
+
+void ProcessGroupCommunicator::wait_p2p_here(Deadline deadline, const char* what) {
   std::size_t done = 0;
   for (;;) {
     c10::intrusive_ptr<c10d::Work> work;

@@ -27,10 +27,10 @@
 // on the group.
 // Waits are not sliced there: a Gloo unbound-buffer wait that times out signals the failure on
 // the whole Gloo context, so each work is waited on until the deadline, and abort() aborts the
-// in-flight works (SendWork/RecvWork::abort) to wake the wait. Nor can they be polled: torch
-// 1.13's SendWork/RecvWork mark themselves completed only inside wait(). So Ctrl-C reaches a
-// blocking call waiting here only at its deadline; a started call (its Work's wait() checks
-// signals and aborts these works) is interrupted at once.
+// in-flight works (SendWork/RecvWork::abort) to wake the wait. Nor can they be polled: Gloo's
+// SendWork/RecvWork mark themselves completed only inside wait(). So a thread with an interrupt
+// check (a Python caller, where Ctrl-C must be noticed) hands that wait to a helper thread
+// (waiter.h) and keeps checking; an interrupt aborts the works, which ends the helper's wait.
 //
 // Errors: a call c10d rejects raises CommunicationError; a Gloo transport exception (a peer's
 // connection closed), when issuing or waiting, raises RemoteError. Either poisons.
@@ -54,6 +54,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "detail/host_mailbox.h"
+#include "waiter.h"
 
 #include "shardgather/communicator.h"
 
@@ -122,8 +123,10 @@ class ProcessGroupCommunicator final : public Communicator {
   void gather_p2p(std::span<const ConstSegment> send, std::byte* recv,
                   std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs,
                   Deadline deadline, const char* what);
-  // Waits for every in-flight p2p work until `deadline` (unsliced, see the header comment).
+  // Waits for every in-flight p2p work until `deadline` (unsliced, see the header comment): on
+  // waiter_'s thread when this thread has an interrupt check, so that the check keeps running.
   void wait_p2p(Deadline deadline, const char* what);
+  void wait_p2p_here(Deadline deadline, const char* what);
   // Aborts every in-flight p2p work (wakes their waits); inflight_mu_ held.
   void abort_works_locked() noexcept;
   int count_ranks_on_host(Deadline deadline);
@@ -147,6 +150,7 @@ class ProcessGroupCommunicator final : public Communicator {
   at::Tensor send_staging_;  // reused: device staging of an all_gather's send
   at::Tensor recv_staging_;  // reused: device staging of an all_gather's receive
   std::unique_ptr<detail::HostMailbox> mailbox_;  // set once, by the constructor
+  Waiter waiter_;  // idle between calls; last, so it is joined before the rest goes
 };
 
 }  // namespace shardgather::python

@@ -127,17 +127,18 @@ def _interrupt_after(seconds):
 
 
 def timeout_case_ctrl_c_in_gloo_waits(rank, world):
-    """Ctrl-C while rank 0 waits on a started call over Gloo point to point (the header over
-    Gloo: a communicator without the host mailbox; its peer never comes): KeyboardInterrupt
-    within about a second, not at the 30 s deadline. (A blocking call waiting there sees it
-    only at its deadline: torch 1.13's Gloo send/recv works can neither be waited on in slices
-    nor polled; see python/src/process_group.h.)"""
+    """Ctrl-C while rank 0 waits over Gloo point to point (the header over Gloo: a
+    communicator without the host mailbox; its peer never comes), in a started call and in a
+    blocking one: KeyboardInterrupt within about a second, not at the 30 s deadline. (Gloo's
+    send/recv works can neither be waited on in slices nor polled: the blocking call waits on a
+    helper thread; see python/src/process_group.h.)"""
     group = dist.new_group(list(range(world)))
-    comms = [shardgather._C._process_group_communicator(group, "cpu", True, False)]
+    comms = [shardgather._C._process_group_communicator(group, "cpu", True, False)
+             for _ in range(2)]
     if rank != 0:
-        time.sleep(5.0)  # alive, never calling
+        time.sleep(8.0)  # alive, never calling
         return
-    for started, comm in zip((True,), comms):
+    for started, comm in zip((True, False), comms):
         timer = _interrupt_after(0.5)
         start = time.monotonic()
         try:
