@@ -1,5 +1,7 @@
 # Finds what the Python binding needs, building nothing: the interpreter (the presets pin
-# /usr/bin/python3), Debian's pybind11 (CONFIG mode) and the torch installed for that interpreter.
+# .venv/bin/python, made by tools/install-deps) and the torch installed for it. pybind11 is the
+# copy torch ships in its include directory: the module must be built with torch's own pybind11
+# (same internals version and ABI tags) to share its type registry and accept ProcessGroups.
 # Torch is located by asking the interpreter rather than through TorchConfig.cmake: Debian's
 # config drags in Caffe2's whole dependency set and pip wheels ship a different one, while torch
 # itself reports its include and library directories and ABI flags the same way in 1.13 and 2.x.
@@ -10,9 +12,6 @@
 set(SHARDGATHER_PYTHON_DEPS_FOUND OFF)
 find_package(Python 3 QUIET COMPONENTS Interpreter Development.Module)
 if(Python_FOUND)
-  find_package(pybind11 CONFIG QUIET)
-endif()
-if(Python_FOUND AND pybind11_FOUND)
   # One value per line; lists inside a line are comma-separated.
   execute_process(
     COMMAND ${Python_EXECUTABLE} -c [=[
@@ -31,7 +30,12 @@ print(",".join("%s=\"%s\"" % (k, getattr(torch._C, "_" + k)) for k in
   if(_sg_rc EQUAL 0)
     string(REGEX MATCHALL "[^\n]+" _sg_lines "${_sg_out}")
     list(LENGTH _sg_lines _sg_n)
+    set(_sg_inc_first "")
     if(_sg_n EQUAL 5)
+      list(GET _sg_lines 1 _sg_inc_all)
+      string(REGEX REPLACE ",.*" "" _sg_inc_first "${_sg_inc_all}")
+    endif()
+    if(_sg_n EQUAL 5 AND EXISTS "${_sg_inc_first}/pybind11/pybind11.h")
       list(GET _sg_lines 0 SHARDGATHER_TORCH_VERSION)
       list(GET _sg_lines 1 _sg_inc)
       string(REPLACE "," ";" SHARDGATHER_TORCH_INCLUDE_DIRS "${_sg_inc}")

@@ -104,8 +104,11 @@ def communicator(group=None, timeout=None):
         with _comms_lock:
             comm = _comms.get(group)
         if comm is None:
+            # Host tensors go to the group's CPU backend (torch 2.x: "cpu:gloo,cuda:nccl"
+            # holds one per device type); a group without one (NCCL only) stages them on the
+            # current CUDA device.
             device = "cpu"
-            if dist.get_backend(group) == "nccl":
+            if "cpu:" not in dist.get_backend_config(group):
                 device = "cuda:%d" % torch.cuda.current_device()
             comm = _C._process_group_communicator(group, device, timeout=timeout)
             with _comms_lock:

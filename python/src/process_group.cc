@@ -45,6 +45,15 @@ constexpr std::chrono::milliseconds kWaitSlice{50};
   throw RemoteError(where + e.what());
 }
 
+// A torch 2.x group holds one backend per device type (the default "cpu:gloo,cuda:nccl"): the
+// one that carries this communicator's tensors is the one that matters.
+std::string backend_for(c10d::ProcessGroup& group, c10::DeviceType device) {
+  if (group.hasBackendForDeviceType(device)) {
+    return group.getBackend(device)->getBackendName();
+  }
+  return group.getBackendName();
+}
+
 }  // namespace
 
 ProcessGroupCommunicator::ProcessGroupCommunicator(
@@ -53,10 +62,10 @@ ProcessGroupCommunicator::ProcessGroupCommunicator(
     : group_(group),
       rank_(group->getRank()),
       size_(group->getSize()),
-      name_("torch." + group->getBackendName()),
+      name_("torch." + backend_for(*group, device.type())),
       device_(device),
       staged_on_device_(!device.is_cpu()),
-      p2p_(p2p && device.is_cpu() && group->getBackendName() == "gloo") {
+      p2p_(p2p && device.is_cpu() && name_ == "torch.gloo") {
   const Deadline setup = deadline_after(setup_timeout);
   ranks_on_host_ = count_ranks_on_host(setup);
   if (host_mailbox) {
@@ -118,13 +127,11 @@ void ProcessGroupCommunicator::wait(const c10::intrusive_ptr<c10d::Work>& work, 
   }
 }
 
-void ProcessGroupCommunicator::allgather(at::Tensor& input, std::vector<at::Tensor>& outputs,
-                                         Deadline deadline, const char* what) {
-  std::vector<at::Tensor> inputs{input};
-  std::vector<std::vector<at::Tensor>> output_lists{outputs};
+void ProcessGroupCommunicator::allgather(at::Tensor& input, at::Tensor& output, Deadline deadline,
+                                         const char* what) {
   c10::intrusive_ptr<c10d::Work> work;
   try {
-    work = group_->allgather(output_lists, inputs);
+    work = group_->all_gather_single(output, input);
   } catch (const std::exception& e) {
     raise_not_issued(e, rank_, what, name_);
   }
@@ -151,26 +158,20 @@ void ProcessGroupCommunicator::do_all_gather(std::span<const std::byte> send,
     gather_p2p(std::span(&mine, 1), recv.data(), counts, p2p_displs_, deadline, "all_gather");
     return;
   }
-  at::Tensor input;
-  std::vector<at::Tensor> outputs(world);
+  // all_gather_single writes straight into one flat output (Gloo: no staging of its own).
   if (!staged_on_device_) {
-    input = host_bytes(send.data(), send.size());
-    for (std::size_t r = 0; r < world; ++r) {
-      outputs[r] = host_bytes(recv.data() + r * send.size(), send.size());
-    }
-    allgather(input, outputs, deadline, "all_gather");
+    at::Tensor input = host_bytes(send.data(), send.size());
+    at::Tensor output = host_bytes(recv.data(), recv.size());
+    allgather(input, output, deadline, "all_gather");
     return;
   }
-  input = scratch(send_staging_, send.size()).narrow(0, 0, static_cast<std::int64_t>(send.size()));
+  at::Tensor input =
+      scratch(send_staging_, send.size()).narrow(0, 0, static_cast<std::int64_t>(send.size()));
   input.copy_(host_bytes(send.data(), send.size()));
-  at::Tensor gathered = scratch(recv_staging_, recv.size());
-  for (std::size_t r = 0; r < world; ++r) {
-    outputs[r] = gathered.narrow(0, static_cast<std::int64_t>(r * send.size()),
-                                 static_cast<std::int64_t>(send.size()));
-  }
-  allgather(input, outputs, deadline, "all_gather");
-  host_bytes(recv.data(), recv.size())
-      .copy_(gathered.narrow(0, 0, static_cast<std::int64_t>(recv.size())));
+  at::Tensor output =
+      scratch(recv_staging_, recv.size()).narrow(0, 0, static_cast<std::int64_t>(recv.size()));
+  allgather(input, output, deadline, "all_gather");
+  host_bytes(recv.data(), recv.size()).copy_(output);
 }
 
 void ProcessGroupCommunicator::do_all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
@@ -272,7 +273,7 @@ void ProcessGroupCommunicator::wait_p2p_here(Deadline deadline, const char* what
       }
       work = inflight_[done];
     }
-    std::chrono::milliseconds left = ::kNoTimeout;  // torch 1.13 declares it outside c10d
+    std::chrono::milliseconds left = ::kNoTimeout;  // Work.hpp declares it outside c10d
     if (deadline != Deadline::max()) {
       left = std::max(std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()),
                       std::chrono::milliseconds(1));

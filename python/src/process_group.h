@@ -17,14 +17,17 @@
 // strategy layer pads (src/strategies/padded.cc); it never scatters into strided pieces itself
 // (capabilities().scatter false), and the strategies gather rank-major and copy out.
 //
-// Point-to-point gather (Gloo on the host, the default there): torch 1.13's ProcessGroupGloo
-// has no _allgather_base, and its allgather receives into a fresh flat tensor (first touch of
-// world x bytes on every call) that it then copies into the outputs. Its send/recv, on the other
-// hand, post Gloo unbound buffers over the tensors' own memory. So all_gather_v/all_gather on a
-// Gloo group post one recv per peer straight into that peer's slot of the output, copy this
-// rank's bytes once into its own slot while those arrive, and post one send per peer from the
-// slot: no padding (a true gather-v), no staging, no internal buffer. Tag kP2PTag is reserved
-// on the group.
+// Backends: a torch 2.x group may hold one backend per device type ("cpu:gloo,cuda:nccl"); the
+// one for `device` is used (its name is backend_name(), "torch.gloo"), and c10d dispatches each
+// call to it by the tensors' device.
+//
+// Point-to-point gather (Gloo on the host, the default there): Gloo's send/recv post unbound
+// buffers over the tensors' own memory, so all_gather_v/all_gather on a Gloo group post one recv
+// per peer straight into that peer's slot of the output, copy this rank's bytes once into its
+// own slot while those arrive, and post one send per peer from the slot: no padding (a true
+// gather-v), no staging, no internal buffer. Tag kP2PTag is reserved on the group. Without it
+// (`p2p=false`, or NCCL) an equal-size all_gather is one c10d all_gather_single into the flat
+// output.
 // Waits are not sliced there: a Gloo unbound-buffer wait that times out signals the failure on
 // the whole Gloo context, so each work is waited on until the deadline, and abort() aborts the
 // in-flight works (SendWork/RecvWork::abort) to wake the wait. Nor can they be polled: Gloo's
@@ -114,10 +117,9 @@ class ProcessGroupCommunicator final : public Communicator {
   void do_abort() noexcept override;
 
  private:
-  // One c10d allgather of `input` (the same byte count on every rank) into `outputs`, waited on
-  // until `deadline`.
-  void allgather(at::Tensor& input, std::vector<at::Tensor>& outputs, Deadline deadline,
-                 const char* what);
+  // One c10d all_gather_single of `input` (the same byte count on every rank) into the flat
+  // `output` (world x that), waited on until `deadline`.
+  void allgather(at::Tensor& input, at::Tensor& output, Deadline deadline, const char* what);
   void wait(const c10::intrusive_ptr<c10d::Work>& work, Deadline deadline, const char* what);
   // The point-to-point gather into `recv` (every rank's block at recv + displs[r]).
   void gather_p2p(std::span<const ConstSegment> send, std::byte* recv,

@@ -302,6 +302,22 @@ def case_host_mailbox(rank, world):
         assert_same(shardgather.foreach_all_gather(params, comm, timeout=T), ref, world)
 
 
+def case_backend_per_device(rank, world):
+    """A torch 2.x group with one backend per device type ("cpu:gloo,cuda:gloo", the shape of
+    the default "cpu:gloo,cuda:nccl" on a machine without CUDA): host tensors go to its CPU
+    backend, Gloo, with point to point (direct stays a true gather-v, not padded)."""
+    group = dist.new_group(list(range(world)), backend="cpu:gloo,cuda:gloo")
+    assert "cpu:gloo" in dist.get_backend_config(group), dist.get_backend_config(group)
+    comm = shardgather.communicator(group)
+    assert comm.backend_name == "torch.gloo", comm.backend_name
+    params = [make((rank + 2, 3), torch.bfloat16, rank), make((rank,), torch.int32, rank + 3)]
+    ref, shapes = reference(params, world)
+    assert_same(shardgather.foreach_all_gather(params, group, timeout=T), ref, world)
+    plan = shardgather.AllGatherPlan.create(params, group, shapes, strategy="direct", timeout=T)
+    assert_same(plan.execute(params, group), ref, world)
+    assert plan.last_stats["strategy"] == "direct", plan.last_stats
+
+
 def case_count_mismatch(rank, world):
     if world == 1:
         return
