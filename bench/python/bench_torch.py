@@ -47,10 +47,26 @@ def shard(shape, rank, world):
     return (hi - lo,) + tuple(shape[1:])
 
 
+def as_dtensors(params, full_shapes, world):
+    """params as Shard(0) DTensors on a 1-D mesh over the world group, built without
+    communication: a sharded preset's full shapes, or (tiny-1000: every rank's own tensors) the
+    rank-major concatenation of the ranks' tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = []
+    for i, p in enumerate(params):
+        shape = tuple(full_shapes[i]) if full_shapes else (p.shape[0] * world,) + tuple(p.shape[1:])
+        stride = torch.empty(shape, device="meta").stride()
+        out.append(DTensor.from_local(p, mesh, [Shard(0)], run_check=False, shape=shape,
+                                      stride=stride))
+    return out
+
+
 def seed_algorithm(params, world, shapes=None):
     """The seed's algorithm in plain PyTorch: flatten copy-in, one all-gather of the flat buffer,
-    split and view (gathering numels and pickled shapes when no hint is given). Gloo in torch 1.13
-    has no all_gather_into_tensor, so the flat gather goes into chunk views of one buffer."""
+    split and view (gathering numels and pickled shapes when no hint is given)."""
     numels = [p.numel() for p in params]
     dtype = params[0].dtype
     flat_in = torch.empty(sum(numels), dtype=dtype)
@@ -68,7 +84,7 @@ def seed_algorithm(params, world, shapes=None):
         all_counts = [torch.tensor([math.prod(s) for s in row]) for row in shapes]
     total = int(sum(int(c.sum()) for c in all_counts))
     flat_out = torch.empty(total, dtype=dtype)
-    dist.all_gather(list(flat_out.view(torch.uint8).chunk(world)), flat_in.view(torch.uint8))
+    dist.all_gather_into_tensor(flat_out.view(torch.uint8), flat_in.view(torch.uint8))
     splits = torch.split(flat_out, [int(x) for c in all_counts for x in c])
     n = len(params)
     return [[splits[r * n + i].view(all_shapes[r][i]) for r in range(world)] for i in range(n)]
@@ -137,10 +153,14 @@ def run(rank, world, args, mpi_comm_factory):
         no_mailbox_comm = shardgather._C._process_group_communicator(
             dist.group.WORLD, "cpu", True, False)
         plan.execute(params)
+        dtensors = as_dtensors(params, full if sharded else None, world)
         methods = {
-            "limit (group all_gather, prealloc)": lambda: dist.all_gather(outs, flat_in),
-            "limit + split into new tensors": lambda: (dist.all_gather(outs, flat_in),
+            "limit (group all_gather, prealloc)": lambda: dist.all_gather_into_tensor(flat_out,
+                                                                                      flat_in),
+            "limit + split into new tensors": lambda: (dist.all_gather_into_tensor(flat_out,
+                                                                                   flat_in),
                                                       flat_out.split(split_sizes)),
+            "group all_gather (list of outputs)": lambda: dist.all_gather(outs, flat_in),
             "plan auto (%s)" % plan.last_stats["strategy"]: lambda: plan.execute(params),
             "plan direct (Gloo send/recv)": lambda: direct.execute(params),
             "plan direct, preflight off": lambda: direct_nopf.execute(params),
@@ -154,6 +174,10 @@ def run(rank, world, args, mpi_comm_factory):
             "seed algorithm (shapes)": lambda: seed_algorithm(params, world, hint),
             "seed algorithm (no shapes)": lambda: seed_algorithm(params, world),
         }
+        # DTensors (Shard(0) on a 1-D mesh of the group): one full_tensors call against one
+        # full_tensor() per tensor, what a caller without shardgather writes.
+        methods["full_tensors (DTensor list, one call)"] = lambda: shardgather.full_tensors(dtensors)
+        methods["full_tensor() loop (DTensor)"] = lambda: [t.full_tensor() for t in dtensors]
         if mpi_comm_factory is not None:
             comm = mpi_comm_factory()
             mpi_plan = shardgather.AllGatherPlan.create(params, comm, hint)
@@ -170,8 +194,10 @@ def run(rank, world, args, mpi_comm_factory):
         # Correctness first: every shardgather method must equal the seed's algorithm bit for
         # bit (each result is checked before the next call can overwrite a plan's buffer).
         b, out = seed_algorithm(params, world, hint), None
+        for x, y in zip(shardgather.full_tensors(dtensors), [t.full_tensor() for t in dtensors]):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), "full_tensors"
         for name, fn in methods.items():
-            if name.startswith(("limit", "seed")):
+            if name.startswith(("limit", "seed", "group", "full_tensor")):
                 continue
             out = fn()
             assert len(out) == len(b), name
@@ -203,10 +229,8 @@ def run(rank, world, args, mpi_comm_factory):
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"schema_version": 1, "world": world, "torch": torch.__version__, "rows": rows}, f, indent=1)
-    # Every rank leaves together and the group is torn down before the interpreter: torch 1.13's
-    # Gloo worker threads otherwise may release a Python-owned tensor during finalisation and
-    # abort the process ("terminate called without an active exception"), or a fast rank's exit
-    # may close the connection under a peer still in its last collective.
+    # Every rank leaves together and the group is torn down before the interpreter: a fast
+    # rank's exit may otherwise close the connection under a peer still in its last collective.
     dist.barrier()
     dist.destroy_process_group()
 

@@ -57,6 +57,7 @@ __all__ = [
     "chunk_sizes",
     "communicator",
     "foreach_all_gather",
+    "full_tensors",
     "has_mpi",
     "mpi_communicator",
     "mpi_init",
@@ -276,6 +277,15 @@ def unshard(shards, specs, group=None, *, strategy="auto", preflight=True, timeo
     :class:`Work` whose ``wait()`` returns them."""
     return _C.unshard(shards, communicator(group, _setup_timeout(timeout)), list(specs), strategy,
                       preflight, timeout, async_op)
+
+
+def full_tensors(tensors, *, strategy="auto", timeout=None):
+    """The full tensors of a list (or dict) of DTensors in one collective; see
+    :func:`shardgather.dtensor.full_tensors`. (torch.distributed.tensor is imported on first
+    use, not with shardgather.)"""
+    from .dtensor import full_tensors as gather_full
+
+    return gather_full(tensors, strategy=strategy, timeout=timeout)
 
 
 class ThreadGroup:

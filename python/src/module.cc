@@ -439,6 +439,19 @@ PYBIND11_MODULE(_shardgather, m) {
       },
       py::arg("shards"), py::arg("comm"), py::arg("specs"), py::arg("strategy") = "auto",
       py::arg("preflight") = true, py::arg("timeout") = py::none(), py::arg("async_op") = false);
+  // For Python-level wrappers of unshard (full_tensors): a local error fails the unshard call the
+  // peers are making, with this message, instead of leaving them waiting for their deadline.
+  m.def(
+      "_fail_unshard",
+      [](const CommPtr& comm, const std::string& message, bool is_type_error, bool preflight,
+         std::optional<double> timeout) {
+        const LocalError error{is_type_error ? LocalError::kType : LocalError::kValue, 0, message};
+        fail_call(*comm, error,
+                  {Operation::kUnshard, preflight,
+                   timeout_or_fail(*comm, timeout, {Operation::kUnshard, preflight, {}})});
+      },
+      py::arg("comm"), py::arg("message"), py::arg("is_type_error") = false,
+      py::arg("preflight") = true, py::arg("timeout") = py::none());
   m.def("_make_thread_group", &make_thread_group_py, py::arg("world_size"));
   m.def("_process_group_communicator", &process_group_communicator, py::arg("group"),
         py::arg("device") = "cpu", py::arg("p2p") = true, py::arg("host_mailbox") = true,

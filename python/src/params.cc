@@ -2,6 +2,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <string_view>
 #include <utility>
 
 #include <torch/csrc/autograd/python_variable.h>
@@ -51,6 +53,39 @@ std::optional<std::chrono::milliseconds> to_timeout(std::optional<double> second
   return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(*seconds * 1000.0)));
 }
 
+namespace {
+
+// Inputs (not outputs) accept DTensors: what this rank holds of one is its local shard.
+bool unwraps_dtensors(const char* what) { return std::string_view(what) != "outputs"; }
+
+// A tensor subclass: a DTensor (torch.distributed.tensor) stands for its local shard; any other
+// subclass for itself. Plain tensors never come here, so the common path imports nothing.
+bool unpack_subclass(PyObject* item, at::Tensor& t, std::string& error) {
+  try {
+    // Leaked: a static py::object would be released after the interpreter has gone.
+    static const py::handle dtensor = []() -> py::handle {
+      try {
+        return py::object(py::module_::import("torch.distributed.tensor").attr("DTensor")).release();
+      } catch (const py::error_already_set&) {
+        return py::none().release();  // torch built without distributed: no DTensors exist
+      }
+    }();
+    const py::handle obj(item);
+    if (!dtensor.is_none() && py::isinstance(obj, dtensor)) {
+      const py::object local = obj.attr("to_local")();
+      t = THPVariable_Unpack(local.ptr());
+      return true;
+    }
+    t = THPVariable_Unpack(item);
+    return true;
+  } catch (const py::error_already_set& e) {
+    error = std::string("its local shard could not be read: ") + e.what();
+    return false;
+  }
+}
+
+}  // namespace
+
 void parse_params_into(py::handle params, const char* what, Params& out) {
   out.tensors.clear();  // keeps the capacity (and every view's shape storage) for the next call
   out.error = {};
@@ -83,7 +118,12 @@ void parse_params_into(py::handle params, const char* what, Params& out) {
           LocalError::kType, i,
           name(i) + " is a " + std::string(Py_TYPE(item)->tp_name) + ", not a torch.Tensor");
     }
-    at::Tensor t = THPVariable_Unpack(item);
+    at::Tensor t;
+    if (THPVariable_CheckExact(item) || !unwraps_dtensors(what)) {
+      t = THPVariable_Unpack(item);
+    } else if (std::string error; !unpack_subclass(item, t, error)) {
+      return fail(LocalError::kValue, i, name(i) + ": " + error);
+    }
     if (!out.tensors.empty() && t.device() != out.tensors.front().device()) {
       return fail(LocalError::kValue, i,
                   name(i) + " is on " + t.device().str() + " but " + what + "[0] is on " +

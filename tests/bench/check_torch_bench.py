@@ -10,6 +10,7 @@ import tempfile
 EXPECTED = [
     "limit (group all_gather, prealloc)",
     "limit + split into new tensors",
+    "group all_gather (list of outputs)",
     "plan direct (Gloo send/recv)",
     "plan direct, preflight off",
     "plan direct, header over Gloo",
@@ -19,6 +20,8 @@ EXPECTED = [
     "shardgather (hint, preflight off)",
     "seed algorithm (shapes)",
     "seed algorithm (no shapes)",
+    "full_tensors (DTensor list, one call)",
+    "full_tensor() loop (DTensor)",
 ]
 
 

@@ -1,0 +1,158 @@
+"""DTensors (torch.distributed.tensor) to full tensors in one collective.
+
+``full_tensors`` does for a whole list (or state dict) what ``[t.full_tensor() for t in ...]``
+does one tensor and one collective at a time. Each DTensor's layout (its mesh, placements and
+global shape, the same on every rank) is turned into a :class:`ShardSpec`: per rank of the
+mesh, how many rows along the sharded tensor dim it contributes. Replicas of a shard (ranks that
+differ only on Replicate mesh dims) contribute nothing but the first, so every byte crosses the
+wire once; the whole list is then one :func:`shardgather.unshard` over the mesh's ranks.
+"""
+
+from torch.distributed.tensor import DTensor, Replicate, Shard
+import torch.distributed as dist
+
+from . import _C, ShardSpec, communicator, unshard
+
+__all__ = ["full_tensors"]
+
+
+class _Unsupported(ValueError):
+    pass
+
+
+def full_tensors(tensors, *, strategy="auto", timeout=None):
+    """The full tensors of ``tensors`` (a list, or a dict returned as a dict with the same keys),
+    bit-exact with ``t.full_tensor()`` for each DTensor, gathered in one collective over their
+    mesh; plain tensors are passed through as they are. Collective over the mesh's ranks: every
+    rank passes DTensors of the same layouts in the same order.
+
+    Placements: ``Shard(d)`` and ``Replicate()`` on any mesh dims, a tensor sharded along one
+    tensor dim (on one or several mesh dims), uneven and empty shards. ``Partial`` and strided
+    sharding raise InvalidArgumentError. All DTensors must be on one mesh.
+
+    The full tensors of sharded DTensors are new tensors sharing one buffer and never require
+    grad; a DTensor replicated on every mesh dim returns its local tensor, as ``full_tensor()``
+    does. Errors: as for
+    :func:`shardgather.unshard`, on every rank: lists whose layouts differ across ranks raise
+    MismatchError, an unsupported layout raises InvalidArgumentError.
+    """
+    is_dict = isinstance(tensors, dict)
+    items = list(tensors.values()) if is_dict else list(tensors)
+    where = [i for i, t in enumerate(items) if isinstance(t, DTensor)]
+    out = list(items)
+    if where:
+        mesh = items[where[0]].device_mesh
+        comm = communicator(_mesh_group(mesh), timeout)
+        try:
+            sharded, error = _layouts([items[i] for i in where], mesh, _mesh_group(mesh)), None
+        except _Unsupported as e:
+            error = "full_tensors: " + str(e)
+        if error is not None:  # the peers are in the unshard call: they raise it too
+            _C._fail_unshard(comm, error, False, True, timeout)
+        full = unshard([s for _, s, _ in sharded], [spec for _, _, spec in sharded], comm,
+                       strategy=strategy, timeout=timeout)
+        done = set()
+        for (k, _, _), t in zip(sharded, full):
+            out[where[k]] = t
+            done.add(k)
+        for k, i in enumerate(where):
+            if k not in done:  # replicated: the local tensor is the full one
+                out[i] = items[i].to_local()
+    if is_dict:
+        return dict(zip(tensors.keys(), out))
+    return out
+
+
+def _mesh_group(mesh):
+    """A group over exactly the mesh's ranks."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    ranks = mesh.mesh.flatten().tolist()
+    if sorted(ranks) == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    return mesh._flatten().get_group()
+
+
+def _coordinates(mesh):
+    """(global rank, mesh coordinate) for every rank of the mesh, in mesh order."""
+    shape = list(mesh.mesh.shape)
+    for flat, g in enumerate(mesh.mesh.flatten().tolist()):
+        coord, rest = [], flat
+        for n in reversed(shape):
+            coord.append(rest % n)
+            rest //= n
+        yield g, coord[::-1]
+
+
+def _layouts(dtensors, mesh, group):
+    """For every sharded DTensor: its index in ``dtensors``, this rank's shard and its ShardSpec
+    (per-rank sizes along the sharded dim, in group-rank order)."""
+    world = dist.get_world_size(group)
+    ranks = [(dist.get_group_rank(group, g), coord) for g, coord in _coordinates(mesh)]
+    me = dist.get_group_rank(group, dist.get_rank())
+    sharded = []
+    sizes_of = {}  # (placements, rows) -> per-rank sizes: most parameters share a few layouts
+    for i, t in enumerate(dtensors):
+        if t.device_mesh is not mesh and t.device_mesh != mesh:
+            raise _Unsupported("tensor %d is on mesh %s, tensor 0 on %s: all DTensors must be "
+                               "on one mesh" % (i, t.device_mesh, mesh))
+        dim = _shard_dim(i, t)
+        if dim is None:
+            continue  # replicated everywhere: its local tensor is its full tensor
+        key = (t.placements, t.shape[dim])
+        sizes = sizes_of.get(key)
+        if sizes is None:
+            _check_order(i, t.placements, ranks, mesh, t.shape[dim])
+            sizes = [0] * world
+            for r, coord in ranks:
+                if _first_replica(t.placements, coord):
+                    sizes[r] = _block(t.placements, coord, t.shape[dim], mesh)[1]
+            sizes_of[key] = sizes
+        local = t.to_local()
+        sharded.append((i, local if sizes[me] else local.narrow(dim, 0, 0),
+                        ShardSpec(t.dtype, tuple(t.shape), dim, sizes)))
+    return sharded
+
+
+def _shard_dim(i, t):
+    """The one tensor dim the placements shard (None: all Replicate)."""
+    dims = set()
+    for p in t.placements:
+        if type(p) is Shard:
+            dims.add(p.dim if p.dim >= 0 else p.dim + t.ndim)
+        elif not isinstance(p, Replicate):
+            raise _Unsupported("tensor %d has placement %s (%s): only Shard(d) and Replicate() "
+                               "can be gathered" % (i, type(p).__name__, p))
+    if len(dims) > 1:
+        raise _Unsupported("tensor %d is sharded along dims %s (placements %s): only one "
+                           "tensor dim may be sharded" % (i, sorted(dims), t.placements))
+    return dims.pop() if dims else None
+
+
+def _first_replica(placements, coord):
+    """Whether this coordinate is the first of its shard's replicas (0 on every Replicate dim)."""
+    return all(c == 0 for p, c in zip(placements, coord) if not isinstance(p, Shard))
+
+
+def _block(placements, coord, full, mesh):
+    """(offset, rows) of a coordinate's block along the sharded dim, nested as DTensor does."""
+    offset, rows = 0, full
+    for m, (p, c) in enumerate(zip(placements, coord)):
+        if isinstance(p, Shard):
+            rows, start = Shard.local_shard_size_and_offset(rows, mesh.size(m), c)
+            offset += start
+    return offset, rows
+
+
+def _check_order(i, placements, ranks, mesh, full):
+    """unshard concatenates in group-rank order: the blocks must come in that order too (true
+    for every mesh whose ranks ascend along its sharded dims, the usual layouts)."""
+    blocks = sorted((r, _block(placements, coord, full, mesh)) for r, coord in ranks
+                    if _first_replica(placements, coord))
+    at = 0
+    for r, (offset, rows) in blocks:
+        if rows and offset != at:
+            raise _Unsupported("tensor %d: the mesh %s holds its shards out of rank order "
+                               "(group rank %d has rows %d.. where %d.. comes next)"
+                               % (i, mesh, r, offset, at))
+        at += rows
