@@ -16,6 +16,13 @@ import torch
 import torch.distributed as dist
 
 from . import _shardgather as _C
+
+if torch.__version__.split("+")[0] != _C._torch_version:
+    raise ImportError(
+        "shardgather was built against torch %s but this interpreter has torch %s: rebuild it "
+        "against this torch (pip install . --no-build-isolation)" % (_C._torch_version,
+                                                                     torch.__version__)
+    )
 from ._shardgather import (  # noqa: F401  (re-exported)
     AbortedError,
     CollectiveTimeout,
