@@ -1,7 +1,7 @@
 """shardgather vs the seed's algorithm vs the group's own all-gather, on one Gloo group.
 
-    PYTHONPATH=build/release/python /usr/bin/python3 bench/python/bench_torch.py --world 2
-    mpirun -np 2 /usr/bin/python3 bench/python/bench_torch.py      # adds the MPI backend
+    PYTHONPATH=build/release/python .venv/bin/python bench/python/bench_torch.py --world 2
+    mpirun -np 2 .venv/bin/python bench/python/bench_torch.py      # adds the MPI backend
 
 Per preset and method: barrier (not timed), one call timed, the iteration's time is the max over
 ranks; the methods take turns within each iteration, in an order shuffled every iteration, with

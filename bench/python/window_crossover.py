@@ -7,7 +7,7 @@ group's own all_gather into a preallocated buffer (the limit), a plan over Gloo 
 ("shared, mailbox") or over Gloo ("shared, over Gloo"). Every plan is first checked byte for
 byte against the limit's output. Ratios to the limit, medians.
 
-    PYTHONPATH=build/ci/python /usr/bin/python3 bench/python/window_crossover.py
+    PYTHONPATH=build/ci/python .venv/bin/python bench/python/window_crossover.py
 """
 
 import argparse

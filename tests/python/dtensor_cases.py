@@ -140,6 +140,11 @@ def case_dtensor_inputs(rank, world):
     for x, y in zip(a, b):
         for u, v in zip(x, y):
             assert u.shape == v.shape and torch.equal(raw(u), raw(v))
+    hint = [[tuple(u.shape) for u in row] for row in zip(*b)]
+    plan = shardgather.AllGatherPlan.create(tensors, mesh.get_group(), hint, timeout=T)
+    for x, y in zip(plan.execute(tensors, mesh.get_group()), b):
+        for u, v in zip(x, y):
+            assert u.shape == v.shape and torch.equal(raw(u), raw(v))
     specs = [shardgather.ShardSpec(t.dtype, tuple(t.shape), 0) for t in tensors]
     full = shardgather.unshard(tensors, specs, mesh.get_group(), timeout=T)
     assert_bit_exact(full, tensors)
