@@ -89,7 +89,7 @@ py::object foreach_all_gather_py(py::handle params, const CommPtr& comm_ptr, py:
   }
   auto result = std::make_unique<GatherResult>();
   call_interruptible(
-      comm, [&] { *result = foreach_all_gather(in->params.views, comm, in->hint, options); });
+      [&] { *result = foreach_all_gather(in->params.views, comm, in->hint, options); });
   in->params.tensors.clear();
   return result_lists(std::move(result));
 }
@@ -168,17 +168,15 @@ void delete_without_gil(Communicator* comm) {
 }
 
 // Collective over the group: built with the GIL released (the peers may be Python threads of
-// this process) and within `timeout` seconds (None: the default).
+// this process), within `timeout` seconds (None: the default), and interruptible by Ctrl-C.
 CommPtr process_group_communicator(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                    const std::string& device, bool p2p, bool host_mailbox,
                                    std::optional<double> timeout) {
   const std::chrono::milliseconds setup = to_timeout(timeout).value_or(kDefaultTimeout);
   const c10::Device dev(device);
   ProcessGroupCommunicator* comm = nullptr;
-  {
-    const py::gil_scoped_release release;
-    comm = new ProcessGroupCommunicator(group, dev, p2p, host_mailbox, setup);
-  }
+  call_interruptible(
+      [&] { comm = new ProcessGroupCommunicator(group, dev, p2p, host_mailbox, setup); });
   return {comm, &delete_without_gil};
 }
 
@@ -298,7 +296,7 @@ PYBIND11_MODULE(_shardgather, m) {
             const auto deadline = c.deadline_after(to_timeout(timeout).value_or(c.timeout()));
             // In the communicator's operation order: after every started call, never beside one.
             call_interruptible(
-                c, [&] { shardgather::detail::run_blocking(c, [&] { c.barrier(deadline); }); });
+                [&] { shardgather::detail::run_blocking(c, [&] { c.barrier(deadline); }); });
           },
           py::arg("timeout") = py::none())
       .def("abort", &Communicator::abort)

@@ -65,7 +65,8 @@ bool unpack_subclass(PyObject* item, at::Tensor& t, std::string& error) {
     // Leaked: a static py::object would be released after the interpreter has gone.
     static const py::handle dtensor = []() -> py::handle {
       try {
-        return py::object(py::module_::import("torch.distributed.tensor").attr("DTensor")).release();
+        return py::object(py::module_::import("torch.distributed.tensor").attr("DTensor"))
+            .release();
       } catch (const py::error_already_set&) {
         return py::none().release();  // torch built without distributed: no DTensors exist
       }

@@ -48,7 +48,7 @@ class SignalWatch {
 // by a signal handler during the call ends it within about 100 ms, poisons the communicator
 // (as abort() does), and is what the caller sees. Call with the GIL held.
 template <typename Fn>
-decltype(auto) call_interruptible(Communicator& /*comm*/, Fn&& call) {
+decltype(auto) call_interruptible(Fn&& call) {
   SignalWatch watch;
   try {
     const pybind11::gil_scoped_release release;

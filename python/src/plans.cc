@@ -202,7 +202,7 @@ std::unique_ptr<PyAllGatherPlan> PyAllGatherPlan::create(py::handle params, Comm
   const CallInputs in =
       parse_call_or_fail(params, hint_obj, comm, Operation::kPlanCreate,
                          {.timeout = options.timeout, .preflight = options.preflight});
-  return call_interruptible(comm, [&] {
+  return call_interruptible([&] {
     return std::make_unique<PyAllGatherPlan>(
         AllGatherPlan::create(in.params.views, comm, in.hint, options));
   });
@@ -246,7 +246,7 @@ py::object PyAllGatherPlan::execute(py::handle params,
     return py::cast(std::make_unique<PyWork>(comm_ptr, std::move(work), result, self));
   }
   ExecStats stats;
-  call_interruptible(comm, [&] { stats = plan_.execute(parsed_.views, comm, bytes); });
+  call_interruptible([&] { stats = plan_.execute(parsed_.views, comm, bytes); });
   last_ = stats;  // with the GIL, as a started execution's wait() writes it
   return results_over(target);
 }
@@ -312,7 +312,7 @@ py::object PyUnshardPlan::execute(py::handle shards, const std::shared_ptr<Commu
     return py::cast(std::make_unique<PyWork>(comm_ptr, std::move(work), finish, self));
   }
   ExecStats stats;
-  call_interruptible(comm, [&] {
+  call_interruptible([&] {
     stats = given ? plan_.execute(parsed_.views, comm, std::span<const TensorView>(outputs_.views))
                   : plan_.execute(parsed_.views, comm, bytes);
   });
@@ -365,7 +365,7 @@ py::object unshard_py(py::handle shards, const std::shared_ptr<Communicator>& co
     return py::cast(std::make_unique<PyWork>(comm_ptr, std::move(work), result, py::none()));
   }
   auto result = std::make_unique<UnshardResult>();
-  call_interruptible(comm, [&] { *result = unshard(parsed->views, comm, specs, options); });
+  call_interruptible([&] { *result = unshard(parsed->views, comm, specs, options); });
   parsed->tensors.clear();
   return full_tensors(std::move(result));
 }

@@ -158,6 +158,28 @@ def timeout_case_ctrl_c_in_gloo_waits(rank, world):
         assert comm.is_poisoned
 
 
+def timeout_case_ctrl_c_during_setup(rank, world):
+    """Ctrl-C during a group's first call, while building its communicator waits for a peer
+    that never comes (the setup exchange over Gloo): KeyboardInterrupt within about a second,
+    not at the 30 s timeout."""
+    group = dist.new_group(list(range(world)))
+    if rank != 0:
+        time.sleep(8.0)  # alive, never calling
+        return
+    timer = _interrupt_after(0.5)
+    start = time.monotonic()
+    try:
+        shardgather.foreach_all_gather([torch.ones(4)], group, timeout=30.0)
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("no KeyboardInterrupt")
+    finally:
+        timer.join()
+    waited = time.monotonic() - start
+    assert waited < 2.0, "KeyboardInterrupt after %.1f s" % waited
+
+
 CASES = [
     "case_env_differs_between_ranks",
     "case_bad_group_argument",

@@ -9,6 +9,7 @@ _results = CaseResults("setup_cases", setup_cases.CASES)
 _timeouts = CaseResults("setup_cases", ["timeout_case_first_call_honours_timeout"])
 _late = CaseResults("setup_cases", ["timeout_case_late_rank_zero_bytes"])
 _ctrl_c = CaseResults("setup_cases", ["timeout_case_ctrl_c_in_gloo_waits"])
+_ctrl_c_setup = CaseResults("setup_cases", ["timeout_case_ctrl_c_during_setup"])
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -29,3 +30,7 @@ def test_late_rank_zero_bytes(world):
 
 def test_ctrl_c_in_gloo_waits():
     _ctrl_c.check(2, "timeout_case_ctrl_c_in_gloo_waits")
+
+
+def test_ctrl_c_during_setup():
+    _ctrl_c_setup.check(2, "timeout_case_ctrl_c_during_setup")
