@@ -15,14 +15,17 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import _shardgather as _C
+from ._build_info import TORCH_VERSION as _BUILT_FOR
 
-if torch.__version__.split("+")[0] != _C._torch_version:
+# Checked before the extension loads: built against another torch, it would fail to load with
+# an undefined C++ symbol, or load and misbehave.
+if torch.__version__.split("+")[0] != _BUILT_FOR:
     raise ImportError(
         "shardgather was built against torch %s but this interpreter has torch %s: rebuild it "
-        "against this torch (pip install . --no-build-isolation)" % (_C._torch_version,
-                                                                     torch.__version__)
+        "against this torch (pip install . --no-build-isolation)" % (_BUILT_FOR, torch.__version__)
     )
+
+from . import _shardgather as _C  # noqa: E402
 from ._shardgather import (  # noqa: F401  (re-exported)
     AbortedError,
     CollectiveTimeout,
@@ -286,13 +289,13 @@ def unshard(shards, specs, group=None, *, strategy="auto", preflight=True, timeo
                       preflight, timeout, async_op)
 
 
-def full_tensors(tensors, *, strategy="auto", timeout=None):
+def full_tensors(tensors, group=None, *, strategy="auto", timeout=None):
     """The full tensors of a list (or dict) of DTensors in one collective; see
     :func:`shardgather.dtensor.full_tensors`. (torch.distributed.tensor is imported on first
     use, not with shardgather.)"""
     from .dtensor import full_tensors as gather_full
 
-    return gather_full(tensors, strategy=strategy, timeout=timeout)
+    return gather_full(tensors, group, strategy=strategy, timeout=timeout)
 
 
 class ThreadGroup:

@@ -11,7 +11,7 @@ wire once; the whole list is then one :func:`shardgather.unshard` over the mesh'
 from torch.distributed.tensor import DTensor, Replicate, Shard
 import torch.distributed as dist
 
-from . import _C, ShardSpec, communicator, unshard
+from . import _C, InvalidArgumentError, ShardSpec, communicator, unshard
 
 __all__ = ["full_tensors"]
 
@@ -20,7 +20,7 @@ class _Unsupported(ValueError):
     pass
 
 
-def full_tensors(tensors, *, strategy="auto", timeout=None):
+def full_tensors(tensors, group=None, *, strategy="auto", timeout=None):
     """The full tensors of ``tensors`` (a list, or a dict returned as a dict with the same keys),
     bit-exact with ``t.full_tensor()`` for each DTensor, gathered in one collective over their
     mesh; plain tensors are passed through as they are. Collective over the mesh's ranks: every
@@ -28,7 +28,9 @@ def full_tensors(tensors, *, strategy="auto", timeout=None):
 
     Placements: ``Shard(d)`` and ``Replicate()`` on any mesh dims, a tensor sharded along one
     tensor dim (on one or several mesh dims), uneven and empty shards. ``Partial`` and strided
-    sharding raise InvalidArgumentError. All DTensors must be on one mesh.
+    sharding raise InvalidArgumentError. All DTensors must be on one mesh. ``group`` (a group
+    over exactly the mesh's ranks) is needed only for an n-D mesh that spans part of the world;
+    otherwise it is the mesh's own group, or the default group.
 
     The full tensors of sharded DTensors are new tensors sharing one buffer and never require
     grad; a DTensor replicated on every mesh dim returns its local tensor, as ``full_tensor()``
@@ -42,11 +44,17 @@ def full_tensors(tensors, *, strategy="auto", timeout=None):
     out = list(items)
     if where:
         mesh = items[where[0]].device_mesh
-        comm = communicator(_mesh_group(mesh), timeout)
         try:
-            sharded, error = _layouts([items[i] for i in where], mesh, _mesh_group(mesh)), None
+            mesh_group = _mesh_group(mesh, group)
+        except _Unsupported as e:  # the same on every rank of the mesh: nobody is waiting
+            raise InvalidArgumentError("full_tensors: " + str(e)) from None
+        comm = communicator(mesh_group, timeout)
+        try:
+            sharded, error = _layouts([items[i] for i in where], mesh, mesh_group), None
         except _Unsupported as e:
             error = "full_tensors: " + str(e)
+        except Exception as e:  # noqa: BLE001  (whatever it is, the peers must hear of it)
+            error = "full_tensors: reading tensor layouts failed: %s: %s" % (type(e).__name__, e)
         if error is not None:  # the peers are in the unshard call: they raise it too
             _C._fail_unshard(comm, error, False, True, timeout)
         full = unshard([s for _, s, _ in sharded], [spec for _, _, spec in sharded], comm,
@@ -63,14 +71,23 @@ def full_tensors(tensors, *, strategy="auto", timeout=None):
     return out
 
 
-def _mesh_group(mesh):
-    """A group over exactly the mesh's ranks."""
+def _mesh_group(mesh, group):
+    """A group over exactly the mesh's ranks: `group` if given (checked), else the mesh's own
+    for a 1-D mesh, else the default group when the mesh spans every rank. No group is created
+    here: creating one on some ranks only would shift torch's group numbering on those ranks
+    and mismatch every group the program creates afterwards."""
+    ranks = sorted(mesh.mesh.flatten().tolist())
+    if group is not None:
+        have = sorted(dist.get_process_group_ranks(group))
+        if have != ranks:
+            raise _Unsupported("group= holds ranks %s but the mesh holds %s" % (have, ranks))
+        return group
     if mesh.ndim == 1:
         return mesh.get_group()
-    ranks = mesh.mesh.flatten().tolist()
-    if sorted(ranks) == list(range(dist.get_world_size())):
+    if ranks == list(range(dist.get_world_size())):
         return dist.group.WORLD
-    return mesh._flatten().get_group()
+    raise _Unsupported("the %d-D mesh %s spans ranks %s, not every rank: pass group=, a group "
+                       "over exactly those ranks" % (mesh.ndim, mesh, ranks))
 
 
 def _coordinates(mesh):

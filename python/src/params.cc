@@ -59,23 +59,26 @@ namespace {
 bool unwraps_dtensors(const char* what) { return std::string_view(what) != "outputs"; }
 
 // A tensor subclass: a DTensor (torch.distributed.tensor) stands for its local shard; any other
-// subclass for itself. Plain tensors never come here, so the common path imports nothing.
+// subclass for itself. Plain tensors never come here. DTensor's module is looked up in
+// sys.modules, never imported here: no DTensor exists before it is imported, and an import
+// (or a function-local static) would run Python bytecode while other rank threads wait for the
+// GIL.
 bool unpack_subclass(PyObject* item, at::Tensor& t, std::string& error) {
   try {
-    // Leaked: a static py::object would be released after the interpreter has gone.
-    static const py::handle dtensor = []() -> py::handle {
-      try {
-        return py::object(py::module_::import("torch.distributed.tensor").attr("DTensor"))
-            .release();
-      } catch (const py::error_already_set&) {
-        return py::none().release();  // torch built without distributed: no DTensors exist
-      }
-    }();
     const py::handle obj(item);
-    if (!dtensor.is_none() && py::isinstance(obj, dtensor)) {
-      const py::object local = obj.attr("to_local")();
-      t = THPVariable_Unpack(local.ptr());
-      return true;
+    PyObject* module = PyImport_GetModule(py::str("torch.distributed.tensor").ptr());
+    if (module == nullptr) {
+      PyErr_Clear();
+    } else {
+      const py::object dtensor = py::reinterpret_steal<py::object>(module).attr("DTensor");
+      if (py::isinstance(obj, dtensor)) {
+        py::object local = obj.attr("to_local")();
+        if (py::hasattr(local, "trigger_wait")) {  // an AsyncCollectiveTensor: its values
+          local = local.attr("trigger_wait")();
+        }
+        t = THPVariable_Unpack(local.ptr());
+        return true;
+      }
     }
     t = THPVariable_Unpack(item);
     return true;
@@ -134,6 +137,12 @@ void parse_params_into(py::handle params, const char* what, Params& out) {
       return fail(LocalError::kValue, i,
                   name(i) + " is on " + t.device().str() +
                       ": shardgather gathers host (CPU) tensors; the device path is not built");
+    }
+    if (!t.has_storage()) {  // a wrapper subclass (a DTensor among outputs, say)
+      return fail(LocalError::kValue, i,
+                  name(i) + " is a " + std::string(Py_TYPE(item)->tp_name) +
+                      " without storage of its own: pass plain tensors" +
+                      (unwraps_dtensors(what) ? "" : " (DTensors are accepted as inputs only)"));
     }
     if (t.layout() != c10::kStrided) {
       return fail(LocalError::kValue, i, name(i) + " is not a strided (dense) tensor");
@@ -248,8 +257,9 @@ bool hint_given(py::handle hint) {
 void fail_call(Communicator& comm, const LocalError& error, const CallShape& call) {
   const ErrorCode code =
       error.kind == LocalError::kType ? ErrorCode::kInvalidType : ErrorCode::kInvalidArgument;
-  const pybind11::gil_scoped_release release;
-  shardgather::fail_call(comm, call, code, error.message);
+  // Waits for the peers' headers like the call it fails: interruptible like that call.
+  call_interruptible([&] { shardgather::fail_call(comm, call, code, error.message); });
+  throw InvalidArgument(error.message);  // not reached: fail_call always raises
 }
 
 std::optional<std::chrono::milliseconds> timeout_or_fail(Communicator& comm,

@@ -14,6 +14,7 @@
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 
+#include "detail/graveyard.h"
 #include <unistd.h>
 
 #include "shardgather/copy.h"
@@ -158,7 +159,7 @@ void ProcessGroupCommunicator::do_all_gather(std::span<const std::byte> send,
     gather_p2p(std::span(&mine, 1), recv.data(), counts, p2p_displs_, deadline, "all_gather");
     return;
   }
-  // all_gather_single writes straight into one flat output (Gloo: no staging of its own).
+  // all_gather_single into one flat output: no per-rank output list, nothing to copy out here.
   if (!staged_on_device_) {
     at::Tensor input = host_bytes(send.data(), send.size());
     at::Tensor output = host_bytes(recv.data(), recv.size());
@@ -315,8 +316,11 @@ int ProcessGroupCommunicator::count_ranks_on_host(Deadline deadline) {
   const std::array<std::uint64_t, 2> mine{
       std::hash<std::string_view>{}(std::string_view(name.data())),
       env != nullptr && std::atoi(env) > 0 ? static_cast<std::uint64_t>(std::atoi(env)) : 0};
+  // Parked on failure: an interrupted or timed-out receive may still write into it.
+  const std::vector<std::byte> bytes =
+      detail::gather_or_park(*this, std::as_bytes(std::span(mine)), deadline);
   std::vector<std::array<std::uint64_t, 2>> all(static_cast<std::size_t>(size_));
-  do_all_gather(std::as_bytes(std::span(mine)), std::as_writable_bytes(std::span(all)), deadline);
+  std::memcpy(all.data(), bytes.data(), bytes.size());
   const bool env_agrees =
       std::all_of(all.begin(), all.end(), [&](const auto& r) { return r[1] == all[0][1]; });
   if (env_agrees && all[0][1] != 0) {
@@ -331,9 +335,11 @@ void ProcessGroupCommunicator::do_barrier(Deadline deadline) {
     mailbox_->all_gather({}, {}, deadline, [this] { check_interrupt(); });
     return;
   }
+  c10d::BarrierOptions options;
+  options.device = device_;  // the backend this communicator uses, on a group with several
   c10::intrusive_ptr<c10d::Work> work;
   try {
-    work = group_->barrier();
+    work = group_->barrier(options);
   } catch (const std::exception& e) {
     raise_not_issued(e, rank_, "barrier", name_);
   }

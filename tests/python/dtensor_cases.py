@@ -150,6 +150,29 @@ def case_dtensor_inputs(rank, world):
     assert_bit_exact(full, tensors)
 
 
+def case_mesh_over_some_ranks(rank, world):
+    """An n-D mesh over part of the world: full_tensors needs group= (a group over exactly its
+    ranks, made by the program like any group) and refuses, on every rank of the mesh, without
+    it or with a group over other ranks; the other ranks take no part."""
+    if world < 4:
+        return
+    mesh = DeviceMesh("cpu", [[0, 1]])  # every rank builds it: its sub-groups are world-collective
+    pair = dist.new_group([0, 1])
+    others = dist.new_group([1, 2])
+    if rank > 1:
+        return
+    full = make((5, 3), torch.float32, 4)
+    local = torch.chunk(full, 2)[rank].contiguous()
+    t = DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False,
+                           shape=full.shape, stride=full.stride())
+    out = shardgather.full_tensors([t], pair, timeout=T)
+    assert torch.equal(out[0], full), (out[0], full)
+    _expect_everywhere(shardgather.InvalidArgumentError,
+                       lambda: shardgather.full_tensors([t], timeout=T), "pass group=")
+    _expect_everywhere(shardgather.InvalidArgumentError,
+                       lambda: shardgather.full_tensors([t], others, timeout=T), "[1, 2]")
+
+
 def _expect_everywhere(cls, fn, *needles):
     try:
         fn()

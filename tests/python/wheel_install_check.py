@@ -76,6 +76,15 @@ def main():
         with open(script, "w") as f:
             f.write(GATHER)
         run([python, script, venv], env=env, cwd=tmp)
+        # Built for another torch: a clear ImportError before the extension loads.
+        info = os.path.join(site, "shardgather", "_build_info.py")
+        with open(info, "w") as f:
+            f.write('TORCH_VERSION = "0.0.1"\n')
+        r = subprocess.run([python, "-c", "import shardgather"], env=env, cwd=tmp,
+                           capture_output=True, text=True)
+        assert r.returncode != 0 and "ImportError" in r.stderr, r.stderr
+        assert "built against torch 0.0.1" in r.stderr, r.stderr
+        print("a wheel for another torch: ImportError, as it should")
 
 
 if __name__ == "__main__":
