@@ -3,6 +3,7 @@ Gloo group (see conftest.run_cases). Every result is compared bit for bit with
 ``t.full_tensor()`` of the same DTensor, one collective each."""
 
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -222,6 +223,24 @@ def case_unsupported_layouts(rank, world):
         _expect_everywhere(shardgather.InvalidArgumentError,
                            lambda: shardgather.full_tensors([t], timeout=T), "rank order")
     assert_bit_exact(shardgather.full_tensors(base, timeout=T), base)
+
+
+def case_meshes_differ_across_ranks(rank, world):
+    """DTensors on meshes that differ across ranks ([0, 1, ...] on rank 0, reversed on the
+    others; torch gives both 1-D world meshes the default group): the ranks with the reversed
+    mesh find its shards out of rank order and tell rank 0, which raises the same error at once
+    instead of gathering a wrong order or waiting."""
+    if world < 2:
+        return
+    forward = DeviceMesh("cpu", list(range(world)))
+    backward = DeviceMesh("cpu", list(reversed(range(world))))
+    mesh = forward if rank == 0 else backward
+    t = DTensor.from_local(make((2, 3), torch.float32, rank), mesh, [Shard(0)], run_check=False,
+                           shape=(2 * world, 3), stride=(3, 1))
+    start = time.monotonic()
+    _expect_everywhere(shardgather.InvalidArgumentError,
+                       lambda: shardgather.full_tensors([t], timeout=T), "rank order")
+    assert time.monotonic() - start < 5.0, time.monotonic() - start
 
 
 CASES = [name for name in dir(sys.modules[__name__]) if name.startswith("case_")]

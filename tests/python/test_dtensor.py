@@ -13,3 +13,4 @@ _results = CaseResults("dtensor_cases", dtensor_cases.CASES)
 @pytest.mark.parametrize("case", dtensor_cases.CASES)
 def test_dtensor_gloo(world, case):
     _results.check(world, case)
+
