@@ -6,6 +6,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -243,6 +244,56 @@ TEST(MpiSharedWindow, AutoFallsBackToDirectWhenTheWindowCannotBeReserved) {
   check(plan, out);
 }
 
+// Launched across simulated hosts (tools/netns-mpirun, with SHARDGATHER_TEST_RANKS_PER_HOST
+// set to its --per-host): each rank counts only the ranks of its own host, and nothing
+// node-shared spans hosts: no host mailbox, and the node-shared window is never used (kAuto
+// and an explicit kShared both run kDirect, bit-exact).
+TEST(MpiHosts, RanksOnHostAndNothingSharedAcrossHosts) {
+  const char* per_host = std::getenv("SHARDGATHER_TEST_RANKS_PER_HOST");
+  if (per_host == nullptr) {
+    GTEST_SKIP() << "not launched across test hosts";
+  }
+  MpiTeam team(Team::kWorld);
+  Communicator& comm = team.comm();
+  const int world = comm.size();
+  const int rank = comm.rank();
+  EXPECT_EQ(comm.ranks_on_host(), std::atoi(per_host)) << "rank " << rank;
+  ASSERT_LT(comm.ranks_on_host(), world) << "the launch put every rank on one host";
+  EXPECT_EQ(detail::HostMailbox::create(comm, comm.deadline_after(std::chrono::seconds(30))),
+            nullptr);
+
+  const std::vector<DType> dtypes{DType::kUInt8, DType::kFloat32};
+  std::vector<std::vector<Shape>> shapes;
+  for (int r = 0; r < world; ++r) {
+    shapes.push_back({{(std::int64_t{1} << 20) + 8 * r}, {3}});  // past the window's threshold
+  }
+  std::vector<testing::HostTensor> tensors;
+  const auto me = static_cast<std::size_t>(rank);
+  for (std::size_t i = 0; i < dtypes.size(); ++i) {
+    tensors.push_back(testing::make_tensor(dtypes[i], shapes[me][i], 43, rank, i));
+  }
+  const std::vector<TensorView> params = testing::views_of(tensors);
+  for (const Strategy strategy : {Strategy::kAuto, Strategy::kShared}) {
+    AllGatherPlan plan(
+        dtypes, shapes, rank,
+        PlanOptions{.timeout = {}, .preflight = true, .strategy = strategy, .copy_threads = 0});
+    std::vector<std::byte> out(plan.output_bytes());
+    EXPECT_EQ(plan.execute(params, comm, out).strategy, Strategy::kDirect)
+        << "requested " << strategy_name(strategy);
+    const std::vector<TensorView> views = plan.views(out.data());
+    for (std::size_t i = 0; i < dtypes.size(); ++i) {
+      for (int r = 0; r < world; ++r) {
+        const auto ur = static_cast<std::size_t>(r);
+        const testing::HostTensor want = testing::make_tensor(dtypes[i], shapes[ur][i], 43, r, i);
+        const TensorView& got = views[i * static_cast<std::size_t>(world) + ur];
+        ASSERT_EQ(got.shape, shapes[ur][i]);
+        ASSERT_EQ(std::memcmp(got.data, want.storage.data(), want.storage.size()), 0)
+            << "tensor " << i << " rank " << r;
+      }
+    }
+  }
+}
+
 // The host mailbox across processes: real process-shared futexes and mappings, ranks that
 // arrive skewed (some waits spin, some sleep), every size up to a full slot, bit-exact.
 TEST(MpiHostMailbox, ProcessesGatherBitExact) {
@@ -251,8 +302,8 @@ TEST(MpiHostMailbox, ProcessesGatherBitExact) {
   const int world = comm.size();
   const int rank = comm.rank();
   const auto box = detail::HostMailbox::create(comm, Clock::now() + std::chrono::seconds(30));
-  if (world == 1) {
-    EXPECT_EQ(box, nullptr);
+  if (world == 1 || comm.ranks_on_host() != world) {
+    EXPECT_EQ(box, nullptr) << "the mailbox is for groups on one host";  // MpiHosts covers it
     return;
   }
   ASSERT_NE(box, nullptr) << "every rank of a local mpirun is on this host";

@@ -146,6 +146,11 @@ TEST_P(HostMailboxWorld, EverySizeBitExactOverManyCalls) {
 TEST_P(HostMailboxWorld, TimeoutNamesTheMissingRank) {
   const int world = GetParam();
   std::atomic<int> timeouts{0};
+  // A rank whose deadline passes marks its call abandoned, and the ranks still waiting then
+  // raise Timeout at once (the same class everywhere), so a rank that started later may raise
+  // before its own deadline; none raises before the earliest deadline.
+  std::vector<Clock::time_point> starts(static_cast<std::size_t>(world), Clock::time_point::max());
+  std::vector<Clock::time_point> raised(static_cast<std::size_t>(world), Clock::time_point::max());
   with_mailboxes(world, [&](int rank, Communicator&, HostMailbox& box) {
     if (rank == world - 1) {
       return;  // never calls
@@ -153,6 +158,7 @@ TEST_P(HostMailboxWorld, TimeoutNamesTheMissingRank) {
     const std::byte mine{1};
     std::vector<std::byte> all(static_cast<std::size_t>(world));
     const auto start = Clock::now();
+    starts[static_cast<std::size_t>(rank)] = start;
     try {
       box.all_gather(std::span(&mine, 1), all, start + 200ms, {});
       ADD_FAILURE() << "rank " << rank << ": no Timeout";
@@ -164,9 +170,13 @@ TEST_P(HostMailboxWorld, TimeoutNamesTheMissingRank) {
       const std::string named = text.substr(text.find("waiting for rank(s) "));
       EXPECT_NE(named.find(std::to_string(world - 1) + " ("), std::string::npos) << text;
     }
-    EXPECT_GE(Clock::now() - start, 200ms);
+    raised[static_cast<std::size_t>(rank)] = Clock::now();
   });
   EXPECT_EQ(timeouts.load(), world - 1);
+  const Clock::time_point first = *std::min_element(starts.begin(), starts.end());
+  for (int r = 0; r + 1 < world; ++r) {
+    EXPECT_GE(raised[static_cast<std::size_t>(r)] - first, 200ms) << "rank " << r;
+  }
 }
 
 // A rank that arrives after the others gave up must fail too (Timeout, their class), not read
