@@ -173,6 +173,24 @@ class FileSizeLimit {
   bool active_ = false;
 };
 
+// A plan's output after execute: every rank's tensors of make_tensor(seed), bit-exact.
+void expect_gathered(const AllGatherPlan& plan, const std::vector<std::byte>& out,
+                     const std::vector<DType>& dtypes,
+                     const std::vector<std::vector<Shape>>& shapes, std::uint64_t seed) {
+  const int world = static_cast<int>(shapes.size());
+  const std::vector<TensorView> views = plan.views(const_cast<std::byte*>(out.data()));
+  for (std::size_t i = 0; i < dtypes.size(); ++i) {
+    for (int r = 0; r < world; ++r) {
+      const auto ur = static_cast<std::size_t>(r);
+      const testing::HostTensor want = testing::make_tensor(dtypes[i], shapes[ur][i], seed, r, i);
+      const TensorView& got = views[i * static_cast<std::size_t>(world) + ur];
+      ASSERT_EQ(got.shape, shapes[ur][i]);
+      ASSERT_EQ(std::memcmp(got.data, want.storage.data(), want.storage.size()), 0)
+          << "tensor " << i << " rank " << r;
+    }
+  }
+}
+
 // kAuto picks the node-shared window for a plan on one host at >= 1 MiB per rank. Where that
 // window cannot be reserved (a container's 64 MiB /dev/shm; here a file-size limit, which makes
 // posix_fallocate fail with EFBIG the way a full tmpfs fails with ENOSPC), every rank must fall
@@ -197,17 +215,7 @@ TEST(MpiSharedWindow, AutoFallsBackToDirectWhenTheWindowCannotBeReserved) {
   }
   const std::vector<TensorView> params = testing::views_of(tensors);
   const auto check = [&](const AllGatherPlan& plan, const std::vector<std::byte>& out) {
-    const std::vector<TensorView> views = plan.views(const_cast<std::byte*>(out.data()));
-    for (std::size_t i = 0; i < dtypes.size(); ++i) {
-      for (int r = 0; r < world; ++r) {
-        const auto ur = static_cast<std::size_t>(r);
-        const testing::HostTensor want = testing::make_tensor(dtypes[i], shapes[ur][i], 41, r, i);
-        const TensorView& got = views[i * static_cast<std::size_t>(world) + ur];
-        ASSERT_EQ(got.shape, shapes[ur][i]);
-        ASSERT_EQ(std::memcmp(got.data, want.storage.data(), want.storage.size()), 0)
-            << "tensor " << i << " rank " << r;
-      }
-    }
+    expect_gathered(plan, out, dtypes, shapes, 41);
   };
 
   {
@@ -280,17 +288,7 @@ TEST(MpiHosts, RanksOnHostAndNothingSharedAcrossHosts) {
     std::vector<std::byte> out(plan.output_bytes());
     EXPECT_EQ(plan.execute(params, comm, out).strategy, Strategy::kDirect)
         << "requested " << strategy_name(strategy);
-    const std::vector<TensorView> views = plan.views(out.data());
-    for (std::size_t i = 0; i < dtypes.size(); ++i) {
-      for (int r = 0; r < world; ++r) {
-        const auto ur = static_cast<std::size_t>(r);
-        const testing::HostTensor want = testing::make_tensor(dtypes[i], shapes[ur][i], 43, r, i);
-        const TensorView& got = views[i * static_cast<std::size_t>(world) + ur];
-        ASSERT_EQ(got.shape, shapes[ur][i]);
-        ASSERT_EQ(std::memcmp(got.data, want.storage.data(), want.storage.size()), 0)
-            << "tensor " << i << " rank " << r;
-      }
-    }
+    expect_gathered(plan, out, dtypes, shapes, 43);
   }
 }
 
