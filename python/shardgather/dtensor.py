@@ -59,12 +59,11 @@ def full_tensors(tensors, group=None, *, strategy="auto", timeout=None):
             _C._fail_unshard(comm, error, False, True, timeout)
         full = unshard([s for _, s, _ in sharded], [spec for _, _, spec in sharded], comm,
                        strategy=strategy, timeout=timeout)
-        done = set()
         for (k, _, _), t in zip(sharded, full):
             out[where[k]] = t
-            done.add(k)
-        for k, i in enumerate(where):
-            if k not in done:  # replicated: the local tensor is the full one
+        gathered = {where[k] for k, _, _ in sharded}
+        for i in where:
+            if i not in gathered:  # replicated: the local tensor is the full one
                 out[i] = items[i].to_local()
     if is_dict:
         return dict(zip(tensors.keys(), out))
@@ -119,12 +118,7 @@ def _layouts(dtensors, mesh, group):
         key = (t.placements, t.shape[dim])
         sizes = sizes_of.get(key)
         if sizes is None:
-            _check_order(i, t.placements, ranks, mesh, t.shape[dim])
-            sizes = [0] * world
-            for r, coord in ranks:
-                if _first_replica(t.placements, coord):
-                    sizes[r] = _block(t.placements, coord, t.shape[dim], mesh)[1]
-            sizes_of[key] = sizes
+            sizes = sizes_of[key] = _sizes(i, t.placements, ranks, mesh, t.shape[dim], world)
         local = t.to_local()
         sharded.append((i, local if sizes[me] else local.narrow(dim, 0, 0),
                         ShardSpec(t.dtype, tuple(t.shape), dim, sizes)))
@@ -161,15 +155,20 @@ def _block(placements, coord, full, mesh):
     return offset, rows
 
 
-def _check_order(i, placements, ranks, mesh, full):
-    """unshard concatenates in group-rank order: the blocks must come in that order too (true
-    for every mesh whose ranks ascend along its sharded dims, the usual layouts)."""
-    blocks = sorted((r, _block(placements, coord, full, mesh)) for r, coord in ranks
-                    if _first_replica(placements, coord))
+def _sizes(i, placements, ranks, mesh, full, world):
+    """Per group rank, the rows it sends: its block's for the first replica of each shard, 0 for
+    the others. unshard concatenates in group-rank order, so the blocks must come in that order
+    too (true for every mesh whose ranks ascend along its sharded dims, the usual layouts)."""
+    sizes = [0] * world
     at = 0
-    for r, (offset, rows) in blocks:
+    for r, coord in sorted(ranks, key=lambda rc: rc[0]):
+        if not _first_replica(placements, coord):
+            continue
+        offset, rows = _block(placements, coord, full, mesh)
         if rows and offset != at:
             raise _Unsupported("tensor %d: the mesh %s holds its shards out of rank order "
                                "(group rank %d has rows %d.. where %d.. comes next)"
                                % (i, mesh, r, offset, at))
         at += rows
+        sizes[r] = rows
+    return sizes
