@@ -99,47 +99,86 @@ void Communicator::all_gather_v(std::span<const ConstSegment> send, std::byte* r
   run_collective("all_gather_v", [&] { do_all_gather_v(send, recv, counts, displs, deadline); });
 }
 
-void Communicator::all_gather_scatter(std::span<const ConstSegment> send,
-                                      std::span<const RecvPiece> pieces,
-                                      std::span<const std::size_t> first,
-                                      std::span<const std::uint64_t> counts, Deadline deadline) {
-  const auto world = static_cast<std::size_t>(size());
-  const auto where = [this] { return "rank " + std::to_string(rank()) + ": all_gather_scatter: "; };
-  if (!capabilities().scatter) {
-    throw InvalidArgument(where() + "the " + std::string(backend_name()) +
-                          " transport does not scatter (capabilities().scatter is false); the "
-                          "operations gather rank-major and copy out");
+namespace {
+
+// InvalidArgument unless pieces[first[r] .. first[r + 1]) hold exactly counts[r] bytes for every
+// rank (`check_pieces`) and this rank's segments hold counts[rank].
+void check_gather_args(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
+                       std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
+                       int rank, int world_size, bool check_pieces, const char* what) {
+  // Built only on failure: a steady-state call allocates nothing.
+  const auto where = [&] { return "rank " + std::to_string(rank) + ": " + what + ": "; };
+  const auto world = static_cast<std::size_t>(world_size);
+  if (counts.size() != world) {
+    throw InvalidArgument(where() + std::to_string(counts.size()) + " counts for world size " +
+                          std::to_string(world));
   }
-  if (counts.size() != world || first.size() != world + 1 || first[0] != 0 ||
-      first[world] != pieces.size()) {
-    throw InvalidArgument(where() + "counts/first do not describe " + std::to_string(world) +
-                          " ranks over " + std::to_string(pieces.size()) + " pieces");
-  }
-  for (std::size_t r = 0; r < world; ++r) {
-    if (first[r + 1] < first[r]) {
-      throw InvalidArgument(where() + "first is not monotone at rank " + std::to_string(r));
+  if (check_pieces) {
+    if (first.size() != world + 1 || first[0] != 0 || first[world] != pieces.size()) {
+      throw InvalidArgument(where() + "counts/first do not describe " + std::to_string(world) +
+                            " ranks over " + std::to_string(pieces.size()) + " pieces");
     }
-    std::uint64_t bytes = 0;
-    for (std::size_t k = first[r]; k < first[r + 1]; ++k) {
-      bytes += pieces[k].block * pieces[k].count;
-    }
-    if (bytes != counts[r]) {
-      throw InvalidArgument(where() + "the pieces of rank " + std::to_string(r) + " hold " +
-                            std::to_string(bytes) + " bytes, counts says " +
-                            std::to_string(counts[r]));
+    for (std::size_t r = 0; r < world; ++r) {
+      if (first[r + 1] < first[r]) {
+        throw InvalidArgument(where() + "first is not monotone at rank " + std::to_string(r));
+      }
+      std::uint64_t bytes = 0;
+      for (std::size_t k = first[r]; k < first[r + 1]; ++k) {
+        bytes += pieces[k].block * pieces[k].count;
+      }
+      if (bytes != counts[r]) {
+        throw InvalidArgument(where() + "the pieces of rank " + std::to_string(r) + " hold " +
+                              std::to_string(bytes) + " bytes, counts says " +
+                              std::to_string(counts[r]));
+      }
     }
   }
   std::uint64_t total = 0;
   for (const ConstSegment& segment : send) {
     total += segment.size;
   }
-  if (total != counts[static_cast<std::size_t>(rank())]) {
+  const auto me = static_cast<std::size_t>(rank);
+  if (total != counts[me]) {
     throw InvalidArgument(where() + "sends " + std::to_string(total) + " bytes but counts[" +
-                          std::to_string(rank()) + "] is " +
-                          std::to_string(counts[static_cast<std::size_t>(rank())]));
+                          std::to_string(me) + "] is " + std::to_string(counts[me]));
   }
+}
+
+}  // namespace
+
+void Communicator::all_gather_scatter(std::span<const ConstSegment> send,
+                                      std::span<const RecvPiece> pieces,
+                                      std::span<const std::size_t> first,
+                                      std::span<const std::uint64_t> counts, Deadline deadline) {
+  if (!capabilities().scatter) {
+    throw InvalidArgument("rank " + std::to_string(rank()) + ": all_gather_scatter: the " +
+                          std::string(backend_name()) +
+                          " transport does not scatter (capabilities().scatter is false); the "
+                          "operations gather rank-major and copy out");
+  }
+  check_gather_args(send, pieces, first, counts, rank(), size(), true, "all_gather_scatter");
   run_collective("all_gather_scatter",
                  [&] { do_all_gather_scatter(send, pieces, first, counts, deadline); });
+}
+
+void Communicator::gather_scatter(std::span<const ConstSegment> send,
+                                  std::span<const RecvPiece> pieces,
+                                  std::span<const std::size_t> first,
+                                  std::span<const std::uint64_t> counts, int root,
+                                  Deadline deadline) {
+  const auto where = [this] { return "rank " + std::to_string(rank()) + ": gather_scatter: "; };
+  if (!capabilities().gather_v) {
+    throw InvalidArgument(where() + "the " + std::string(backend_name()) +
+                          " transport has no exact gather-v (capabilities().gather_v is false), "
+                          "so it cannot gather to one rank");
+  }
+  if (root < 0 || root >= size()) {
+    throw InvalidArgument(where() + "root " + std::to_string(root) + " is not a rank of " +
+                          std::to_string(size()));
+  }
+  check_gather_args(send, pieces, first, counts, rank(), size(), rank() == root, "gather_scatter");
+  run_collective("gather_scatter",
+                 [&] { do_gather_scatter(send, pieces, first, counts, root, deadline); });
 }
 
 void Communicator::barrier(Deadline deadline) {

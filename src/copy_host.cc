@@ -101,4 +101,46 @@ void copy_segments(std::span<const ConstSegment> segments, std::byte* dst) noexc
   }
 }
 
+std::vector<RecvPiece> slice_pieces(std::span<const RecvPiece> pieces, std::uint64_t begin,
+                                    std::uint64_t end) {
+  std::vector<RecvPiece> out;
+  std::uint64_t pos = 0;
+  for (const RecvPiece& p : pieces) {
+    const std::uint64_t total = p.block * p.count;
+    if (pos >= end) {
+      break;
+    }
+    if (pos + total > begin && total != 0) {
+      const std::uint64_t lo = std::max(begin, pos) - pos;
+      const std::uint64_t hi = std::min(end, pos + total) - pos;
+      const std::uint64_t kb = lo / p.block;
+      const std::uint64_t ob = lo % p.block;
+      const std::uint64_t ke = (hi - 1) / p.block;
+      const std::uint64_t oe = (hi - 1) % p.block + 1;
+      if (kb == ke) {
+        out.push_back({p.data + kb * p.stride + ob, oe - ob, 1, 0});
+      } else {
+        out.push_back({p.data + kb * p.stride + ob, p.block - ob, 1, 0});
+        if (ke - kb > 1) {
+          out.push_back({p.data + (kb + 1) * p.stride, p.block, ke - kb - 1, p.stride});
+        }
+        out.push_back({p.data + ke * p.stride, oe, 1, 0});
+      }
+    }
+    pos += total;
+  }
+  return out;
+}
+
+std::vector<RecvPiece> slice_segments(std::span<const ConstSegment> segments, std::uint64_t begin,
+                                      std::uint64_t end) {
+  std::vector<RecvPiece> pieces;
+  pieces.reserve(segments.size());
+  for (const ConstSegment& s : segments) {
+    // Only read through: a datatype or a copy source.
+    pieces.push_back({const_cast<std::byte*>(s.data), s.size, 1, 0});
+  }
+  return slice_pieces(pieces, begin, end);
+}
+
 }  // namespace shardgather

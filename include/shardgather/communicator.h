@@ -104,6 +104,15 @@ class SHARDGATHER_API Communicator {
                           std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
                           Deadline deadline);
 
+  // Variable-size gather to one rank (where capabilities().gather_v): rank r's counts[r] bytes
+  // fill root's pieces as for all_gather_scatter; every other rank only sends, and its `pieces`
+  // and `first` may be empty (they are not read). Every backend lands the bytes in place at the
+  // root, scattered or not (MPI: derived datatypes; threads: the root copies from each sender;
+  // torch groups: point to point through bounded chunks), and sends nothing to the non-roots.
+  void gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
+                      std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
+                      int root, Deadline deadline);
+
   void barrier(Deadline deadline);
 
   // Wakes every blocked call of this communicator (threads backend: of the whole group) with
@@ -153,6 +162,11 @@ class SHARDGATHER_API Communicator {
                                      std::span<const RecvPiece> pieces,
                                      std::span<const std::size_t> first,
                                      std::span<const std::uint64_t> counts, Deadline deadline) = 0;
+  virtual void do_gather_scatter(std::span<const ConstSegment> send,
+                                 std::span<const RecvPiece> pieces,
+                                 std::span<const std::size_t> first,
+                                 std::span<const std::uint64_t> counts, int root,
+                                 Deadline deadline) = 0;
   virtual void do_barrier(Deadline deadline) = 0;
   virtual void do_abort() noexcept = 0;
 

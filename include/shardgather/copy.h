@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <span>
+#include <vector>
 
 #include "shardgather/export.h"
 #include "shardgather/types.h"
@@ -25,5 +27,13 @@ SHARDGATHER_API void copy_stream(std::span<const ConstSegment> src,
 
 // Copies the concatenation of `segments` to `dst`.
 SHARDGATHER_API void copy_segments(std::span<const ConstSegment> segments, std::byte* dst) noexcept;
+
+// The pieces covering bytes [begin, end) of the concatenation of `pieces`' blocks (a transport
+// that moves a stream in chunks lands each chunk with these).
+SHARDGATHER_API std::vector<RecvPiece> slice_pieces(std::span<const RecvPiece> pieces,
+                                                    std::uint64_t begin, std::uint64_t end);
+// The same over send segments, as pieces (only read through, never written).
+SHARDGATHER_API std::vector<RecvPiece> slice_segments(std::span<const ConstSegment> segments,
+                                                      std::uint64_t begin, std::uint64_t end);
 
 }  // namespace shardgather

@@ -28,7 +28,8 @@ enum class Operation : std::uint8_t {
   kPlanCreate = 2,      // AllGatherPlan::create
   kPlanExecute = 3,     // AllGatherPlan::execute and execute_shared
   kUnshard = 4,         // the one-shot unshard()
-  kUnshardExecute = 5,  // UnshardPlan::execute
+  kUnshardExecute = 5,  // UnshardPlan::execute (also each bucket of an UnshardStream)
+  kUnshardStream = 6,   // UnshardStream's agreements: before its first bucket, after its last
 };
 
 SHARDGATHER_API std::string_view operation_name(Operation op) noexcept;

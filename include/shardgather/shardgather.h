@@ -12,5 +12,6 @@
 #include "shardgather/threads.h"
 #include "shardgather/types.h"
 #include "shardgather/unshard.h"
+#include "shardgather/unshard_stream.h"
 #include "shardgather/version.h"
 #include "shardgather/work.h"

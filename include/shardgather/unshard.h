@@ -42,11 +42,20 @@ class SHARDGATHER_API UnshardPlan {
  public:
   UnshardPlan() = default;
   // Pure: checks every spec (InvalidArgument names the parameter and the values).
+  // `dst` >= 0: only rank dst receives the full parameters (a gather to one rank, as for a
+  // checkpoint export); the others only send, and their executions take no outputs (pass an
+  // empty buffer or list; whatever is passed is not touched). -1: every rank receives. Only
+  // kAuto and kDirect can gather to one rank.
   UnshardPlan(std::span<const ShardSpec> specs, int world_size, int rank,
-              const PlanOptions& options = {});
+              const PlanOptions& options = {}, int dst = -1);
 
   [[nodiscard]] std::size_t size() const noexcept { return specs_.size(); }
   [[nodiscard]] int world_size() const noexcept { return world_; }
+  [[nodiscard]] int dst() const noexcept { return dst_; }
+  // A hash of everything the ranks must agree on (world, specs, dst), as the header carries it.
+  [[nodiscard]] std::uint64_t fingerprint() const noexcept { return fingerprint_; }
+  // Whether this rank receives the full parameters (every rank unless dst is set).
+  [[nodiscard]] bool receives() const noexcept { return dst_ < 0 || dst_ == rank_; }
   [[nodiscard]] const ShardSpec& spec(std::size_t i) const { return specs_.at(i); }
   // The local shard shape rank r passes for parameter i (padded if the spec is padded).
   [[nodiscard]] Shape shard_shape(int rank, std::size_t i) const;
@@ -94,6 +103,7 @@ class SHARDGATHER_API UnshardPlan {
   std::vector<ShardSpec> specs_;  // sizes filled in
   int world_ = 1;
   int rank_ = 0;
+  int dst_ = -1;
   PlanOptions options_;
   std::uint64_t output_bytes_ = 0;
   std::vector<std::uint64_t> output_offsets_;

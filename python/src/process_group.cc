@@ -206,36 +206,19 @@ void ProcessGroupCommunicator::gather_p2p(std::span<const ConstSegment> send, st
   // peers' bytes arrive (the receives write only the other slots), then the slot is the one
   // contiguous send buffer for every peer.
   std::byte* slot = recv + displs[me];
-  // Posting happens under inflight_mu_, so abort() either sees the works or sets its flag
-  // before they are posted (checked below, after posting); the copy runs without the lock, so
-  // abort() never waits for it.
-  const auto post = [&](auto&& issue) {
-    const std::lock_guard<std::mutex> lock(inflight_mu_);
-    try {
-      issue();
-    } catch (const std::exception& e) {
-      abort_works_locked();
-      inflight_.clear();
-      raise_not_issued(e, rank_, what, name_);
-    }
-    if (abort_requested_.load()) {
-      abort_works_locked();
-      inflight_.clear();
-      throw Aborted("rank " + std::to_string(rank_) + ": abort() while posting " + what + " on " +
-                    name_ + "; the Gloo context is aborted, rebuild the group");
-    }
-  };
-  post([&] {
-    inflight_.clear();
-    for (int step = 1; step < size_; ++step) {
-      const int from = (rank_ + size_ - step) % size_;
-      const auto f = static_cast<std::size_t>(from);
-      if (counts[f] != 0) {
-        p2p_tensors_.assign(1, host_bytes(recv + displs[f], counts[f]));
-        inflight_.push_back(group_->recv(p2p_tensors_, from, kP2PTag));
-      }
-    }
-  });
+  post(
+      [&] {
+        inflight_.clear();
+        for (int step = 1; step < size_; ++step) {
+          const int from = (rank_ + size_ - step) % size_;
+          const auto f = static_cast<std::size_t>(from);
+          if (counts[f] != 0) {
+            p2p_tensors_.assign(1, host_bytes(recv + displs[f], counts[f]));
+            inflight_.push_back(group_->recv(p2p_tensors_, from, kP2PTag));
+          }
+        }
+      },
+      what);
   std::uint64_t at = 0;
   for (const ConstSegment& s : send) {
     if (s.size != 0 && s.data != slot + at) {
@@ -243,13 +226,150 @@ void ProcessGroupCommunicator::gather_p2p(std::span<const ConstSegment> send, st
     }
     at += s.size;
   }
-  post([&] {
-    for (int step = 1; step < size_ && counts[me] != 0; ++step) {
-      p2p_tensors_.assign(1, host_bytes(slot, counts[me]));
-      inflight_.push_back(group_->send(p2p_tensors_, (rank_ + step) % size_, kP2PTag));
-    }
-  });
+  post(
+      [&] {
+        for (int step = 1; step < size_ && counts[me] != 0; ++step) {
+          p2p_tensors_.assign(1, host_bytes(slot, counts[me]));
+          inflight_.push_back(group_->send(p2p_tensors_, (rank_ + step) % size_, kP2PTag));
+        }
+      },
+      what);
   wait_p2p(deadline, what);
+}
+
+void ProcessGroupCommunicator::post(const std::function<void()>& issue, const char* what) {
+  // Posting happens under inflight_mu_, so abort() either sees the works or sets its flag
+  // before they are posted (checked below, after posting); copies run without the lock, so
+  // abort() never waits for them.
+  const std::lock_guard<std::mutex> lock(inflight_mu_);
+  try {
+    issue();
+  } catch (const std::exception& e) {
+    abort_works_locked();
+    inflight_.clear();
+    raise_not_issued(e, rank_, what, name_);
+  }
+  if (abort_requested_.load()) {
+    abort_works_locked();
+    inflight_.clear();
+    throw Aborted("rank " + std::to_string(rank_) + ": abort() while posting " + what + " on " +
+                  name_ + "; the Gloo context is aborted, rebuild the group");
+  }
+}
+
+void ProcessGroupCommunicator::do_gather_scatter(std::span<const ConstSegment> send,
+                                                 std::span<const RecvPiece> pieces,
+                                                 std::span<const std::size_t> first,
+                                                 std::span<const std::uint64_t> counts, int root,
+                                                 Deadline deadline) {
+  // Reached only where capabilities().gather_v (point to point); the base checks it.
+  if (abort_requested_.load()) {
+    throw Aborted("rank " + std::to_string(rank_) + ": abort() before gather_scatter on " + name_);
+  }
+  const auto me = static_cast<std::size_t>(rank_);
+  if (rank_ == root) {
+    copy_stream(send, pieces.subspan(first[me], first[me + 1] - first[me]));
+    gather_root(pieces, first, counts, deadline);
+  } else if (counts[me] != 0) {
+    gather_send(send, counts[me], root, deadline);
+  }
+}
+
+void ProcessGroupCommunicator::gather_root(std::span<const RecvPiece> pieces,
+                                           std::span<const std::size_t> first,
+                                           std::span<const std::uint64_t> counts,
+                                           Deadline deadline) {
+  const auto world = static_cast<std::size_t>(size_);
+  const std::uint64_t largest = *std::max_element(counts.begin(), counts.end());
+  const std::uint64_t rounds = (largest + kGatherChunk - 1) / kGatherChunk;
+  auto* slots = static_cast<std::byte*>(scratch(chunk_slots_, 2 * world * kGatherChunk).data_ptr());
+  const auto slot = [&](std::size_t r, std::uint64_t c) {
+    return slots + (2 * r + c % 2) * kGatherChunk;
+  };
+  const auto chunk_of = [&](std::size_t r, std::uint64_t c) {
+    const std::uint64_t begin = c * kGatherChunk;
+    return begin >= counts[r] ? 0 : std::min(kGatherChunk, counts[r] - begin);
+  };
+  // Round c receives every sender's chunk c; round c + 1 is posted before round c is copied out.
+  const auto post_round = [&](std::uint64_t c) {
+    post(
+        [&] {
+          inflight_.clear();
+          for (std::size_t r = 0; r < world; ++r) {
+            const std::uint64_t len = chunk_of(r, c);
+            if (r != static_cast<std::size_t>(rank_) && len != 0) {
+              p2p_tensors_.assign(1, host_bytes(slot(r, c), len));
+              inflight_.push_back(group_->recv(p2p_tensors_, static_cast<int>(r), kP2PTag));
+            }
+          }
+        },
+        "gather_scatter");
+  };
+  if (rounds == 0) {
+    return;
+  }
+  post_round(0);
+  wait_p2p(deadline, "gather_scatter");
+  for (std::uint64_t c = 0; c < rounds; ++c) {
+    if (c + 1 < rounds) {
+      post_round(c + 1);
+    }
+    for (std::size_t r = 0; r < world; ++r) {
+      const std::uint64_t len = chunk_of(r, c);
+      if (r == static_cast<std::size_t>(rank_) || len == 0) {
+        continue;
+      }
+      const ConstSegment got{slot(r, c), len};
+      const std::vector<RecvPiece> into =
+          slice_pieces(pieces.subspan(first[r], first[r + 1] - first[r]), c * kGatherChunk,
+                       c * kGatherChunk + len);
+      copy_stream(std::span(&got, 1), into);
+    }
+    if (c + 1 < rounds) {
+      wait_p2p(deadline, "gather_scatter");
+    }
+  }
+}
+
+void ProcessGroupCommunicator::gather_send(std::span<const ConstSegment> send, std::uint64_t count,
+                                           int root, Deadline deadline) {
+  const std::uint64_t chunks = (count + kGatherChunk - 1) / kGatherChunk;
+  auto* slots = static_cast<std::byte*>(scratch(chunk_slots_, 2 * kGatherChunk).data_ptr());
+  // Chunk c's bytes: straight from the shard where one segment holds them all, else packed into
+  // slot c % 2 (whose previous send completed in the wait before).
+  const auto stage = [&](std::uint64_t c) -> ConstSegment {
+    const std::uint64_t begin = c * kGatherChunk;
+    const std::uint64_t len = std::min(kGatherChunk, count - begin);
+    const std::vector<RecvPiece> from = slice_segments(send, begin, begin + len);
+    if (from.size() == 1 && from[0].count == 1) {
+      return {from[0].data, len};
+    }
+    std::byte* into = slots + (c % 2) * kGatherChunk;
+    std::uint64_t at = 0;
+    for (const RecvPiece& p : from) {
+      for (std::uint64_t k = 0; k < p.count; ++k) {
+        std::memcpy(into + at, p.data + k * p.stride, p.block);
+        at += p.block;
+      }
+    }
+    return {into, len};
+  };
+  const auto post_chunk = [&](const ConstSegment& bytes) {
+    post(
+        [&] {
+          inflight_.clear();
+          p2p_tensors_.assign(1, host_bytes(bytes.data, bytes.size));
+          inflight_.push_back(group_->send(p2p_tensors_, root, kP2PTag));
+        },
+        "gather_scatter");
+  };
+  post_chunk(stage(0));
+  for (std::uint64_t c = 1; c < chunks; ++c) {
+    const ConstSegment next = stage(c);  // packs while chunk c - 1 is on the wire
+    wait_p2p(deadline, "gather_scatter");
+    post_chunk(next);
+  }
+  wait_p2p(deadline, "gather_scatter");
 }
 
 void ProcessGroupCommunicator::wait_p2p(Deadline deadline, const char* what) {

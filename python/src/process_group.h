@@ -46,6 +46,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -113,10 +114,27 @@ class ProcessGroupCommunicator final : public Communicator {
   void do_all_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                              std::span<const std::size_t> first,
                              std::span<const std::uint64_t> counts, Deadline deadline) override;
+  // Point to point, in chunks of kGatherChunk: each sender streams its bytes to the root
+  // through two staging slots (or straight from a shard that holds a whole chunk), and the root
+  // receives each sender's chunks into two slots of its own, copying one out while the next
+  // arrives. So the root's extra memory is 2 x kGatherChunk per sender, never a bucket.
+  void do_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
+                         std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
+                         int root, Deadline deadline) override;
   void do_barrier(Deadline deadline) override;
   void do_abort() noexcept override;
 
+ public:
+  static constexpr std::uint64_t kGatherChunk = std::uint64_t{8} << 20;
+
  private:
+  // Posts works under inflight_mu_ (abort() sees them, or its flag is seen right after).
+  void post(const std::function<void()>& issue, const char* what);
+  // The root's and a sender's sides of do_gather_scatter.
+  void gather_root(std::span<const RecvPiece> pieces, std::span<const std::size_t> first,
+                   std::span<const std::uint64_t> counts, Deadline deadline);
+  void gather_send(std::span<const ConstSegment> send, std::uint64_t count, int root,
+                   Deadline deadline);
   // One c10d all_gather_single of `input` (the same byte count on every rank) into the flat
   // `output` (world x that), waited on until `deadline`.
   void allgather(at::Tensor& input, at::Tensor& output, Deadline deadline, const char* what);
@@ -151,6 +169,7 @@ class ProcessGroupCommunicator final : public Communicator {
   std::vector<std::uint64_t> p2p_displs_;
   at::Tensor send_staging_;  // reused: device staging of an all_gather's send
   at::Tensor recv_staging_;  // reused: device staging of an all_gather's receive
+  at::Tensor chunk_slots_;   // reused: gather_scatter's staging slots
   std::unique_ptr<detail::HostMailbox> mailbox_;  // set once, by the constructor
   Waiter waiter_;  // idle between calls; last, so it is joined before the rest goes
 };

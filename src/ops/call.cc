@@ -24,6 +24,8 @@ std::string_view operation_name(Operation op) noexcept {
       return "unshard";
     case Operation::kUnshardExecute:
       return "UnshardPlan::execute";
+    case Operation::kUnshardStream:
+      return "UnshardStream";
   }
   return "unknown operation";
 }

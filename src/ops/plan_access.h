@@ -22,6 +22,10 @@ struct PlanAccess {
                        std::byte* out, std::uint64_t out_size);
   static ExecStats run(UnshardPlan& plan, Call& call, std::span<const TensorView> shards,
                        std::byte* out, std::uint64_t out_size);
+  // UnshardPlan::execute into one buffer, on a thread that already drives the communicator
+  // (a started operation's job).
+  static ExecStats execute(UnshardPlan& plan, Communicator& comm,
+                           std::span<const TensorView> shards, std::span<std::byte> out);
 };
 
 }  // namespace shardgather::detail

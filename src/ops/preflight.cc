@@ -18,7 +18,7 @@ std::string op_prefix(int me, const PreflightHeader& h) {
 
 bool known_operation(std::uint8_t op) noexcept {
   return op >= static_cast<std::uint8_t>(Operation::kForeachAllGather) &&
-         op <= static_cast<std::uint8_t>(Operation::kUnshardExecute);
+         op <= static_cast<std::uint8_t>(Operation::kUnshardStream);
 }
 
 std::string op_str(std::uint8_t op) {

@@ -110,17 +110,31 @@ void hash_spec(detail::Hasher& hasher, const ShardSpec& s) {
 }  // namespace
 
 UnshardPlan::UnshardPlan(std::span<const ShardSpec> specs, int world_size, int rank,
-                         const PlanOptions& options)
-    : specs_(specs.begin(), specs.end()), world_(world_size), rank_(rank), options_(options) {
+                         const PlanOptions& options, int dst)
+    : specs_(specs.begin(), specs.end()),
+      world_(world_size),
+      rank_(rank),
+      dst_(dst),
+      options_(options) {
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     throw InvalidArgument("UnshardPlan: rank " + std::to_string(rank) + " of " +
                           std::to_string(world_size));
+  }
+  if (dst < -1 || dst >= world_size) {
+    throw InvalidArgument("UnshardPlan: dst " + std::to_string(dst) + " is not a rank of " +
+                          std::to_string(world_size) + " (or -1: every rank)");
+  }
+  if (dst >= 0 && options.strategy != Strategy::kAuto && options.strategy != Strategy::kDirect) {
+    throw InvalidArgument("UnshardPlan: a gather to one rank (dst " + std::to_string(dst) +
+                          ") runs kDirect only, not " +
+                          std::string(strategy_name(options.strategy)));
   }
   const auto world = static_cast<std::size_t>(world_size);
   const std::size_t n = specs_.size();
   detail::Hasher hasher;
   hasher.add(world);
   hasher.add(n);
+  hasher.add(static_cast<std::uint64_t>(dst + 1));
   output_offsets_.resize(n);
   part_bytes_.assign(world * n, 0);
   part_pieces_.assign(world * n, RecvPiece{});
@@ -187,6 +201,10 @@ std::vector<TensorView> UnshardPlan::views(std::byte* buffer) const {
 std::optional<std::string> UnshardPlan::target_buffer(std::byte* out, std::uint64_t out_size) {
   detail::ExecScratch& x = scratch_.get();
   x.outputs.resize(specs_.size());
+  if (!receives()) {
+    std::fill(x.outputs.begin(), x.outputs.end(), nullptr);
+    return std::nullopt;
+  }
   for (std::size_t i = 0; i < specs_.size(); ++i) {
     x.outputs[i] = out + output_offsets_[i];
   }
@@ -200,6 +218,10 @@ std::optional<std::string> UnshardPlan::target_buffer(std::byte* out, std::uint6
 std::optional<std::string> UnshardPlan::target_outputs(std::span<const TensorView> outputs) {
   detail::ExecScratch& x = scratch_.get();
   x.outputs.resize(specs_.size());
+  if (!receives()) {
+    std::fill(x.outputs.begin(), x.outputs.end(), nullptr);
+    return std::nullopt;
+  }
   if (outputs.size() != specs_.size()) {
     return "the plan has " + std::to_string(specs_.size()) + " parameters, got " +
            std::to_string(outputs.size()) + " outputs";
@@ -306,6 +328,9 @@ void UnshardPlan::check_shards(const Communicator& comm, std::span<const TensorV
       staged += local_bytes_[i];
     }
     const detail::Extent e = detail::extent_of(t, local_bytes_[i]);
+    if (!receives()) {
+      continue;  // nothing is written on this rank
+    }
     if (one_buffer) {
       if (e.begin < e.end && e.begin < out_end && out_begin < e.end) {
         throw InvalidArgument("tensor " + std::to_string(i) +
@@ -361,7 +386,9 @@ void UnshardPlan::build_job(std::span<const TensorView> shards) {
   x.send_first.push_back(x.segments.size());
   for (std::size_t k = 0; k < world * n; ++k) {
     const RecvPiece& p = part_pieces_[k];
-    x.pieces[k] = RecvPiece{x.outputs[k % n] + part_offsets_[k], p.block, p.count, p.stride};
+    std::byte* full = x.outputs[k % n];  // null where this rank does not receive
+    x.pieces[k] =
+        RecvPiece{full == nullptr ? nullptr : full + part_offsets_[k], p.block, p.count, p.stride};
     x.part_bytes[k] = part_bytes_[k];
     x.part_first[k] = k;
   }
@@ -377,8 +404,11 @@ ExecStats UnshardPlan::run(detail::Call& call, std::span<const TensorView> shard
   detail::size_scratch(x, world_, specs_.size());
   call.guard(scratch_);
   ExecStats stats;
-  const Strategy strategy = detail::select_strategy(options_.strategy, counts_, call.comm(),
-                                                    x.strategy.shared_unavailable);
+  // A gather to one rank is kDirect's (the constructor refused any other request).
+  const Strategy strategy = dst_ >= 0
+                                ? Strategy::kDirect
+                                : detail::select_strategy(options_.strategy, counts_, call.comm(),
+                                                          x.strategy.shared_unavailable);
   detail::PreflightHeader& header = call.header();
   header.flags |= detail::kHasHint;
   header.hint_hash = fingerprint_;
@@ -387,6 +417,11 @@ ExecStats UnshardPlan::run(detail::Call& call, std::span<const TensorView> shard
   call.check([&] {
     if (output_error) {
       throw InvalidArgument(*output_error);
+    }
+    if (dst_ >= 0 && world_ > 1 && !call.comm().capabilities().gather_v) {
+      throw InvalidArgument("a gather to one rank (dst " + std::to_string(dst_) + ") needs an " +
+                            "exact gather-v, which the " + std::string(call.comm().backend_name()) +
+                            " transport lacks");
     }
     check_shards(call.comm(), shards, one_buffer, stats);
     header.payload_bytes = counts_[static_cast<std::size_t>(rank_)];
@@ -406,6 +441,7 @@ ExecStats UnshardPlan::run(detail::Call& call, std::span<const TensorView> shard
       .copy_threads = detail::copy_threads(options_, call.comm()),
       .stream_displs = {},
       .entry_synchronized = call.exchanges(),
+      .root = dst_,
   };
   detail::run_payload(call, options_.strategy, strategy, job, x.strategy, stats);
   return stats;
@@ -417,6 +453,12 @@ ExecStats PlanAccess::run(UnshardPlan& plan, Call& call, std::span<const TensorV
                           std::byte* out, std::uint64_t out_size) {
   const std::optional<std::string> error = plan.target_buffer(out, out_size);
   return plan.run(call, shards, error, true);
+}
+
+ExecStats PlanAccess::execute(UnshardPlan& plan, Communicator& comm,
+                              std::span<const TensorView> shards, std::span<std::byte> out) {
+  const std::optional<std::string> error = plan.target_buffer(out.data(), out.size());
+  return plan.execute_now(shards, comm, error, true);
 }
 
 }  // namespace detail

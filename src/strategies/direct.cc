@@ -81,6 +81,10 @@ void gather_into_pieces(std::span<const ConstSegment> send, std::span<const Recv
 
 void run_direct(const GatherJob& job, Communicator& comm, Deadline deadline,
                 StrategyScratch& scratch) {
+  if (job.root >= 0) {
+    comm.gather_scatter(job.send, job.pieces, job.first, job.counts, job.root, deadline);
+    return;
+  }
   gather_into_pieces(job.send, job.pieces, job.first, job.counts, true, job.copy_threads, comm,
                      deadline, scratch);
 }

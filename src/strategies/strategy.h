@@ -38,6 +38,9 @@ struct GatherJob {
   // Every rank has entered this call (the pre-flight header was exchanged): kShared may then
   // overwrite the window without another barrier.
   bool entry_synchronized = false;
+  // >= 0: a gather to this one rank (unshard's dst): only it receives, and `pieces` are read on
+  // it only. kDirect alone runs it (Communicator::gather_scatter).
+  int root = -1;
 };
 
 // Scratch a strategy may need; owned by the plan so executions allocate nothing.

@@ -97,6 +97,9 @@ TEST_P(MpiTeams, PlanRejectsMismatchedTensors) {
 TEST_P(MpiTeams, UnshardDims) { testing::case_unshard_dims(team_.comm()); }
 TEST_P(MpiTeams, UnshardSingleDim0) { testing::case_unshard_single_dim0(team_.comm()); }
 TEST_P(MpiTeams, UnshardAliasing) { testing::case_unshard_aliasing(team_.comm()); }
+TEST_P(MpiTeams, UnshardToDst) { testing::case_unshard_to_dst(team_.comm()); }
+TEST_P(MpiTeams, UnshardStream) { testing::case_unshard_stream(team_.comm()); }
+TEST_P(MpiTeams, UnshardStreamErrors) { testing::case_unshard_stream_errors(team_.comm()); }
 
 INSTANTIATE_TEST_SUITE_P(Teams, MpiTeams,
                          ::testing::Values(Team::kWorld, Team::kReverse, Team::kOddEven),

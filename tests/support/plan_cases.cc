@@ -1,6 +1,8 @@
 #include "support/plan_cases.h"
 
+#include <algorithm>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -373,6 +375,159 @@ void case_unshard_aliasing(Communicator& comm) {
   // The plan and the communicator stay usable.
   plan.execute(set.views, comm, std::span(buffer).first(plan.output_bytes()));
   EXPECT_EQ(check_fulls(plan.views(buffer.data()), set), "");
+}
+
+void case_unshard_to_dst(Communicator& comm) {
+  const int world = comm.size();
+  const int rank = comm.rank();
+  const std::vector<ShardSpec> specs = unshard_specs(world);
+  for (int dst = 0; dst < world; ++dst) {
+    UnshardPlan plan(specs, world, rank, {}, dst);
+    const ShardSet set = make_shards(plan, rank);
+    EXPECT_EQ(plan.receives(), rank == dst);
+    std::vector<std::byte> buffer(plan.receives() ? plan.output_bytes() : 0);
+    for (int step = 0; step < 2; ++step) {
+      std::memset(buffer.data(), 0xee, buffer.size());
+      const ExecStats stats = plan.execute(set.views, comm, buffer);
+      EXPECT_EQ(stats.strategy, world == 1 ? Strategy::kDirect : Strategy::kDirect);
+      if (plan.receives()) {
+        EXPECT_EQ(check_fulls(plan.views(buffer.data()), set), "") << "dst " << dst;
+      }
+    }
+    // Into separate full tensors on dst; no outputs elsewhere.
+    std::vector<std::vector<std::byte>> fulls;
+    std::vector<TensorView> outputs;
+    for (std::size_t i = 0; i < plan.size() && plan.receives(); ++i) {
+      fulls.emplace_back(checked_nbytes(specs[i].dtype, specs[i].full_shape) + 1);
+      outputs.push_back({fulls.back().data(), specs[i].dtype, specs[i].full_shape, {}});
+    }
+    plan.execute(set.views, comm, std::span<const TensorView>(outputs));
+    if (plan.receives()) {
+      EXPECT_EQ(check_fulls(outputs, set), "") << "dst " << dst;
+    }
+  }
+  PlanOptions packed;
+  packed.strategy = Strategy::kPacked;
+  EXPECT_THROW(UnshardPlan(specs, world, rank, packed, 0), InvalidArgument);
+  EXPECT_THROW(UnshardPlan(specs, world, rank, {}, world), InvalidArgument);
+}
+
+namespace {
+
+// The stream's cases: unshard_specs three times over, so buckets hold several parameters.
+std::vector<ShardSpec> stream_specs(int world) {
+  std::vector<ShardSpec> specs;
+  for (int k = 0; k < 3; ++k) {
+    for (const ShardSpec& s : unshard_specs(world)) {
+      specs.push_back(s);
+    }
+  }
+  specs.push_back({DType::kFloat32, {64, 33}, 1, {}, 0});  // larger than any bucket below
+  return specs;
+}
+
+// Runs the stream to its end; checks every bucket against the full tensors and that the buckets
+// reuse at most prefetch + 1 buffers. Returns the number of buckets seen.
+std::size_t drain_stream(UnshardStream& stream, const ShardSet& set, Communicator& comm) {
+  stream.begin(set.views, comm);
+  std::vector<const void*> bases;
+  std::size_t seen = 0;
+  std::size_t next_param = 0;
+  while (std::optional<StreamBucket> bucket = stream.next()) {
+    EXPECT_EQ(bucket->index, seen);
+    EXPECT_EQ(bucket->first_param, next_param);
+    next_param += bucket->num_params;
+    ++seen;
+    const bool receives = stream.bucket_plan(bucket->index).receives();
+    EXPECT_EQ(bucket->full.size(), receives ? bucket->num_params : 0);
+    for (std::size_t j = 0; j < bucket->full.size(); ++j) {
+      const std::vector<std::byte>& want = set.fulls[bucket->first_param + j];
+      EXPECT_TRUE(want.empty() || std::memcmp(bucket->full[j].data, want.data(), want.size()) == 0)
+          << "parameter " << bucket->first_param + j;
+    }
+    if (!bucket->full.empty() &&
+        std::find(bases.begin(), bases.end(), bucket->full[0].data) == bases.end()) {
+      bases.push_back(bucket->full[0].data);
+    }
+  }
+  EXPECT_EQ(next_param, stream.num_params());
+  EXPECT_LE(bases.size(), static_cast<std::size_t>(stream.options().prefetch) + 1);
+  return seen;
+}
+
+}  // namespace
+
+void case_unshard_stream(Communicator& comm) {
+  const int world = comm.size();
+  const int rank = comm.rank();
+  const std::vector<ShardSpec> specs = stream_specs(world);
+  const ShardSet set = make_shards(UnshardPlan(specs, world, rank), rank);
+  for (const int dst : {-1, 0, world - 1}) {
+    for (const int prefetch : {0, 1, 2}) {
+      for (const std::uint64_t bucket_bytes : {std::uint64_t{512}, std::uint64_t{1} << 20}) {
+        UnshardStream stream(specs, world, rank,
+                             {.bucket_bytes = bucket_bytes, .prefetch = prefetch, .dst = dst});
+        const std::size_t buckets = drain_stream(stream, set, comm);
+        EXPECT_EQ(buckets, stream.num_buckets());
+        if (bucket_bytes == 512) {
+          EXPECT_GT(buckets, 4U);  // several buckets, one of them the large parameter alone
+        }
+        EXPECT_THROW((void)stream.next(), InvalidArgument);  // ended
+      }
+    }
+  }
+}
+
+void case_unshard_stream_errors(Communicator& comm) {
+  const int world = comm.size();
+  const int rank = comm.rank();
+  const std::vector<ShardSpec> specs = stream_specs(world);
+  const ShardSet set = make_shards(UnshardPlan(specs, world, rank), rank);
+  if (world > 1) {
+    // A bucket size that differs on the last rank: every rank raises before anything moves.
+    const std::uint64_t before = comm.collectives_issued();
+    UnshardStream stream(specs, world, rank,
+                         {.bucket_bytes = rank == world - 1 ? 1024U : 512U, .prefetch = 1});
+    expect_raises<Mismatch>([&] { stream.begin(set.views, comm); }, "");
+    EXPECT_EQ(comm.collectives_issued() - before, 1U);  // the stream's header, no payload
+  }
+  // A shard of the wrong shape: every rank raises at begin().
+  {
+    ShardSet bad = make_shards(UnshardPlan(specs, world, rank), rank);
+    if (rank == world - 1) {
+      bad.views[2].shape[0] += 1;
+    }
+    UnshardStream stream(specs, world, rank, {.bucket_bytes = 512});
+    expect_raises<InvalidArgument>([&] { stream.begin(bad.views, comm); },
+                                   "rank " + std::to_string(world - 1));
+  }
+  // A consumer failing on the last rank, in the middle and at the last bucket: every rank
+  // raises its error, and the communicator stays usable.
+  for (const int prefetch : {0, 1, 2}) {
+    UnshardStream probe(specs, world, rank, {.bucket_bytes = 512, .prefetch = prefetch});
+    const std::size_t total = probe.num_buckets();
+    for (const std::size_t at : {std::size_t{1}, total - 1}) {
+      UnshardStream stream(specs, world, rank, {.bucket_bytes = 512, .prefetch = prefetch});
+      stream.begin(set.views, comm);
+      const std::string needle = "consumer failed at bucket " + std::to_string(at);
+      expect_raises<InvalidArgument>(
+          [&] {
+            while (std::optional<StreamBucket> bucket = stream.next()) {
+              if (rank == world - 1 && bucket->index == at) {
+                stream.fail(ErrorCode::kInvalidArgument, needle);
+              }
+            }
+          },
+          needle);
+      EXPECT_THROW((void)stream.next(), InvalidArgument);
+    }
+  }
+  const UnshardResult after = unshard(set.views, comm, specs);
+  std::vector<TensorView> got;
+  for (std::size_t i = 0; i < after.size(); ++i) {
+    got.push_back(after[i]);
+  }
+  EXPECT_EQ(check_fulls(got, set), "");
 }
 
 }  // namespace shardgather::testing

@@ -22,4 +22,13 @@ void case_unshard_single_dim0(Communicator& comm);
 // An output overlapping a shard is an InvalidArgument on every rank.
 void case_unshard_aliasing(Communicator& comm);
 
+// A gather to one rank (UnshardPlan's dst) for every dst: bit-exact there, nothing elsewhere.
+void case_unshard_to_dst(Communicator& comm);
+// UnshardStream over many buckets, every prefetch depth, to every rank and to one: bucket by
+// bucket bit-exact, in order, over at most prefetch + 1 buffers.
+void case_unshard_stream(Communicator& comm);
+// A stream that disagrees or gets a wrong shard raises on every rank before anything moves; a
+// consumer failing on one rank ends the stream with its error on every rank.
+void case_unshard_stream_errors(Communicator& comm);
+
 }  // namespace shardgather::testing

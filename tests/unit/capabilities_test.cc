@@ -51,6 +51,11 @@ class LimitedCommunicator final : public Communicator {
     EXPECT_TRUE(caps_.scatter) << "all_gather_scatter reached on a transport without it";
     inner_.all_gather_scatter(send, pieces, first, counts, deadline);
   }
+  void do_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
+                         std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
+                         int root, Deadline deadline) override {
+    inner_.gather_scatter(send, pieces, first, counts, root, deadline);
+  }
   void do_barrier(Deadline deadline) override { inner_.barrier(deadline); }
   void do_abort() noexcept override { inner_.abort(); }
 
@@ -110,6 +115,27 @@ TEST_P(Limited, UnshardAlongEveryDim) {
   run([](Communicator& comm) {
     testing::case_unshard_dims(comm);
     testing::case_unshard_single_dim0(comm);
+  });
+}
+
+TEST_P(Limited, GatherToOneRankNeedsGatherV) {
+  run([](Communicator& comm) {
+    if (comm.capabilities().gather_v || comm.size() == 1) {
+      testing::case_unshard_to_dst(comm);
+      testing::case_unshard_stream(comm);
+      return;
+    }
+    const std::vector<ShardSpec> specs{{DType::kFloat32, {8, 3}, 0, {}, 0}};
+    UnshardPlan plan(specs, comm.size(), comm.rank(), {}, 0);
+    std::vector<float> shard(static_cast<std::size_t>(plan.shard_shape(comm.rank(), 0)[0]) * 3);
+    const TensorView view{shard.data(), DType::kFloat32, plan.shard_shape(comm.rank(), 0), {}};
+    std::vector<std::byte> out(plan.receives() ? plan.output_bytes() : 0);
+    try {
+      plan.execute(std::span(&view, 1), comm, out);
+      ADD_FAILURE() << "a gather to one rank ran without gather-v";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("exact gather-v"), std::string::npos) << e.what();
+    }
   });
 }
 

@@ -82,6 +82,11 @@ class MailboxCommunicator final : public Communicator {
                              std::span<const std::uint64_t> counts, Deadline deadline) override {
     inner_.all_gather_scatter(send, pieces, first, counts, deadline);
   }
+  void do_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
+                         std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
+                         int root, Deadline deadline) override {
+    inner_.gather_scatter(send, pieces, first, counts, root, deadline);
+  }
   void do_barrier(Deadline deadline) override {
     if (mailbox_ != nullptr) {
       mailbox_->all_gather({}, {}, deadline, [this] { check_interrupt(); });

@@ -121,48 +121,6 @@ MPI_Datatype build_type(std::span<const Run> runs, int rank) {
   return type;
 }
 
-// Pieces of the byte range [begin, end) of the concatenation of `pieces`' blocks.
-std::vector<RecvPiece> slice_pieces(std::span<const RecvPiece> pieces, std::uint64_t begin,
-                                    std::uint64_t end) {
-  std::vector<RecvPiece> out;
-  std::uint64_t pos = 0;
-  for (const RecvPiece& p : pieces) {
-    const std::uint64_t total = p.block * p.count;
-    if (pos >= end) {
-      break;
-    }
-    if (pos + total > begin && total != 0) {
-      const std::uint64_t lo = std::max(begin, pos) - pos;
-      const std::uint64_t hi = std::min(end, pos + total) - pos;
-      const std::uint64_t kb = lo / p.block;
-      const std::uint64_t ob = lo % p.block;
-      const std::uint64_t ke = (hi - 1) / p.block;
-      const std::uint64_t oe = (hi - 1) % p.block + 1;
-      if (kb == ke) {
-        out.push_back({p.data + kb * p.stride + ob, oe - ob, 1, 0});
-      } else {
-        out.push_back({p.data + kb * p.stride + ob, p.block - ob, 1, 0});
-        if (ke - kb > 1) {
-          out.push_back({p.data + (kb + 1) * p.stride, p.block, ke - kb - 1, p.stride});
-        }
-        out.push_back({p.data + ke * p.stride, oe, 1, 0});
-      }
-    }
-    pos += total;
-  }
-  return out;
-}
-
-std::vector<RecvPiece> slice_segments(std::span<const ConstSegment> segments, std::uint64_t begin,
-                                      std::uint64_t end) {
-  std::vector<RecvPiece> pieces;
-  for (const ConstSegment& s : segments) {
-    // The datatype only reads through these addresses.
-    pieces.push_back({const_cast<std::byte*>(s.data), s.size, 1, 0});
-  }
-  return slice_pieces(pieces, begin, end);
-}
-
 }  // namespace
 
 MpiCommunicator::MpiCommunicator(MPI_Comm comm, const MpiOptions& options) : options_(options) {
@@ -342,6 +300,79 @@ void MpiCommunicator::all_gather_scatter_chunked(std::span<const ConstSegment> s
       SHARDGATHER_CHECK_MPI(rank_, MPI_Ibcast(MPI_BOTTOM, 1, type, root, comm_, &request));
       MPI_Type_free(&type);  // MPI keeps it alive until the broadcast completes
       wait(request, deadline, "all_gather_scatter (chunked)");
+    }
+  }
+}
+
+void MpiCommunicator::do_gather_scatter(std::span<const ConstSegment> send,
+                                        std::span<const RecvPiece> pieces,
+                                        std::span<const std::size_t> first,
+                                        std::span<const std::uint64_t> counts, int root,
+                                        Deadline deadline) {
+  const std::uint64_t largest = *std::max_element(counts.begin(), counts.end());
+  if (largest > options_.max_chunk_bytes) {
+    gather_scatter_chunked(send, pieces, first, counts, root, deadline);
+    return;
+  }
+  // One MPI_Ialltoallw in which only the root receives: MPI_Igatherv takes one receive type for
+  // every sender, so it could not land each sender's bytes in its scattered final place as a
+  // receive type per sender does. Every non-root sends its stream once, to the root only.
+  const auto world = static_cast<std::size_t>(size_);
+  const auto me = static_cast<std::size_t>(rank_);
+  const auto to = static_cast<std::size_t>(root);
+  const bool is_root = rank_ == root;
+  MPI_Datatype send_dt = counts[me] == 0 ? MPI_BYTE : send_type(send);
+  zeros_.assign(world, 0);
+  send_counts_.assign(world, 0);
+  send_counts_[to] = counts[me] == 0 ? 0 : 1;
+  recv_counts_.assign(world, 0);
+  send_types_.assign(2 * world, MPI_BYTE);
+  send_types_[to] = send_dt;
+  if (is_root) {
+    const std::vector<MPI_Datatype>& recv = recv_types(pieces, first);
+    for (std::size_t r = 0; r < world; ++r) {
+      recv_counts_[r] = counts[r] == 0 ? 0 : 1;
+      send_types_[world + r] = counts[r] == 0 ? MPI_BYTE : recv[r];
+    }
+  }
+  MPI_Request request = MPI_REQUEST_NULL;
+  SHARDGATHER_CHECK_MPI(
+      rank_, MPI_Ialltoallw(MPI_BOTTOM, send_counts_.data(), zeros_.data(), send_types_.data(),
+                            MPI_BOTTOM, recv_counts_.data(), zeros_.data(),
+                            send_types_.data() + world, comm_, &request));
+  wait(request, deadline, "gather_scatter");
+}
+
+void MpiCommunicator::gather_scatter_chunked(std::span<const ConstSegment> send,
+                                             std::span<const RecvPiece> pieces,
+                                             std::span<const std::size_t> first,
+                                             std::span<const std::uint64_t> counts, int root,
+                                             Deadline deadline) {
+  constexpr int kTag = 0x5347;  // on this communicator's own duplicate: nothing else sends
+  const std::uint64_t chunk = options_.max_chunk_bytes;
+  const auto me = static_cast<std::size_t>(rank_);
+  if (rank_ == root) {
+    copy_stream(send, pieces.subspan(first[me], first[me + 1] - first[me]));
+  }
+  for (int sender = 0; sender < size_; ++sender) {
+    if (sender == root || (rank_ != root && rank_ != sender)) {
+      continue;
+    }
+    const auto s = static_cast<std::size_t>(sender);
+    const auto theirs =
+        pieces.subspan(rank_ == root ? first[s] : 0, rank_ == root ? first[s + 1] - first[s] : 0);
+    for (std::uint64_t begin = 0; begin < counts[s]; begin += chunk) {
+      const std::uint64_t end = std::min(counts[s], begin + chunk);
+      const std::vector<RecvPiece> slice =
+          rank_ == root ? slice_pieces(theirs, begin, end) : slice_segments(send, begin, end);
+      MPI_Datatype type = build_type(runs_of(std::span<const RecvPiece>(slice)), rank_);
+      MPI_Request request = MPI_REQUEST_NULL;
+      const int status = rank_ == root
+                             ? MPI_Irecv(MPI_BOTTOM, 1, type, sender, kTag, comm_, &request)
+                             : MPI_Isend(MPI_BOTTOM, 1, type, root, kTag, comm_, &request);
+      MPI_Type_free(&type);  // MPI keeps it alive until the transfer completes
+      SHARDGATHER_CHECK_MPI(rank_, status);
+      wait(request, deadline, "gather_scatter (chunked)");
     }
   }
 }

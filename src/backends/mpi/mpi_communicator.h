@@ -48,6 +48,9 @@ class MpiCommunicator final : public Communicator {
   void do_all_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                              std::span<const std::size_t> first,
                              std::span<const std::uint64_t> counts, Deadline deadline) override;
+  void do_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
+                         std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
+                         int root, Deadline deadline) override;
   void do_barrier(Deadline deadline) override;
   void do_abort() noexcept override { abort_requested_.store(true); }
 
@@ -68,6 +71,11 @@ class MpiCommunicator final : public Communicator {
   // Committed per-rank receive types over the pieces (absolute addresses), from the cache.
   const std::vector<MPI_Datatype>& recv_types(std::span<const RecvPiece> pieces,
                                               std::span<const std::size_t> first);
+  // Sender by sender, chunk by chunk point to point to the root: for gathers to one rank above
+  // max_chunk_bytes per rank.
+  void gather_scatter_chunked(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
+                              std::span<const std::size_t> first,
+                              std::span<const std::uint64_t> counts, int root, Deadline deadline);
   // Root by root, chunk by chunk broadcasts: for gathers above max_chunk_bytes per rank.
   void all_gather_scatter_chunked(std::span<const ConstSegment> send,
                                   std::span<const RecvPiece> pieces,

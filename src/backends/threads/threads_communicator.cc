@@ -102,7 +102,7 @@ void ThreadsCommunicator::do_all_gather(std::span<const std::byte> send, std::sp
 template <typename CopyFn>
 void ThreadsCommunicator::exchange(std::span<const ConstSegment> send,
                                    std::span<const std::uint64_t> counts, Deadline deadline,
-                                   const char* what, CopyFn&& copy) {
+                                   const char* what, int root, CopyFn&& copy) {
   GroupState& g = *group_;
   const auto me = static_cast<std::size_t>(rank_);
   g.slots[me] =
@@ -119,7 +119,7 @@ void ThreadsCommunicator::exchange(std::span<const ConstSegment> send,
       }
     }
   }
-  if (error.empty()) {
+  if (error.empty() && (root < 0 || root == rank_)) {
     // Start at a different peer on every rank so the readers spread over the sources.
     for (std::size_t k = 0; k < g.slots.size(); ++k) {
       const std::size_t r = (me + k) % g.slots.size();
@@ -136,7 +136,7 @@ void ThreadsCommunicator::do_all_gather_v(std::span<const ConstSegment> send, st
                                           std::span<const std::uint64_t> counts,
                                           std::span<const std::uint64_t> displs,
                                           Deadline deadline) {
-  exchange(send, counts, deadline, "all_gather_v",
+  exchange(send, counts, deadline, "all_gather_v", -1,
            [&](std::size_t r, std::span<const ConstSegment> segments) {
              copy_segments(segments, recv + displs[r]);
            });
@@ -147,7 +147,18 @@ void ThreadsCommunicator::do_all_gather_scatter(std::span<const ConstSegment> se
                                                 std::span<const std::size_t> first,
                                                 std::span<const std::uint64_t> counts,
                                                 Deadline deadline) {
-  exchange(send, counts, deadline, "all_gather_scatter",
+  exchange(send, counts, deadline, "all_gather_scatter", -1,
+           [&](std::size_t r, std::span<const ConstSegment> segments) {
+             copy_stream(segments, pieces.subspan(first[r], first[r + 1] - first[r]));
+           });
+}
+
+void ThreadsCommunicator::do_gather_scatter(std::span<const ConstSegment> send,
+                                            std::span<const RecvPiece> pieces,
+                                            std::span<const std::size_t> first,
+                                            std::span<const std::uint64_t> counts, int root,
+                                            Deadline deadline) {
+  exchange(send, counts, deadline, "gather_scatter", root,
            [&](std::size_t r, std::span<const ConstSegment> segments) {
              copy_stream(segments, pieces.subspan(first[r], first[r + 1] - first[r]));
            });

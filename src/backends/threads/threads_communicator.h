@@ -68,6 +68,9 @@ class ThreadsCommunicator final : public Communicator {
   void do_all_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                              std::span<const std::size_t> first,
                              std::span<const std::uint64_t> counts, Deadline deadline) override;
+  void do_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
+                         std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
+                         int root, Deadline deadline) override;
   void do_barrier(Deadline deadline) override { meet(deadline, "barrier"); }
   void do_abort() noexcept override;
 
@@ -75,8 +78,9 @@ class ThreadsCommunicator final : public Communicator {
   // Publishes this rank's send, meets, checks that every rank agrees on every count (the same
   // verdict on every rank), runs `copy(peer)` for each peer starting after this rank, meets.
   template <typename CopyFn>
+  // `copy` runs on every rank, or on `root` only (>= 0): the others just publish and wait.
   void exchange(std::span<const ConstSegment> send, std::span<const std::uint64_t> counts,
-                Deadline deadline, const char* what, CopyFn&& copy);
+                Deadline deadline, const char* what, int root, CopyFn&& copy);
   // The group barrier: returns when every rank arrived, or throws Timeout / Aborted.
   void meet(Deadline deadline, const char* what);
 
