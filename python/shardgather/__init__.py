@@ -72,6 +72,7 @@ __all__ = [
     "mpi_communicator",
     "mpi_init",
     "unshard",
+    "unshard_stream",
 ]
 
 # One communicator per group object: its op sequence numbers and poisoned state must persist
@@ -259,12 +260,15 @@ class UnshardPlan(_PlanState):
     ``outputs`` (contiguous tensors of each full shape and dtype; returned as a new list) or, when
     none, into a buffer the plan owns, reused by every execution like :class:`AllGatherPlan`'s:
     the full tensors of execution k are overwritten by execution k + 1.
+
+    ``dst=r``: only rank r receives the full parameters (a gather to one rank, as a checkpoint
+    export needs); on the other ranks ``execute`` only sends and returns an empty list.
     """
 
     def __init__(self, specs, world_size, rank, *, strategy="auto", preflight=True,
-                 timeout=None):
+                 timeout=None, dst=None):
         self._plan = _C.UnshardPlan(list(specs), int(world_size), int(rank), strategy,
-                                    preflight, timeout)
+                                    preflight, timeout, dst)
 
     def execute(self, shards, group=None, outputs=None, *, async_op=False):
         """Gathers this rank's ``shards``; returns the full parameters (see the class).
@@ -313,6 +317,16 @@ class ThreadGroup:
 
     def __iter__(self):
         return iter(self.communicators)
+
+
+def unshard_stream(shards, specs=None, group=None, *, bucket_bytes=1 << 30, prefetch=1,
+                   dst=None, copy=False, strategy="auto", timeout=None):
+    """The full parameters of a whole model, bucket by bucket, in bounded memory: see
+    :mod:`shardgather.stream`."""
+    from .stream import unshard_stream as stream
+
+    return stream(shards, specs, group, bucket_bytes=bucket_bytes, prefetch=prefetch, dst=dst,
+                  copy=copy, strategy=strategy, timeout=timeout)
 
 
 def has_mpi():

@@ -21,6 +21,7 @@
 #include "params.h"
 #include "plans.h"
 #include "process_group.h"
+#include "stream.h"
 #include "torch_tensors.h"
 #include "work.h"
 
@@ -381,13 +382,15 @@ PYBIND11_MODULE(_shardgather, m) {
 
   py::class_<PyUnshardPlan>(m, "UnshardPlan")
       .def(py::init([](const std::vector<ShardSpec>& specs, int world_size, int rank,
-                       const std::string& strategy, bool preflight, std::optional<double> timeout) {
+                       const std::string& strategy, bool preflight, std::optional<double> timeout,
+                       std::optional<int> dst) {
              const PlanOptions options = plan_options(strategy, preflight, timeout);
-             return std::make_unique<PyUnshardPlan>(UnshardPlan(specs, world_size, rank, options),
-                                                    options);
+             return std::make_unique<PyUnshardPlan>(
+                 UnshardPlan(specs, world_size, rank, options, dst.value_or(-1)), options);
            }),
            py::arg("specs"), py::arg("world_size"), py::arg("rank"), py::arg("strategy") = "auto",
-           py::arg("preflight") = true, py::arg("timeout") = py::none())
+           py::arg("preflight") = true, py::arg("timeout") = py::none(),
+           py::arg("dst") = py::none())
       .def(
           "execute",
           [](const py::object& self, py::handle shards, const CommPtr& comm,
@@ -412,6 +415,7 @@ PYBIND11_MODULE(_shardgather, m) {
                              })
       .def_property_readonly("output_bytes",
                              [](const PyUnshardPlan& p) { return p.plan().output_bytes(); })
+      .def_property_readonly("receives", [](const PyUnshardPlan& p) { return p.plan().receives(); })
       .def_property_readonly("world_size",
                              [](const PyUnshardPlan& p) { return p.plan().world_size(); })
       .def_property_readonly(
@@ -423,6 +427,32 @@ PYBIND11_MODULE(_shardgather, m) {
                              [](const PyUnshardPlan& p) { return stats_dict(p.last_stats()); })
       .def_property_readonly("buffer", [](const PyUnshardPlan& p) {
         return p.buffer().defined() ? py::cast(p.buffer()) : py::none();
+      });
+
+  py::class_<PyUnshardStream>(m, "UnshardStream")
+      .def(py::init([](const std::vector<ShardSpec>& specs, int world_size, int rank,
+                       std::uint64_t bucket_bytes, int prefetch, std::optional<int> dst,
+                       const std::string& strategy, std::optional<double> timeout) {
+             StreamOptions options;
+             options.bucket_bytes = bucket_bytes;
+             options.prefetch = prefetch;
+             options.dst = dst.value_or(-1);
+             options.plan = plan_options(strategy, true, timeout);
+             return std::make_unique<PyUnshardStream>(specs, world_size, rank, options);
+           }),
+           py::arg("specs"), py::arg("world_size"), py::arg("rank"), py::arg("bucket_bytes"),
+           py::arg("prefetch") = 1, py::arg("dst") = py::none(), py::arg("strategy") = "auto",
+           py::arg("timeout") = py::none())
+      .def("begin", &PyUnshardStream::begin, py::arg("shards"), py::arg("comm"))
+      .def("next", &PyUnshardStream::next)
+      .def("fail", &PyUnshardStream::fail, py::arg("message"), py::arg("is_type_error") = false)
+      .def_property_readonly("num_buckets",
+                             [](const PyUnshardStream& s) { return s.stream().num_buckets(); })
+      .def_property_readonly("buffer_bytes",
+                             [](const PyUnshardStream& s) { return s.stream().buffer_bytes(); })
+      .def("bucket_params", [](const PyUnshardStream& s, std::size_t b) {
+        const std::size_t first = s.stream().bucket_first(b);
+        return py::make_tuple(first, first + s.stream().bucket_plan(b).size());
       });
 
   m.def(

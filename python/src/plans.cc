@@ -278,9 +278,13 @@ py::object PyUnshardPlan::execute(py::handle shards, const std::shared_ptr<Commu
   const InputsHeld held(parsed_);
   const InputsHeld held_outputs(outputs_);
   parse_or_fail(shards, "shards", parsed, comm, Operation::kUnshardExecute, options);
-  const bool given = outputs && !outputs->is_none();
+  // A rank that does not receive (dst set) takes no outputs and returns an empty list.
+  const bool receives = plan_.receives();
+  const bool given = receives && outputs && !outputs->is_none();
   py::list result;
-  if (given) {
+  if (!receives) {
+    cached_.clear();
+  } else if (given) {
     parse_or_fail(*outputs, "outputs", parsed_outputs, comm, Operation::kUnshardExecute, options);
     const auto seq = py::reinterpret_borrow<py::sequence>(*outputs);
     result = py::list(parsed_outputs.views.size());

@@ -1,0 +1,174 @@
+"""Streaming unshard: a whole model's full parameters, bucket by bucket, in bounded memory.
+
+    with shardgather.unshard_stream(state_dict, specs, group, bucket_bytes=1 << 30) as stream:
+        for bucket in stream:               # {name: full tensor}, in the state dict's order
+            for name, tensor in bucket.items():
+                engine.load(name, tensor)   # bucket k + 1 gathers meanwhile
+
+Each bucket holds at most ``bucket_bytes`` of full tensors (a larger parameter is a bucket of its
+own). While the caller holds bucket k, buckets k + 1 .. k + prefetch are gathering. The buckets
+reuse prefetch + 1 buffers, allocated once: peak extra memory is about
+``(prefetch + 1) x bucket_bytes`` on a rank that receives and nothing on the others.
+
+The tensors of a bucket are views of its buffer: valid until the iteration moves past it, when
+the buffer takes a later bucket (``copy=True`` yields clones instead).
+
+``dst=None``: every rank receives every bucket (weight sync). ``dst=r``: only rank r does (the
+others only send, and iterate over empty buckets, so every rank runs the same loop): a
+checkpoint export. The gather to one rank moves each byte once, to r.
+
+Errors are raised on every rank alike: specs, bucket sizes, prefetch or dst that differ across
+ranks, or a wrong shard, before anything moves; a failure in the middle (a timeout, or the
+consumer raising on one rank inside the ``with`` block) ends the stream on every rank with the
+same error. Leaving the ``with`` block before the end is reported to the peers the same way.
+Without ``with``, a consumer that raises on one rank leaves its peers waiting for their deadline.
+"""
+
+import torch
+
+from . import _C, InvalidArgumentError, ShardSpec, communicator
+
+__all__ = ["UnshardStream", "unshard_stream"]
+
+
+def unshard_stream(shards, specs=None, group=None, *, bucket_bytes=1 << 30, prefetch=1,
+                   dst=None, copy=False, strategy="auto", timeout=None):
+    """A stream of the full parameters of ``shards``, bucket by bucket; see the module.
+
+    ``shards``: a list of this rank's shard tensors with ``specs`` (a list of ShardSpec), or a
+    state dict of shards with ``specs`` (a dict with the same keys, or a list in its order), or a
+    list or dict of DTensors (``specs=None``: each DTensor's layout is its spec, as for
+    :func:`shardgather.full_tensors`). Collective over ``group`` (for DTensors: their mesh).
+    Each bucket is a dict from name (the dict's keys, or list indices) to full tensor.
+    """
+    return UnshardStream(shards, specs, group, bucket_bytes=bucket_bytes, prefetch=prefetch,
+                         dst=dst, copy=copy, strategy=strategy, timeout=timeout)
+
+
+class UnshardStream:
+    """Iterable and context manager over the buckets; see :mod:`shardgather.stream`."""
+
+    def __init__(self, shards, specs=None, group=None, *, bucket_bytes=1 << 30, prefetch=1,
+                 dst=None, copy=False, strategy="auto", timeout=None):
+        names, tensors, specs, group = _inputs(shards, specs, group)
+        self._comm = communicator(group, timeout)
+        self._names = names
+        self._tensors = tensors
+        self._copy = copy
+        self._stream = _C.UnshardStream(list(specs), self._comm.size, self._comm.rank,
+                                        bucket_bytes, prefetch, dst, strategy, timeout)
+        self._begun = False
+        self._ended = False
+        self._at = 0  # buckets yielded
+
+    @property
+    def num_buckets(self):
+        return self._stream.num_buckets
+
+    @property
+    def buffer_bytes(self):
+        """Bytes of each of the prefetch + 1 bucket buffers (0 where nothing arrives)."""
+        return self._stream.buffer_bytes
+
+    def bucket_names(self, b):
+        """The names of bucket ``b``'s parameters (on every rank, also where nothing arrives)."""
+        first, end = self._stream.bucket_params(b)
+        return self._names[first:end]
+
+    def __enter__(self):
+        self._begin()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if self._ended or not self._begun:
+            return False  # ran to its end, or raised its own error (which every rank has)
+        self._ended = True
+        if exc_type is None:
+            reason = "left the stream after %d of %d buckets" % (self._at, self.num_buckets)
+        else:
+            reason = "the consumer raised %s: %s" % (exc_type.__name__, exc)
+        self._stream.fail(reason, False)  # raises the same error on every rank
+
+    def __iter__(self):
+        self._begin()
+        return self
+
+    def __next__(self):
+        if self._ended:
+            raise StopIteration
+        try:
+            got = self._stream.next()
+        except BaseException:
+            self._ended = True
+            raise
+        if got is None:
+            self._ended = True
+            self._tensors = None
+            raise StopIteration
+        index, first, full = got
+        self._at = index + 1
+        if self._copy:
+            full = [t.clone() for t in full]
+        return dict(zip(self._names[first:first + len(full)], full))
+
+    def _begin(self):
+        if not self._begun:
+            self._begun = True
+            try:
+                self._stream.begin(self._tensors, self._comm)
+            except BaseException:
+                self._ended = True
+                raise
+
+
+def _inputs(shards, specs, group):
+    """(names, shard tensors, specs, group) from any accepted form of the inputs."""
+    is_dict = isinstance(shards, dict)
+    names = list(shards.keys()) if is_dict else list(range(len(shards)))
+    tensors = list(shards.values()) if is_dict else list(shards)
+    if specs is None:
+        return _from_dtensors(names, tensors, group)
+    if isinstance(specs, dict):
+        missing = [k for k in names if k not in specs]
+        if missing or len(specs) != len(names):
+            raise InvalidArgumentError(
+                "unshard_stream: specs has keys %s but the shards have %s"
+                % (sorted(map(str, specs)), sorted(map(str, names))))
+        specs = [specs[k] for k in names]
+    return names, tensors, list(specs), group
+
+
+def _from_dtensors(names, tensors, group):
+    """Specs from DTensor layouts. A DTensor replicated on every mesh dim travels from the
+    mesh's first rank only (sizes [full, 0, ...]), so every rank gets it in its bucket."""
+    from torch.distributed.tensor import DTensor
+
+    from .dtensor import _Unsupported, _layouts, _mesh_group
+
+    if not tensors or not all(isinstance(t, DTensor) for t in tensors):
+        raise InvalidArgumentError(
+            "unshard_stream: specs=None needs a non-empty list or dict of DTensors")
+    mesh = tensors[0].device_mesh
+    try:
+        mesh_group = _mesh_group(mesh, group)
+        sharded = {i: (s, spec) for i, s, spec in _layouts(tensors, mesh, mesh_group)}
+    except _Unsupported as e:  # the same on every rank of the mesh
+        raise InvalidArgumentError("unshard_stream: " + str(e)) from None
+    world = torch.distributed.get_world_size(mesh_group)
+    me = torch.distributed.get_rank(mesh_group)
+    shards, specs = [], []
+    for i, t in enumerate(tensors):
+        if i in sharded:
+            shard, spec = sharded[i]
+        else:
+            local = t.to_local()
+            if local.dim() == 0:
+                raise InvalidArgumentError(
+                    "unshard_stream: %r is a 0-d replicated DTensor, which has no dim to "
+                    "stream along" % (names[i],))
+            sizes = [local.shape[0]] + [0] * (world - 1)
+            shard = local if me == 0 else local.narrow(0, 0, 0)
+            spec = ShardSpec(t.dtype, tuple(t.shape), 0, sizes)
+        shards.append(shard)
+        specs.append(spec)
+    return names, shards, specs, mesh_group

@@ -1,0 +1,45 @@
+// UnshardStream for Python: the core stream plus the parsed shards it reads, and the full
+// tensors of each bucket as views of that bucket's buffer. A view keeps the stream (and so the
+// buffer) alive; its bytes are those of its bucket until the stream moves past it, after which
+// the buffer holds a later bucket (copy what must outlive that, or use copy=True in Python).
+//
+// Threading: begin(), next() and fail() release the GIL and are interruptible by Ctrl-C; one
+// thread drives a stream.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <pybind11/pybind11.h>
+
+#include "params.h"
+
+#include "shardgather/communicator.h"
+#include "shardgather/unshard_stream.h"
+
+namespace shardgather::python {
+
+class PyUnshardStream {
+ public:
+  PyUnshardStream(const std::vector<ShardSpec>& specs, int world_size, int rank,
+                  const StreamOptions& options)
+      : stream_(std::make_shared<UnshardStream>(specs, world_size, rank, options)) {}
+
+  // A local error in `shards` fails the stream's first call on every rank.
+  void begin(pybind11::handle shards, const std::shared_ptr<Communicator>& comm);
+  // None after the last bucket, else (index, first_param, [full tensors]) ([] where this rank
+  // does not receive).
+  pybind11::object next();
+  [[noreturn]] void fail(const std::string& message, bool is_type_error);
+
+  [[nodiscard]] const UnshardStream& stream() const noexcept { return *stream_; }
+
+ private:
+  std::shared_ptr<UnshardStream> stream_;
+  std::shared_ptr<Communicator> comm_;
+  Params shards_;
+};
+
+}  // namespace shardgather::python

@@ -1,0 +1,164 @@
+"""unshard_stream cases. Each check_* takes (rank, world, group) and runs on any backend: a
+spawned Gloo group (the case_* wrappers, group=None), the threads backend and MPI (group: a
+Communicator). Expected full tensors are rebuilt on every rank from the seeded shards."""
+
+import pytest
+import torch
+
+import shardgather
+from plan_cases import _expected_full, _local_shard, _param_specs, same
+
+T = 30.0
+
+
+def _specs(world):
+    """Every dim kind, uneven, padded and empty shards, three times over (buckets hold several
+    parameters), plus one parameter larger than the small buckets."""
+    specs = _param_specs(world) * 3
+    specs.append(shardgather.ShardSpec(torch.float32, (64, 33), 1))
+    return specs
+
+
+def _shards(specs, rank, world):
+    return [_local_shard(s, rank, world, i) for i, s in enumerate(specs)]
+
+
+def check_stream_every_shape(rank, world, group):
+    specs = _specs(world)
+    shards = _shards(specs, rank, world)
+    for dst in (None, 0, world - 1):
+        for prefetch in (0, 1, 2):
+            for bucket_bytes in (512, 1 << 20):
+                seen = []
+                with shardgather.unshard_stream(shards, specs, group, bucket_bytes=bucket_bytes,
+                                                prefetch=prefetch, dst=dst, timeout=T) as s:
+                    buffers = set()
+                    for b, bucket in enumerate(s):
+                        names = s.bucket_names(b)
+                        seen.extend(names)
+                        receives = dst is None or dst == rank
+                        assert list(bucket) == (names if receives else []), (b, list(bucket))
+                        for i, t in bucket.items():
+                            same(t, _expected_full(specs[i], world, i), "param %d" % i)
+                        if bucket:
+                            buffers.add(next(iter(bucket.values())).untyped_storage().data_ptr())
+                    assert len(buffers) <= prefetch + 1, buffers
+                assert seen == list(range(len(specs)))
+                if bucket_bytes == 512:
+                    assert s.num_buckets > 4
+
+
+def check_stream_state_dict_and_copy(rank, world, group):
+    """A state dict in, dicts of names out; copy=True tensors outlive their bucket."""
+    specs = _specs(world)
+    names = ["layers.%d.w" % i for i in range(len(specs))]
+    state = dict(zip(names, _shards(specs, rank, world)))
+    kept = {}
+    with shardgather.unshard_stream(state, dict(zip(names, specs)), group, bucket_bytes=700,
+                                    copy=True, timeout=T) as s:
+        for bucket in s:
+            kept.update(bucket)
+    assert list(kept) == names
+    for i, name in enumerate(names):
+        same(kept[name], _expected_full(specs[i], world, i), name)
+
+
+def check_stream_consumer_raises(rank, world, group):
+    """A consumer raising on the last rank ends the stream on every rank with its error."""
+    specs = _specs(world)
+    shards = _shards(specs, rank, world)
+    for at in (1, "last"):
+        with pytest.raises(shardgather.InvalidArgumentError) as info:
+            with shardgather.unshard_stream(shards, specs, group, bucket_bytes=512,
+                                            timeout=T) as s:
+                stop = s.num_buckets - 1 if at == "last" else at
+                for b, _ in enumerate(s):
+                    if rank == world - 1 and b == stop:
+                        raise ValueError("disk full at bucket %d" % b)
+        msg = str(info.value)
+        assert "rank %d" % (world - 1) in msg and "disk full" in msg, msg
+    # The group is still usable.
+    full = shardgather.unshard(shards, specs, group, timeout=T)
+    for i, s in enumerate(specs):
+        same(full[i], _expected_full(s, world, i), "after %d" % i)
+
+
+def check_stream_disagreement(rank, world, group):
+    """Bucket sizes that differ on the last rank: every rank raises before anything moves; and
+    leaving the stream early is reported on every rank."""
+    specs = _specs(world)
+    shards = _shards(specs, rank, world)
+    if world > 1:
+        with pytest.raises(shardgather.MismatchError):
+            with shardgather.unshard_stream(shards, specs, group, timeout=T,
+                                            bucket_bytes=1024 if rank == world - 1 else 512):
+                pass
+    with pytest.raises(shardgather.InvalidArgumentError, match="left the stream after 2 of"):
+        with shardgather.unshard_stream(shards, specs, group, bucket_bytes=512, timeout=T) as s:
+            for b, _ in enumerate(s):
+                if b == 1:
+                    break
+    bad = list(shards)
+    if rank == world - 1:
+        bad[3] = torch.zeros(1, 1)
+    with pytest.raises(shardgather.InvalidArgumentError, match="rank %d" % (world - 1)):
+        with shardgather.unshard_stream(bad, specs, group, bucket_bytes=512, timeout=T):
+            pass
+
+
+CHECKS = [check_stream_every_shape, check_stream_state_dict_and_copy,
+          check_stream_consumer_raises, check_stream_disagreement]
+
+
+def case_stream_every_shape(rank, world):
+    check_stream_every_shape(rank, world, None)
+
+
+def case_stream_state_dict_and_copy(rank, world):
+    check_stream_state_dict_and_copy(rank, world, None)
+
+
+def case_stream_consumer_raises(rank, world):
+    check_stream_consumer_raises(rank, world, None)
+
+
+def case_stream_disagreement(rank, world):
+    check_stream_disagreement(rank, world, None)
+
+
+def case_stream_dtensors(rank, world):
+    """A DTensor state dict (Shard(0), Shard(1), Replicate) streams like full_tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(5)
+    fulls = {"a": torch.randn(9, 4), "b": torch.randn(3, 7).to(torch.bfloat16),
+             "c": torch.randn(5), "d": torch.randn(1, 6)}
+    places = {"a": [Shard(0)], "b": [Shard(1)], "c": [Replicate()], "d": [Shard(0)]}
+    state = {k: distribute_tensor(v, mesh, places[k]) for k, v in fulls.items()}
+    got = {}
+    with shardgather.unshard_stream(state, bucket_bytes=64, copy=True, timeout=T) as s:
+        for bucket in s:
+            got.update(bucket)
+    assert list(got) == list(fulls)
+    for k, v in fulls.items():
+        same(got[k], v, k)
+
+
+def case_stream_many_chunks(rank, world):
+    """Streams larger than the torch transport's 8 MiB chunks, to every rank and to one, along
+    dims 0 and 1 (the chunks then cut through rows of the full tensor)."""
+    specs = [shardgather.ShardSpec(torch.float32, (2000, 5000), 1),
+             shardgather.ShardSpec(torch.bfloat16, (4099, 2048), 0),
+             shardgather.ShardSpec(torch.float32, (3, 7), 0)]
+    shards = _shards(specs, rank, world)
+    for dst in (None, world - 1):
+        with shardgather.unshard_stream(shards, specs, bucket_bytes=1 << 20, dst=dst,
+                                        timeout=T) as s:
+            for bucket in s:
+                for i, t in bucket.items():
+                    same(t, _expected_full(specs[i], world, i), "param %d" % i)
+
+
+CASES = sorted(name for name in dir() if name.startswith("case_"))
