@@ -24,6 +24,8 @@ same error. Leaving the ``with`` block before the end is reported to the peers t
 Without ``with``, a consumer that raises on one rank leaves its peers waiting for their deadline.
 """
 
+import math
+
 import torch
 
 from . import _C, InvalidArgumentError, ShardSpec, communicator
@@ -60,6 +62,8 @@ class UnshardStream:
         self._begun = False
         self._ended = False
         self._at = 0  # buckets yielded
+        self.rank = self._comm.rank
+        self.total_bytes = sum(math.prod(sp.full_shape) * sp.dtype.itemsize for sp in specs)
 
     @property
     def num_buckets(self):

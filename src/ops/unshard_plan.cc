@@ -134,7 +134,7 @@ UnshardPlan::UnshardPlan(std::span<const ShardSpec> specs, int world_size, int r
   detail::Hasher hasher;
   hasher.add(world);
   hasher.add(n);
-  hasher.add(static_cast<std::uint64_t>(dst + 1));
+  hasher.add(static_cast<std::uint64_t>(static_cast<std::int64_t>(dst) + 1));
   output_offsets_.resize(n);
   part_bytes_.assign(world * n, 0);
   part_pieces_.assign(world * n, RecvPiece{});

@@ -65,7 +65,7 @@ UnshardStream::UnshardStream(std::span<const ShardSpec> specs, int world_size, i
   detail::Hasher hasher;
   hasher.add(options.bucket_bytes);
   hasher.add(static_cast<std::uint64_t>(options.prefetch));
-  hasher.add(static_cast<std::uint64_t>(options.dst + 1));
+  hasher.add(static_cast<std::uint64_t>(static_cast<std::int64_t>(options.dst) + 1));
   hasher.add(static_cast<std::uint64_t>(options.plan.strategy));
   for (std::size_t b = 0; b + 1 < firsts_.size(); ++b) {
     const auto from = static_cast<std::ptrdiff_t>(firsts_[b]);
@@ -115,30 +115,30 @@ void UnshardStream::begin(std::span<const TensorView> shards, Communicator& comm
   state_ = State::kFailed;  // until the agreement passed
   shards_.assign(shards.begin(), shards.end());
   agree_stream([&] {
-      detail::check_plan_world(comm, world_, rank_);
-      if (shards.size() != num_params()) {
-        throw InvalidArgument("the stream has " + std::to_string(num_params()) +
-                              " parameters, got " + std::to_string(shards.size()) + " shards");
-      }
-      for (std::size_t b = 0; b < plans_.size(); ++b) {
-        for (std::size_t j = 0; j < plans_[b].size(); ++j) {
-          const TensorView& t = shards[firsts_[b] + j];
-          const Shape want = plans_[b].shard_shape(rank_, j);
-          if (t.dtype != plans_[b].spec(j).dtype || t.shape != want) {
-            throw InvalidArgument(
-                "tensor " + std::to_string(firsts_[b] + j) + ": rank " + std::to_string(rank_) +
-                " should pass a " + std::string(dtype_name(plans_[b].spec(j).dtype)) + " shard of " +
-                detail::shape_str(want) + ", got " + std::string(dtype_name(t.dtype)) + " " +
-                detail::shape_str(t.shape));
-          }
+    detail::check_plan_world(comm, world_, rank_);
+    if (shards.size() != num_params()) {
+      throw InvalidArgument("the stream has " + std::to_string(num_params()) + " parameters, got " +
+                            std::to_string(shards.size()) + " shards");
+    }
+    for (std::size_t b = 0; b < plans_.size(); ++b) {
+      for (std::size_t j = 0; j < plans_[b].size(); ++j) {
+        const TensorView& t = shards[firsts_[b] + j];
+        const Shape want = plans_[b].shard_shape(rank_, j);
+        if (t.dtype != plans_[b].spec(j).dtype || t.shape != want) {
+          throw InvalidArgument(
+              "tensor " + std::to_string(firsts_[b] + j) + ": rank " + std::to_string(rank_) +
+              " should pass a " + std::string(dtype_name(plans_[b].spec(j).dtype)) + " shard of " +
+              detail::shape_str(want) + ", got " + std::string(dtype_name(t.dtype)) + " " +
+              detail::shape_str(t.shape));
         }
       }
-      if (buffers_.empty() && buffer_bytes_ != 0) {
-        const auto ring = static_cast<std::size_t>(options_.prefetch) + 1;
-        for (std::size_t k = 0; k < std::min(ring, plans_.size()); ++k) {
-          buffers_.emplace_back(buffer_bytes_);
-        }
+    }
+    if (buffers_.empty() && buffer_bytes_ != 0) {
+      const auto ring = static_cast<std::size_t>(options_.prefetch) + 1;
+      for (std::size_t k = 0; k < std::min(ring, plans_.size()); ++k) {
+        buffers_.emplace_back(buffer_bytes_);
       }
+    }
   });
   state_ = State::kRunning;
   const std::size_t ring = static_cast<std::size_t>(options_.prefetch) + 1;
@@ -158,7 +158,9 @@ void UnshardStream::start_bucket(std::size_t b) {
   inflight_.push_back(detail::start_on<ExecStats>(
       *comm_, [plan, shards, out, comm = comm_, shared = shared_]() -> ExecStats {
         if (shared->broken.load()) {
-          return {};  // an earlier bucket failed on every rank: every rank skips this one
+          // An earlier bucket failed, on every rank alike: every rank skips this one. Its
+          // error is never the one the caller sees (the earlier bucket's is waited first).
+          throw CommAborted("the bucket was skipped: an earlier bucket of the stream failed");
         }
         try {
           return detail::PlanAccess::execute(*plan, *comm, shards, out);
@@ -197,10 +199,8 @@ std::optional<StreamBucket> UnshardStream::next() {
       return std::nullopt;
     }
     StreamBucket bucket;
+    // A later bucket may have failed already; this one completed, so it is whole.
     bucket.stats = wait_oldest();
-    if (shared_->broken.load()) {
-      throw CommAborted("rank " + std::to_string(rank_) + ": the stream broke earlier");
-    }
     const std::size_t b = yielded_++;
     bucket.index = b;
     bucket.first_param = firsts_[b];
@@ -240,7 +240,8 @@ void UnshardStream::broke(const std::exception_ptr& error) {
   state_ = State::kFailed;
   shared_->broken.store(true);
   for (Work<ExecStats>& work : inflight_) {
-    (void)work.test(std::chrono::milliseconds(-1));  // skips, or fails fast on a poisoned communicator
+    (void)work.test(
+        std::chrono::milliseconds(-1));  // skips, or fails fast on a poisoned communicator
   }
   inflight_.clear();
   if (comm_ != nullptr && comm_->is_poisoned()) {

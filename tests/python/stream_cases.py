@@ -106,10 +106,6 @@ def check_stream_disagreement(rank, world, group):
             pass
 
 
-CHECKS = [check_stream_every_shape, check_stream_state_dict_and_copy,
-          check_stream_consumer_raises, check_stream_disagreement]
-
-
 def case_stream_every_shape(rank, world):
     check_stream_every_shape(rank, world, None)
 
@@ -161,4 +157,74 @@ def case_stream_many_chunks(rank, world):
                     same(t, _expected_full(specs[i], world, i), "param %d" % i)
 
 
+def _llama_like(world, layers=2, hidden=64, vocab=1000, ffn=172):
+    """(name, spec) of a small sharded Llama-like model: uneven embedding rows, bf16 and fp32,
+    the MLP's down projection sharded along dim 1, and a parameter with empty shards."""
+    uneven = [vocab - 3 * (world - 1)] + [3] * (world - 1)
+    out = [("model.embed_tokens.weight",
+            shardgather.ShardSpec(torch.bfloat16, (vocab, hidden), 0, sizes=uneven))]
+    for i in range(layers):
+        p = "model.layers.%d." % i
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out.append((p + "self_attn.%s.weight" % proj,
+                        shardgather.ShardSpec(torch.bfloat16, (hidden, hidden), 0)))
+        out.append((p + "mlp.gate_proj.weight", shardgather.ShardSpec(torch.bfloat16, (ffn, hidden), 0)))
+        out.append((p + "mlp.up_proj.weight", shardgather.ShardSpec(torch.bfloat16, (ffn, hidden), 0)))
+        out.append((p + "mlp.down_proj.weight", shardgather.ShardSpec(torch.bfloat16, (hidden, ffn), 1)))
+        out.append((p + "input_layernorm.weight", shardgather.ShardSpec(torch.float32, (hidden,), 0)))
+        out.append((p + "post_attention_layernorm.weight",
+                    shardgather.ShardSpec(torch.float32, (hidden,), 0)))
+    out.append(("model.norm.weight", shardgather.ShardSpec(torch.float32, (1,), 0)))  # empty shards
+    out.append(("lm_head.weight", shardgather.ShardSpec(torch.float32, (vocab, hidden), 0)))
+    return out
+
+
+def check_export(rank, world, group):
+    """save_safetensors to rank world - 1, read back with safetensors: bit-exact, in HF layout."""
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors import safe_open
+
+    from shardgather.export import INDEX_NAME, save_safetensors
+
+    named = _llama_like(world)
+    specs = {k: s for k, s in named}
+    state = {k: _local_shard(s, rank, world, i) for i, (k, s) in enumerate(named)}
+    out = tempfile.mkdtemp(prefix="sg-export-")
+    try:
+        index = save_safetensors(state, out, specs, group, dst=world - 1, bucket_bytes=40000,
+                                 progress=False, timeout=T)
+        if rank != world - 1:
+            assert index is None and os.listdir(out) == []
+            return
+        with open(index) as f:
+            meta = json.load(f)
+        assert os.path.basename(index) == INDEX_NAME
+        assert list(meta["weight_map"]) == [k for k, _ in named]
+        files = sorted(set(meta["weight_map"].values()))
+        assert len(files) > 2 and sorted(os.listdir(out)) == sorted(files + [INDEX_NAME])
+        total = 0
+        for name in files:
+            with safe_open(os.path.join(out, name), "pt") as f:
+                assert f.metadata()["format"] == "pt"
+                for k in f.keys():
+                    i = [n for n, _ in named].index(k)
+                    t = f.get_tensor(k)
+                    same(t, _expected_full(named[i][1], world, i), k)
+                    assert meta["weight_map"][k] == name
+                    total += t.nbytes
+        assert meta["metadata"]["total_size"] == total
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def case_export(rank, world):
+    check_export(rank, world, None)
+
+
+CHECKS = [check_stream_every_shape, check_stream_state_dict_and_copy,
+          check_stream_consumer_raises, check_stream_disagreement, check_export]
 CASES = sorted(name for name in dir() if name.startswith("case_"))
