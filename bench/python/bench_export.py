@@ -1,0 +1,264 @@
+"""Whole-model streaming unshard and safetensors export, against xtuner's bucketed method.
+
+Gloo (spawned ranks):   .venv/bin/python bench/python/bench_export.py --backend gloo --world 2
+MPI (under mpirun):     mpirun -np 2 .venv/bin/python bench/python/bench_export.py --backend mpi
+
+The model is Llama-2-7B-shaped in its structure (32 layers of q/k/v/o, gate/up/down, two norms;
+embeddings and lm_head) at hidden 2880 / ffn 7744, so that it is about 6.8 GB in bf16 and two
+ranks' shards plus the buckets fit this 24 GiB machine. Every parameter is sharded torch.chunk
+style along dim 0 on every rank (as xtuner's method needs).
+
+Cases, each on warm shards, one after another on the same group:
+  transport   unshard_stream, prefetch 0, nothing done with a bucket: the gathers alone, serial
+  stream      unshard_stream, prefetch 1, nothing done with a bucket (weight sync to nowhere)
+  export      save_safetensors to dst 0 in --out (a tmpfs: the point is the gather), prefetch 1
+  export_p0   the same with prefetch 0: the disk writes not overlapped with the gathers
+  xtuner      xtuner's method: pad every shard to ceil(dim0 / world) rows, one foreach_all_gather
+              per --xtuner-bucket of padded bytes, torch.cat per parameter, trim, serial
+For each: total time, per-bucket median, and the peak extra RSS of each rank (VmHWM after the case
+minus VmRSS before it; the peak is reset through /proc/self/clear_refs before each case).
+Prints a table and writes one JSON record per (case, bucket size) to --json.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+# Before torch allocates: large tensors on huge pages, so that making 3+ GB of shards per rank
+# does not cost a minute of first-touch page faults on this machine.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MIB = 1 << 20
+
+
+def model_specs(layers, hidden, ffn, vocab):
+    """(name, full shape, dtype) in state-dict order."""
+    out = [("model.embed_tokens.weight", (vocab, hidden), torch.bfloat16)]
+    for i in range(layers):
+        p = "model.layers.%d." % i
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out.append((p + "self_attn.%s.weight" % proj, (hidden, hidden), torch.bfloat16))
+        out.append((p + "mlp.gate_proj.weight", (ffn, hidden), torch.bfloat16))
+        out.append((p + "mlp.up_proj.weight", (ffn, hidden), torch.bfloat16))
+        out.append((p + "mlp.down_proj.weight", (hidden, ffn), torch.bfloat16))
+        out.append((p + "input_layernorm.weight", (hidden,), torch.bfloat16))
+        out.append((p + "post_attention_layernorm.weight", (hidden,), torch.bfloat16))
+    out.append(("model.norm.weight", (hidden,), torch.bfloat16))
+    out.append(("lm_head.weight", (vocab, hidden), torch.bfloat16))
+    return out
+
+
+def status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+
+
+def measured(barrier, fn):
+    """(seconds, peak extra RSS in bytes, per-bucket seconds) of fn() on this rank."""
+    barrier()
+    before = status_kib("VmRSS")
+    reset_peak()
+    t0 = time.perf_counter()
+    buckets = fn()
+    seconds = time.perf_counter() - t0
+    peak = status_kib("VmHWM") - before
+    barrier()
+    return seconds, peak * 1024, buckets
+
+
+def run_stream(sg, state, specs, group, bucket, prefetch):
+    times, t = [], time.perf_counter()
+    with sg.unshard_stream(state, specs, group, bucket_bytes=bucket, prefetch=prefetch,
+                           timeout=600) as s:
+        for _ in s:
+            now = time.perf_counter()
+            times.append(now - t)
+            t = now
+    return times
+
+
+def run_export(state, specs, group, bucket, prefetch, out, rank):
+    from shardgather.export import save_safetensors
+
+    target = os.path.join(out, "export-%d" % os.getpid()) if rank == 0 else out
+    try:
+        save_safetensors(state, target, specs, group, dst=0, bucket_bytes=bucket,
+                         prefetch=prefetch, progress=False, timeout=600)
+    finally:
+        if rank == 0:
+            shutil.rmtree(target, ignore_errors=True)
+    return []
+
+
+def run_xtuner(sg, named, state, group, world, bucket):
+    """Pad to ceil(dim0 / world), one foreach per bucket of padded bytes, cat, trim, serial."""
+    times, t = [], time.perf_counter()
+    names = list(state)
+    k = 0
+    while k < len(names):
+        chunk, used = [], 0
+        while k < len(names):
+            shape, dtype = named[names[k]]
+            rows = -(-shape[0] // world)
+            padded = rows * world * (shape[1] if len(shape) > 1 else 1) * dtype.itemsize
+            if chunk and used + padded > bucket:
+                break
+            chunk.append(names[k])
+            used += padded
+            k += 1
+        padded = []
+        for n in chunk:
+            shape, _ = named[n]
+            rows = -(-shape[0] // world)
+            local = state[n]
+            if local.shape[0] < rows:
+                local = torch.cat([local, local.new_zeros((rows - local.shape[0],) + shape[1:])])
+            padded.append(local)
+        gathered = sg.foreach_all_gather(padded, group, timeout=600)
+        full = [torch.cat(per_rank)[:named[n][0][0]] for n, per_rank in zip(chunk, gathered)]
+        del gathered, padded, full
+        now = time.perf_counter()
+        times.append(now - t)
+        t = now
+    return times
+
+
+def body(rank, world, args, group, barrier):
+    import shardgather as sg
+
+    named_list = model_specs(args.layers, args.hidden, args.ffn, args.vocab)
+    named = {n: (shape, dt) for n, shape, dt in named_list}
+    specs = {n: sg.ShardSpec(dt, shape, 0) for n, shape, dt in named_list}
+    state = {}
+    for n, shape, dt in named_list:
+        rows = sg.chunk_sizes(shape[0], world)[rank]
+        state[n] = torch.full((rows,) + tuple(shape[1:]), float(rank + 1), dtype=dt)
+    total = sum(s.numel() * s.element_size() for s in state.values())
+    full_bytes = sum(torch.Size(shape).numel() * dt.itemsize for _, shape, dt in named_list)
+    if rank == 0:
+        print("# %d parameters, %.2f GB full, %.2f GB of shards on rank 0, backend %s, world %d"
+              % (len(named_list), full_bytes / 1e9, total / 1e9, args.backend, world), flush=True)
+    records = []
+    for bucket_mib in args.bucket_mib:
+        bucket = bucket_mib * MIB
+        cases = [("transport", lambda: run_stream(sg, state, specs, group, bucket, 0)),
+                 ("stream", lambda: run_stream(sg, state, specs, group, bucket, 1)),
+                 ("export", lambda: run_export(state, specs, group, bucket, 1, args.out, rank)),
+                 ("export_p0", lambda: run_export(state, specs, group, bucket, 0, args.out, rank))]
+        for name, fn in cases:
+            seconds, peak, buckets = measured(barrier, fn)
+            records.append(dict(case=name, bucket_mib=bucket_mib, seconds=seconds, peak=peak,
+                                buckets=buckets))
+    if args.xtuner_bucket_mib:
+        bucket = args.xtuner_bucket_mib * MIB
+        seconds, peak, buckets = measured(
+            barrier, lambda: run_xtuner(sg, named, state, group, world, bucket))
+        records.append(dict(case="xtuner", bucket_mib=args.xtuner_bucket_mib, seconds=seconds,
+                            peak=peak, buckets=buckets))
+    return records
+
+
+def report(all_ranks, args, world):
+    """Rank 0: one row per (case, bucket), the slowest rank's time, every rank's peak."""
+    rows = []
+    for k, rec in enumerate(all_ranks[0]):
+        seconds = max(r[k]["seconds"] for r in all_ranks)
+        peaks = [r[k]["peak"] for r in all_ranks]
+        per_bucket = statistics.median(rec["buckets"]) if rec["buckets"] else None
+        rows.append(dict(backend=args.backend, world=world, case=rec["case"],
+                         bucket_mib=rec["bucket_mib"], seconds=round(seconds, 3),
+                         bucket_median_s=None if per_bucket is None else round(per_bucket, 4),
+                         buckets=len(rec["buckets"]) or None,
+                         peak_extra_mib=[round(p / MIB) for p in peaks]))
+    print("%-10s %7s %9s %9s %8s  %s" % ("case", "bucket", "seconds", "x transp", "bucket_s",
+                                         "peak extra RSS per rank (MiB)"))
+    for row in rows:
+        transport = [r for r in rows if r["case"] == "transport"
+                     and r["bucket_mib"] == row["bucket_mib"]]
+        ratio = row["seconds"] / transport[0]["seconds"] if transport else float("nan")
+        print("%-10s %6dM %9.3f %9.2f %8s  %s" % (
+            row["case"], row["bucket_mib"], row["seconds"], ratio,
+            "-" if row["bucket_median_s"] is None else "%.3f" % row["bucket_median_s"],
+            row["peak_extra_mib"]))
+    if args.json:
+        with open(args.json, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backend", choices=["gloo", "mpi"], default="gloo")
+    p.add_argument("--world", type=int, default=2, help="Gloo only (MPI: mpirun -np)")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=2880)
+    p.add_argument("--ffn", type=int, default=7744)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--bucket-mib", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--xtuner-bucket-mib", type=int, default=2048,
+                   help="0: skip xtuner's method (its own default is 4096)")
+    p.add_argument("--out", default="/dev/shm", help="where export writes (then deletes)")
+    p.add_argument("--json", default=None, help="append one JSON record per row here")
+    return p.parse_args()
+
+
+def gloo_rank(rank, world, args, init_file, queue):
+    import datetime
+
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=900))
+    records = body(rank, world, args, None, dist.barrier)
+    queue.put((rank, records))
+    dist.barrier()
+    os._exit(0)
+
+
+def main():
+    args = parse()
+    if args.backend == "mpi":
+        from mpi4py import MPI
+
+        import shardgather as sg
+
+        comm = sg.mpi_communicator(MPI.COMM_WORLD)
+        records = body(comm.rank, comm.size, args, comm, MPI.COMM_WORLD.Barrier)
+        gathered = MPI.COMM_WORLD.gather(records, root=0)
+        if comm.rank == 0:
+            report(gathered, args, comm.size)
+        return
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="sg-bench-export-")
+    os.close(fd)
+    os.unlink(init_file)
+    procs = [ctx.Process(target=gloo_rank, args=(r, args.world, args, init_file, queue))
+             for r in range(args.world)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get() for _ in procs)
+    for p in procs:
+        p.join()
+    report([got[r] for r in range(args.world)], args, args.world)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
