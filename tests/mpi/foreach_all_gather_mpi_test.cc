@@ -125,6 +125,8 @@ TEST(MpiChunked, SameResultsAsTheSingleCollective) {
   testing::case_non_contiguous(team.comm());
   testing::case_random_vs_reference(team.comm(), 77, 10);
   testing::case_unshard_dims(team.comm());
+  testing::case_unshard_to_dst(team.comm());  // gathers to one rank, sender by sender
+  testing::case_unshard_stream(team.comm());
   testing::case_plan_steady_state(team.comm());
 }
 

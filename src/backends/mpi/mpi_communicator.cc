@@ -257,26 +257,42 @@ void MpiCommunicator::do_all_gather_scatter(std::span<const ConstSegment> send,
     all_gather_scatter_chunked(send, pieces, first, counts, deadline);
     return;
   }
-  // One MPI_Ialltoallw: the same send type to every rank, a receive type per source rank that
-  // lands every byte in its final place. Both are over absolute addresses (MPI_BOTTOM).
+  scatter_alltoallw(send, pieces, first, counts, -1, deadline, "all_gather_scatter");
+}
+
+void MpiCommunicator::scatter_alltoallw(std::span<const ConstSegment> send,
+                                        std::span<const RecvPiece> pieces,
+                                        std::span<const std::size_t> first,
+                                        std::span<const std::uint64_t> counts, int root,
+                                        Deadline deadline, const char* what) {
+  // One MPI_Ialltoallw: the same send type to every receiver, a receive type per source rank
+  // that lands every byte in its final place. Both are over absolute addresses (MPI_BOTTOM).
   const auto world = static_cast<std::size_t>(size_);
   const auto me = static_cast<std::size_t>(rank_);
   MPI_Datatype send_dt = counts[me] == 0 ? MPI_BYTE : send_type(send);
-  const std::vector<MPI_Datatype>& recv = recv_types(pieces, first);
   zeros_.assign(world, 0);
-  send_counts_.assign(world, counts[me] == 0 ? 0 : 1);
-  recv_counts_.resize(world);
-  send_types_.assign(2 * world, send_dt);
+  send_counts_.assign(world, 0);
+  recv_counts_.assign(world, 0);
+  send_types_.assign(2 * world, MPI_BYTE);
   for (std::size_t r = 0; r < world; ++r) {
-    recv_counts_[r] = counts[r] == 0 ? 0 : 1;
-    send_types_[world + r] = counts[r] == 0 ? MPI_BYTE : recv[r];
+    if (root < 0 || r == static_cast<std::size_t>(root)) {
+      send_counts_[r] = counts[me] == 0 ? 0 : 1;
+      send_types_[r] = send_dt;
+    }
+  }
+  if (root < 0 || root == rank_) {
+    const std::vector<MPI_Datatype>& recv = recv_types(pieces, first);
+    for (std::size_t r = 0; r < world; ++r) {
+      recv_counts_[r] = counts[r] == 0 ? 0 : 1;
+      send_types_[world + r] = counts[r] == 0 ? MPI_BYTE : recv[r];
+    }
   }
   MPI_Request request = MPI_REQUEST_NULL;
   SHARDGATHER_CHECK_MPI(
       rank_, MPI_Ialltoallw(MPI_BOTTOM, send_counts_.data(), zeros_.data(), send_types_.data(),
                             MPI_BOTTOM, recv_counts_.data(), zeros_.data(),
                             send_types_.data() + world, comm_, &request));
-  wait(request, deadline, "all_gather_scatter");
+  wait(request, deadline, what);
 }
 
 void MpiCommunicator::all_gather_scatter_chunked(std::span<const ConstSegment> send,
@@ -317,30 +333,7 @@ void MpiCommunicator::do_gather_scatter(std::span<const ConstSegment> send,
   // One MPI_Ialltoallw in which only the root receives: MPI_Igatherv takes one receive type for
   // every sender, so it could not land each sender's bytes in its scattered final place as a
   // receive type per sender does. Every non-root sends its stream once, to the root only.
-  const auto world = static_cast<std::size_t>(size_);
-  const auto me = static_cast<std::size_t>(rank_);
-  const auto to = static_cast<std::size_t>(root);
-  const bool is_root = rank_ == root;
-  MPI_Datatype send_dt = counts[me] == 0 ? MPI_BYTE : send_type(send);
-  zeros_.assign(world, 0);
-  send_counts_.assign(world, 0);
-  send_counts_[to] = counts[me] == 0 ? 0 : 1;
-  recv_counts_.assign(world, 0);
-  send_types_.assign(2 * world, MPI_BYTE);
-  send_types_[to] = send_dt;
-  if (is_root) {
-    const std::vector<MPI_Datatype>& recv = recv_types(pieces, first);
-    for (std::size_t r = 0; r < world; ++r) {
-      recv_counts_[r] = counts[r] == 0 ? 0 : 1;
-      send_types_[world + r] = counts[r] == 0 ? MPI_BYTE : recv[r];
-    }
-  }
-  MPI_Request request = MPI_REQUEST_NULL;
-  SHARDGATHER_CHECK_MPI(
-      rank_, MPI_Ialltoallw(MPI_BOTTOM, send_counts_.data(), zeros_.data(), send_types_.data(),
-                            MPI_BOTTOM, recv_counts_.data(), zeros_.data(),
-                            send_types_.data() + world, comm_, &request));
-  wait(request, deadline, "gather_scatter");
+  scatter_alltoallw(send, pieces, first, counts, root, deadline, "gather_scatter");
 }
 
 void MpiCommunicator::gather_scatter_chunked(std::span<const ConstSegment> send,

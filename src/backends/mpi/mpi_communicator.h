@@ -71,6 +71,11 @@ class MpiCommunicator final : public Communicator {
   // Committed per-rank receive types over the pieces (absolute addresses), from the cache.
   const std::vector<MPI_Datatype>& recv_types(std::span<const RecvPiece> pieces,
                                               std::span<const std::size_t> first);
+  // The in-place scatter through one MPI_Ialltoallw: from every rank to every rank (root < 0) or
+  // to `root` only.
+  void scatter_alltoallw(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
+                         std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
+                         int root, Deadline deadline, const char* what);
   // Sender by sender, chunk by chunk point to point to the root: for gathers to one rank above
   // max_chunk_bytes per rank.
   void gather_scatter_chunked(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
