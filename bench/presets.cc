@@ -16,7 +16,8 @@ std::uint64_t mix(std::uint64_t x) noexcept {
 }  // namespace
 
 const std::vector<std::string>& preset_names() {
-  static const std::vector<std::string> names = {"llama-layer", "tiny-1000", "single-64m"};
+  static const std::vector<std::string> names = {"llama-layer", "tiny-1000", "single-64m",
+                                                 "llama-model"};
   return names;
 }
 
@@ -50,8 +51,29 @@ std::vector<Param> make_preset(const std::string& name, DType dtype, int world_s
     }
   } else if (name == "single-64m") {
     params = {{"flat", {(std::int64_t{64} << 20) / elem * world_size}}};
+  } else if (name == "llama-model") {
+    // A whole model with Llama-2-7B's structure at hidden 2880 / ffn 7744: about 6.8 GB in
+    // bf16, so that two ranks' shards and the stream's buckets fit a 24 GiB machine.
+    constexpr std::int64_t kHidden = 2880;
+    constexpr std::int64_t kFfn = 7744;
+    constexpr std::int64_t kVocab = 32000;
+    params.push_back({"embed_tokens", {kVocab, kHidden}});
+    for (int l = 0; l < 32; ++l) {
+      const std::string p = "layers." + std::to_string(l) + ".";
+      for (const char* proj : {"q_proj", "k_proj", "v_proj", "o_proj"}) {
+        params.push_back({p + "self_attn." + proj, {kHidden, kHidden}});
+      }
+      params.push_back({p + "mlp.gate_proj", {kFfn, kHidden}});
+      params.push_back({p + "mlp.up_proj", {kFfn, kHidden}});
+      params.push_back({p + "mlp.down_proj", {kHidden, kFfn}});
+      params.push_back({p + "input_layernorm", {kHidden}});
+      params.push_back({p + "post_attention_layernorm", {kHidden}});
+    }
+    params.push_back({"norm", {kHidden}});
+    params.push_back({"lm_head", {kVocab, kHidden}});
   } else {
-    throw InvalidArgument("unknown preset \"" + name + "\" (llama-layer, tiny-1000, single-64m)");
+    throw InvalidArgument("unknown preset \"" + name +
+                          "\" (llama-layer, tiny-1000, single-64m, llama-model)");
   }
   return params;
 }

@@ -15,7 +15,8 @@ struct Param {
 };
 
 // "llama-layer" (one Llama-2-7B decoder layer), "tiny-1000" (1000 tensors of 4 B to 1 KiB per
-// rank, sizes from a fixed seed), "single-64m" (one tensor, 64 MiB per rank).
+// rank, sizes from a fixed seed), "single-64m" (one tensor, 64 MiB per rank), "llama-model" (a
+// whole 32-layer Llama-shaped model, about 6.8 GB in bf16: the stream op's preset).
 // InvalidArgument for an unknown name.
 std::vector<Param> make_preset(const std::string& name, DType dtype, int world_size);
 

@@ -55,6 +55,7 @@ struct Config {
   bool in_place = true;  // also time execute_shared (the views-into-the-window form)
   bool preflight = true;
   int copy_threads = 0;
+  std::uint64_t bucket_mib = 256;  // op "stream"
 };
 
 struct Result {
@@ -265,6 +266,10 @@ class RankBench {
         add_foreach(sg::Strategy::kPerTensor, "per_tensor");
       } else if (op == "overlap") {
         add_overlap();
+      } else if (op == "stream") {
+        add_stream(0, -1, "serial");     // the gathers alone, one after another
+        add_stream(1, -1, "prefetch1");  // bucket k + 1 in flight while bucket k is held
+        add_stream(1, 0, "to_rank0");    // a gather to one rank (checkpoint export)
       } else {
         for (const sg::Strategy strategy : cfg_.strategies) {
           if (op == "unshard") {
@@ -458,6 +463,43 @@ class RankBench {
     cases_.push_back(std::move(k));
   }
 
+  // One whole UnshardStream per call (begin, every bucket, the end), the buckets consumed by
+  // nothing: what the stream adds to the gathers themselves. Verified bucket by bucket.
+  void add_stream(int prefetch, int dst, const char* name) {
+    sg::StreamOptions options;
+    options.bucket_bytes = cfg_.bucket_mib << 20U;
+    options.prefetch = prefetch;
+    options.dst = dst;
+    options.plan = plan_options(sg::Strategy::kAuto);
+    auto& stream = streams_.emplace_back(
+        std::make_unique<sg::UnshardStream>(setup_.specs, comm_.size(), comm_.rank(), options));
+    Case k;
+    k.result = Result{.op = "stream", .strategy = name};
+    for (const auto& spec : setup_.specs) {
+      k.result.gathered_bytes += sg::checked_nbytes(spec.dtype, spec.full_shape);
+    }
+    k.call = [this, st = stream.get()] {
+      st->begin(setup_.views, comm_);
+      while (st->next()) {
+      }
+    };
+    k.verify = [this, st = stream.get()] {
+      std::uint64_t wrong = 0;
+      std::vector<std::byte> buf;
+      st->begin(setup_.views, comm_);
+      while (const std::optional<sg::StreamBucket> bucket = st->next()) {
+        for (std::size_t j = 0; j < bucket->full.size(); ++j) {
+          const sg::TensorView& v = bucket->full[j];
+          wrong += count_wrong(static_cast<const std::byte*>(v.data),
+                               sg::checked_nbytes(v.dtype, v.shape), bucket->first_param + j, 0,
+                               sg::dtype_size(cfg_.dtype), buf);
+        }
+      }
+      return wrong;
+    };
+    cases_.push_back(std::move(k));
+  }
+
   sg::Communicator& comm_;
   const Config& cfg_;
   std::function<void(std::span<const std::byte>, std::span<std::byte>)> limit_;
@@ -466,6 +508,7 @@ class RankBench {
   std::vector<std::unique_ptr<sg::AllGatherPlan>> gather_plans_;
   std::vector<std::unique_ptr<sg::UnshardPlan>> unshard_plans_;
   std::vector<std::unique_ptr<sg::ExecStats>> stats_;
+  std::vector<std::unique_ptr<sg::UnshardStream>> streams_;
   std::vector<std::byte> limit_send_;
   std::vector<std::byte> limit_recv_;
   std::vector<std::byte> foreach_out_;
@@ -621,14 +664,17 @@ std::vector<std::string> split(const std::string& s) {
 void usage() {
   std::printf(
       "usage: shardgather-bench [options]\n"
-      "  -p, --preset NAME      llama-layer (default), tiny-1000, single-64m\n"
+      "  -p, --preset NAME      llama-layer (default), tiny-1000, single-64m, llama-model\n"
       "  -d, --dtype NAME       bf16 (default), f16, f32, f64, ...\n"
       "  -b, --backend NAME     threads (default, in-process) or mpi (under mpirun)\n"
       "  -r, --ranks N          ranks of the threads backend (default 4)\n"
       "  -n, --iters N          timed iterations per case (default 20)\n"
       "  -w, --warmup N         untimed iterations first (default 3)\n"
       "  -o, --ops LIST         limit,foreach_all_gather,unshard,per_tensor (default: these),\n"
-      "                         overlap (a started gather while this thread computes)\n"
+      "                         overlap (a started gather while this thread computes),\n"
+      "                         stream (a whole UnshardStream per call: serial, prefetch 1,\n"
+      "                         to rank 0)\n"
+      "      --bucket-mib N     the stream op's bucket size (default 256)\n"
       "  -s, --strategies LIST  auto,direct,packed,shared (default: all four)\n"
       "      --no-in-place      skip the execute_shared case (views into the window)\n"
       "      --no-preflight     skip the pre-flight header check\n"
@@ -669,6 +715,8 @@ Config parse(int argc, char** argv) {
       cfg.in_place = false;
     } else if (a == "--no-preflight") {
       cfg.preflight = false;
+    } else if (a == "--bucket-mib") {
+      cfg.bucket_mib = std::stoull(value());
     } else if (a == "--copy-threads") {
       cfg.copy_threads = std::stoi(value());
     } else if (a == "-J" || a == "--json") {
@@ -682,7 +730,7 @@ Config parse(int argc, char** argv) {
   }
   for (const std::string& op : cfg.ops) {
     if (op != "limit" && op != "foreach_all_gather" && op != "unshard" && op != "per_tensor" &&
-        op != "overlap") {
+        op != "overlap" && op != "stream") {
       throw sg::InvalidArgument("unknown op " + op);
     }
   }

@@ -88,7 +88,9 @@ class SHARDGATHER_API UnshardStream {
   [[nodiscard]] const StreamOptions& options() const noexcept { return options_; }
 
   // Collective: one header exchange that checks the stream agrees on every rank, then starts the
-  // first prefetch + 1 buckets. `shards` (one per spec) are kept by reference.
+  // first prefetch + 1 buckets. `shards` (one per spec) are kept by reference. A stream that
+  // ended may begin again (every step of a weight sync): it reuses its buffers, so only its
+  // first run allocates them.
   void begin(std::span<const TensorView> shards, Communicator& comm);
   // The next bucket, once its gather completed (the interrupt check runs while it waits), or
   // nullopt after the last one. Starts the bucket that reuses the previous one's buffer first.

@@ -108,11 +108,15 @@ void UnshardStream::agree_stream(const std::function<void()>& check) {
 }
 
 void UnshardStream::begin(std::span<const TensorView> shards, Communicator& comm) {
-  if (state_ != State::kNew) {
-    throw InvalidArgument("UnshardStream::begin: the stream was begun already");
+  if (state_ == State::kRunning || state_ == State::kFailed) {
+    throw InvalidArgument(state_ == State::kRunning
+                              ? "UnshardStream::begin: the stream is running (drain it first)"
+                              : "UnshardStream::begin: the stream failed; build a new one");
   }
   comm_ = &comm;
   state_ = State::kFailed;  // until the agreement passed
+  started_ = 0;
+  yielded_ = 0;
   shards_.assign(shards.begin(), shards.end());
   agree_stream([&] {
     detail::check_plan_world(comm, world_, rank_);

@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 
-OPS = {"limit", "foreach_all_gather", "unshard", "per_tensor", "overlap"}
+OPS = {"limit", "foreach_all_gather", "unshard", "per_tensor", "overlap", "stream"}
 FIELDS = {"preset", "backend", "world_size", "dtype", "tensors", "bytes_per_rank", "op",
           "strategy", "time_us", "algbw_gbps", "busbw_gbps", "wrong",
           "metadata_collectives", "allocations"}
@@ -64,6 +64,10 @@ def main():
         assert rows_by["both"]["overlap_ratio"] > 0, rows_by["both"]
         assert re.search(r"^# overlap: time\(both\) / max\(time\(gather\), time\(compute\)\) = "
                          r"[0-9.]+", out, re.M)
+    elif "stream" in seen_ops:
+        # The stream op: its three rows, each a whole model verified bucket by bucket.
+        kinds = {r["strategy"] for r in results if r["op"] == "stream"}
+        assert {"serial", "prefetch1", "to_rank0"} <= kinds, kinds
     else:
         assert {"limit", "foreach_all_gather", "unshard", "per_tensor"} <= seen_ops
     print(f"check_bench_output: {len(results)} results OK")

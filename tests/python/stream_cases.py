@@ -225,6 +225,28 @@ def case_export(rank, world):
     check_export(rank, world, None)
 
 
+def timeout_case_stream_stalled_consumer(rank, world):
+    """The last rank's consumer stalls past the deadline mid-stream: every rank's stream ends
+    with an error within a few deadlines (the peers time out; the stalled rank's own next
+    bucket then cannot complete), and nothing hangs."""
+    import time
+
+    if world == 1:
+        return
+    specs = _specs(world)
+    shards = _shards(specs, rank, world)
+    t0 = time.monotonic()
+    with pytest.raises((shardgather.CollectiveTimeout, shardgather.RemoteError)) as info:
+        with shardgather.unshard_stream(shards, specs, bucket_bytes=512, timeout=1.0) as s:
+            for b, _ in enumerate(s):
+                if rank == world - 1 and b == 1:
+                    time.sleep(3.0)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 10, elapsed
+    if rank != world - 1:
+        assert isinstance(info.value, shardgather.CollectiveTimeout), info.value
+
+
 CHECKS = [check_stream_every_shape, check_stream_state_dict_and_copy,
           check_stream_consumer_raises, check_stream_disagreement, check_export]
-CASES = sorted(name for name in dir() if name.startswith("case_"))
+CASES = sorted(name for name in dir() if name.startswith(("case_", "timeout_case_")))

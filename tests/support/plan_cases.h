@@ -31,4 +31,8 @@ void case_unshard_stream(Communicator& comm);
 // consumer failing on one rank ends the stream with its error on every rank.
 void case_unshard_stream_errors(Communicator& comm);
 
+// A rank stalling past the deadline mid-stream: every rank raises Timeout, nothing hangs. Poisons
+// the communicator (threads: a fresh group per test).
+void case_unshard_stream_timeout(Communicator& comm);
+
 }  // namespace shardgather::testing

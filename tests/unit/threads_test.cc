@@ -68,6 +68,7 @@ TEST_P(ThreadsWorld, UnshardAliasing) { run(testing::case_unshard_aliasing); }
 TEST_P(ThreadsWorld, UnshardToDst) { run(testing::case_unshard_to_dst); }
 TEST_P(ThreadsWorld, UnshardStream) { run(testing::case_unshard_stream); }
 TEST_P(ThreadsWorld, UnshardStreamErrors) { run(testing::case_unshard_stream_errors); }
+TEST_P(ThreadsWorld, UnshardStreamTimeout) { run(testing::case_unshard_stream_timeout); }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, ThreadsWorld, ::testing::Values(1, 2, 3, 4, 7),
                          [](const auto& p) { return "w" + std::to_string(p.param); });
