@@ -19,6 +19,9 @@
 // then skips the buckets it had started, so the ranks stay matched. Buffers a failed collective
 // may still write are parked, never freed.
 //
+// Strategy: kAuto means kDirect here (a node-shared window is per plan: one per bucket would
+// hold the whole model), landing each bucket in place.
+//
 // Threading: one thread drives a stream; the shards stay alive and unmodified until the stream
 // ended (next() returned nullopt or raised, or the stream was destroyed). Every bucket is
 // exchanged with the pre-flight header, whatever options.plan says: that is how a failure on

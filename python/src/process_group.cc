@@ -183,16 +183,6 @@ void ProcessGroupCommunicator::do_all_gather_v(std::span<const ConstSegment> sen
   gather_p2p(send, recv, counts, displs, deadline, "all_gather_v");
 }
 
-void ProcessGroupCommunicator::do_all_gather_scatter(std::span<const ConstSegment> /*send*/,
-                                                     std::span<const RecvPiece> /*pieces*/,
-                                                     std::span<const std::size_t> /*first*/,
-                                                     std::span<const std::uint64_t> /*counts*/,
-                                                     Deadline /*deadline*/) {
-  // capabilities().scatter is false: the base raises before this is reached.
-  throw InvalidArgument("rank " + std::to_string(rank_) + ": all_gather_scatter on " + name_ +
-                        ": this transport does not scatter");
-}
-
 void ProcessGroupCommunicator::gather_p2p(std::span<const ConstSegment> send, std::byte* recv,
                                           std::span<const std::uint64_t> counts,
                                           std::span<const std::uint64_t> displs, Deadline deadline,
@@ -257,66 +247,115 @@ void ProcessGroupCommunicator::post(const std::function<void()>& issue, const ch
   }
 }
 
+void ProcessGroupCommunicator::do_all_gather_scatter(std::span<const ConstSegment> send,
+                                                     std::span<const RecvPiece> pieces,
+                                                     std::span<const std::size_t> first,
+                                                     std::span<const std::uint64_t> counts,
+                                                     Deadline deadline) {
+  // Reached only where capabilities().scatter (point to point); the base checks it.
+  scatter_chunked(send, pieces, first, counts, -1, deadline, "all_gather_scatter");
+}
+
 void ProcessGroupCommunicator::do_gather_scatter(std::span<const ConstSegment> send,
                                                  std::span<const RecvPiece> pieces,
                                                  std::span<const std::size_t> first,
                                                  std::span<const std::uint64_t> counts, int root,
                                                  Deadline deadline) {
   // Reached only where capabilities().gather_v (point to point); the base checks it.
-  if (abort_requested_.load()) {
-    throw Aborted("rank " + std::to_string(rank_) + ": abort() before gather_scatter on " + name_);
-  }
-  const auto me = static_cast<std::size_t>(rank_);
-  if (rank_ == root) {
-    copy_stream(send, pieces.subspan(first[me], first[me + 1] - first[me]));
-    gather_root(pieces, first, counts, deadline);
-  } else if (counts[me] != 0) {
-    gather_send(send, counts[me], root, deadline);
-  }
+  scatter_chunked(send, pieces, first, counts, root, deadline, "gather_scatter");
 }
 
-void ProcessGroupCommunicator::gather_root(std::span<const RecvPiece> pieces,
-                                           std::span<const std::size_t> first,
-                                           std::span<const std::uint64_t> counts,
-                                           Deadline deadline) {
+void ProcessGroupCommunicator::scatter_chunked(std::span<const ConstSegment> send,
+                                               std::span<const RecvPiece> pieces,
+                                               std::span<const std::size_t> first,
+                                               std::span<const std::uint64_t> counts, int root,
+                                               Deadline deadline, const char* what) {
+  if (abort_requested_.load()) {
+    throw Aborted("rank " + std::to_string(rank_) + ": abort() before " + what + " on " + name_);
+  }
   const auto world = static_cast<std::size_t>(size_);
-  const std::uint64_t largest = *std::max_element(counts.begin(), counts.end());
-  const std::uint64_t rounds = (largest + kGatherChunk - 1) / kGatherChunk;
-  auto* slots = static_cast<std::byte*>(scratch(chunk_slots_, 2 * world * kGatherChunk).data_ptr());
-  const auto slot = [&](std::size_t r, std::uint64_t c) {
-    return slots + (2 * r + c % 2) * kGatherChunk;
+  const auto me = static_cast<std::size_t>(rank_);
+  const bool receives = root < 0 || root == rank_;
+  const bool sends = root != rank_ && counts[me] != 0;
+  const auto receives_from = [&](std::size_t r) { return receives && r != me; };
+  const auto sends_to = [&](std::size_t r) {
+    return sends && r != me && (root < 0 || r == static_cast<std::size_t>(root));
   };
   const auto chunk_of = [&](std::size_t r, std::uint64_t c) {
     const std::uint64_t begin = c * kGatherChunk;
     return begin >= counts[r] ? 0 : std::min(kGatherChunk, counts[r] - begin);
   };
-  // Round c receives every sender's chunk c; round c + 1 is posted before round c is copied out.
+  std::uint64_t rounds = 0;
+  for (std::size_t r = 0; r < world; ++r) {
+    if (receives_from(r) || (r == me && sends)) {
+      rounds = std::max(rounds, (counts[r] + kGatherChunk - 1) / kGatherChunk);
+    }
+  }
+  if (receives) {
+    copy_stream(send, pieces.subspan(first[me], first[me + 1] - first[me]));
+  }
+  if (rounds == 0) {
+    return;
+  }
+  // Slots 2r, 2r + 1: chunks from rank r; slots 2me, 2me + 1: this rank's own chunks to send.
+  auto* slots = static_cast<std::byte*>(scratch(chunk_slots_, 2 * world * kGatherChunk).data_ptr());
+  const auto slot = [&](std::size_t r, std::uint64_t c) {
+    return slots + (2 * r + c % 2) * kGatherChunk;
+  };
+  // This rank's chunk c: straight from the shard where one segment holds it whole, else packed
+  // into its slot (whose previous send completed in the wait before).
+  const auto stage = [&](std::uint64_t c) -> ConstSegment {
+    const std::uint64_t len = chunk_of(me, c);
+    const std::vector<RecvPiece> from =
+        slice_segments(send, c * kGatherChunk, c * kGatherChunk + len);
+    if (from.size() == 1 && from[0].count == 1) {
+      return {from[0].data, len};
+    }
+    std::byte* into = slot(me, c);
+    const RecvPiece whole{into, len, 1, 0};
+    std::vector<ConstSegment> src;
+    src.reserve(from.size());
+    for (const RecvPiece& p : from) {
+      for (std::uint64_t k = 0; k < p.count; ++k) {
+        src.push_back({p.data + k * p.stride, p.block});
+      }
+    }
+    copy_stream(src, std::span(&whole, 1));
+    return {into, len};
+  };
+  // Round c: every receive of chunk c and every send of this rank's chunk c. Round c + 1 is
+  // posted before round c is copied out, so the copies overlap the wire.
   const auto post_round = [&](std::uint64_t c) {
+    const ConstSegment mine = sends && chunk_of(me, c) != 0 ? stage(c) : ConstSegment{};
     post(
         [&] {
           inflight_.clear();
           for (std::size_t r = 0; r < world; ++r) {
             const std::uint64_t len = chunk_of(r, c);
-            if (r != static_cast<std::size_t>(rank_) && len != 0) {
+            if (receives_from(r) && len != 0) {
               p2p_tensors_.assign(1, host_bytes(slot(r, c), len));
               inflight_.push_back(group_->recv(p2p_tensors_, static_cast<int>(r), kP2PTag));
             }
           }
+          for (std::size_t step = 1; step < world && mine.size != 0; ++step) {
+            const std::size_t to = (me + step) % world;
+            if (sends_to(to)) {
+              p2p_tensors_.assign(1, host_bytes(mine.data, mine.size));
+              inflight_.push_back(group_->send(p2p_tensors_, static_cast<int>(to), kP2PTag));
+            }
+          }
         },
-        "gather_scatter");
+        what);
   };
-  if (rounds == 0) {
-    return;
-  }
   post_round(0);
-  wait_p2p(deadline, "gather_scatter");
+  wait_p2p(deadline, what);
   for (std::uint64_t c = 0; c < rounds; ++c) {
     if (c + 1 < rounds) {
       post_round(c + 1);
     }
     for (std::size_t r = 0; r < world; ++r) {
       const std::uint64_t len = chunk_of(r, c);
-      if (r == static_cast<std::size_t>(rank_) || len == 0) {
+      if (!receives_from(r) || len == 0) {
         continue;
       }
       const ConstSegment got{slot(r, c), len};
@@ -326,50 +365,9 @@ void ProcessGroupCommunicator::gather_root(std::span<const RecvPiece> pieces,
       copy_stream(std::span(&got, 1), into);
     }
     if (c + 1 < rounds) {
-      wait_p2p(deadline, "gather_scatter");
+      wait_p2p(deadline, what);
     }
   }
-}
-
-void ProcessGroupCommunicator::gather_send(std::span<const ConstSegment> send, std::uint64_t count,
-                                           int root, Deadline deadline) {
-  const std::uint64_t chunks = (count + kGatherChunk - 1) / kGatherChunk;
-  auto* slots = static_cast<std::byte*>(scratch(chunk_slots_, 2 * kGatherChunk).data_ptr());
-  // Chunk c's bytes: straight from the shard where one segment holds them all, else packed into
-  // slot c % 2 (whose previous send completed in the wait before).
-  const auto stage = [&](std::uint64_t c) -> ConstSegment {
-    const std::uint64_t begin = c * kGatherChunk;
-    const std::uint64_t len = std::min(kGatherChunk, count - begin);
-    const std::vector<RecvPiece> from = slice_segments(send, begin, begin + len);
-    if (from.size() == 1 && from[0].count == 1) {
-      return {from[0].data, len};
-    }
-    std::byte* into = slots + (c % 2) * kGatherChunk;
-    std::uint64_t at = 0;
-    for (const RecvPiece& p : from) {
-      for (std::uint64_t k = 0; k < p.count; ++k) {
-        std::memcpy(into + at, p.data + k * p.stride, p.block);
-        at += p.block;
-      }
-    }
-    return {into, len};
-  };
-  const auto post_chunk = [&](const ConstSegment& bytes) {
-    post(
-        [&] {
-          inflight_.clear();
-          p2p_tensors_.assign(1, host_bytes(bytes.data, bytes.size));
-          inflight_.push_back(group_->send(p2p_tensors_, root, kP2PTag));
-        },
-        "gather_scatter");
-  };
-  post_chunk(stage(0));
-  for (std::uint64_t c = 1; c < chunks; ++c) {
-    const ConstSegment next = stage(c);  // packs while chunk c - 1 is on the wire
-    wait_p2p(deadline, "gather_scatter");
-    post_chunk(next);
-  }
-  wait_p2p(deadline, "gather_scatter");
 }
 
 void ProcessGroupCommunicator::wait_p2p(Deadline deadline, const char* what) {

@@ -25,7 +25,10 @@
 // buffers over the tensors' own memory, so all_gather_v/all_gather on a Gloo group post one recv
 // per peer straight into that peer's slot of the output, copy this rank's bytes once into its
 // own slot while those arrive, and post one send per peer from the slot: no padding (a true
-// gather-v), no staging, no internal buffer. Tag kP2PTag is reserved on the group. Without it
+// gather-v), no staging, no internal buffer. Scattered destinations (unshard along dim 1, a
+// bucket of several parameters) and gathers to one rank go through scatter_chunked: rounds of
+// 8 MiB chunks through two slots per peer, so the extra memory never grows with the gathered
+// bytes. Tag kP2PTag is reserved on the group. Without it
 // (`p2p=false`, or NCCL) an equal-size all_gather is one c10d all_gather_single into the flat
 // output.
 // Waits are not sliced there: a Gloo unbound-buffer wait that times out signals the failure on
@@ -96,13 +99,14 @@ class ProcessGroupCommunicator final : public Communicator {
   // collective (also for the host mailbox: one /dev/shm object of about 2 KiB per rank,
   // unlinked once mapped).
   [[nodiscard]] int ranks_on_host() const noexcept override { return ranks_on_host_; }
-  // Point to point (Gloo, host memory) is an exact gather-v; otherwise only c10d's equal-size
-  // allgather, and the strategy layer pads. It never scatters: the strategies copy out.
+  // Point to point (Gloo, host memory) is an exact gather-v, and scatters through bounded
+  // chunks (scatter_chunked); otherwise only c10d's equal-size allgather, and the strategy layer
+  // pads.
   [[nodiscard]] Capabilities capabilities() const noexcept override {
     return {.reads_peer_memory = false,
             .small_messages_in_shared_memory = mailbox_ != nullptr,
             .gather_v = p2p_,
-            .scatter = false};
+            .scatter = p2p_};
   }
 
  protected:
@@ -114,10 +118,7 @@ class ProcessGroupCommunicator final : public Communicator {
   void do_all_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                              std::span<const std::size_t> first,
                              std::span<const std::uint64_t> counts, Deadline deadline) override;
-  // Point to point, in chunks of kGatherChunk: each sender streams its bytes to the root
-  // through two staging slots (or straight from a shard that holds a whole chunk), and the root
-  // receives each sender's chunks into two slots of its own, copying one out while the next
-  // arrives. So the root's extra memory is 2 x kGatherChunk per sender, never a bucket.
+  // Both scatter forms: scatter_chunked.
   void do_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                          std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
                          int root, Deadline deadline) override;
@@ -130,11 +131,14 @@ class ProcessGroupCommunicator final : public Communicator {
  private:
   // Posts works under inflight_mu_ (abort() sees them, or its flag is seen right after).
   void post(const std::function<void()>& issue, const char* what);
-  // The root's and a sender's sides of do_gather_scatter.
-  void gather_root(std::span<const RecvPiece> pieces, std::span<const std::size_t> first,
-                   std::span<const std::uint64_t> counts, Deadline deadline);
-  void gather_send(std::span<const ConstSegment> send, std::uint64_t count, int root,
-                   Deadline deadline);
+  // A scatter over point to point, to every rank (root < 0) or to `root`, in rounds of
+  // kGatherChunk per sender: a sender's chunk goes from its shard (or one of two staging slots)
+  // to each receiver, which receives it into one of two slots per sender and copies it out
+  // while the next round is on the wire. The extra memory is 2 x kGatherChunk per rank of the
+  // group, never the gathered bytes.
+  void scatter_chunked(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
+                       std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
+                       int root, Deadline deadline, const char* what);
   // One c10d all_gather_single of `input` (the same byte count on every rank) into the flat
   // `output` (world x that), waited on until `deadline`.
   void allgather(at::Tensor& input, at::Tensor& output, Deadline deadline, const char* what);
