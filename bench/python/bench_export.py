@@ -8,19 +8,28 @@ embeddings and lm_head) at hidden 2880 / ffn 7744, so that it is about 6.8 GB in
 ranks' shards plus the buckets fit this 24 GiB machine. Every parameter is sharded torch.chunk
 style along dim 0 on every rank (as xtuner's method needs).
 
-Cases, each on warm shards, one after another on the same group:
+Cases, each on warm shards, one after another on the same group, the whole list --repeat times
+(the first pass also pays this VM's first touch of fresh memory: the table shows medians):
+  limit       the backend's own equal-size all-gather (Gloo: all_gather_into_tensor; MPI:
+              MPI_Allgather) of the same bytes, one bucket at a time into one reused buffer
   transport   unshard_stream, prefetch 0, nothing done with a bucket: the gathers alone, serial
   stream      unshard_stream, prefetch 1, nothing done with a bucket (weight sync to nowhere)
-  export      save_safetensors to dst 0 in --out (a tmpfs: the point is the gather), prefetch 1
+              (both: one stream object per bucket size, run again every pass, so its buffers
+              are warm after the first pass, as in a weight sync every step)
+  export      save_safetensors to dst 0 in --out (a tmpfs: the point is the gather), prefetch 1;
+              a new stream per call, so its time includes allocating and touching the buckets
   export_p0   the same with prefetch 0: the disk writes not overlapped with the gathers
-  xtuner      xtuner's method: pad every shard to ceil(dim0 / world) rows, one foreach_all_gather
-              per --xtuner-bucket of padded bytes, torch.cat per parameter, trim, serial
-For each: total time, per-bucket median, and the peak extra RSS of each rank (VmHWM after the case
+  xtuner      xtuner's method: pad every shard to ceil(dim0 / world) rows, one foreach per
+              --xtuner-bucket-mib of padded bytes (Gloo: xtuner's own, the seed's algorithm; MPI:
+              shardgather's), torch.cat per parameter, trim, serial
+For each: the median total time (of the slowest rank, over the passes), the per-bucket median,
+and the largest peak extra RSS of each rank (VmHWM after the case
 minus VmRSS before it; the peak is reset through /proc/self/clear_refs before each case).
 Prints a table and writes one JSON record per (case, bucket size) to --json.
 """
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -37,6 +46,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # bench_torch's seed_algorithm
 MIB = 1 << 20
 
 
@@ -83,10 +93,16 @@ def measured(barrier, fn):
     return seconds, peak * 1024, buckets
 
 
-def run_stream(sg, state, specs, group, bucket, prefetch):
+def run_stream(sg, state, specs, group, bucket, prefetch, streams):
+    """One whole stream, the buckets consumed by nothing. The stream object is kept and run
+    again on the next pass (as a weight sync every step would): warm buffers."""
+    key = (bucket, prefetch)
+    if key not in streams:
+        streams[key] = sg.unshard_stream(state, specs, group, bucket_bytes=bucket,
+                                         prefetch=prefetch, timeout=600)
+    s = streams[key]
     times, t = [], time.perf_counter()
-    with sg.unshard_stream(state, specs, group, bucket_bytes=bucket, prefetch=prefetch,
-                           timeout=600) as s:
+    with s:
         for _ in s:
             now = time.perf_counter()
             times.append(now - t)
@@ -107,8 +123,38 @@ def run_export(state, specs, group, bucket, prefetch, out, rank):
     return []
 
 
-def run_xtuner(sg, named, state, group, world, bucket):
-    """Pad to ceil(dim0 / world), one foreach per bucket of padded bytes, cat, trim, serial."""
+_LIMIT_BUFFERS = {}
+
+
+def run_limit(backend, total, bucket, world):
+    """The same bytes through the backend's own all-gather, bucket by bucket, into one buffer
+    (kept across passes, as the streams' are)."""
+    per_rank = bucket // world
+    if bucket not in _LIMIT_BUFFERS:
+        _LIMIT_BUFFERS[bucket] = (torch.ones(per_rank, dtype=torch.uint8),
+                                  torch.empty(per_rank * world, dtype=torch.uint8))
+    send, recv = _LIMIT_BUFFERS[bucket]
+    rounds = -(-total // per_rank)
+    times, t = [], time.perf_counter()
+    for _ in range(rounds):
+        if backend == "mpi":
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Allgather(send.numpy(), recv.numpy())
+        else:
+            dist.all_gather_into_tensor(recv, send)
+        now = time.perf_counter()
+        times.append(now - t)
+        t = now
+    return times
+
+
+def run_xtuner(sg, named, state, group, world, bucket, backend):
+    """Pad to ceil(dim0 / world), one foreach per bucket of padded bytes, cat, trim, serial. The
+    foreach is xtuner's own (the seed's algorithm, bench_torch.seed_algorithm) on Gloo; on MPI,
+    which has no torch group, shardgather's foreach_all_gather on the same communicator."""
+    from bench_torch import seed_algorithm
+
     times, t = [], time.perf_counter()
     names = list(state)
     k = 0
@@ -131,7 +177,10 @@ def run_xtuner(sg, named, state, group, world, bucket):
             if local.shape[0] < rows:
                 local = torch.cat([local, local.new_zeros((rows - local.shape[0],) + shape[1:])])
             padded.append(local)
-        gathered = sg.foreach_all_gather(padded, group, timeout=600)
+        if backend == "mpi":
+            gathered = sg.foreach_all_gather(padded, group, timeout=600)
+        else:
+            gathered = seed_algorithm(padded, world)
         full = [torch.cat(per_rank)[:named[n][0][0]] for n, per_rank in zip(chunk, gathered)]
         del gathered, padded, full
         now = time.perf_counter()
@@ -155,23 +204,54 @@ def body(rank, world, args, group, barrier):
     if rank == 0:
         print("# %d parameters, %.2f GB full, %.2f GB of shards on rank 0, backend %s, world %d"
               % (len(named_list), full_bytes / 1e9, total / 1e9, args.backend, world), flush=True)
-    records = []
+    streams = {}  # (bucket, prefetch) -> the stream that pass after pass reruns
+    # Phases, each run --repeat times in turn and then let go of what it keeps (the streams, the
+    # limit's buffers), so that two ranks' shards, the kept buffers and the exported files in
+    # the tmpfs never need more than this machine's memory at once.
+    phases = []
     for bucket_mib in args.bucket_mib:
         bucket = bucket_mib * MIB
-        cases = [("transport", lambda: run_stream(sg, state, specs, group, bucket, 0)),
-                 ("stream", lambda: run_stream(sg, state, specs, group, bucket, 1)),
-                 ("export", lambda: run_export(state, specs, group, bucket, 1, args.out, rank)),
-                 ("export_p0", lambda: run_export(state, specs, group, bucket, 0, args.out, rank))]
-        for name, fn in cases:
-            seconds, peak, buckets = measured(barrier, fn)
-            records.append(dict(case=name, bucket_mib=bucket_mib, seconds=seconds, peak=peak,
-                                buckets=buckets))
+        # Default arguments bind this bucket size now: the cases run after the loop.
+        phases.append([
+            ("limit", bucket_mib, lambda b=bucket: run_limit(args.backend, total, b, world)),
+            ("transport", bucket_mib,
+             lambda b=bucket: run_stream(sg, state, specs, group, b, 0, streams)),
+            ("stream", bucket_mib,
+             lambda b=bucket: run_stream(sg, state, specs, group, b, 1, streams))])
+    phases.append([])
+    for bucket_mib in args.bucket_mib:
+        bucket = bucket_mib * MIB
+        phases[-1] += [
+            ("export", bucket_mib,
+             lambda b=bucket: run_export(state, specs, group, b, 1, args.out, rank)),
+            ("export_p0", bucket_mib,
+             lambda b=bucket: run_export(state, specs, group, b, 0, args.out, rank))]
+    phases.append([])
     if args.xtuner_bucket_mib:
         bucket = args.xtuner_bucket_mib * MIB
-        seconds, peak, buckets = measured(
-            barrier, lambda: run_xtuner(sg, named, state, group, world, bucket))
-        records.append(dict(case="xtuner", bucket_mib=args.xtuner_bucket_mib, seconds=seconds,
-                            peak=peak, buckets=buckets))
+        phases[-1].append(("xtuner", args.xtuner_bucket_mib,
+                          lambda b=bucket: run_xtuner(sg, named, state, group, world, b,
+                                                      args.backend)))
+    records = []
+    for phase in phases:
+        plan = [case for case in phase if case[0] in args.cases]
+        first = len(records)
+        for rep in range(args.repeat):
+            for k, (name, bucket_mib, fn) in enumerate(plan):
+                seconds, peak, buckets = measured(barrier, fn)
+                if rep == 0:
+                    records.append(dict(case=name, bucket_mib=bucket_mib, seconds=[], peak=[],
+                                        buckets=[]))
+                rec = records[first + k]
+                rec["seconds"].append(seconds)
+                rec["peak"].append(peak)
+                rec["buckets"].extend(buckets)
+        streams.clear()
+        _LIMIT_BUFFERS.clear()
+        gc.collect()
+        if rank == 0 and plan:
+            print("# %s: %d passes done" % (", ".join(sorted({c[0] for c in plan})), args.repeat),
+                  flush=True)
     return records
 
 
@@ -179,22 +259,32 @@ def report(all_ranks, args, world):
     """Rank 0: one row per (case, bucket), the slowest rank's time, every rank's peak."""
     rows = []
     for k, rec in enumerate(all_ranks[0]):
-        seconds = max(r[k]["seconds"] for r in all_ranks)
-        peaks = [r[k]["peak"] for r in all_ranks]
+        passes = len(rec["seconds"])
+        slowest = [max(r[k]["seconds"][p] for r in all_ranks) for p in range(passes)]
+        seconds = statistics.median(slowest)
+        peaks = [max(r[k]["peak"]) for r in all_ranks]
         per_bucket = statistics.median(rec["buckets"]) if rec["buckets"] else None
         rows.append(dict(backend=args.backend, world=world, case=rec["case"],
                          bucket_mib=rec["bucket_mib"], seconds=round(seconds, 3),
+                         seconds_each_pass=[round(x, 3) for x in slowest],
                          bucket_median_s=None if per_bucket is None else round(per_bucket, 4),
-                         buckets=len(rec["buckets"]) or None,
+                         buckets=len(rec["buckets"]) // passes or None,
                          peak_extra_mib=[round(p / MIB) for p in peaks]))
-    print("%-10s %7s %9s %9s %8s  %s" % ("case", "bucket", "seconds", "x transp", "bucket_s",
-                                         "peak extra RSS per rank (MiB)"))
+    print("# %s, world %d: median seconds of the slowest rank over %d passes; x limit, x "
+          "transport: that time over theirs (same bucket size; for xtuner the smallest)"
+          % (args.backend, world, args.repeat))
+    print("%-10s %7s %9s %8s %8s %8s  %s" % ("case", "bucket", "seconds", "x limit", "x transp",
+                                             "bucket_s", "peak extra RSS per rank (MiB)"))
+
+    def ratio(row, case):
+        size = row["bucket_mib"] if row["case"] != "xtuner" else min(args.bucket_mib)
+        ref = [r for r in rows if r["case"] == case and r["bucket_mib"] == size]
+        return row["seconds"] / ref[0]["seconds"] if ref else float("nan")
+
     for row in rows:
-        transport = [r for r in rows if r["case"] == "transport"
-                     and r["bucket_mib"] == row["bucket_mib"]]
-        ratio = row["seconds"] / transport[0]["seconds"] if transport else float("nan")
-        print("%-10s %6dM %9.3f %9.2f %8s  %s" % (
-            row["case"], row["bucket_mib"], row["seconds"], ratio,
+        print("%-10s %6dM %9.3f %8.2f %8.2f %8s  %s" % (
+            row["case"], row["bucket_mib"], row["seconds"], ratio(row, "limit"),
+            ratio(row, "transport"),
             "-" if row["bucket_median_s"] is None else "%.3f" % row["bucket_median_s"],
             row["peak_extra_mib"]))
     if args.json:
@@ -214,6 +304,10 @@ def parse():
     p.add_argument("--bucket-mib", type=int, nargs="+", default=[256, 1024])
     p.add_argument("--xtuner-bucket-mib", type=int, default=2048,
                    help="0: skip xtuner's method (its own default is 4096)")
+    p.add_argument("--cases", type=lambda v: v.split(","),
+                   default="limit,transport,stream,export,export_p0,xtuner".split(","),
+                   help="comma-separated subset of the cases (default: all)")
+    p.add_argument("--repeat", type=int, default=3, help="passes over every case (median)")
     p.add_argument("--out", default="/dev/shm", help="where export writes (then deletes)")
     p.add_argument("--json", default=None, help="append one JSON record per row here")
     return p.parse_args()

@@ -11,7 +11,9 @@ reuse prefetch + 1 buffers, allocated once: peak extra memory is about
 ``(prefetch + 1) x bucket_bytes`` on a rank that receives and nothing on the others.
 
 The tensors of a bucket are views of its buffer: valid until the iteration moves past it, when
-the buffer takes a later bucket (``copy=True`` yields clones instead).
+the buffer takes a later bucket (``copy=True`` yields clones instead). A stream that ran to its
+end can be iterated again (``with stream:`` once more): it gathers the same shards' current
+values over the same buffers, so a weight sync every step allocates nothing after its first.
 
 ``dst=None``: every rank receives every bucket (weight sync). ``dst=r``: only rank r does (the
 others only send, and iterate over empty buckets, so every rank runs the same loop): a
@@ -61,6 +63,7 @@ class UnshardStream:
                                         bucket_bytes, prefetch, dst, strategy, timeout)
         self._begun = False
         self._ended = False
+        self._failed = False
         self._at = 0  # buckets yielded
         self.rank = self._comm.rank
         self.total_bytes = sum(math.prod(sp.full_shape) * sp.dtype.itemsize for sp in specs)
@@ -86,7 +89,7 @@ class UnshardStream:
     def __exit__(self, exc_type, exc, tb):
         if self._ended or not self._begun:
             return False  # ran to its end, or raised its own error (which every rank has)
-        self._ended = True
+        self._ended = self._failed = True
         if exc_type is None:
             reason = "left the stream after %d of %d buckets" % (self._at, self.num_buckets)
         else:
@@ -103,11 +106,10 @@ class UnshardStream:
         try:
             got = self._stream.next()
         except BaseException:
-            self._ended = True
+            self._ended = self._failed = True
             raise
         if got is None:
             self._ended = True
-            self._tensors = None
             raise StopIteration
         index, first, full = got
         self._at = index + 1
@@ -116,13 +118,16 @@ class UnshardStream:
         return dict(zip(self._names[first:first + len(full)], full))
 
     def _begin(self):
-        if not self._begun:
-            self._begun = True
-            try:
-                self._stream.begin(self._tensors, self._comm)
-            except BaseException:
-                self._ended = True
-                raise
+        """Begins the stream, or begins it again once it ran to its end (a weight sync every
+        step): the buckets reuse the buffers of the first run."""
+        if self._begun and not (self._ended and not self._failed):
+            return
+        self._begun, self._ended, self._at = True, False, 0
+        try:
+            self._stream.begin(self._tensors, self._comm)
+        except BaseException:
+            self._ended = self._failed = True
+            raise
 
 
 def _inputs(shards, specs, group):

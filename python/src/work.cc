@@ -1,5 +1,7 @@
 #include "work.h"
 
+#include "detail/op_queue.h"
+
 namespace py = pybind11;
 
 namespace shardgather::python {
@@ -14,6 +16,7 @@ PyWork::~PyWork() {
 
 void PyWork::block() {
   constexpr std::chrono::milliseconds kSlice{100};
+  const detail::OpQueue::Awaiting awaiting(comm_->operations());  // the transport may hurry
   for (;;) {
     bool completed = false;
     {

@@ -16,6 +16,7 @@
 // its own deadline (abort() on the communicator ends them early).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -56,6 +57,25 @@ class OpQueue {
   // than spin, so that the caller's own work keeps its core.
   static bool on_progress_thread() noexcept;
 
+  // Whether a caller is blocked waiting for a started operation of this queue (a stream's next
+  // bucket): the progress thread then has nothing to share its core with, and polls at full
+  // speed (a transport that moves bytes only inside its calls, as Open MPI over shared memory,
+  // would otherwise move them only between sleeps).
+  [[nodiscard]] bool awaited() const noexcept { return awaited_.load(std::memory_order_relaxed) > 0; }
+  // Marks this thread as waiting for the queue's started operations while it lives.
+  class Awaiting {
+   public:
+    explicit Awaiting(OpQueue& ops) noexcept : ops_(ops) { ops_.awaited_.fetch_add(1); }
+    Awaiting(const Awaiting&) = delete;
+    Awaiting& operator=(const Awaiting&) = delete;
+    Awaiting(Awaiting&&) = delete;
+    Awaiting& operator=(Awaiting&&) = delete;
+    ~Awaiting() { ops_.awaited_.fetch_sub(1); }
+
+   private:
+    OpQueue& ops_;
+  };
+
  private:
   void run();
 
@@ -67,6 +87,7 @@ class OpQueue {
   bool stopping_ = false;                   // guarded by mu_
   std::thread thread_;
   std::mutex drive_;  // one operation at a time on the communicator
+  std::atomic<int> awaited_{0};
 };
 
 }  // namespace shardgather::detail

@@ -14,6 +14,7 @@
 #include "detail/graveyard.h"
 #include "detail/hash.h"
 #include "detail/local_input.h"
+#include "detail/op_queue.h"
 #include "ops/call.h"
 #include "ops/payload.h"
 #include "ops/plan_access.h"
@@ -183,6 +184,7 @@ void UnshardStream::start_bucket(std::size_t b) {
 
 ExecStats UnshardStream::wait_oldest() {
   Work<ExecStats>& work = inflight_.front();
+  const detail::OpQueue::Awaiting awaiting(comm_->operations());
   while (!work.test(std::chrono::milliseconds(100))) {
     comm_->check_interrupt();  // Aborted: the bucket's gather then ends too
   }

@@ -63,6 +63,26 @@ def check_stream_state_dict_and_copy(rank, world, group):
         same(kept[name], _expected_full(specs[i], world, i), name)
 
 
+def check_stream_reused(rank, world, group):
+    """A stream iterated again gathers the shards' current values over the same buffers."""
+    specs = _specs(world)
+    shards = _shards(specs, rank, world)
+    s = shardgather.unshard_stream(shards, specs, group, bucket_bytes=700, timeout=T)
+    ptrs = []
+    for step in (0, 1):
+        if step == 1:  # the trainer updated its shards in place
+            for i, sp in enumerate(specs):
+                shards[i].copy_(_local_shard(sp, rank, world, i, step=1))
+        seen = set()
+        with s:
+            for bucket in s:
+                for i, t in bucket.items():
+                    same(t, _expected_full(specs[i], world, i, step=step), "step %d %d" % (step, i))
+                    seen.add(t.untyped_storage().data_ptr())
+        ptrs.append(seen)
+    assert ptrs[0] == ptrs[1], ptrs
+
+
 def check_stream_consumer_raises(rank, world, group):
     """A consumer raising on the last rank ends the stream on every rank with its error."""
     specs = _specs(world)
@@ -112,6 +132,10 @@ def case_stream_every_shape(rank, world):
 
 def case_stream_state_dict_and_copy(rank, world):
     check_stream_state_dict_and_copy(rank, world, None)
+
+
+def case_stream_reused(rank, world):
+    check_stream_reused(rank, world, None)
 
 
 def case_stream_consumer_raises(rank, world):
@@ -247,6 +271,6 @@ def timeout_case_stream_stalled_consumer(rank, world):
         assert isinstance(info.value, shardgather.CollectiveTimeout), info.value
 
 
-CHECKS = [check_stream_every_shape, check_stream_state_dict_and_copy,
+CHECKS = [check_stream_every_shape, check_stream_state_dict_and_copy, check_stream_reused,
           check_stream_consumer_raises, check_stream_disagreement, check_export]
 CASES = sorted(name for name in dir() if name.startswith(("case_", "timeout_case_")))

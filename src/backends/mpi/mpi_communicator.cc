@@ -186,10 +186,12 @@ void MpiCommunicator::wait(MPI_Request& request, Deadline deadline, const char* 
                     " passed its deadline waiting for peers (MPI cannot cancel it: the "
                     "communicator is poisoned; end the process or the job)");
     }
-    if (started && spins > 16) {
+    if (started && spins > 16 && !operations().awaited()) {
       // A started operation: its caller computes meanwhile, so poll without holding a core.
       // Open MPI progresses only inside MPI calls; between polls the kernel's socket buffers
       // keep the transfer going, and kProgressPoll is short against the time they take to drain.
+      // Once the caller waits for it there is no computation to protect: full speed (over
+      // shared memory each poll moves one fragment, so sleeping would bound the bandwidth).
       std::this_thread::sleep_for(kProgressPoll);
     } else if (oversubscribed_ && spins > 64) {
       // Yield only when ranks outnumber cores here: otherwise it costs a syscall per test and
