@@ -61,7 +61,9 @@ class OpQueue {
   // bucket): the progress thread then has nothing to share its core with, and polls at full
   // speed (a transport that moves bytes only inside its calls, as Open MPI over shared memory,
   // would otherwise move them only between sleeps).
-  [[nodiscard]] bool awaited() const noexcept { return awaited_.load(std::memory_order_relaxed) > 0; }
+  [[nodiscard]] bool awaited() const noexcept {
+    return awaited_.load(std::memory_order_relaxed) > 0;
+  }
   // Marks this thread as waiting for the queue's started operations while it lives.
   class Awaiting {
    public:
