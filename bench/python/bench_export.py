@@ -16,8 +16,8 @@ Cases, each on warm shards, one after another on the same group, the whole list 
   stream      unshard_stream, prefetch 1, nothing done with a bucket (weight sync to nowhere)
               (both: one stream object per bucket size, run again every pass, so its buffers
               are warm after the first pass, as in a weight sync every step)
-  export      save_safetensors to dst 0 in --out (a tmpfs: the point is the gather), prefetch 1;
-              a new stream per call, so its time includes allocating and touching the buckets
+  export      save_safetensors to dst 0 in --out (a tmpfs: the point is the gather), prefetch 1,
+              of a stream kept across passes like the others (fresh files every pass)
   export_p0   the same with prefetch 0: the disk writes not overlapped with the gathers
   xtuner      xtuner's method: pad every shard to ceil(dim0 / world) rows, one foreach per
               --xtuner-bucket-mib of padded bytes (Gloo: xtuner's own, the seed's algorithm; MPI:
@@ -110,13 +110,17 @@ def run_stream(sg, state, specs, group, bucket, prefetch, streams):
     return times
 
 
-def run_export(state, specs, group, bucket, prefetch, out, rank):
+def run_export(sg, state, specs, group, bucket, prefetch, out, rank, streams):
+    """save_safetensors of a stream kept across passes (warm buckets), into a fresh directory."""
     from shardgather.export import save_safetensors
 
+    key = ("export", bucket, prefetch)
+    if key not in streams:
+        streams[key] = sg.unshard_stream(state, specs, group, bucket_bytes=bucket,
+                                         prefetch=prefetch, dst=0, timeout=600)
     target = os.path.join(out, "export-%d" % os.getpid()) if rank == 0 else out
     try:
-        save_safetensors(state, target, specs, group, dst=0, bucket_bytes=bucket,
-                         prefetch=prefetch, progress=False, timeout=600)
+        save_safetensors(streams[key], target, dst=0, progress=False)
     finally:
         if rank == 0:
             shutil.rmtree(target, ignore_errors=True)
@@ -223,9 +227,10 @@ def body(rank, world, args, group, barrier):
         bucket = bucket_mib * MIB
         phases[-1] += [
             ("export", bucket_mib,
-             lambda b=bucket: run_export(state, specs, group, b, 1, args.out, rank)),
+             lambda b=bucket: run_export(sg, state, specs, group, b, 1, args.out, rank, streams)),
             ("export_p0", bucket_mib,
-             lambda b=bucket: run_export(state, specs, group, b, 0, args.out, rank))]
+             lambda b=bucket: run_export(sg, state, specs, group, b, 0, args.out, rank,
+                                         streams))]
     phases.append([])
     if args.xtuner_bucket_mib:
         bucket = args.xtuner_bucket_mib * MIB

@@ -18,6 +18,7 @@ A failure on any rank (a write error on ``dst`` included) raises on every rank.
 import json
 import os
 
+from . import InvalidArgumentError
 from .stream import UnshardStream
 
 __all__ = ["save_safetensors", "INDEX_NAME"]
@@ -30,6 +31,8 @@ def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
                      metadata=None):
     """Writes the full tensors of ``state_dict`` (shards with ``specs``, or DTensors with
     ``specs=None``, as for :func:`shardgather.unshard_stream`) to ``out_dir`` on rank ``dst``.
+    ``state_dict`` may also be an UnshardStream made with the same ``dst``: a checkpoint saved
+    every N steps then reuses its buckets (the other arguments but ``out_dir`` are its own).
 
     ``progress``: a tqdm bar on ``dst`` (bytes written). ``metadata``: extra string pairs for
     each file's header (``{"format": "pt"}`` is always set). Returns the index's path on ``dst``,
@@ -38,8 +41,14 @@ def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    stream = UnshardStream(state_dict, specs, group, bucket_bytes=bucket_bytes,
-                           prefetch=prefetch, dst=dst, timeout=timeout)
+    if isinstance(state_dict, UnshardStream):  # one made once, run again on every save
+        stream = state_dict
+        if stream.dst != dst:
+            raise InvalidArgumentError("save_safetensors: the stream gathers to %s, not dst=%s"
+                                       % (stream.dst, dst))
+    else:
+        stream = UnshardStream(state_dict, specs, group, bucket_bytes=bucket_bytes,
+                               prefetch=prefetch, dst=dst, timeout=timeout)
     writer = stream.rank == dst
     n = stream.num_buckets
     names = ["model-%05d-of-%05d.safetensors" % (b + 1, n) for b in range(n)]

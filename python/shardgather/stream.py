@@ -66,6 +66,7 @@ class UnshardStream:
         self._failed = False
         self._at = 0  # buckets yielded
         self.rank = self._comm.rank
+        self.dst = dst
         self.total_bytes = sum(math.prod(sp.full_shape) * sp.dtype.itemsize for sp in specs)
 
     @property

@@ -221,6 +221,13 @@ def check_export(rank, world, group):
     try:
         index = save_safetensors(state, out, specs, group, dst=world - 1, bucket_bytes=40000,
                                  progress=False, timeout=T)
+        # A stream made once and saved again (a checkpoint every N steps) writes the same.
+        stream = shardgather.unshard_stream(state, specs, group, bucket_bytes=40000,
+                                            dst=world - 1, timeout=T)
+        for _ in range(2):
+            shutil.rmtree(out)
+            os.makedirs(out)
+            index = save_safetensors(stream, out, dst=world - 1, progress=False)
         if rank != world - 1:
             assert index is None and os.listdir(out) == []
             return
