@@ -2,6 +2,8 @@
 processes (FileStore rendezvous, so nothing but loopback is used) and reports per case."""
 
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -125,3 +127,21 @@ def run_ranks(world, fn):
     for t in threads:
         t.join(60)
     return results, errors
+
+
+def run_mpi_script(script, np_, timeout):
+    """Runs `script` (python -c, this directory as sys.argv[1]) on np_ MPI ranks and checks that
+    every rank printed MPI-OK. Skips without mpi4py or mpirun."""
+    pytest.importorskip("mpi4py")
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("no mpirun")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+    proc = subprocess.run(
+        [mpirun, "-np", str(np_), "--oversubscribe", sys.executable, "-c", script,
+         os.path.dirname(os.path.abspath(__file__))],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("MPI-OK") == np_, proc.stdout + proc.stderr

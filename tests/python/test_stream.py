@@ -1,15 +1,10 @@
 """unshard_stream on spawned Gloo groups, the threads backend and MPI (world 1 to 4)."""
 
-import os
-import shutil
-import subprocess
-import sys
-
 import pytest
 
 import shardgather
 import stream_cases
-from conftest import CaseResults, run_ranks
+from conftest import CaseResults, run_mpi_script, run_ranks
 
 _results = CaseResults("stream_cases", stream_cases.CASES)
 
@@ -45,16 +40,4 @@ print("MPI-OK", comm.rank)
 @pytest.mark.skipif(not shardgather.has_mpi(), reason="built without MPI")
 @pytest.mark.parametrize("np_", [1, 2, 3, 4])
 def test_stream_mpi(np_):
-    pytest.importorskip("mpi4py")
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        pytest.skip("no mpirun")
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1")
-    proc = subprocess.run(
-        [mpirun, "-np", str(np_), "--oversubscribe", sys.executable, "-c", MPI_SCRIPT,
-         os.path.dirname(__file__)],
-        env=env, capture_output=True, text=True, timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("MPI-OK") == np_, proc.stdout + proc.stderr
+    run_mpi_script(MPI_SCRIPT, np_, timeout=240)

@@ -1,9 +1,5 @@
 """The threads backend driven from Python threads, and the MPI backend under mpirun."""
 
-import os
-import shutil
-import subprocess
-import sys
 import threading
 import time
 
@@ -11,7 +7,7 @@ import pytest
 import torch
 
 import shardgather
-from conftest import run_ranks
+from conftest import run_mpi_script, run_ranks
 from gloo_cases import DTYPES, make, raw
 
 
@@ -137,16 +133,4 @@ print("MPI-OK", rank)
 @pytest.mark.skipif(not shardgather.has_mpi(), reason="built without MPI")
 @pytest.mark.parametrize("np_", [2, 3])
 def test_mpi_backend_from_python(np_):
-    pytest.importorskip("mpi4py")
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        pytest.skip("no mpirun")
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1")
-    proc = subprocess.run(
-        [mpirun, "-np", str(np_), "--oversubscribe", sys.executable, "-c", MPI_SCRIPT,
-         os.path.dirname(__file__)],
-        env=env, capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("MPI-OK") == np_, proc.stdout + proc.stderr
+    run_mpi_script(MPI_SCRIPT, np_, timeout=120)
