@@ -79,7 +79,7 @@ class SHARDGATHER_API UnshardStream {
   UnshardStream& operator=(const UnshardStream&) = delete;
   UnshardStream(UnshardStream&&) = delete;
   UnshardStream& operator=(UnshardStream&&) = delete;
-  // Waits for the buckets still gathering (each bounded by its deadline).
+  // Waits for the buckets still gathering (each bounded by its deadline); see settle().
   ~UnshardStream();
 
   [[nodiscard]] std::size_t num_buckets() const noexcept { return plans_.size(); }
@@ -93,7 +93,8 @@ class SHARDGATHER_API UnshardStream {
   // Collective: one header exchange that checks the stream agrees on every rank, then starts the
   // first prefetch + 1 buckets. `shards` (one per spec) are kept by reference. A stream that
   // ended may begin again (every step of a weight sync): it reuses its buffers, so only its
-  // first run allocates them.
+  // first run allocates them. A stream that failed raises InvalidArgument from begin() on every
+  // rank of the call (through its header, so a peer whose stream did not fail is told too).
   void begin(std::span<const TensorView> shards, Communicator& comm);
   // The next bucket, once its gather completed (the interrupt check runs while it waits), or
   // nullopt after the last one. Starts the bucket that reuses the previous one's buffer first.
@@ -102,6 +103,13 @@ class SHARDGATHER_API UnshardStream {
   // the call its peers make next, so every rank raises `code`'s class with `message`, naming
   // this rank. Raises that error (or the stream's own, if it broke first).
   [[noreturn]] void fail(ErrorCode code, std::string_view message);
+
+  // Whether the stream is between begin() and its end (next() returned nullopt or raised).
+  [[nodiscard]] bool running() const noexcept { return state_ == State::kRunning; }
+  // Waits for the buckets started so far (each bounded by its deadline), without yielding
+  // them, and parks the buffers if the communicator broke: for an owner about to let go of the
+  // shards (the destructor does the same). The stream cannot go on afterwards.
+  void settle() noexcept;
 
  private:
   struct Shared {

@@ -63,7 +63,6 @@ class UnshardStream:
                                         bucket_bytes, prefetch, dst, strategy, timeout)
         self._begun = False
         self._ended = False
-        self._failed = False
         self._at = 0  # buckets yielded
         self.rank = self._comm.rank
         self.dst = dst
@@ -88,9 +87,9 @@ class UnshardStream:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if self._ended or not self._begun:
+        if not self._begun or not self._stream.running:
             return False  # ran to its end, or raised its own error (which every rank has)
-        self._ended = self._failed = True
+        self._ended = True
         if exc_type is None:
             reason = "left the stream after %d of %d buckets" % (self._at, self.num_buckets)
         else:
@@ -107,8 +106,8 @@ class UnshardStream:
         try:
             got = self._stream.next()
         except BaseException:
-            self._ended = self._failed = True
-            raise
+            self._ended = True  # the stream's own error ends it on every rank (or it is still
+            raise               # running, after a failure here, and __exit__ tells the peers)
         if got is None:
             self._ended = True
             raise StopIteration
@@ -120,14 +119,15 @@ class UnshardStream:
 
     def _begin(self):
         """Begins the stream, or begins it again once it ran to its end (a weight sync every
-        step): the buckets reuse the buffers of the first run."""
-        if self._begun and not (self._ended and not self._failed):
+        step): the buckets reuse the buffers of the first run. A stream that failed raises
+        InvalidArgumentError here, on every rank."""
+        if self._begun and self._stream.running:
             return
         self._begun, self._ended, self._at = True, False, 0
         try:
             self._stream.begin(self._tensors, self._comm)
         except BaseException:
-            self._ended = self._failed = True
+            self._ended = True
             raise
 
 

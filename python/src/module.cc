@@ -446,6 +446,7 @@ PYBIND11_MODULE(_shardgather, m) {
       .def("begin", &PyUnshardStream::begin, py::arg("shards"), py::arg("comm"))
       .def("next", &PyUnshardStream::next)
       .def("fail", &PyUnshardStream::fail, py::arg("message"), py::arg("is_type_error") = false)
+      .def_property_readonly("running", &PyUnshardStream::running)
       .def_property_readonly("num_buckets",
                              [](const PyUnshardStream& s) { return s.stream().num_buckets(); })
       .def_property_readonly("buffer_bytes",

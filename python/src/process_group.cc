@@ -281,14 +281,19 @@ void ProcessGroupCommunicator::scatter_chunked(std::span<const ConstSegment> sen
   const auto sends_to = [&](std::size_t r) {
     return sends && r != me && (root < 0 || r == static_cast<std::size_t>(root));
   };
+  // The same on every rank (counts are): at most kGatherChunk, less in a large group so that the
+  // slots stay within kSlotBudget, and no larger than the largest stream.
+  const std::uint64_t largest = *std::max_element(counts.begin(), counts.end());
+  const std::uint64_t chunk = std::max<std::uint64_t>(
+      1, std::min({kGatherChunk, std::max(kMinGatherChunk, kSlotBudget / (2 * world)), largest}));
   const auto chunk_of = [&](std::size_t r, std::uint64_t c) {
-    const std::uint64_t begin = c * kGatherChunk;
-    return begin >= counts[r] ? 0 : std::min(kGatherChunk, counts[r] - begin);
+    const std::uint64_t begin = c * chunk;
+    return begin >= counts[r] ? 0 : std::min(chunk, counts[r] - begin);
   };
   std::uint64_t rounds = 0;
   for (std::size_t r = 0; r < world; ++r) {
     if (receives_from(r) || (r == me && sends)) {
-      rounds = std::max(rounds, (counts[r] + kGatherChunk - 1) / kGatherChunk);
+      rounds = std::max(rounds, (counts[r] + chunk - 1) / chunk);
     }
   }
   if (receives) {
@@ -297,17 +302,18 @@ void ProcessGroupCommunicator::scatter_chunked(std::span<const ConstSegment> sen
   if (rounds == 0) {
     return;
   }
-  // Slots 2r, 2r + 1: chunks from rank r; slots 2me, 2me + 1: this rank's own chunks to send.
-  auto* slots = static_cast<std::byte*>(scratch(chunk_slots_, 2 * world * kGatherChunk).data_ptr());
+  // A receiver's slots 2r, 2r + 1 take chunks from rank r, and 2me, 2me + 1 this rank's own
+  // chunks to send; a rank that only sends has just those two.
+  const std::uint64_t nslots = receives ? 2 * world : 2;
+  auto* slots = static_cast<std::byte*>(scratch(chunk_slots_, nslots * chunk).data_ptr());
   const auto slot = [&](std::size_t r, std::uint64_t c) {
-    return slots + (2 * r + c % 2) * kGatherChunk;
+    return slots + ((receives ? 2 * r : 0) + c % 2) * chunk;
   };
   // This rank's chunk c: straight from the shard where one segment holds it whole, else packed
   // into its slot (whose previous send completed in the wait before).
   const auto stage = [&](std::uint64_t c) -> ConstSegment {
     const std::uint64_t len = chunk_of(me, c);
-    const std::vector<RecvPiece> from =
-        slice_segments(send, c * kGatherChunk, c * kGatherChunk + len);
+    const std::vector<RecvPiece> from = slice_segments(send, c * chunk, c * chunk + len);
     if (from.size() == 1 && from[0].count == 1) {
       return {from[0].data, len};
     }
@@ -359,9 +365,8 @@ void ProcessGroupCommunicator::scatter_chunked(std::span<const ConstSegment> sen
         continue;
       }
       const ConstSegment got{slot(r, c), len};
-      const std::vector<RecvPiece> into =
-          slice_pieces(pieces.subspan(first[r], first[r + 1] - first[r]), c * kGatherChunk,
-                       c * kGatherChunk + len);
+      const std::vector<RecvPiece> into = slice_pieces(
+          pieces.subspan(first[r], first[r + 1] - first[r]), c * chunk, c * chunk + len);
       copy_stream(std::span(&got, 1), into);
     }
     if (c + 1 < rounds) {

@@ -126,16 +126,20 @@ class ProcessGroupCommunicator final : public Communicator {
   void do_abort() noexcept override;
 
  public:
+  // scatter_chunked's chunk: at most kGatherChunk, at least kMinGatherChunk unless the streams
+  // are smaller, and 2 x world chunks within kSlotBudget.
   static constexpr std::uint64_t kGatherChunk = std::uint64_t{8} << 20;
+  static constexpr std::uint64_t kMinGatherChunk = std::uint64_t{256} << 10;
+  static constexpr std::uint64_t kSlotBudget = std::uint64_t{64} << 20;
 
  private:
   // Posts works under inflight_mu_ (abort() sees them, or its flag is seen right after).
   void post(const std::function<void()>& issue, const char* what);
-  // A scatter over point to point, to every rank (root < 0) or to `root`, in rounds of
-  // kGatherChunk per sender: a sender's chunk goes from its shard (or one of two staging slots)
-  // to each receiver, which receives it into one of two slots per sender and copies it out
-  // while the next round is on the wire. The extra memory is 2 x kGatherChunk per rank of the
-  // group, never the gathered bytes.
+  // A scatter over point to point, to every rank (root < 0) or to `root`, in rounds of one
+  // chunk per sender (at most kGatherChunk): a sender's chunk goes from its shard (or one of two
+  // staging slots) to each receiver, which receives it into one of two slots per sender and copies
+  // it out while the next round is on the wire. The extra memory is at most kSlotBudget on a
+  // receiver and two chunks on a rank that only sends, never the gathered bytes.
   void scatter_chunked(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                        std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
                        int root, Deadline deadline, const char* what);

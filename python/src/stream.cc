@@ -11,6 +11,22 @@ namespace py = pybind11;
 
 namespace shardgather::python {
 
+namespace {
+
+// What a bucket's storage keeps alive: the stream that owns the buffer, and the communicator the
+// stream's destructor may still ask (declared first, so destroyed last).
+struct BucketOwner {
+  std::shared_ptr<Communicator> comm;
+  std::shared_ptr<UnshardStream> stream;
+};
+
+}  // namespace
+
+PyUnshardStream::~PyUnshardStream() {
+  const py::gil_scoped_release release;
+  stream_->settle();
+}
+
 void PyUnshardStream::begin(py::handle shards, const std::shared_ptr<Communicator>& comm) {
   comm_ = comm;
   shards_ = parse_params(shards, "shards");
@@ -33,11 +49,11 @@ py::object PyUnshardStream::next() {
   }
   py::list full(bucket->full.size());
   if (!bucket->full.empty()) {
-    // One storage over the bucket's buffer; it holds a reference to the stream, which owns it.
+    // One storage over the bucket's buffer; it holds the stream, which owns it.
     auto* base = static_cast<std::byte*>(bucket->full.front().data);
     const std::uint64_t bytes = stream_->buffer_bytes();
     const c10::Storage storage =
-        adopt_storage(std::make_unique<std::shared_ptr<UnshardStream>>(stream_), base, bytes);
+        adopt_storage(std::make_unique<BucketOwner>(BucketOwner{comm_, stream_}), base, bytes);
     for (std::size_t j = 0; j < bucket->full.size(); ++j) {
       PyObject* obj = THPVariable_Wrap(tensor_over(storage, base, bucket->full[j]));
       if (obj == nullptr) {

@@ -26,6 +26,13 @@ class PyUnshardStream {
   PyUnshardStream(const std::vector<ShardSpec>& specs, int world_size, int rank,
                   const StreamOptions& options)
       : stream_(std::make_shared<UnshardStream>(specs, world_size, rank, options)) {}
+  PyUnshardStream(const PyUnshardStream&) = delete;
+  PyUnshardStream& operator=(const PyUnshardStream&) = delete;
+  PyUnshardStream(PyUnshardStream&&) = delete;
+  PyUnshardStream& operator=(PyUnshardStream&&) = delete;
+  // Waits for the buckets still gathering before the shards they read are let go (a loop left
+  // with `break` and no `with`); the stream may live on in the bucket tensors.
+  ~PyUnshardStream();
 
   // A local error in `shards` fails the stream's first call on every rank.
   void begin(pybind11::handle shards, const std::shared_ptr<Communicator>& comm);
@@ -33,12 +40,14 @@ class PyUnshardStream {
   // does not receive).
   pybind11::object next();
   [[noreturn]] void fail(const std::string& message, bool is_type_error);
+  [[nodiscard]] bool running() const noexcept { return stream_->running(); }
 
   [[nodiscard]] const UnshardStream& stream() const noexcept { return *stream_; }
 
  private:
-  std::shared_ptr<UnshardStream> stream_;
+  // Destroyed in reverse: the shards, then the stream (which may still need the communicator).
   std::shared_ptr<Communicator> comm_;
+  std::shared_ptr<UnshardStream> stream_;
   Params shards_;
 };
 

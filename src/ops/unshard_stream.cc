@@ -94,11 +94,25 @@ UnshardStream::UnshardStream(std::span<const ShardSpec> specs, int world_size, i
   fingerprint_ = hasher.value() == 0 ? 1 : hasher.value();
 }
 
-UnshardStream::~UnshardStream() {
+UnshardStream::~UnshardStream() { settle(); }
+
+void UnshardStream::settle() noexcept {
+  const bool started = !inflight_.empty();
   for (Work<ExecStats>& work : inflight_) {
     (void)work.test(std::chrono::milliseconds(-1));  // bounded by the bucket's deadline
   }
   inflight_.clear();
+  if (started && state_ == State::kRunning) {
+    state_ = State::kFailed;  // its buckets were never yielded: it cannot go on
+    shared_->broken.store(true);
+  }
+  if (comm_ != nullptr && comm_->is_poisoned()) {
+    // A bucket whose collective failed (a timeout) may still be written by it.
+    for (AlignedBuffer& buffer : buffers_) {
+      detail::park(buffer);
+    }
+    buffers_.clear();
+  }
 }
 
 void UnshardStream::agree_stream(const std::function<void()>& check) {
@@ -114,12 +128,19 @@ void UnshardStream::agree_stream(const std::function<void()>& check) {
 }
 
 void UnshardStream::begin(std::span<const TensorView> shards, Communicator& comm) {
-  if (state_ == State::kRunning || state_ == State::kFailed) {
-    throw InvalidArgument(state_ == State::kRunning
-                              ? "UnshardStream::begin: the stream is running (drain it first)"
-                              : "UnshardStream::begin: the stream failed; build a new one");
+  if (state_ == State::kRunning) {
+    throw InvalidArgument("UnshardStream::begin: the stream is running (drain it first)");
   }
   comm_ = &comm;
+  if (state_ == State::kFailed) {
+    // Through the header: a peer whose stream did not fail is in this call too, and hears it.
+    fail_call(comm,
+              {.op = Operation::kUnshardStream,
+               .header_exchanged = true,
+               .timeout = options_.plan.timeout},
+              ErrorCode::kInvalidArgument,
+              "UnshardStream::begin: the stream failed earlier; build a new one");
+  }
   state_ = State::kFailed;  // until the agreement passed
   started_ = 0;
   yielded_ = 0;
@@ -250,18 +271,7 @@ void UnshardStream::fail(ErrorCode code, std::string_view message) {
 void UnshardStream::broke(const std::exception_ptr& error) {
   state_ = State::kFailed;
   shared_->broken.store(true);
-  for (Work<ExecStats>& work : inflight_) {
-    (void)work.test(
-        std::chrono::milliseconds(-1));  // skips, or fails fast on a poisoned communicator
-  }
-  inflight_.clear();
-  if (comm_ != nullptr && comm_->is_poisoned()) {
-    // A collective that failed may still write the bucket buffers.
-    for (AlignedBuffer& buffer : buffers_) {
-      detail::park(buffer);
-    }
-    buffers_.clear();
-  }
+  settle();  // the rest skip, or fail fast on a poisoned communicator
   std::rethrow_exception(error);
 }
 

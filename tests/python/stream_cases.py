@@ -97,6 +97,19 @@ def check_stream_consumer_raises(rank, world, group):
                         raise ValueError("disk full at bucket %d" % b)
         msg = str(info.value)
         assert "rank %d" % (world - 1) in msg and "disk full" in msg, msg
+        with pytest.raises(shardgather.InvalidArgumentError, match="failed earlier"):
+            with s:  # a failed stream does not run again, on any rank
+                pass
+    # A loop left with break and no `with` (on every rank alike), then the stream dropped: its
+    # started buckets complete before the shards go, and the group stays in step.
+    s = shardgather.unshard_stream(shards, specs, group, bucket_bytes=512, prefetch=2, timeout=T)
+    for b, _ in enumerate(s):
+        if b == 1:
+            break
+    del s, _
+    import gc
+
+    gc.collect()
     # The group is still usable.
     full = shardgather.unshard(shards, specs, group, timeout=T)
     for i, s in enumerate(specs):

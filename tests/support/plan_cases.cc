@@ -526,6 +526,8 @@ void case_unshard_stream_errors(Communicator& comm) {
           },
           needle);
       EXPECT_THROW((void)stream.next(), InvalidArgument);
+      // A failed stream cannot begin again: every rank raises, through the header.
+      expect_raises<InvalidArgument>([&] { stream.begin(set.views, comm); }, "failed earlier");
     }
   }
   const UnshardResult after = unshard(set.views, comm, specs);
