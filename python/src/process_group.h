@@ -27,8 +27,8 @@
 // own slot while those arrive, and post one send per peer from the slot: no padding (a true
 // gather-v), no staging, no internal buffer. Scattered destinations (unshard along dim 1, a
 // bucket of several parameters) and gathers to one rank go through scatter_chunked: rounds of
-// 8 MiB chunks through two slots per peer, so the extra memory never grows with the gathered
-// bytes. Tag kP2PTag is reserved on the group. Without it
+// chunks of up to 8 MiB through two slots per peer, so the extra memory never grows with the
+// gathered bytes. Tag kP2PTag is reserved on the group. Without it
 // (`p2p=false`, or NCCL) an equal-size all_gather is one c10d all_gather_single into the flat
 // output.
 // Waits are not sliced there: a Gloo unbound-buffer wait that times out signals the failure on
