@@ -701,7 +701,7 @@ Outcome m8_op_kind(Communicator& comm, const CaseContext& ctx) {
 // class, naming the disagreement, from the pre-flight header alone (exactly one collective:
 // no payload moves), well within the deadline, and the communicator must stay usable.
 
-enum class DOp : std::uint8_t { kForeach, kCreate, kExecute, kUnshard, kUnshardExecute };
+enum class DOp : std::uint8_t { kForeach, kCreate, kExecute, kUnshard, kUnshardExecute, kStream };
 
 struct DCall {
   DOp op = DOp::kForeach;
@@ -715,6 +715,9 @@ struct DCall {
   int shape_shift = 0;       // the hint's (or plan's) row of rank 0 is this much longer
   int timeout_ms = 0;        // negative: a bad timeout; 0: the context's
   bool swap_sizes = false;   // unshard: the specs' sizes of ranks 0 and 1 swapped
+  int dst = -1;              // unshard plans and streams: the rank that receives (-1: every rank)
+  std::uint64_t bucket_bytes = 64;  // streams
+  int prefetch = 1;                 // streams
 };
 
 struct DRow {
@@ -878,6 +881,34 @@ const DRow kDRows[] = {
      3,
      {.op = DOp::kUnshardExecute},
      {.op = DOp::kUnshardExecute, .swap_sizes = true}},
+    {"D-unshard-dst",
+     "an unshard plan gathering to rank 0 against one gathering to every rank",
+     "Mismatch",
+     "shapes hint / plan differs",
+     2,
+     {.op = DOp::kUnshardExecute},
+     {.op = DOp::kUnshardExecute, .dst = 0}},
+    {"D-stream-bucket",
+     "a stream cut into buckets of another size",
+     "Mismatch",
+     "shapes hint / plan differs",
+     2,
+     {.op = DOp::kStream},
+     {.op = DOp::kStream, .bucket_bytes = 128}},
+    {"D-stream-prefetch",
+     "a stream with another prefetch depth",
+     "Mismatch",
+     "shapes hint / plan differs",
+     2,
+     {.op = DOp::kStream},
+     {.op = DOp::kStream, .prefetch = 0}},
+    {"D-stream-dst",
+     "a stream to rank 0 against one to every rank",
+     "Mismatch",
+     "shapes hint / plan differs",
+     2,
+     {.op = DOp::kStream},
+     {.op = DOp::kStream, .dst = 0}},
 };
 
 // Rank r's shape of tensor i (tensor 2 is sharded along dim 1).
@@ -964,9 +995,18 @@ GatherResult d_call(const DCall& c, Communicator& comm, const CaseContext& ctx, 
       (void)unshard(in.views, comm, d_specs(c, world), po);
       return {};
     case DOp::kUnshardExecute: {
-      UnshardPlan plan(d_specs(c, world), world, comm.rank(), po);
+      UnshardPlan plan(d_specs(c, world), world, comm.rank(), po, c.dst);
       std::vector<std::byte> out(plan.output_bytes());
       (void)plan.execute(in.views, comm, out);
+      return {};
+    }
+    case DOp::kStream: {
+      UnshardStream stream(
+          d_specs(c, world), world, comm.rank(),
+          {.bucket_bytes = c.bucket_bytes, .prefetch = c.prefetch, .dst = c.dst, .plan = po});
+      stream.begin(in.views, comm);
+      while (stream.next()) {
+      }
       return {};
     }
   }
