@@ -181,6 +181,46 @@ void Communicator::gather_scatter(std::span<const ConstSegment> send,
                  [&] { do_gather_scatter(send, pieces, first, counts, root, deadline); });
 }
 
+namespace {
+
+// InvalidArgument unless `first` splits `entries` items over `world` ranks, in order.
+void check_split(std::span<const std::size_t> first, std::size_t entries, std::size_t world,
+                 int rank, const char* name) {
+  // Built only on failure: a steady-state call allocates nothing.
+  const auto fail = [&](const std::string& what) {
+    throw InvalidArgument("rank " + std::to_string(rank) + ": all_to_all_scatter: " + name + " " +
+                          what);
+  };
+  if (first.size() != world + 1 || first[0] != 0 || first[world] != entries) {
+    fail("does not split " + std::to_string(entries) + " entries over " + std::to_string(world) +
+         " ranks");
+  }
+  for (std::size_t r = 0; r < world; ++r) {
+    if (first[r + 1] < first[r]) {
+      fail("is not monotone at rank " + std::to_string(r));
+    }
+  }
+}
+
+}  // namespace
+
+void Communicator::all_to_all_scatter(std::span<const ConstSegment> send,
+                                      std::span<const std::size_t> send_first,
+                                      std::span<const RecvPiece> pieces,
+                                      std::span<const std::size_t> first, Deadline deadline) {
+  if (!capabilities().all_to_all) {
+    throw InvalidArgument("rank " + std::to_string(rank()) + ": all_to_all_scatter: the " +
+                          std::string(backend_name()) +
+                          " transport has no point-to-point exchange (capabilities().all_to_all "
+                          "is false)");
+  }
+  const auto world = static_cast<std::size_t>(size());
+  check_split(send_first, send.size(), world, rank(), "send_first");
+  check_split(first, pieces.size(), world, rank(), "first");
+  run_collective("all_to_all_scatter",
+                 [&] { do_all_to_all_scatter(send, send_first, pieces, first, deadline); });
+}
+
 void Communicator::barrier(Deadline deadline) {
   run_collective("barrier", [&] { do_barrier(deadline); });
 }

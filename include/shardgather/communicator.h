@@ -58,6 +58,9 @@ struct Capabilities {
   // all_gather_scatter lands bytes in strided pieces itself (threads, MPI derived datatypes).
   // False: the strategy layer gathers rank-major and copies out.
   bool scatter = true;
+  // all_to_all_scatter moves each pair's bytes point to point (threads, MPI). False: it raises
+  // InvalidArgument, and kHierarchical runs kDirect instead.
+  bool all_to_all = true;
 };
 
 // Used when neither the call nor the communicator sets a timeout. Gloo uses 30 s; a large
@@ -80,6 +83,10 @@ class SHARDGATHER_API Communicator {
   // How many ranks of this communicator share this rank's host (its memory bandwidth and
   // cores): copy kernels size their thread count from it, and the node-shared window needs all.
   [[nodiscard]] virtual int ranks_on_host() const noexcept = 0;
+  // Which host each rank is on: element r is rank r's host, numbered 0, 1, ... in the order of
+  // each host's lowest rank, the same on every rank. Empty where the backend cannot tell (the
+  // hierarchical strategy then does not run). Consistent with ranks_on_host().
+  [[nodiscard]] virtual std::span<const int> hosts() const noexcept = 0;
   // Facts about how this transport moves bytes; the strategy layer (src/strategies/select.cc)
   // turns them into choices. Must be the same on every rank.
   [[nodiscard]] virtual Capabilities capabilities() const noexcept = 0;
@@ -112,6 +119,18 @@ class SHARDGATHER_API Communicator {
   void gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                       std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
                       int root, Deadline deadline);
+
+  // Personalised exchange (where capabilities().all_to_all): this rank sends peer p the segments
+  // send[send_first[p] .. send_first[p + 1]) in order, and receives from peer q into the pieces
+  // pieces[first[q] .. first[q + 1]) in order; send_first and first have size() + 1 entries.
+  // Pairs with nothing to move cost nothing, and this rank's own entry is copied locally. What q
+  // sends to r must be exactly what r's pieces from q hold: callers derive both sides from facts
+  // every rank shares (the pre-flight header's counts). The threads backend checks every pair
+  // and raises Mismatch on every rank; MPI raises on a receive too small for its message.
+  void all_to_all_scatter(std::span<const ConstSegment> send,
+                          std::span<const std::size_t> send_first,
+                          std::span<const RecvPiece> pieces, std::span<const std::size_t> first,
+                          Deadline deadline);
 
   void barrier(Deadline deadline);
 
@@ -167,6 +186,10 @@ class SHARDGATHER_API Communicator {
                                  std::span<const std::size_t> first,
                                  std::span<const std::uint64_t> counts, int root,
                                  Deadline deadline) = 0;
+  virtual void do_all_to_all_scatter(std::span<const ConstSegment> send,
+                                     std::span<const std::size_t> send_first,
+                                     std::span<const RecvPiece> pieces,
+                                     std::span<const std::size_t> first, Deadline deadline) = 0;
   virtual void do_barrier(Deadline deadline) = 0;
   virtual void do_abort() noexcept = 0;
 

@@ -30,11 +30,18 @@ enum class Strategy : std::uint8_t {
   // equal-size all_gather, each rank's real bytes copied out. What kDirect becomes on a
   // transport without an exact gather-v (Communicator::capabilities().gather_v false).
   kPadded = 5,
+  // Ranks on several hosts, some host with more than one: each rank copies its stream into its
+  // host's node-shared window and sends it once to one rank of every other host, which receives
+  // it into that host's window; after a barrier every rank copies out from its window. Each
+  // byte crosses the network once per receiving host instead of once per receiving rank. Falls
+  // back to kDirect where it cannot apply (one host, one rank per host, a gather to one rank, a
+  // transport without capabilities().all_to_all).
+  kHierarchical = 6,
 };
 
 SHARDGATHER_API std::string_view strategy_name(Strategy strategy) noexcept;
 // InvalidArgument for an unknown name. Accepts "auto", "direct", "packed", "per_tensor",
-// "shared", "padded".
+// "shared", "padded", "hierarchical".
 SHARDGATHER_API Strategy parse_strategy(std::string_view name);
 
 }  // namespace shardgather

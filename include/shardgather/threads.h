@@ -20,5 +20,10 @@ namespace shardgather {
 
 // One communicator per rank; element r is rank r. InvalidArgument unless world_size >= 1.
 SHARDGATHER_API std::vector<std::unique_ptr<Communicator>> make_thread_group(int world_size);
+// The same with simulated hosts, for testing what depends on them (the hierarchical strategy):
+// hosts[r] is rank r's host, numbered 0, 1, ... in the order of each host's lowest rank. Only
+// hosts() and ranks_on_host() change: the memory is still one process's.
+SHARDGATHER_API std::vector<std::unique_ptr<Communicator>> make_thread_group(
+    int world_size, std::vector<int> hosts);
 
 }  // namespace shardgather

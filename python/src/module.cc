@@ -283,6 +283,15 @@ PYBIND11_MODULE(_shardgather, m) {
           "Default deadline of a call, in seconds")
       .def_property_readonly("is_poisoned", &Communicator::is_poisoned)
       .def_property_readonly("collectives_issued", &Communicator::collectives_issued)
+      .def_property_readonly("ranks_on_host", &Communicator::ranks_on_host,
+                             "How many ranks of the group share this rank's host")
+      .def_property_readonly(
+          "hosts",
+          [](const Communicator& c) {
+            return std::vector<int>(c.hosts().begin(), c.hosts().end());
+          },
+          "hosts[r]: rank r's host, numbered in the order of each host's lowest rank (empty "
+          "where the backend cannot tell)")
       .def_property_readonly(
           "uses_host_mailbox",
           [](const Communicator& c) {

@@ -428,6 +428,7 @@ void ProcessGroupCommunicator::wait_p2p_here(Deadline deadline, const char* what
 
 int ProcessGroupCommunicator::count_ranks_on_host(Deadline deadline) {
   if (size_ == 1) {
+    hosts_ = {0};
     return 1;
   }
   // Every rank exchanges its host name's hash and its LOCAL_WORLD_SIZE (torchrun sets it), so
@@ -446,11 +447,34 @@ int ProcessGroupCommunicator::count_ranks_on_host(Deadline deadline) {
   std::memcpy(all.data(), bytes.data(), bytes.size());
   const bool env_agrees =
       std::all_of(all.begin(), all.end(), [&](const auto& r) { return r[1] == all[0][1]; });
-  if (env_agrees && all[0][1] != 0) {
-    return static_cast<int>(all[0][1]);
+  // Hosts numbered in the order of their lowest rank.
+  std::vector<std::uint64_t> names;
+  for (const auto& r : all) {
+    const auto at = std::find(names.begin(), names.end(), r[0]);
+    hosts_.push_back(static_cast<int>(at - names.begin()));
+    if (at == names.end()) {
+      names.push_back(r[0]);
+    }
   }
-  return static_cast<int>(
+  const auto by_name = static_cast<int>(
       std::count_if(all.begin(), all.end(), [&](const auto& r) { return r[0] == mine[0]; }));
+  if (env_agrees && all[0][1] != 0) {
+    const auto local = static_cast<int>(all[0][1]);
+    if (local != by_name) {
+      hosts_.clear();  // the names and the variable disagree: which rank is where is unknown
+    }
+    return local;
+  }
+  return by_name;
+}
+
+void ProcessGroupCommunicator::do_all_to_all_scatter(std::span<const ConstSegment> /*send*/,
+                                                     std::span<const std::size_t> /*send_first*/,
+                                                     std::span<const RecvPiece> /*pieces*/,
+                                                     std::span<const std::size_t> /*first*/,
+                                                     Deadline /*deadline*/) {
+  throw InvalidArgument("rank " + std::to_string(rank_) +
+                        ": all_to_all_scatter is not offered on " + name_);
 }
 
 void ProcessGroupCommunicator::do_barrier(Deadline deadline) {

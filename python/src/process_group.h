@@ -99,6 +99,9 @@ class ProcessGroupCommunicator final : public Communicator {
   // collective (also for the host mailbox: one /dev/shm object of about 2 KiB per rank,
   // unlinked once mapped).
   [[nodiscard]] int ranks_on_host() const noexcept override { return ranks_on_host_; }
+  // From the same exchange: ranks with the same host name share a host (empty when
+  // LOCAL_WORLD_SIZE overrode the count and disagrees with the names).
+  [[nodiscard]] std::span<const int> hosts() const noexcept override { return hosts_; }
   // Point to point (Gloo, host memory) is an exact gather-v, and scatters through bounded
   // chunks (scatter_chunked); otherwise only c10d's equal-size allgather, and the strategy layer
   // pads.
@@ -106,7 +109,8 @@ class ProcessGroupCommunicator final : public Communicator {
     return {.reads_peer_memory = false,
             .small_messages_in_shared_memory = mailbox_ != nullptr,
             .gather_v = p2p_,
-            .scatter = p2p_};
+            .scatter = p2p_,
+            .all_to_all = false};
   }
 
  protected:
@@ -122,6 +126,11 @@ class ProcessGroupCommunicator final : public Communicator {
   void do_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                          std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
                          int root, Deadline deadline) override;
+  // Not offered (capabilities().all_to_all is false): the hierarchical strategy runs kDirect.
+  void do_all_to_all_scatter(std::span<const ConstSegment> send,
+                             std::span<const std::size_t> send_first,
+                             std::span<const RecvPiece> pieces, std::span<const std::size_t> first,
+                             Deadline deadline) override;
   void do_barrier(Deadline deadline) override;
   void do_abort() noexcept override;
 
@@ -169,6 +178,7 @@ class ProcessGroupCommunicator final : public Communicator {
   c10::Device device_;
   bool staged_on_device_;
   int ranks_on_host_ = 1;
+  std::vector<int> hosts_;
   bool p2p_ = false;
   std::atomic<bool> abort_requested_{false};
   std::mutex inflight_mu_;  // guards inflight_ against abort() from another thread

@@ -1,6 +1,7 @@
-// Memory that every rank of a single-host communicator maps: a POSIX shared-memory object
-// created by rank 0, mapped by all, unlinked once all have mapped it (so nothing is left in
-// /dev/shm once the ranks unmap it, or die). Creation is collective; destruction is local.
+// Memory that the ranks of one host map together: a POSIX shared-memory object per host,
+// created by the host's lowest rank, mapped by that host's ranks, unlinked once every rank has
+// mapped its host's (so nothing is left in /dev/shm once the ranks unmap it, or die). Creation
+// is collective over the whole communicator; destruction is local.
 #pragma once
 
 #include <cstddef>
@@ -13,8 +14,10 @@ namespace shardgather::detail {
 
 class SharedBuffer {
  public:
-  // Collective over `comm`, whose ranks must all be on this host. OutOfMemory when /dev/shm
-  // cannot hold `bytes` (reserved with posix_fallocate, so it never faults later).
+  // Collective over `comm`: every rank gets `bytes` shared with the ranks of its host
+  // (Communicator::hosts(); all of them where that is empty and every rank is on this host).
+  // OutOfMemory on every rank when some host's /dev/shm cannot hold `bytes` (reserved with
+  // posix_fallocate, so it never faults later); InvalidArgument where hosts are unknown.
   static std::unique_ptr<SharedBuffer> create(Communicator& comm, std::uint64_t bytes,
                                               Deadline deadline);
   SharedBuffer(const SharedBuffer&) = delete;

@@ -69,11 +69,13 @@ void run_payload(Call& call, Strategy requested, Strategy strategy, const Gather
   try {
     run();
   } catch (const OutOfMemory&) {
-    // kAuto chose the node-shared window and it could not be reserved (a small /dev/shm, as in
+    // kAuto chose a node-shared window and it could not be reserved (a small /dev/shm, as in
     // a container): SharedBuffer::create raises that on every rank alike, after its collectives
     // completed, so every rank takes the transport path instead, now and for every later
     // execution (select_strategy reads shared_unavailable). An explicit kShared keeps the error.
-    if (requested != Strategy::kAuto || stats.strategy != Strategy::kShared || scratch.window) {
+    const bool windowed =
+        stats.strategy == Strategy::kShared || stats.strategy == Strategy::kHierarchical;
+    if (requested != Strategy::kAuto || !windowed || scratch.window) {
       throw;
     }
     scratch.shared_unavailable = true;

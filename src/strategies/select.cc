@@ -23,19 +23,22 @@ std::string_view strategy_name(Strategy strategy) noexcept {
       return "shared";
     case Strategy::kPadded:
       return "padded";
+    case Strategy::kHierarchical:
+      return "hierarchical";
   }
   return "invalid";
 }
 
 Strategy parse_strategy(std::string_view name) {
-  for (const Strategy s : {Strategy::kAuto, Strategy::kDirect, Strategy::kPacked,
-                           Strategy::kPerTensor, Strategy::kShared, Strategy::kPadded}) {
+  for (const Strategy s :
+       {Strategy::kAuto, Strategy::kDirect, Strategy::kPacked, Strategy::kPerTensor,
+        Strategy::kShared, Strategy::kPadded, Strategy::kHierarchical}) {
     if (strategy_name(s) == name) {
       return s;
     }
   }
   throw InvalidArgument("unknown strategy \"" + std::string(name) +
-                        "\" (auto, direct, packed, per_tensor, shared, padded)");
+                        "\" (auto, direct, packed, per_tensor, shared, padded, hierarchical)");
 }
 
 namespace detail {
@@ -62,6 +65,9 @@ Strategy select_strategy(Strategy requested, std::span<const std::uint64_t> coun
   if (requested == Strategy::kShared && !shared_available(comm)) {
     return direct();  // documented fallback: ranks on several hosts
   }
+  if (requested == Strategy::kHierarchical && !hierarchical_available(comm)) {
+    return direct();  // documented fallback: one host, or one rank per host
+  }
   if (requested == Strategy::kDirect) {
     return direct();
   }
@@ -70,8 +76,14 @@ Strategy select_strategy(Strategy requested, std::span<const std::uint64_t> coun
   }
   const std::uint64_t largest =
       counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
-  if (shared_available(comm) && !shared_unavailable && largest >= shared_window_min_bytes(caps)) {
+  if (shared_unavailable || largest < shared_window_min_bytes(caps)) {
+    return direct();
+  }
+  if (shared_available(comm)) {
     return Strategy::kShared;
+  }
+  if (hierarchical_available(comm)) {
+    return Strategy::kHierarchical;
   }
   return direct();
 }
@@ -87,6 +99,9 @@ void run_strategy(Strategy strategy, const GatherJob& job, Communicator& comm, D
       return;
     case Strategy::kShared:
       run_shared(job, comm, deadline, scratch);
+      return;
+    case Strategy::kHierarchical:
+      run_hierarchical(job, comm, deadline, scratch);
       return;
     case Strategy::kPadded:
       gather_padded(job.send, job.pieces, job.first, job.counts, job.copy_threads, comm, deadline,

@@ -17,21 +17,21 @@ bool shared_available(const Communicator& comm) noexcept {
   return comm.size() > 1 && comm.ranks_on_host() == comm.size();
 }
 
-std::byte* shared_copy_in(const GatherJob& job, Communicator& comm, Deadline deadline,
-                          StrategyScratch& scratch) {
-  const std::size_t world = job.counts.size();
-  const auto me = static_cast<std::size_t>(comm.rank());
-  if (job.stream_displs.empty()) {
-    scratch.displs.resize(world);
+std::span<const std::uint64_t> window_displs(const GatherJob& job, StrategyScratch& scratch) {
+  if (!job.stream_displs.empty()) {
+    return job.stream_displs;
   }
-  const std::span<const std::uint64_t> displs = job.stream_displs.empty()
-                                                    ? std::span<const std::uint64_t>(scratch.displs)
-                                                    : job.stream_displs;
-  const std::uint64_t round_bytes = job.stream_displs.empty()
-                                        ? place_blocks(job.counts, 8, scratch.displs)
-                                        : displs[world - 1] + job.counts[world - 1];
+  scratch.displs.resize(job.counts.size());
+  place_blocks(job.counts, 8, scratch.displs);
+  return scratch.displs;
+}
+
+std::byte* window_round(const GatherJob& job, std::span<const std::uint64_t> displs,
+                        Communicator& comm, Deadline deadline, StrategyScratch& scratch) {
+  const std::size_t world = job.counts.size();
+  const std::uint64_t round_bytes = displs[world - 1] + job.counts[world - 1];
   if (!scratch.window || scratch.window_bytes != round_bytes) {
-    // Collective: every rank reaches this on its first shared execution of this plan, and a
+    // Collective: every rank reaches this on its first windowed execution of this plan, and a
     // fresh window has no reader yet.
     scratch.window.reset();
     const std::uint64_t before = comm.collectives_issued();
@@ -48,8 +48,25 @@ std::byte* shared_copy_in(const GatherJob& job, Communicator& comm, Deadline dea
     comm.barrier(deadline);  // nobody may still be reading the previous call's bytes
   }
   std::byte* base = scratch.window->data();
+  const auto me = static_cast<std::size_t>(comm.rank());
   const RecvPiece mine{base + displs[me], job.counts[me], 1, 0};
   copy_stream_parallel(job.send, std::span(&mine, 1), job.copy_threads);
+  return base;
+}
+
+void copy_out_window(const GatherJob& job, const std::byte* base,
+                     std::span<const std::uint64_t> displs) {
+  for (std::size_t r = 0; r < job.counts.size(); ++r) {
+    const ConstSegment stream{base + displs[r], job.counts[r]};
+    copy_stream_parallel(std::span(&stream, 1),
+                         job.pieces.subspan(job.first[r], job.first[r + 1] - job.first[r]),
+                         job.copy_threads);
+  }
+}
+
+std::byte* shared_copy_in(const GatherJob& job, Communicator& comm, Deadline deadline,
+                          StrategyScratch& scratch) {
+  std::byte* base = window_round(job, window_displs(job, scratch), comm, deadline, scratch);
   comm.barrier(deadline);
   return base;
 }
@@ -57,15 +74,7 @@ std::byte* shared_copy_in(const GatherJob& job, Communicator& comm, Deadline dea
 void run_shared(const GatherJob& job, Communicator& comm, Deadline deadline,
                 StrategyScratch& scratch) {
   const std::byte* base = shared_copy_in(job, comm, deadline, scratch);
-  const std::span<const std::uint64_t> displs = job.stream_displs.empty()
-                                                    ? std::span<const std::uint64_t>(scratch.displs)
-                                                    : job.stream_displs;
-  for (std::size_t r = 0; r < job.counts.size(); ++r) {
-    const ConstSegment stream{base + displs[r], job.counts[r]};
-    copy_stream_parallel(std::span(&stream, 1),
-                         job.pieces.subspan(job.first[r], job.first[r + 1] - job.first[r]),
-                         job.copy_threads);
-  }
+  copy_out_window(job, base, window_displs(job, scratch));
 }
 
 }  // namespace shardgather::detail

@@ -58,6 +58,14 @@ struct StrategyScratch {
   std::uint64_t setup_collectives = 0;  // issued so far for one-time setup (the window)
   // The window could not be reserved on some rank: kAuto uses kDirect from then on.
   bool shared_unavailable = false;
+  // kHierarchical: which ranks share each host, and the exchange between hosts.
+  std::vector<std::size_t> host_start;    // hosts + 1
+  std::vector<std::size_t> host_members;  // size()
+  std::vector<std::size_t> host_local;    // size()
+  std::vector<ConstSegment> a2a_send;
+  std::vector<std::size_t> a2a_send_first;  // size() + 1
+  std::vector<RecvPiece> a2a_pieces;
+  std::vector<std::size_t> a2a_first;  // size() + 1
 };
 
 // When every rank's pieces form one contiguous run, fills scratch.displs relative to *base and
@@ -88,14 +96,28 @@ void run_packed(const GatherJob& job, Communicator& comm, Deadline deadline,
                 StrategyScratch& scratch);
 void run_per_tensor(const GatherJob& job, Communicator& comm, Deadline deadline,
                     StrategyScratch& scratch);
-// Copies this rank's stream into its region of the current round of the shared window and
-// meets the others; returns the round's base (every rank's stream at its stream_displs).
+// Where each rank's stream sits in the window: job.stream_displs, or back to back in scratch.
+std::span<const std::uint64_t> window_displs(const GatherJob& job, StrategyScratch& scratch);
+// Makes the window on a first execution (collective; the barrier of the reuse rule otherwise)
+// and copies this rank's stream into its region; returns the window's base.
+std::byte* window_round(const GatherJob& job, std::span<const std::uint64_t> displs,
+                        Communicator& comm, Deadline deadline, StrategyScratch& scratch);
+// Every rank's stream from the window into this rank's pieces.
+void copy_out_window(const GatherJob& job, const std::byte* base,
+                     std::span<const std::uint64_t> displs);
+// window_round, then meets the others; returns the round's base (every rank's stream at its
+// stream_displs).
 std::byte* shared_copy_in(const GatherJob& job, Communicator& comm, Deadline deadline,
                           StrategyScratch& scratch);
 void run_shared(const GatherJob& job, Communicator& comm, Deadline deadline,
                 StrategyScratch& scratch);
 // Whether kShared can run here: every rank on this host, more than one rank.
 bool shared_available(const Communicator& comm) noexcept;
+void run_hierarchical(const GatherJob& job, Communicator& comm, Deadline deadline,
+                      StrategyScratch& scratch);
+// Whether kHierarchical can run here: hosts known, more than one, some with several ranks, and
+// a transport with all_to_all_scatter.
+bool hierarchical_available(const Communicator& comm) noexcept;
 
 // `requested` resolved for a payload of `counts` bytes per rank on this backend: kAuto from the
 // backend's facts and every threshold (docs/benchmarking.md has the measurements), kShared to

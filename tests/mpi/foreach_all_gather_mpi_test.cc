@@ -11,12 +11,14 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
 #include <mpi.h>
 
 #include "detail/host_mailbox.h"
+#include "detail/shared_buffer.h"
 #include "support/cases.h"
 #include "support/plan_cases.h"
 #include "support/testing.h"
@@ -100,6 +102,8 @@ TEST_P(MpiTeams, UnshardAliasing) { testing::case_unshard_aliasing(team_.comm())
 TEST_P(MpiTeams, UnshardToDst) { testing::case_unshard_to_dst(team_.comm()); }
 TEST_P(MpiTeams, UnshardStream) { testing::case_unshard_stream(team_.comm()); }
 TEST_P(MpiTeams, UnshardStreamErrors) { testing::case_unshard_stream_errors(team_.comm()); }
+TEST_P(MpiTeams, AllToAllScatter) { testing::case_all_to_all_scatter(team_.comm()); }
+TEST_P(MpiTeams, Hierarchical) { testing::case_hierarchical(team_.comm()); }
 
 INSTANTIATE_TEST_SUITE_P(Teams, MpiTeams,
                          ::testing::Values(Team::kWorld, Team::kReverse, Team::kOddEven),
@@ -128,6 +132,8 @@ TEST(MpiChunked, SameResultsAsTheSingleCollective) {
   testing::case_unshard_to_dst(team.comm());  // gathers to one rank, sender by sender
   testing::case_unshard_stream(team.comm());
   testing::case_plan_steady_state(team.comm());
+  testing::case_all_to_all_scatter(team.comm());  // pairs above 1000 bytes go in chunks
+  testing::case_hierarchical(team.comm());
 }
 
 TEST(MpiCommunicator, RejectsBadOptions) {
@@ -258,9 +264,10 @@ TEST(MpiSharedWindow, AutoFallsBackToDirectWhenTheWindowCannotBeReserved) {
 }
 
 // Launched across simulated hosts (tools/netns-mpirun, with SHARDGATHER_TEST_RANKS_PER_HOST
-// set to its --per-host): each rank counts only the ranks of its own host, and nothing
-// node-shared spans hosts: no host mailbox, and the node-shared window is never used (kAuto
-// and an explicit kShared both run kDirect, bit-exact).
+// set to its --per-host): each rank counts only the ranks of its own host and knows every
+// rank's host, and nothing node-shared spans hosts: no host mailbox, a shared buffer is shared
+// only within a host, an explicit kShared runs kDirect, and kAuto runs kHierarchical (one window
+// per host) when a host has several ranks, all bit-exact.
 TEST(MpiHosts, RanksOnHostAndNothingSharedAcrossHosts) {
   const char* per_host = std::getenv("SHARDGATHER_TEST_RANKS_PER_HOST");
   if (per_host == nullptr) {
@@ -274,6 +281,26 @@ TEST(MpiHosts, RanksOnHostAndNothingSharedAcrossHosts) {
   ASSERT_LT(comm.ranks_on_host(), world) << "the launch put every rank on one host";
   EXPECT_EQ(detail::HostMailbox::create(comm, comm.deadline_after(std::chrono::seconds(30))),
             nullptr);
+  const int k = std::atoi(per_host);
+  ASSERT_EQ(comm.hosts().size(), static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(comm.hosts()[static_cast<std::size_t>(r)], r / k) << "rank " << r << "'s host";
+  }
+  {
+    // Each rank marks its slot of its host's buffer: it sees the marks of its host's ranks and
+    // none of another host's.
+    const auto buffer = detail::SharedBuffer::create(comm, 8 * static_cast<std::uint64_t>(world),
+                                                     comm.deadline_after(std::chrono::seconds(30)));
+    auto* slots = reinterpret_cast<std::uint64_t*>(buffer->data());
+    slots[rank] = 1000 + static_cast<std::uint64_t>(rank);
+    comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
+    for (int r = 0; r < world; ++r) {
+      const bool same_host = r / k == rank / k;
+      EXPECT_EQ(slots[r], same_host ? 1000 + static_cast<std::uint64_t>(r) : 0U)
+          << "rank " << rank << " reads rank " << r << "'s slot";
+    }
+    comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
+  }
 
   const std::vector<DType> dtypes{DType::kUInt8, DType::kFloat32};
   std::vector<std::vector<Shape>> shapes;
@@ -286,14 +313,20 @@ TEST(MpiHosts, RanksOnHostAndNothingSharedAcrossHosts) {
     tensors.push_back(testing::make_tensor(dtypes[i], shapes[me][i], 43, rank, i));
   }
   const std::vector<TensorView> params = testing::views_of(tensors);
-  for (const Strategy strategy : {Strategy::kAuto, Strategy::kShared}) {
+  const Strategy windowed = k > 1 ? Strategy::kHierarchical : Strategy::kDirect;
+  for (const auto& [strategy, runs] :
+       {std::pair{Strategy::kAuto, windowed}, std::pair{Strategy::kShared, Strategy::kDirect},
+        std::pair{Strategy::kHierarchical, windowed}}) {
     AllGatherPlan plan(
         dtypes, shapes, rank,
         PlanOptions{.timeout = {}, .preflight = true, .strategy = strategy, .copy_threads = 0});
     std::vector<std::byte> out(plan.output_bytes());
-    EXPECT_EQ(plan.execute(params, comm, out).strategy, Strategy::kDirect)
-        << "requested " << strategy_name(strategy);
-    expect_gathered(plan, out, dtypes, shapes, 43);
+    for (int step = 0; step < 2; ++step) {
+      std::memset(out.data(), 0xee, out.size());
+      EXPECT_EQ(plan.execute(params, comm, out).strategy, runs)
+          << "requested " << strategy_name(strategy);
+      expect_gathered(plan, out, dtypes, shapes, 43);
+    }
   }
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <string>
 #include <thread>
@@ -20,8 +21,9 @@ namespace {
 constexpr std::uint64_t kSeed = 0x9a11;
 constexpr int kFullRank = 1 << 20;  // pattern "rank" of the full (unsharded) tensors
 
-constexpr Strategy kStrategies[] = {Strategy::kAuto, Strategy::kDirect, Strategy::kPacked,
-                                    Strategy::kPerTensor, Strategy::kShared};
+constexpr Strategy kStrategies[] = {Strategy::kAuto,   Strategy::kDirect,
+                                    Strategy::kPacked, Strategy::kPerTensor,
+                                    Strategy::kShared, Strategy::kHierarchical};
 
 template <typename Error>
 void expect_raises(const std::function<void()>& fn, const std::string& needle) {
@@ -56,8 +58,9 @@ std::vector<HostTensor> plan_tensors(const std::vector<std::vector<Shape>>& shap
 }
 
 // "" when views[i * world + r] holds rank r's pattern of tensor i for every i and r.
-std::string check_plan_views(const std::vector<TensorView>& views, int world) {
-  for (std::size_t i = 0; i < kPlanDTypes.size(); ++i) {
+std::string check_plan_views(const std::vector<TensorView>& views, int world,
+                             std::size_t num_tensors = kPlanDTypes.size()) {
+  for (std::size_t i = 0; i < num_tensors; ++i) {
     for (int r = 0; r < world; ++r) {
       const TensorView& v =
           views[i * static_cast<std::size_t>(world) + static_cast<std::size_t>(r)];
@@ -211,10 +214,13 @@ void case_plan_steady_state(Communicator& comm) {
             EXPECT_EQ(stats.setup_collectives, 0U) << what;
           }
           if (world > 1 && strategy != Strategy::kPerTensor) {
-            // kShared without the header needs one barrier more: nobody may still read the
-            // window when a rank overwrites it.
-            const bool extra = stats.strategy == Strategy::kShared && !preflight && step > 0;
-            EXPECT_EQ(stats.payload_collectives, extra ? 2U : 1U) << what;
+            // A window without the header needs one barrier more: nobody may still read the
+            // window when a rank overwrites it. kHierarchical is an exchange and a barrier.
+            const bool hierarchical = stats.strategy == Strategy::kHierarchical;
+            const bool windowed = stats.strategy == Strategy::kShared || hierarchical;
+            const bool extra = windowed && !preflight && step > 0;
+            EXPECT_EQ(stats.payload_collectives, (hierarchical ? 2U : 1U) + (extra ? 1U : 0U))
+                << what;
           }
           ASSERT_EQ(check_plan_views(views, world), "") << what;
         }
@@ -565,6 +571,139 @@ void case_unshard_stream_timeout(Communicator& comm) {
   }
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));  // no hang
   EXPECT_THROW((void)stream.next(), InvalidArgument);                          // ended
+}
+
+namespace {
+
+// What an explicit kHierarchical runs on `comm`: itself where the ranks span hosts and some host
+// has several, kDirect otherwise.
+Strategy hierarchical_runs(const Communicator& comm) {
+  const std::span<const int> hosts = comm.hosts();
+  if (!comm.capabilities().all_to_all || hosts.size() != static_cast<std::size_t>(comm.size()) ||
+      comm.size() == 1) {
+    return Strategy::kDirect;
+  }
+  const int num_hosts = *std::max_element(hosts.begin(), hosts.end()) + 1;
+  return num_hosts > 1 && comm.size() > num_hosts ? Strategy::kHierarchical : Strategy::kDirect;
+}
+
+// An AllGatherPlan of one float32 tensor, rank r's shard `rows(r)` long: `steps` executions,
+// each bit-exact and run with `want`.
+void expect_plan_runs(Communicator& comm, const std::function<std::int64_t(int)>& rows,
+                      Strategy strategy, Strategy want, bool preflight, const std::string& what) {
+  const int world = comm.size();
+  std::vector<std::vector<Shape>> shapes;
+  for (int r = 0; r < world; ++r) {
+    shapes.push_back({{rows(r)}});
+  }
+  std::vector<HostTensor> tensors;  // moved in: a copy's view would point at the original
+  tensors.push_back(make_tensor(DType::kFloat32, shapes[static_cast<std::size_t>(comm.rank())][0],
+                                kSeed, comm.rank(), 0));
+  const std::vector<TensorView> params = views_of(tensors);
+  const PlanOptions options{.timeout = {}, .preflight = preflight, .strategy = strategy};
+  const std::vector<DType> dtypes = {DType::kFloat32};
+  AllGatherPlan plan(dtypes, shapes, comm.rank(), options);
+  std::vector<std::byte> out(plan.output_bytes());
+  for (int step = 0; step < 3; ++step) {
+    std::memset(out.data(), 0xee, out.size());
+    EXPECT_EQ(plan.execute(params, comm, out).strategy, want) << what << ", step " << step;
+    ASSERT_EQ(check_plan_views(plan.views(out.data()), world, 1), "") << what << ", step " << step;
+  }
+}
+
+}  // namespace
+
+void case_hierarchical(Communicator& comm) {
+  const int world = comm.size();
+  const int rank = comm.rank();
+  const Strategy want = hierarchical_runs(comm);
+  // Uneven shapes, mixed dtypes, a rank with an empty tensor: every step bit-exact.
+  const auto shapes = plan_shapes(world);
+  const std::vector<HostTensor> tensors = plan_tensors(shapes, rank);
+  const std::vector<TensorView> params = views_of(tensors);
+  for (const bool preflight : {true, false}) {
+    const PlanOptions options{
+        .timeout = {}, .preflight = preflight, .strategy = Strategy::kHierarchical};
+    AllGatherPlan plan(kPlanDTypes, shapes, rank, options);
+    std::vector<std::byte> out(plan.output_bytes());
+    for (int step = 0; step < 4; ++step) {
+      std::memset(out.data(), 0xee, out.size());
+      const ExecStats stats = plan.execute(params, comm, out);
+      const std::string what =
+          "preflight " + std::to_string(preflight) + ", step " + std::to_string(step);
+      EXPECT_EQ(stats.strategy, want) << what;
+      ASSERT_EQ(check_plan_views(plan.views(out.data()), world), "") << what;
+    }
+  }
+  // A rank that sends nothing still receives everything; a rank that alone sends.
+  expect_plan_runs(
+      comm, [](int r) { return r == 0 ? 0 : 5 + r; }, Strategy::kHierarchical, want, true,
+      "rank 0 empty");
+  expect_plan_runs(
+      comm, [world](int r) { return r == world - 1 ? 4099 : 0; }, Strategy::kHierarchical, want,
+      true, "only the last rank sends");
+  // kAuto past the window's threshold, on ranks spanning hosts: kHierarchical unless the
+  // transport reads peer memory itself (threads), where a window only adds copies.
+  const std::span<const int> hosts = comm.hosts();
+  if (world > 1 && !hosts.empty() && *std::max_element(hosts.begin(), hosts.end()) > 0) {
+    const Strategy auto_runs = comm.capabilities().reads_peer_memory ? Strategy::kDirect : want;
+    expect_plan_runs(
+        comm, [](int r) { return (std::int64_t{1} << 18) + 3 * r; }, Strategy::kAuto, auto_runs,
+        true, "auto, 1 MiB per rank");
+  }
+}
+
+void case_all_to_all_scatter(Communicator& comm) {
+  const int world = comm.size();
+  const auto w = static_cast<std::size_t>(world);
+  const auto me = static_cast<std::size_t>(comm.rank());
+  // q sends r bytes(q, r) bytes of pattern (q, tensor r): two segments, received into two
+  // pieces, the first strided (every other 3-byte block).
+  const auto bytes = [](std::size_t q, std::size_t r) -> std::uint64_t {
+    return (q * 7 + r * 5) % 4 == 0 ? 0 : 300 * ((q + 2 * r) % 5 + 1);  // up to 1500
+  };
+  std::vector<std::vector<std::byte>> outgoing(w);
+  std::vector<ConstSegment> send;
+  std::vector<std::size_t> send_first{0};
+  for (std::size_t p = 0; p < w; ++p) {
+    outgoing[p].resize(bytes(me, p));
+    fill_pattern(outgoing[p], kSeed, comm.rank(), p);
+    const std::uint64_t half = outgoing[p].size() / 2;
+    send.push_back({outgoing[p].data(), half});
+    send.push_back({outgoing[p].data() + half, outgoing[p].size() - half});
+    send_first.push_back(send.size());
+  }
+  std::vector<std::vector<std::byte>> incoming(w);
+  std::vector<RecvPiece> pieces;
+  std::vector<std::size_t> first{0};
+  for (std::size_t q = 0; q < w; ++q) {
+    const std::uint64_t n = bytes(q, me);
+    const std::uint64_t blocks = n / 6;  // half of n as blocks of 3, 6 apart, then the rest
+    incoming[q].assign(2 * n, std::byte{0xee});
+    if (n != 0) {
+      pieces.push_back({incoming[q].data(), 3, blocks, 6});
+      pieces.push_back({incoming[q].data() + 6 * blocks, n - 3 * blocks, 1, 0});
+    }
+    first.push_back(pieces.size());
+  }
+  const Deadline deadline = comm.deadline_after(std::chrono::seconds(30));
+  for (int round = 0; round < 2; ++round) {  // the second from the datatype caches
+    comm.all_to_all_scatter(send, send_first, pieces, first, deadline);
+    for (std::size_t q = 0; q < w; ++q) {
+      const std::uint64_t n = bytes(q, me);
+      std::vector<std::byte> expect(n);
+      fill_pattern(expect, kSeed, static_cast<int>(q), me);
+      const std::uint64_t blocks = n / 6;
+      std::vector<std::byte> got;
+      for (std::uint64_t k = 0; k < blocks; ++k) {
+        got.insert(got.end(), incoming[q].begin() + static_cast<std::ptrdiff_t>(6 * k),
+                   incoming[q].begin() + static_cast<std::ptrdiff_t>(6 * k + 3));
+      }
+      got.insert(got.end(), incoming[q].begin() + static_cast<std::ptrdiff_t>(6 * blocks),
+                 incoming[q].begin() + static_cast<std::ptrdiff_t>(6 * blocks + n - 3 * blocks));
+      EXPECT_EQ(got, expect) << "rank " << me << " from rank " << q << ", round " << round;
+    }
+  }
 }
 
 }  // namespace shardgather::testing

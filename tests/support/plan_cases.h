@@ -35,4 +35,12 @@ void case_unshard_stream_errors(Communicator& comm);
 // the communicator (threads: a fresh group per test).
 void case_unshard_stream_timeout(Communicator& comm);
 
+// kHierarchical: plans bit-exact over uneven, empty and one-sided lists, with and without the
+// header; it runs where the ranks span hosts and some host has several (kDirect elsewhere), and
+// kAuto picks it past the window's threshold on a transport that does not read peer memory.
+void case_hierarchical(Communicator& comm);
+// Communicator::all_to_all_scatter: per-pair sizes (some zero, the own pair included), two
+// segments out, a strided and a plain piece in, twice (the second from any datatype cache).
+void case_all_to_all_scatter(Communicator& comm);
+
 }  // namespace shardgather::testing

@@ -168,7 +168,15 @@ std::vector<std::vector<std::vector<std::byte>>> reference_gather(
 
 void run_ranks(int world_size, const std::function<void(int, Communicator&)>& fn,
                const std::string& name, std::chrono::milliseconds hard_deadline) {
-  auto comms = make_thread_group(world_size);
+  run_ranks_on_hosts(std::vector<int>(static_cast<std::size_t>(world_size), 0), fn, name,
+                     hard_deadline);
+}
+
+void run_ranks_on_hosts(const std::vector<int>& hosts,
+                        const std::function<void(int, Communicator&)>& fn, const std::string& name,
+                        std::chrono::milliseconds hard_deadline) {
+  const auto world_size = static_cast<int>(hosts.size());
+  auto comms = make_thread_group(world_size, hosts);
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world_size));
   std::mutex mu;
   std::condition_variable cv;

@@ -53,6 +53,10 @@ std::vector<std::vector<std::vector<std::byte>>> reference_gather(
 void run_ranks(int world_size, const std::function<void(int, Communicator&)>& fn,
                const std::string& name,
                std::chrono::milliseconds hard_deadline = std::chrono::seconds(60));
+// The same over simulated hosts: rank r on host hosts[r] (make_thread_group's numbering).
+void run_ranks_on_hosts(const std::vector<int>& hosts,
+                        const std::function<void(int, Communicator&)>& fn, const std::string& name,
+                        std::chrono::milliseconds hard_deadline = std::chrono::seconds(60));
 
 // A random list for property tests, the same on every rank for (seed, iter), with shapes
 // that depend on the rank: returns dtypes and shapes[r][i].

@@ -32,6 +32,7 @@ class LimitedCommunicator final : public Communicator {
   [[nodiscard]] int size() const noexcept override { return inner_.size(); }
   [[nodiscard]] std::string_view backend_name() const noexcept override { return "limited"; }
   [[nodiscard]] int ranks_on_host() const noexcept override { return inner_.ranks_on_host(); }
+  [[nodiscard]] std::span<const int> hosts() const noexcept override { return inner_.hosts(); }
   [[nodiscard]] Capabilities capabilities() const noexcept override { return caps_; }
 
  protected:
@@ -56,6 +57,13 @@ class LimitedCommunicator final : public Communicator {
                          int root, Deadline deadline) override {
     inner_.gather_scatter(send, pieces, first, counts, root, deadline);
   }
+  void do_all_to_all_scatter(std::span<const ConstSegment> send,
+                             std::span<const std::size_t> send_first,
+                             std::span<const RecvPiece> pieces, std::span<const std::size_t> first,
+                             Deadline deadline) override {
+    EXPECT_TRUE(caps_.all_to_all) << "all_to_all_scatter reached on a transport without it";
+    inner_.all_to_all_scatter(send, send_first, pieces, first, deadline);
+  }
   void do_barrier(Deadline deadline) override { inner_.barrier(deadline); }
   void do_abort() noexcept override { inner_.abort(); }
 
@@ -67,7 +75,8 @@ class LimitedCommunicator final : public Communicator {
 constexpr Capabilities kEqualSizeOnly{.reads_peer_memory = false,
                                       .small_messages_in_shared_memory = false,
                                       .gather_v = false,
-                                      .scatter = false};
+                                      .scatter = false,
+                                      .all_to_all = false};
 constexpr Capabilities kNoScatter{.reads_peer_memory = false,
                                   .small_messages_in_shared_memory = false,
                                   .gather_v = true,

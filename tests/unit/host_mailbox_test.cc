@@ -59,6 +59,7 @@ class MailboxCommunicator final : public Communicator {
   [[nodiscard]] int size() const noexcept override { return inner_.size(); }
   [[nodiscard]] std::string_view backend_name() const noexcept override { return "forwarding"; }
   [[nodiscard]] int ranks_on_host() const noexcept override { return inner_.ranks_on_host(); }
+  [[nodiscard]] std::span<const int> hosts() const noexcept override { return inner_.hosts(); }
   [[nodiscard]] Capabilities capabilities() const noexcept override {
     return {.reads_peer_memory = false, .small_messages_in_shared_memory = mailbox_ != nullptr};
   }
@@ -86,6 +87,12 @@ class MailboxCommunicator final : public Communicator {
                          std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
                          int root, Deadline deadline) override {
     inner_.gather_scatter(send, pieces, first, counts, root, deadline);
+  }
+  void do_all_to_all_scatter(std::span<const ConstSegment> send,
+                             std::span<const std::size_t> send_first,
+                             std::span<const RecvPiece> pieces, std::span<const std::size_t> first,
+                             Deadline deadline) override {
+    inner_.all_to_all_scatter(send, send_first, pieces, first, deadline);
   }
   void do_barrier(Deadline deadline) override {
     if (mailbox_ != nullptr) {

@@ -1,5 +1,6 @@
 // End-to-end on the threads backend: every shared case at world sizes {1, 2, 3, 4, 7}, plus
 // what only threads can show cheaply (deadlines, abort, poisoning).
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <string>
@@ -70,8 +71,90 @@ TEST_P(ThreadsWorld, UnshardStream) { run(testing::case_unshard_stream); }
 TEST_P(ThreadsWorld, UnshardStreamErrors) { run(testing::case_unshard_stream_errors); }
 TEST_P(ThreadsWorld, UnshardStreamTimeout) { run(testing::case_unshard_stream_timeout); }
 
+TEST_P(ThreadsWorld, AllToAllScatter) { run(testing::case_all_to_all_scatter); }
+TEST_P(ThreadsWorld, HierarchicalFallsBackOnOneHost) { run(testing::case_hierarchical); }
+
 INSTANTIATE_TEST_SUITE_P(Worlds, ThreadsWorld, ::testing::Values(1, 2, 3, 4, 7),
                          [](const auto& p) { return "w" + std::to_string(p.param); });
+
+// Simulated hosts (make_thread_group's `hosts`): what depends on which ranks share a host.
+class ThreadsHosts : public ::testing::TestWithParam<std::vector<int>> {
+ protected:
+  void run(const std::function<void(Communicator&)>& fn) {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    testing::run_ranks_on_hosts(
+        GetParam(), [&](int, Communicator& comm) { fn(comm); },
+        std::string(info->test_suite_name()) + "." + info->name());
+  }
+};
+
+TEST_P(ThreadsHosts, HostsAndRanksOnHost) {
+  run([](Communicator& comm) {
+    const std::vector<int>& want = GetParam();
+    ASSERT_EQ(std::vector<int>(comm.hosts().begin(), comm.hosts().end()), want);
+    const int mine = want[static_cast<std::size_t>(comm.rank())];
+    EXPECT_EQ(comm.ranks_on_host(), std::count(want.begin(), want.end(), mine));
+  });
+}
+TEST_P(ThreadsHosts, Hierarchical) { run(testing::case_hierarchical); }
+TEST_P(ThreadsHosts, AllToAllScatter) { run(testing::case_all_to_all_scatter); }
+TEST_P(ThreadsHosts, PlanSteadyState) { run(testing::case_plan_steady_state); }
+TEST_P(ThreadsHosts, UnshardDims) { run(testing::case_unshard_dims); }
+TEST_P(ThreadsHosts, UnshardStream) { run(testing::case_unshard_stream); }
+
+// Two hosts of two, interleaved ranks, uneven hosts, one rank per host (kDirect), three hosts.
+INSTANTIATE_TEST_SUITE_P(Layouts, ThreadsHosts,
+                         ::testing::Values(std::vector<int>{0, 0, 1, 1},
+                                           std::vector<int>{0, 1, 0, 1}, std::vector<int>{0, 0, 1},
+                                           std::vector<int>{0, 1},
+                                           std::vector<int>{0, 0, 0, 1, 1, 2, 2}),
+                         [](const auto& p) {
+                           std::string name = "h";
+                           for (const int h : p.param) {
+                             name += std::to_string(h);
+                           }
+                           return name;
+                         });
+
+TEST(ThreadsGroup, RejectsBadHosts) {
+  EXPECT_THROW(make_thread_group(2, {0}), InvalidArgument);
+  EXPECT_THROW(make_thread_group(2, {1, 0}), InvalidArgument);
+  EXPECT_THROW(make_thread_group(3, {0, 2, 1}), InvalidArgument);
+  EXPECT_THROW(make_thread_group(2, {0, -1}), InvalidArgument);
+}
+
+// Every pair is checked on every rank: a pair whose sizes disagree raises Mismatch everywhere.
+TEST(ThreadsGroup, AllToAllScatterMismatchRaisesOnEveryRank) {
+  run_ranks(
+      3,
+      [](int rank, Communicator& comm) {
+        std::vector<std::byte> out(8);
+        std::vector<std::byte> in(8);
+        const ConstSegment seg{out.data(), rank == 2 ? 4U : 8U};
+        const RecvPiece piece{in.data(), 8, 1, 0};
+        // Rank 0 sends 8 bytes (rank 2: 4) to rank 1, which expects 8 from each.
+        const std::vector<ConstSegment> send = {seg};
+        const std::vector<std::size_t> to_one = {0, 0, 1, 1};
+        const std::vector<std::size_t> to_none = {0, 0, 0, 0};
+        std::vector<RecvPiece> pieces;
+        std::vector<std::size_t> first = {0, 0, 0, 0};
+        if (rank == 1) {
+          pieces = {piece, piece};
+          first = {0, 1, 1, 2};
+        }
+        try {
+          comm.all_to_all_scatter(rank == 1 ? std::span<const ConstSegment>() : send,
+                                  rank == 1 ? to_none : to_one, pieces, first,
+                                  comm.deadline_after(std::chrono::seconds(10)));
+          ADD_FAILURE() << "rank " << rank << " did not raise";
+        } catch (const Mismatch& e) {
+          EXPECT_NE(std::string(e.what()).find("rank 2 sends 4 bytes to rank 1, which expects 8"),
+                    std::string::npos)
+              << e.what();
+        }
+      },
+      "AllToAllScatterMismatch");
+}
 
 TEST(ThreadsGroup, RejectsBadWorldSize) {
   EXPECT_THROW(make_thread_group(0), InvalidArgument);

@@ -44,6 +44,22 @@ bool same_pieces(std::span<const RecvPiece> a, std::span<const RecvPiece> b) {
          });
 }
 
+std::uint64_t piece_bytes(std::span<const RecvPiece> pieces) {
+  std::uint64_t bytes = 0;
+  for (const RecvPiece& p : pieces) {
+    bytes += p.block * p.count;
+  }
+  return bytes;
+}
+
+std::uint64_t segment_bytes(std::span<const ConstSegment> segments) {
+  std::uint64_t bytes = 0;
+  for (const ConstSegment& s : segments) {
+    bytes += s.size;
+  }
+  return bytes;
+}
+
 std::vector<Run> runs_of(std::span<const ConstSegment> segments) {
   std::vector<Run> runs;
   for (const ConstSegment& s : segments) {
@@ -144,7 +160,20 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, const MpiOptions& options) : opt
   SHARDGATHER_CHECK_MPI(
       rank_, MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local));
   SHARDGATHER_CHECK_MPI(rank_, MPI_Comm_size(local, &ranks_on_host_));
+  // A host is named by its lowest rank; every rank learns every rank's host.
+  int leader = rank_;
+  SHARDGATHER_CHECK_MPI(rank_, MPI_Allreduce(&rank_, &leader, 1, MPI_INT, MPI_MIN, local));
   SHARDGATHER_CHECK_MPI(rank_, MPI_Comm_free(&local));
+  std::vector<int> leaders(static_cast<std::size_t>(size_));
+  SHARDGATHER_CHECK_MPI(rank_,
+                        MPI_Allgather(&leader, 1, MPI_INT, leaders.data(), 1, MPI_INT, comm_));
+  hosts_.resize(leaders.size());
+  int next_host = 0;
+  for (std::size_t r = 0; r < leaders.size(); ++r) {
+    // A host's leader is its lowest rank, so it is numbered before any of its other ranks.
+    hosts_[r] = leaders[r] == static_cast<int>(r) ? next_host++
+                                                  : hosts_[static_cast<std::size_t>(leaders[r])];
+  }
   const unsigned cores = std::thread::hardware_concurrency();
   oversubscribed_ = cores != 0 && static_cast<unsigned>(ranks_on_host_) > cores;
 }
@@ -452,6 +481,67 @@ void MpiCommunicator::all_gather_v_chunked(std::span<const ConstSegment> send, s
       }
       wait(request, deadline, "all_gather_v (chunked)");
     }
+  }
+}
+
+void MpiCommunicator::do_all_to_all_scatter(std::span<const ConstSegment> send,
+                                            std::span<const std::size_t> send_first,
+                                            std::span<const RecvPiece> pieces,
+                                            std::span<const std::size_t> first, Deadline deadline) {
+  constexpr int kTag = 0x5348;  // on this communicator's own duplicate, one call at a time
+  const std::uint64_t chunk = options_.max_chunk_bytes;
+  const auto world = static_cast<std::size_t>(size_);
+  const auto me = static_cast<std::size_t>(rank_);
+  const auto to = [&](std::size_t p) {
+    return send.subspan(send_first[p], send_first[p + 1] - send_first[p]);
+  };
+  const auto from = [&](std::size_t q) {
+    return pieces.subspan(first[q], first[q + 1] - first[q]);
+  };
+  copy_stream(to(me), from(me));
+  requests_.clear();
+  // One message per pair from the datatype caches; above max_chunk_bytes, one per chunk.
+  const auto post = [&](MPI_Datatype type, bool owned, int peer, bool recv) {
+    MPI_Request request = MPI_REQUEST_NULL;
+    const int status = recv ? MPI_Irecv(MPI_BOTTOM, 1, type, peer, kTag, comm_, &request)
+                            : MPI_Isend(MPI_BOTTOM, 1, type, peer, kTag, comm_, &request);
+    if (owned) {
+      MPI_Type_free(&type);  // MPI keeps it alive until the transfer completes
+    }
+    SHARDGATHER_CHECK_MPI(rank_, status);
+    requests_.push_back(request);
+  };
+  const auto post_chunks = [&](const std::vector<RecvPiece>& run, std::uint64_t bytes, int peer,
+                               bool recv) {
+    for (std::uint64_t begin = 0; begin < bytes; begin += chunk) {
+      const std::vector<RecvPiece> slice = slice_pieces(run, begin, std::min(bytes, begin + chunk));
+      post(build_type(runs_of(std::span<const RecvPiece>(slice)), rank_), true, peer, recv);
+    }
+  };
+  // Receives first, then sends, each starting at a different peer on every rank.
+  const std::vector<MPI_Datatype>* recv_dt = nullptr;
+  for (std::size_t k = 1; k < world; ++k) {
+    const std::size_t q = (me + world - k) % world;
+    const std::uint64_t bytes = piece_bytes(from(q));
+    if (bytes > chunk) {
+      post_chunks(std::vector<RecvPiece>(from(q).begin(), from(q).end()), bytes,
+                  static_cast<int>(q), true);
+    } else if (bytes != 0) {
+      recv_dt = recv_dt != nullptr ? recv_dt : &recv_types(pieces, first);
+      post((*recv_dt)[q], false, static_cast<int>(q), true);
+    }
+  }
+  for (std::size_t k = 1; k < world; ++k) {
+    const std::size_t p = (me + k) % world;
+    const std::uint64_t bytes = segment_bytes(to(p));
+    if (bytes > chunk) {
+      post_chunks(slice_segments(to(p), 0, bytes), bytes, static_cast<int>(p), false);
+    } else if (bytes != 0) {
+      post(send_type(to(p)), false, static_cast<int>(p), false);
+    }
+  }
+  for (MPI_Request& request : requests_) {
+    wait(request, deadline, "all_to_all_scatter");
   }
 }
 

@@ -9,6 +9,8 @@
 //    from MPI_BOTTOM: the tensors go on the wire from their own memory. Datatypes are cached
 //    by segment list, so a training loop that gathers the same shards every step builds its
 //    type once.
+//  - all_to_all_scatter is point to point (MPI_Isend / MPI_Irecv of the same cached datatypes),
+//    one message per pair that has bytes to move, or one per chunk above max_chunk_bytes.
 //  - Counts above INT_MAX bytes (or displacements) never narrow: such gathers are done as a
 //    sequence of MPI_Ibcast chunks of at most max_chunk_bytes, one root at a time.
 #pragma once
@@ -37,6 +39,7 @@ class MpiCommunicator final : public Communicator {
   [[nodiscard]] int size() const noexcept override { return size_; }
   [[nodiscard]] std::string_view backend_name() const noexcept override { return "mpi"; }
   [[nodiscard]] int ranks_on_host() const noexcept override { return ranks_on_host_; }
+  [[nodiscard]] std::span<const int> hosts() const noexcept override { return hosts_; }
   [[nodiscard]] Capabilities capabilities() const noexcept override { return {}; }
 
  protected:
@@ -51,6 +54,10 @@ class MpiCommunicator final : public Communicator {
   void do_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                          std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
                          int root, Deadline deadline) override;
+  void do_all_to_all_scatter(std::span<const ConstSegment> send,
+                             std::span<const std::size_t> send_first,
+                             std::span<const RecvPiece> pieces, std::span<const std::size_t> first,
+                             Deadline deadline) override;
   void do_barrier(Deadline deadline) override;
   void do_abort() noexcept override { abort_requested_.store(true); }
 
@@ -94,6 +101,7 @@ class MpiCommunicator final : public Communicator {
   int rank_ = 0;
   int size_ = 1;
   int ranks_on_host_ = 1;
+  std::vector<int> hosts_;       // rank -> host, from MPI_COMM_TYPE_SHARED
   bool oversubscribed_ = false;  // more ranks on this host than cores
   MpiOptions options_;
   std::atomic<bool> abort_requested_{false};
@@ -105,6 +113,7 @@ class MpiCommunicator final : public Communicator {
   std::vector<MPI_Datatype> send_types_;
   std::vector<int> int_counts_;
   std::vector<int> int_displs_;
+  std::vector<MPI_Request> requests_;  // all_to_all_scatter's, one per message
 };
 
 }  // namespace shardgather::detail

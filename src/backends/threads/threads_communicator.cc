@@ -1,5 +1,6 @@
 #include "backends/threads/threads_communicator.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -9,6 +10,40 @@
 namespace shardgather {
 
 namespace detail {
+
+namespace {
+
+std::vector<int> count_per_host(const std::vector<int>& hosts) {
+  std::vector<int> counts(hosts.size());
+  for (std::size_t r = 0; r < hosts.size(); ++r) {
+    counts[r] = static_cast<int>(std::count(hosts.begin(), hosts.end(), hosts[r]));
+  }
+  return counts;
+}
+
+std::uint64_t bytes_of(std::span<const ConstSegment> segments) {
+  std::uint64_t bytes = 0;
+  for (const ConstSegment& s : segments) {
+    bytes += s.size;
+  }
+  return bytes;
+}
+
+std::uint64_t bytes_of(std::span<const RecvPiece> pieces) {
+  std::uint64_t bytes = 0;
+  for (const RecvPiece& p : pieces) {
+    bytes += p.block * p.count;
+  }
+  return bytes;
+}
+
+}  // namespace
+
+GroupState::GroupState(int world, std::vector<int> host_of_rank)
+    : world_size(world),
+      hosts(std::move(host_of_rank)),
+      ranks_on_host(count_per_host(hosts)),
+      slots(static_cast<std::size_t>(world)) {}
 
 void ThreadsCommunicator::meet(Deadline deadline, const char* what) {
   GroupState& g = *group_;
@@ -164,13 +199,81 @@ void ThreadsCommunicator::do_gather_scatter(std::span<const ConstSegment> send,
            });
 }
 
+void ThreadsCommunicator::do_all_to_all_scatter(std::span<const ConstSegment> send,
+                                                std::span<const std::size_t> send_first,
+                                                std::span<const RecvPiece> pieces,
+                                                std::span<const std::size_t> first,
+                                                Deadline deadline) {
+  GroupState& g = *group_;
+  const auto me = static_cast<std::size_t>(rank_);
+  g.slots[me] = GroupState::Slot{.segments = send,
+                                 .flat = {},
+                                 .bytes = 0,
+                                 .counts = {},
+                                 .send_first = send_first,
+                                 .pieces = pieces,
+                                 .first = first};
+  meet(deadline, "all_to_all_scatter");
+  const auto sent = [&](std::size_t q, std::size_t r) {
+    const GroupState::Slot& s = g.slots[q];
+    return s.segments.subspan(s.send_first[r], s.send_first[r + 1] - s.send_first[r]);
+  };
+  const auto received = [&](std::size_t r, std::size_t q) {
+    const GroupState::Slot& s = g.slots[r];
+    return s.pieces.subspan(s.first[q], s.first[q + 1] - s.first[q]);
+  };
+  // Every pair, on every rank: the same verdict everywhere.
+  std::string error;
+  for (std::size_t q = 0; q < g.slots.size() && error.empty(); ++q) {
+    for (std::size_t r = 0; r < g.slots.size(); ++r) {
+      const std::uint64_t out = bytes_of(sent(q, r));
+      const std::uint64_t in = bytes_of(received(r, q));
+      if (out != in) {
+        error = "rank " + std::to_string(rank_) + ": all_to_all_scatter: rank " +
+                std::to_string(q) + " sends " + std::to_string(out) + " bytes to rank " +
+                std::to_string(r) + ", which expects " + std::to_string(in);
+        break;
+      }
+    }
+  }
+  if (error.empty()) {
+    for (std::size_t k = 0; k < g.slots.size(); ++k) {
+      const std::size_t q = (me + k) % g.slots.size();
+      copy_stream(sent(q, me), received(me, q));
+    }
+  }
+  meet(deadline, "all_to_all_scatter");
+  if (!error.empty()) {
+    throw Mismatch(error);
+  }
+}
+
 }  // namespace detail
 
 std::vector<std::unique_ptr<Communicator>> make_thread_group(int world_size) {
+  return make_thread_group(world_size,
+                           std::vector<int>(static_cast<std::size_t>(std::max(world_size, 0)), 0));
+}
+
+std::vector<std::unique_ptr<Communicator>> make_thread_group(int world_size,
+                                                             std::vector<int> hosts) {
   if (world_size < 1) {
     throw InvalidArgument("make_thread_group: world size " + std::to_string(world_size) + " < 1");
   }
-  auto group = std::make_shared<detail::GroupState>(world_size);
+  if (hosts.size() != static_cast<std::size_t>(world_size)) {
+    throw InvalidArgument("make_thread_group: " + std::to_string(hosts.size()) +
+                          " hosts for world size " + std::to_string(world_size));
+  }
+  int next = 0;  // numbered in the order of each host's lowest rank, as Communicator::hosts()
+  for (std::size_t r = 0; r < hosts.size(); ++r) {
+    if (hosts[r] < 0 || hosts[r] > next) {
+      throw InvalidArgument("make_thread_group: hosts[" + std::to_string(r) + "] is " +
+                            std::to_string(hosts[r]) +
+                            "; hosts are numbered 0, 1, ... in the order of their lowest rank");
+    }
+    next = std::max(next, hosts[r] + 1);
+  }
+  auto group = std::make_shared<detail::GroupState>(world_size, std::move(hosts));
   std::vector<std::unique_ptr<Communicator>> comms;
   comms.reserve(static_cast<std::size_t>(world_size));
   for (int r = 0; r < world_size; ++r) {

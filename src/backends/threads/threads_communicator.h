@@ -21,16 +21,23 @@
 namespace shardgather::detail {
 
 struct GroupState {
-  explicit GroupState(int world) : world_size(world), slots(static_cast<std::size_t>(world)) {}
+  // hosts[r]: rank r's simulated host (make_thread_group's `hosts`).
+  GroupState(int world, std::vector<int> host_of_rank);
 
   struct Slot {
-    std::span<const ConstSegment> segments;  // all_gather_v
+    std::span<const ConstSegment> segments;  // all_gather_v, all_to_all_scatter
     std::span<const std::byte> flat;         // all_gather
     std::uint64_t bytes = 0;                 // what this rank sends
     std::span<const std::uint64_t> counts;   // all_gather_v: what this rank expects
+    // all_to_all_scatter: segments[send_first[p] ..] go to p; pieces[first[q] ..] come from q.
+    std::span<const std::size_t> send_first{};
+    std::span<const RecvPiece> pieces{};
+    std::span<const std::size_t> first{};
   };
 
   const int world_size;
+  const std::vector<int> hosts;
+  const std::vector<int> ranks_on_host;  // per rank: how many ranks share its host
   std::mutex mu;
   std::condition_variable cv;
   int arrived = 0;               // guarded by mu
@@ -54,7 +61,10 @@ class ThreadsCommunicator final : public Communicator {
   [[nodiscard]] int rank() const noexcept override { return rank_; }
   [[nodiscard]] int size() const noexcept override { return group_->world_size; }
   [[nodiscard]] std::string_view backend_name() const noexcept override { return "threads"; }
-  [[nodiscard]] int ranks_on_host() const noexcept override { return group_->world_size; }
+  [[nodiscard]] int ranks_on_host() const noexcept override {
+    return group_->ranks_on_host[static_cast<std::size_t>(rank_)];
+  }
+  [[nodiscard]] std::span<const int> hosts() const noexcept override { return group_->hosts; }
   [[nodiscard]] Capabilities capabilities() const noexcept override {
     return {.reads_peer_memory = true, .small_messages_in_shared_memory = false};
   }
@@ -71,6 +81,10 @@ class ThreadsCommunicator final : public Communicator {
   void do_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                          std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
                          int root, Deadline deadline) override;
+  void do_all_to_all_scatter(std::span<const ConstSegment> send,
+                             std::span<const std::size_t> send_first,
+                             std::span<const RecvPiece> pieces, std::span<const std::size_t> first,
+                             Deadline deadline) override;
   void do_barrier(Deadline deadline) override { meet(deadline, "barrier"); }
   void do_abort() noexcept override;
 
