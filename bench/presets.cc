@@ -1,6 +1,7 @@
 #include "presets.h"
 
 #include <algorithm>
+#include <string_view>
 
 namespace shardgather::bench {
 
@@ -13,9 +14,26 @@ std::uint64_t mix(std::uint64_t x) noexcept {
   return x ^ (x >> 31U);
 }
 
+// N for "single-<N>m" (1 <= N <= 65536), else 0.
+std::int64_t single_mib(const std::string& name) {
+  constexpr std::string_view kPrefix = "single-";
+  if (name.size() < kPrefix.size() + 2 || name.compare(0, kPrefix.size(), kPrefix) != 0 ||
+      name.back() != 'm') {
+    return 0;
+  }
+  const std::string digits = name.substr(kPrefix.size(), name.size() - kPrefix.size() - 1);
+  if (digits.empty() || digits.size() > 5 ||
+      !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return 0;
+  }
+  const std::int64_t mib = std::stoll(digits);
+  return mib >= 1 && mib <= 65536 ? mib : 0;
+}
+
 }  // namespace
 
 const std::vector<std::string>& preset_names() {
+  // Also single-<N>m: one tensor of N MiB per rank (single-64m is the listed one).
   static const std::vector<std::string> names = {"llama-layer", "tiny-1000", "single-64m",
                                                  "llama-model"};
   return names;
@@ -49,8 +67,8 @@ std::vector<Param> make_preset(const std::string& name, DType dtype, int world_s
       const std::int64_t per_rank = std::max<std::int64_t>(1, bytes / elem);
       params.push_back({"tiny." + std::to_string(i), {per_rank * world_size}});
     }
-  } else if (name == "single-64m") {
-    params = {{"flat", {(std::int64_t{64} << 20) / elem * world_size}}};
+  } else if (const std::int64_t mib = single_mib(name); mib > 0) {
+    params = {{"flat", {(mib << 20) / elem * world_size}}};
   } else if (name == "llama-model") {
     // A whole model with Llama-2-7B's structure at hidden 2880 / ffn 7744: about 6.8 GB in
     // bf16, so that two ranks' shards and the stream's buckets fit a 24 GiB machine.
@@ -73,7 +91,7 @@ std::vector<Param> make_preset(const std::string& name, DType dtype, int world_s
     params.push_back({"lm_head", {kVocab, kHidden}});
   } else {
     throw InvalidArgument("unknown preset \"" + name +
-                          "\" (llama-layer, tiny-1000, single-64m, llama-model)");
+                          "\" (llama-layer, tiny-1000, single-64m or single-<N>m, llama-model)");
   }
   return params;
 }

@@ -2,9 +2,10 @@
 //
 // Every case is measured in one process on the same buffers, side by side with the limit (one
 // all-gather of the same bytes from one contiguous buffer on the same backend: MPI_Allgather
-// under MPI) and the per-tensor loop. Timing rule: barrier (not timed), time one call, the
-// iteration's time is the slowest rank's; report the median and the minimum. Buffers are
-// allocated and touched before timing. Every result is verified after timing.
+// under MPI; limit_v: MPI_Allgatherv of each rank's exact bytes) and the per-tensor loop. Timing
+// rule: barrier (not timed), time one call, the iteration's time is the slowest rank's; report the
+// median and the minimum. Buffers are allocated and touched before timing. Every result is verified
+// after timing.
 //
 //   shardgather-bench --preset llama-layer --ranks 4              (threads backend, in-process)
 //   mpirun -np 2 shardgather-bench --backend mpi --preset tiny-1000 --json out.json
@@ -146,13 +147,30 @@ std::uint64_t count_wrong(const std::byte* got, std::uint64_t size, std::size_t 
 // right before the timed one (cache-warm, as in a loop of their own). Cases of one op share one
 // output buffer; each case's result is verified right after its last timed call, before another
 // case overwrites it.
+// The backend's own collectives that the cases are measured against: an equal-size all-gather
+// (padded to the largest rank) and a variable-size one (exact bytes, back to back).
+struct Limits {
+  std::function<void(std::span<const std::byte>, std::span<std::byte>)> all_gather;
+  std::function<void(std::span<const std::byte>, std::byte*, std::span<const std::uint64_t>,
+                     std::span<const std::uint64_t>)>
+      all_gather_v;
+};
+
+bool is_strategy_name(const std::string& name) {
+  try {
+    sg::parse_strategy(name);
+    return true;
+  } catch (const sg::InvalidArgument&) {
+    return false;  // a case's own label (execute_shared, serial, ...)
+  }
+}
+
 class RankBench {
  public:
-  RankBench(sg::Communicator& comm, const Config& cfg,
-            std::function<void(std::span<const std::byte>, std::span<std::byte>)> limit)
+  RankBench(sg::Communicator& comm, const Config& cfg, Limits limits)
       : comm_(comm),
         cfg_(cfg),
-        limit_(std::move(limit)),
+        limits_(std::move(limits)),
         setup_(make_setup(cfg, comm.size(), comm.rank())) {}
 
   std::vector<Result> run() {
@@ -229,8 +247,9 @@ class RankBench {
                                  st.payload_collectives - st.setup_collectives;
         r.preflight_collectives = st.preflight_collectives;
         r.payload_collectives = st.payload_collectives;
-        if (r.strategy == "auto") {
-          r.strategy = "auto:" + std::string(sg::strategy_name(st.strategy));
+        // What ran, where it is not the strategy asked for (auto's choice, or a fallback).
+        if (is_strategy_name(r.strategy) && r.strategy != sg::strategy_name(st.strategy)) {
+          r.strategy += ":" + std::string(sg::strategy_name(st.strategy));
         }
       }
       results.push_back(r);
@@ -262,6 +281,8 @@ class RankBench {
     for (const std::string& op : cfg_.ops) {
       if (op == "limit") {
         add_limit();
+      } else if (op == "limit_v") {
+        add_limit_v();
       } else if (op == "per_tensor") {
         add_foreach(sg::Strategy::kPerTensor, "per_tensor");
       } else if (op == "overlap") {
@@ -297,7 +318,7 @@ class RankBench {
     Case k;
     k.result = Result{.op = "limit", .strategy = "-"};
     k.result.gathered_bytes = limit_recv_.size();
-    k.call = [this] { limit_(limit_send_, limit_recv_); };
+    k.call = [this] { limits_.all_gather(limit_send_, limit_recv_); };
     k.verify = [this, n] {
       // Rank q's slot holds q's shards back to back.
       std::uint64_t wrong = 0;
@@ -307,6 +328,47 @@ class RankBench {
         for (std::size_t i = 0; i < setup_.params.size(); ++i) {
           const std::uint64_t bytes = sg::checked_nbytes(cfg_.dtype, setup_.shapes[q][i]);
           wrong += count_wrong(limit_recv_.data() + at, bytes, i, setup_.offsets[q][i],
+                               sg::dtype_size(cfg_.dtype), buf);
+          at += bytes;
+        }
+      }
+      return wrong;
+    };
+    cases_.push_back(std::move(k));
+  }
+
+  // Each rank's exact bytes, back to back: MPI_Allgatherv of what foreach_all_gather moves.
+  void add_limit_v() {
+    const auto world = static_cast<std::size_t>(comm_.size());
+    limit_counts_.assign(world, 0);
+    limit_displs_.assign(world, 0);
+    std::uint64_t total = 0;
+    for (std::size_t q = 0; q < world; ++q) {
+      for (std::size_t i = 0; i < setup_.params.size(); ++i) {
+        limit_counts_[q] += sg::checked_nbytes(cfg_.dtype, setup_.shapes[q][i]);
+      }
+      limit_displs_[q] = total;
+      total += limit_counts_[q];
+    }
+    limit_v_send_.clear();
+    for (const auto& shard : setup_.storage) {
+      limit_v_send_.insert(limit_v_send_.end(), shard.begin(), shard.end());
+    }
+    limit_v_recv_.assign(total, std::byte{0xee});
+    Case k;
+    k.result = Result{.op = "limit_v", .strategy = "-"};
+    k.result.gathered_bytes = total;
+    k.call = [this] {
+      limits_.all_gather_v(limit_v_send_, limit_v_recv_.data(), limit_counts_, limit_displs_);
+    };
+    k.verify = [this, world] {
+      std::uint64_t wrong = 0;
+      std::vector<std::byte> buf;
+      for (std::size_t q = 0; q < world; ++q) {
+        std::uint64_t at = limit_displs_[q];
+        for (std::size_t i = 0; i < setup_.params.size(); ++i) {
+          const std::uint64_t bytes = sg::checked_nbytes(cfg_.dtype, setup_.shapes[q][i]);
+          wrong += count_wrong(limit_v_recv_.data() + at, bytes, i, setup_.offsets[q][i],
                                sg::dtype_size(cfg_.dtype), buf);
           at += bytes;
         }
@@ -502,7 +564,7 @@ class RankBench {
 
   sg::Communicator& comm_;
   const Config& cfg_;
-  std::function<void(std::span<const std::byte>, std::span<std::byte>)> limit_;
+  Limits limits_;
   Setup setup_;
   std::vector<Case> cases_;
   std::vector<std::unique_ptr<sg::AllGatherPlan>> gather_plans_;
@@ -511,6 +573,10 @@ class RankBench {
   std::vector<std::unique_ptr<sg::UnshardStream>> streams_;
   std::vector<std::byte> limit_send_;
   std::vector<std::byte> limit_recv_;
+  std::vector<std::byte> limit_v_send_;
+  std::vector<std::byte> limit_v_recv_;
+  std::vector<std::uint64_t> limit_counts_;
+  std::vector<std::uint64_t> limit_displs_;
   std::vector<std::byte> foreach_out_;
   std::vector<std::byte> unshard_out_;
   std::vector<std::byte> overlap_out_;
@@ -567,7 +633,7 @@ void print_table(const Config& cfg, int world, const Setup& setup,
   std::printf(
       "# time: median over iterations of the slowest rank; algbw = gathered bytes per "
       "rank / time; busbw = algbw * (world-1)/world\n#\n");
-  std::printf("# %18s %14s %13s %8s %11s %11s %11s %11s %7s %8s %6s %6s\n", "op", "strategy",
+  std::printf("# %18s %20s %13s %8s %11s %11s %11s %11s %7s %8s %6s %6s\n", "op", "strategy",
               "bytes/rank", "tensors", "time(us)", "min(us)", "algbw(GB/s)", "busbw(GB/s)",
               "#wrong", "vs_limit", "meta", "allocs");
   double limit_us = 0;
@@ -579,7 +645,7 @@ void print_table(const Config& cfg, int world, const Setup& setup,
   std::uint64_t wrong = 0;
   double busbw_sum = 0;
   for (const Result& r : results) {
-    std::printf("  %18s %14s %13llu %8zu %11.1f %11.1f %11.3f %11.3f %7llu %8.3f %6llu %6.1f\n",
+    std::printf("  %18s %20s %13llu %8zu %11.1f %11.1f %11.3f %11.3f %7llu %8.3f %6llu %6.1f\n",
                 r.op.c_str(), r.strategy.c_str(), static_cast<unsigned long long>(r.bytes_per_rank),
                 r.tensors, r.time_us, r.min_us, r.algbw, r.busbw,
                 static_cast<unsigned long long>(r.wrong), limit_us > 0 ? limit_us / r.time_us : 0.0,
@@ -664,18 +730,21 @@ std::vector<std::string> split(const std::string& s) {
 void usage() {
   std::printf(
       "usage: shardgather-bench [options]\n"
-      "  -p, --preset NAME      llama-layer (default), tiny-1000, single-64m, llama-model\n"
+      "  -p, --preset NAME      llama-layer (default), tiny-1000, single-64m, llama-model;\n"
+      "                         single-<N>m: one tensor of N MiB per rank\n"
       "  -d, --dtype NAME       bf16 (default), f16, f32, f64, ...\n"
       "  -b, --backend NAME     threads (default, in-process) or mpi (under mpirun)\n"
       "  -r, --ranks N          ranks of the threads backend (default 4)\n"
       "  -n, --iters N          timed iterations per case (default 20)\n"
       "  -w, --warmup N         untimed iterations first (default 3)\n"
       "  -o, --ops LIST         limit,foreach_all_gather,unshard,per_tensor (default: these),\n"
+      "                         limit_v (MPI_Allgatherv of each rank's exact bytes),\n"
       "                         overlap (a started gather while this thread computes),\n"
       "                         stream (a whole UnshardStream per call: serial, prefetch 1,\n"
       "                         to rank 0)\n"
       "      --bucket-mib N     the stream op's bucket size (default 256)\n"
-      "  -s, --strategies LIST  auto,direct,packed,shared (default: all four)\n"
+      "  -s, --strategies LIST  auto,direct,packed,shared (default: all four), hierarchical;\n"
+      "                         a case that ran another shows requested:ran\n"
       "      --no-in-place      skip the execute_shared case (views into the window)\n"
       "      --no-preflight     skip the pre-flight header check\n"
       "      --copy-threads N   threads for copy-in/out (default: cores / ranks on host)\n"
@@ -729,8 +798,8 @@ Config parse(int argc, char** argv) {
     }
   }
   for (const std::string& op : cfg.ops) {
-    if (op != "limit" && op != "foreach_all_gather" && op != "unshard" && op != "per_tensor" &&
-        op != "overlap" && op != "stream") {
+    if (op != "limit" && op != "limit_v" && op != "foreach_all_gather" && op != "unshard" &&
+        op != "per_tensor" && op != "overlap" && op != "stream") {
       throw sg::InvalidArgument("unknown op " + op);
     }
   }
@@ -767,10 +836,19 @@ int run_threads(const Config& cfg) {
     threads.emplace_back([&, r] {
       sg::Communicator& comm = *comms[static_cast<std::size_t>(r)];
       try {
-        RankBench bench(comm, cfg,
-                        [&comm](std::span<const std::byte> send, std::span<std::byte> recv) {
-                          comm.all_gather(send, recv, comm.deadline_after(std::chrono::minutes(5)));
-                        });
+        const auto deadline = [&comm] { return comm.deadline_after(std::chrono::minutes(5)); };
+        Limits limits{
+            .all_gather =
+                [&](std::span<const std::byte> send, std::span<std::byte> recv) {
+                  comm.all_gather(send, recv, deadline());
+                },
+            .all_gather_v =
+                [&](std::span<const std::byte> send, std::byte* recv,
+                    std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs) {
+                  const sg::ConstSegment segment{send.data(), send.size()};
+                  comm.all_gather_v(std::span(&segment, 1), recv, counts, displs, deadline());
+                }};
+        RankBench bench(comm, cfg, std::move(limits));
         results[static_cast<std::size_t>(r)] = bench.run();
         if (r == 0) {
           const std::lock_guard<std::mutex> lock(mu);
@@ -812,10 +890,24 @@ int run_mpi(const Config& cfg, int argc, char** argv) {
   {
     auto comm = sg::make_mpi_communicator(MPI_COMM_WORLD);
     try {
-      RankBench bench(*comm, cfg, [](std::span<const std::byte> send, std::span<std::byte> recv) {
-        MPI_Allgather(send.data(), static_cast<int>(send.size()), MPI_BYTE, recv.data(),
-                      static_cast<int>(send.size()), MPI_BYTE, MPI_COMM_WORLD);
-      });
+      std::vector<int> counts;
+      std::vector<int> displs;
+      Limits limits{.all_gather =
+                        [](std::span<const std::byte> send, std::span<std::byte> recv) {
+                          MPI_Allgather(send.data(), static_cast<int>(send.size()), MPI_BYTE,
+                                        recv.data(), static_cast<int>(send.size()), MPI_BYTE,
+                                        MPI_COMM_WORLD);
+                        },
+                    .all_gather_v =
+                        [&](std::span<const std::byte> send, std::byte* recv,
+                            std::span<const std::uint64_t> c, std::span<const std::uint64_t> d) {
+                          // Reused vectors: the limit allocates nothing per call, like the cases.
+                          counts.assign(c.begin(), c.end());
+                          displs.assign(d.begin(), d.end());
+                          MPI_Allgatherv(send.data(), static_cast<int>(send.size()), MPI_BYTE, recv,
+                                         counts.data(), displs.data(), MPI_BYTE, MPI_COMM_WORLD);
+                        }};
+      RankBench bench(*comm, cfg, std::move(limits));
       const std::vector<Result> results = bench.run();
       if (rank == 0) {
         rc = report(cfg, world, bench.setup(), results, lib);
