@@ -19,7 +19,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 HARNESS_TIMEOUT_S = 150
 
 
-def _worker(rank, world, init_file, module_name, case_names, queue):
+def run_case_list(rank, world, init_method, module_name, case_names, report):
+    """On one rank: joins the Gloo group at `init_method`, runs each case and calls
+    report(case, rank, traceback or None); returns whether a case ended this rank's process
+    early (it did not return to its peers). Also used across hosts (across_hosts.py)."""
     import importlib
     import datetime
 
@@ -27,7 +30,7 @@ def _worker(rank, world, init_file, module_name, case_names, queue):
 
     dist.init_process_group(
         "gloo",
-        init_method="file://" + init_file,
+        init_method=init_method,
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=60),
@@ -37,15 +40,19 @@ def _worker(rank, world, init_file, module_name, case_names, queue):
         outcome = None
         try:
             outcome = getattr(module, name)(rank, world)
-            queue.put((name, rank, None))
+            report(name, rank, None)
         except BaseException:  # noqa: B902  (everything is reported, nothing escapes)
-            queue.put((name, rank, traceback.format_exc()))
+            report(name, rank, traceback.format_exc())
         if outcome == "exit":  # the case ends this rank's process; its peers watch it go
-            queue.close()
-            queue.join_thread()
-            os._exit(0)
+            return True
         if not name.startswith(("timeout_", "exit_")):  # a spoiled group cannot meet again
             dist.barrier()
+    return False
+
+
+def _worker(rank, world, init_file, module_name, case_names, queue):
+    run_case_list(rank, world, "file://" + init_file, module_name, case_names,
+                  lambda name, r, tb: queue.put((name, r, tb)))
     queue.close()
     queue.join_thread()
     # Skip c10d's destructors: a case that leaves abandoned work (timeouts) must not hang exit.

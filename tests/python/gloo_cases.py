@@ -284,8 +284,11 @@ def case_dtype_mismatch(rank, world):
 def case_host_mailbox(rank, world):
     """On one host the group's communicator exchanges the pre-flight header through shared
     memory; one built with host_mailbox=False sends it over Gloo like the payload. Both are
-    bit-exact and both turn a cross-rank mismatch into MismatchError on every rank."""
-    assert shardgather.communicator().uses_host_mailbox == (world > 1)
+    bit-exact and both turn a cross-rank mismatch into MismatchError on every rank. Across
+    hosts (across_hosts.py) there is no mailbox: it would need every rank on one host."""
+    comm = shardgather.communicator()
+    on_one_host = comm.ranks_on_host == world
+    assert comm.uses_host_mailbox == (world > 1 and on_one_host)
     over_gloo = shardgather._C._process_group_communicator(dist.group.WORLD, "cpu", True, False)
     assert not over_gloo.uses_host_mailbox
     params = [make((rank + 1, 3), torch.float32, rank), make((2,), torch.int64, rank + 7)]

@@ -1,7 +1,8 @@
 // H2 case binary: `mpi_cases [--naked] [--timeout-ms N] [--out-dir D] <case-id>...`, run under
 // mpirun by run_mpi_cases.py. Every rank writes one JSON line per case (rel_cases.h's Outcome)
 // to D/rank<r>.jsonl (stdout without --out-dir).
-// Case ids: the B and M ids of rel_cases.cc, and the MPI-only F5-*, F6-*, F7-*, F8, F9, L1, L2,
+// Case ids: the B and M ids of rel_cases.cc, and the MPI-only F5-*, F6-*, F7-*, F8, F9,
+// F12-link, F13-host (across simulated hosts), L1, L2,
 // L4, OVH, X2 and X3 below. A rank whose communicator ends up poisoned (Timeout: MPI cannot
 // cancel the posted collective) ends the job with MPI_Abort after printing its lines: that is
 // the documented way out (docs/errors.md).
@@ -167,6 +168,68 @@ void stall(Communicator& comm, const CaseContext& ctx, const std::string& id) {
   });
   const char* phase = payload_phase && !mid ? "all_gather_v" : "all_gather ";
   o.msg_ok = mid || o.err_msg.find(phase) != std::string::npos;
+  emit(o);
+}
+
+// F12/F13, across simulated hosts (tools/netns-mpirun, SHARDGATHER_TEST_RANKS_PER_HOST set):
+// a plan gathers 1 MiB per rank in a loop (kAuto: kHierarchical with several ranks per host)
+// while, 300 ms in, the first rank of host 1 cuts its host's link for 3 T ("F12-link": `ip link
+// set eth0 down` inside the host, a pulled cable) or kills its host's processes ("F13-host": its
+// launch daemon and every rank of its host, SIGKILL). F12: every rank raises Timeout within
+// [0.5, 2] T of the call that could not finish. F13: the survivors raise or Open MPI's runtime
+// ends the job; the launcher checks that the job ends and nothing is left.
+void host_fault(Communicator& comm, const CaseContext& ctx, const std::string& id) {
+  const bool cut = id == "F12-link";
+  Outcome o = base(id, comm, ctx, cut ? "Timeout" : "Killed");
+  const char* per_host = std::getenv("SHARDGATHER_TEST_RANKS_PER_HOST");
+  const int k = per_host == nullptr ? 0 : std::atoi(per_host);
+  if (k < 1 || comm.size() < 2 * k) {
+    o.outcome = "skipped";
+    o.err_class = o.expect;
+    o.note += "; needs 2 simulated hosts (SHARDGATHER_TEST_RANKS_PER_HOST)";
+    emit(o);
+    return;
+  }
+  const std::int64_t elems = std::int64_t{1} << 18;  // 1 MiB of float32 per rank
+  const Rows rows(static_cast<std::size_t>(comm.size()), std::vector<Shape>{{elems}});
+  const std::vector<DType> dtypes{DType::kFloat32};
+  std::vector<testing::HostTensor> tensors;
+  tensors.push_back(testing::make_tensor(DType::kFloat32, {elems}, 5, comm.rank(), 0));
+  const std::vector<TensorView> views = testing::views_of(tensors);
+  AllGatherPlan plan(dtypes, rows, comm.rank(),
+                     PlanOptions{.timeout = ctx.timeout, .preflight = true});
+  std::vector<std::byte> out(plan.output_bytes());
+  if (comm.rank() == k) {
+    std::thread([cut, t = ctx.timeout] {
+      std::this_thread::sleep_for(300ms);
+      // The cut comes back once every rank has raised (within 2 T), so the launcher can reach
+      // the host again and end the job; a shell of its own does it, since this rank may be
+      // gone by then (MPI_Abort). Cut for good, Open MPI's mpirun retries the lost daemon for
+      // the kernel's TCP timeout (minutes); tools/netns-mpirun's cleanup bounds that.
+      // Killing: the host's launch daemon is this rank's parent; its children (this host's
+      // ranks, this one too) first, while they are still its children, then the daemon.
+      const std::string daemon = std::to_string(::getppid());
+      const std::string outage =
+          std::to_string(3 * t.count() / 1000) + "." + std::to_string(3 * t.count() % 1000 / 100);
+      const std::string cmd = cut ? "setsid sh -c 'ip link set eth0 down; sleep " + outage +
+                                        "; ip link set eth0 up' >/dev/null 2>&1 </dev/null &"
+                                  : "pkill -KILL -P " + daemon + "; kill -KILL " + daemon;
+      (void)std::system(cmd.c_str());
+    }).detach();
+  }
+  Clock::time_point call_start = Clock::now();
+  capture(o, [&] {
+    for (int it = 0; it < 1'000'000; ++it) {
+      call_start = Clock::now();
+      const ExecStats stats = plan.execute(views, comm, out);
+      o.note = "T=" + std::to_string(ctx.timeout.count()) + "ms; strategy " +
+               std::string(strategy_name(stats.strategy)) + ", " + std::to_string(it + 1) +
+               " gathers before the fault";
+    }
+  });
+  // From the start of the call that failed, not of the loop.
+  o.t_err_s = std::chrono::duration<double>(Clock::now() - call_start).count();
+  o.msg_ok = o.err_msg.find("rank " + std::to_string(comm.rank())) != std::string::npos;
   emit(o);
 }
 
@@ -571,6 +634,8 @@ int run(int argc, char** argv) {
       stall(*comm, ctx, id);
     } else if (id == "F8") {
       f8_oom(*comm, ctx);
+    } else if (id == "F12-link" || id == "F13-host") {
+      host_fault(*comm, ctx, id);
     } else if (id == "F9") {
       f9_finalize(comm, ctx);
     } else if (id == "L1" || id == "L2") {

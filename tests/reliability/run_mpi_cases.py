@@ -16,6 +16,8 @@ import sys
 import tempfile
 import time
 
+ARGS = None  # the parsed command line (launcher() needs the tools directory)
+
 B_IDS = "B1 B2 B3a B3b B4 B5 B6 B7c B8 B9a B9b B10 B11a B11b B12 B13 B14".split()
 M_IDS = "M1 M2 M3 M4 M5a M5b M6 M7a M8 M9".split()
 M_NAKED = "M1 M2 M3 M4 M5a M5b M6 M7a".split()
@@ -47,6 +49,12 @@ def launches(families, nps, big, binary=None):
         out.append(dict(name="F7-stop", np=3, ids=["F7-stop"], job="aborts"))
         out.append(dict(name="F8", np=2, ids=["F8"], job="clean"))
         out.append(dict(name="F9", np=2, ids=["F9"], job="any"))
+        # Across two simulated hosts (tools/netns-mpirun), one and two ranks per host.
+        for per_host in (1, 2):
+            out.append(dict(name="F12-link", np=2 * per_host, ids=["F12-link"], job="aborts",
+                            per_host=per_host))
+            out.append(dict(name="F13-host", np=2 * per_host, ids=["F13-host"],
+                            job="killed", per_host=per_host))
     if "L" in families:
         for np_ in nps:
             out.append(dict(name="L1", np=np_, ids=["L1"], job="clean"))
@@ -68,11 +76,28 @@ def pgrep(binary):
     return [int(p) for p in r.stdout.split() if int(p) not in mine]
 
 
+def hosts_probe(args):
+    """0 when simulated hosts can be made; else test-hosts' own verdict (77 skip, 1 fail)."""
+    r = subprocess.run([os.path.join(args.tools, "test-hosts"), "probe"], capture_output=True,
+                       text=True)
+    return r.returncode, (r.stdout + r.stderr).strip()
+
+
+def launcher(spec, deadline):
+    if "per_host" not in spec:
+        return ["timeout", "-s", "KILL", str(deadline), "mpirun", "--allow-run-as-root",
+                "--oversubscribe", "-np", str(spec["np"])]
+    # SIGTERM first: netns-mpirun then takes its hosts down, and whatever ran in them.
+    os.environ["SHARDGATHER_TEST_RANKS_PER_HOST"] = str(spec["per_host"])
+    return ["timeout", "-k", "20", "-s", "TERM", str(deadline),
+            os.path.join(ARGS.tools, "netns-mpirun"), "--hosts", "2", "--per-host",
+            str(spec["per_host"])]
+
+
 def run_launch(args, spec, timeout_ms):
     deadline = spec.get("deadline", args.deadline)
     with tempfile.TemporaryDirectory(prefix="sg-h2-") as tmp:
-        cmd = ["timeout", "-s", "KILL", str(deadline), "mpirun", "--allow-run-as-root",
-               "--oversubscribe", "-np", str(spec["np"])]
+        cmd = launcher(spec, deadline)
         for var in ("UBSAN_OPTIONS", "SHARDGATHER_SOAK_ITERS",
                     "SHARDGATHER_L4_MIB", "SHARDGATHER_M9_CALLS"):
             if var in os.environ:
@@ -80,6 +105,7 @@ def run_launch(args, spec, timeout_ms):
         if "ASAN_OPTIONS" in os.environ:
             # Open MPI's dlclose'd plugins "leak" about 120 KB per rank (RELIABILITY E13).
             cmd += ["-x", "ASAN_OPTIONS=%s:detect_leaks=0" % os.environ["ASAN_OPTIONS"]]
+        cmd += ["--"] if "per_host" in spec else []
         cmd += [args.bin, "--out-dir", tmp, "--timeout-ms", str(timeout_ms)]
         cmd += ["--naked"] if spec.get("naked") else []
         cmd += spec["ids"]
@@ -105,7 +131,8 @@ def run_launch(args, spec, timeout_ms):
                         except ValueError:
                             lines.append({"case": "?", "rank": -1, "bad_line": line})
     return dict(rc=proc.returncode, wall=wall, leftover=len(leftover), orphans=len(orphans),
-                lines=lines, stderr=proc.stderr[-2000:], hung=proc.returncode in (124, 137)
+                lines=lines, stderr=proc.stderr[-2000:],
+                hung=(proc.returncode in (124, 137) or proc.returncode < 0)
                 and wall >= deadline - 1)
 
 
@@ -193,7 +220,12 @@ def main():
     ap.add_argument("--timeout-ms", type=int, default=2000, help="T, the per-call deadline")
     ap.add_argument("--deadline", type=int, default=60, help="hard kill per launch, seconds")
     ap.add_argument("--summary", help="write one JSON verdict per case here")
+    ap.add_argument("--tools", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                    "..", "..", "tools"),
+                    help="where test-hosts and netns-mpirun are (the cases across hosts)")
     args = ap.parse_args()
+    global ARGS
+    ARGS = args
     args.bin = os.path.abspath(args.bin)
     for var in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM",
                 "OMPI_MCA_rmaps_base_oversubscribe"):
@@ -205,7 +237,16 @@ def main():
     if pgrep(args.bin):
         print("processes of %s already running; refusing to start" % args.bin)
         return 2
+    probe = None
     for spec in launches(families, nps, False, args.bin):
+        if "per_host" in spec:
+            probe = probe or hosts_probe(args)
+            if probe[0] != 0:
+                ok = probe[0] == 77  # skipped here; under SHARDGATHER_REQUIRE_TEST_HOSTS=1, failed
+                print("%s %-22s %s" % ("SKIP" if ok else "FAIL",
+                                       "%s np=%d" % (spec["name"], spec["np"]), probe[1]))
+                failed += not ok
+                continue
         res = run_launch(args, spec, args.timeout_ms)
         for cid in spec["ids"]:
             if cid[0] in "BM" and spec["np"] < 2 and cid not in ("B1",):
