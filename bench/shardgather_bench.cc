@@ -62,6 +62,8 @@ struct Config {
 struct Result {
   std::string op;
   std::string strategy;
+  std::string why{};               // what decided the strategy (ExecStats::why)
+  std::vector<double> times_us{};  // each timed iteration's slowest rank, in order
   std::size_t tensors = 0;
   std::uint64_t bytes_per_rank = 0;  // the largest rank's shard bytes
   std::uint64_t gathered_bytes = 0;  // bytes each rank ends up with
@@ -175,6 +177,17 @@ class RankBench {
 
   std::vector<Result> run() {
     build_cases();
+    // kAuto measures its candidates on a plan's first executions: run those untimed, so that the
+    // timed iterations see what it settled on (the same number of calls on every rank: `why`
+    // is the same everywhere).
+    for (Case& k : cases_) {
+      for (int n = 0; n < 16 && k.result.strategy == "auto" && k.stats != nullptr &&
+                      (n == 0 || std::strcmp(k.stats->why, "measuring") == 0);
+           ++n) {
+        comm_.barrier(deadline());
+        k.call();
+      }
+    }
     const int total = cfg_.warmup + cfg_.iters;
     std::vector<double> mine(cases_.size() * (static_cast<std::size_t>(cfg_.iters) + 2), 0.0);
     const std::size_t stride = static_cast<std::size_t>(cfg_.iters) + 2;
@@ -231,6 +244,7 @@ class RankBench {
         r.allocations = std::max(r.allocations, row[stride - 2]);
         wrong += row[stride - 1];
       }
+      r.times_us = slowest;  // in iteration order, for the variance (the JSON's times_us)
       std::sort(slowest.begin(), slowest.end());
       r.time_us = slowest[slowest.size() / 2];
       r.min_us = slowest.front();
@@ -247,6 +261,7 @@ class RankBench {
                                  st.payload_collectives - st.setup_collectives;
         r.preflight_collectives = st.preflight_collectives;
         r.payload_collectives = st.payload_collectives;
+        r.why = st.why;
         // What ran, where it is not the strategy asked for (auto's choice, or a fallback).
         if (is_strategy_name(r.strategy) && r.strategy != sg::strategy_name(st.strategy)) {
           r.strategy += ":" + std::string(sg::strategy_name(st.strategy));
@@ -320,21 +335,26 @@ class RankBench {
     k.result.gathered_bytes = limit_recv_.size();
     k.call = [this] { limits_.all_gather(limit_send_, limit_recv_); };
     k.verify = [this, n] {
-      // Rank q's slot holds q's shards back to back.
-      std::uint64_t wrong = 0;
-      std::vector<std::byte> buf;
-      for (std::size_t q = 0; q < static_cast<std::size_t>(comm_.size()); ++q) {
-        std::uint64_t at = q * n;
-        for (std::size_t i = 0; i < setup_.params.size(); ++i) {
-          const std::uint64_t bytes = sg::checked_nbytes(cfg_.dtype, setup_.shapes[q][i]);
-          wrong += count_wrong(limit_recv_.data() + at, bytes, i, setup_.offsets[q][i],
-                               sg::dtype_size(cfg_.dtype), buf);
-          at += bytes;
-        }
-      }
-      return wrong;
+      return wrong_in_blocks(limit_recv_.data(), [n](std::size_t q) { return q * n; });
     };
     cases_.push_back(std::move(k));
+  }
+
+  // Wrong elements of a limit's result: rank q's shards back to back from recv + block_at(q).
+  std::uint64_t wrong_in_blocks(const std::byte* recv,
+                                const std::function<std::uint64_t(std::size_t)>& block_at) const {
+    std::uint64_t wrong = 0;
+    std::vector<std::byte> buf;
+    for (std::size_t q = 0; q < static_cast<std::size_t>(comm_.size()); ++q) {
+      std::uint64_t at = block_at(q);
+      for (std::size_t i = 0; i < setup_.params.size(); ++i) {
+        const std::uint64_t bytes = sg::checked_nbytes(cfg_.dtype, setup_.shapes[q][i]);
+        wrong +=
+            count_wrong(recv + at, bytes, i, setup_.offsets[q][i], sg::dtype_size(cfg_.dtype), buf);
+        at += bytes;
+      }
+    }
+    return wrong;
   }
 
   // Each rank's exact bytes, back to back: MPI_Allgatherv of what foreach_all_gather moves.
@@ -361,19 +381,9 @@ class RankBench {
     k.call = [this] {
       limits_.all_gather_v(limit_v_send_, limit_v_recv_.data(), limit_counts_, limit_displs_);
     };
-    k.verify = [this, world] {
-      std::uint64_t wrong = 0;
-      std::vector<std::byte> buf;
-      for (std::size_t q = 0; q < world; ++q) {
-        std::uint64_t at = limit_displs_[q];
-        for (std::size_t i = 0; i < setup_.params.size(); ++i) {
-          const std::uint64_t bytes = sg::checked_nbytes(cfg_.dtype, setup_.shapes[q][i]);
-          wrong += count_wrong(limit_v_recv_.data() + at, bytes, i, setup_.offsets[q][i],
-                               sg::dtype_size(cfg_.dtype), buf);
-          at += bytes;
-        }
-      }
-      return wrong;
+    k.verify = [this] {
+      return wrong_in_blocks(limit_v_recv_.data(),
+                             [this](std::size_t q) { return limit_displs_[q]; });
     };
     cases_.push_back(std::move(k));
   }
@@ -670,6 +680,16 @@ void print_table(const Config& cfg, int world, const Setup& setup,
       "meta = metadata collectives per call; allocs = heap allocations per call\n");
 }
 
+std::string join_times(const std::vector<double>& times) {
+  std::string out;
+  char buf[32];
+  for (std::size_t i = 0; i < times.size(); ++i) {
+    std::snprintf(buf, sizeof buf, "%s%.1f", i == 0 ? "" : ", ", times[i]);
+    out += buf;
+  }
+  return out;
+}
+
 void write_json(const Config& cfg, int world, const std::vector<Result>& results,
                 const std::string& mpi_library) {
   std::FILE* f = std::fopen(cfg.json.c_str(), "w");
@@ -696,21 +716,23 @@ void write_json(const Config& cfg, int world, const std::vector<Result>& results
     std::fprintf(f,
                  "    {\"preset\": \"%s\", \"backend\": \"%s\", \"world_size\": %d, \"dtype\": "
                  "\"%s\", \"tensors\": %zu, \"bytes_per_rank\": %llu, \"gathered_bytes\": %llu, "
-                 "\"op\": \"%s\", \"strategy\": \"%s\", \"time_us\": %.3f, \"min_us\": %.3f, "
+                 "\"op\": \"%s\", \"strategy\": \"%s\", \"why\": \"%s\", \"time_us\": %.3f, "
+                 "\"min_us\": %.3f, "
                  "\"algbw_gbps\": %.4f, \"busbw_gbps\": %.4f, \"wrong\": %llu, "
                  "\"metadata_collectives\": %llu, \"preflight_collectives\": %llu, "
                  "\"payload_collectives\": %llu, \"allocations\": %.2f, "
-                 "\"overlap_ratio\": %.4f}%s\n",
+                 "\"overlap_ratio\": %.4f, \"times_us\": [%s]}%s\n",
                  cfg.preset.c_str(), cfg.backend.c_str(), world,
                  std::string(sg::dtype_name(cfg.dtype)).c_str(), r.tensors,
                  static_cast<unsigned long long>(r.bytes_per_rank),
                  static_cast<unsigned long long>(r.gathered_bytes), r.op.c_str(),
-                 r.strategy.c_str(), r.time_us, r.min_us, r.algbw, r.busbw,
-                 static_cast<unsigned long long>(r.wrong),
+                 r.strategy.c_str(), json_escape(r.why).c_str(), r.time_us, r.min_us, r.algbw,
+                 r.busbw, static_cast<unsigned long long>(r.wrong),
                  static_cast<unsigned long long>(r.metadata_collectives),
                  static_cast<unsigned long long>(r.preflight_collectives),
                  static_cast<unsigned long long>(r.payload_collectives), r.allocations,
-                 r.overlap_ratio, k + 1 == results.size() ? "" : ",");
+                 r.overlap_ratio, join_times(r.times_us).c_str(),
+                 k + 1 == results.size() ? "" : ",");
   }
   std::fprintf(f, "  ]\n}\n");
   std::fclose(f);

@@ -132,6 +132,22 @@ std::vector<RecvPiece> slice_pieces(std::span<const RecvPiece> pieces, std::uint
   return out;
 }
 
+std::uint64_t stream_bytes(std::span<const ConstSegment> segments) noexcept {
+  std::uint64_t bytes = 0;
+  for (const ConstSegment& s : segments) {
+    bytes += s.size;
+  }
+  return bytes;
+}
+
+std::uint64_t stream_bytes(std::span<const RecvPiece> pieces) noexcept {
+  std::uint64_t bytes = 0;
+  for (const RecvPiece& p : pieces) {
+    bytes += p.block * p.count;
+  }
+  return bytes;
+}
+
 std::vector<RecvPiece> slice_segments(std::span<const ConstSegment> segments, std::uint64_t begin,
                                       std::uint64_t end) {
   std::vector<RecvPiece> pieces;

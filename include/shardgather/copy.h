@@ -28,6 +28,10 @@ SHARDGATHER_API void copy_stream(std::span<const ConstSegment> src,
 // Copies the concatenation of `segments` to `dst`.
 SHARDGATHER_API void copy_segments(std::span<const ConstSegment> segments, std::byte* dst) noexcept;
 
+// How many bytes the segments, or the pieces' blocks, hold in all.
+SHARDGATHER_API std::uint64_t stream_bytes(std::span<const ConstSegment> segments) noexcept;
+SHARDGATHER_API std::uint64_t stream_bytes(std::span<const RecvPiece> pieces) noexcept;
+
 // The pieces covering bytes [begin, end) of the concatenation of `pieces`' blocks (a transport
 // that moves a stream in chunks lands each chunk with these).
 SHARDGATHER_API std::vector<RecvPiece> slice_pieces(std::span<const RecvPiece> pieces,

@@ -51,6 +51,10 @@ struct ExecStats {
   std::uint64_t setup_collectives = 0;
   std::uint64_t staged_bytes = 0;       // bytes copied into staging before sending
   Strategy strategy = Strategy::kAuto;  // the one that ran
+  // What decided it (a static string): "requested"; for kAuto, "rule" (select.cc's facts and
+  // thresholds), "measuring" (one of the first executions that time the node-shared window
+  // against direct), or "measured: ..." (the one that was faster for the slowest rank).
+  const char* why = "";
 };
 
 namespace detail {
@@ -136,7 +140,8 @@ class SHARDGATHER_API AllGatherPlan {
   // The local checks: world, count, output size, each tensor, aliasing; sizes the staging.
   void check_params(const Communicator& comm, std::span<const TensorView> params,
                     const std::byte* out, std::uint64_t out_size, ExecStats& stats);
-  [[nodiscard]] Strategy resolve(const Communicator& comm) const;
+  // This execution's strategy (detail::plan_strategy over this plan's scratch) and why.
+  [[nodiscard]] Strategy resolve(const Communicator& comm, const char*& why);
 
   LayoutPlan layout_;
   int rank_ = 0;

@@ -11,7 +11,7 @@
 namespace shardgather {
 
 // How the payload moves. kAuto picks by backend and size (docs/benchmarking.md has the table
-// measured on the target machine).
+// measured on the target machine), and plans measure where a window is in question (below).
 enum class Strategy : std::uint8_t {
   kAuto = 0,
   // One collective, sent straight from the tensors and received straight into the final layout
@@ -38,6 +38,14 @@ enum class Strategy : std::uint8_t {
   // transport without capabilities().all_to_all).
   kHierarchical = 6,
 };
+
+// A plan asked for kAuto whose rule picks a node-shared window (kShared on one host,
+// kHierarchical across hosts) measures it: its first kAutoTrialRuns executions alternate the
+// window and kDirect (the window first; the first run of each is a warm-up), then every rank
+// agrees, in one all_gather counted as setup, on the one that was faster for the slowest rank,
+// and later executions run that one (ExecStats::why says which happened). An explicit
+// strategy pins the choice. One-shot calls and stream buckets do not measure: they use kDirect.
+inline constexpr int kAutoTrialRuns = 6;
 
 SHARDGATHER_API std::string_view strategy_name(Strategy strategy) noexcept;
 // InvalidArgument for an unknown name. Accepts "auto", "direct", "packed", "per_tensor",

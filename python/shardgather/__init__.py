@@ -27,6 +27,7 @@ if torch.__version__.split("+")[0] != _BUILT_FOR:
 
 from . import _shardgather as _C  # noqa: E402
 from ._shardgather import (  # noqa: F401  (re-exported)
+    AUTO_TRIAL_RUNS,
     AbortedError,
     CollectiveTimeout,
     CommAbortedError,

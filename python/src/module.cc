@@ -265,6 +265,8 @@ PYBIND11_MODULE(_shardgather, m) {
   m.doc() = "shardgather's C++ core; use the shardgather package, not this module";
   register_exceptions(m);
   m.attr("__version__") = SHARDGATHER_VERSION_STRING;
+  // An "auto" plan's first executions that measure the window against direct (strategy.h).
+  m.attr("AUTO_TRIAL_RUNS") = kAutoTrialRuns;
   m.attr("_torch_version") = SHARDGATHER_TORCH_VERSION;
 
   py::class_<Communicator, CommPtr>(m, "Communicator",

@@ -182,6 +182,7 @@ py::dict stats_dict(const ExecStats& stats) {
   d["preflight_collectives"] = stats.preflight_collectives;
   d["payload_collectives"] = stats.payload_collectives;
   d["setup_collectives"] = stats.setup_collectives;
+  d["why"] = std::string(stats.why);
   d["staged_bytes"] = stats.staged_bytes;
   return d;
 }

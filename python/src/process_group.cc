@@ -468,13 +468,110 @@ int ProcessGroupCommunicator::count_ranks_on_host(Deadline deadline) {
   return by_name;
 }
 
-void ProcessGroupCommunicator::do_all_to_all_scatter(std::span<const ConstSegment> /*send*/,
-                                                     std::span<const std::size_t> /*send_first*/,
-                                                     std::span<const RecvPiece> /*pieces*/,
-                                                     std::span<const std::size_t> /*first*/,
-                                                     Deadline /*deadline*/) {
-  throw InvalidArgument("rank " + std::to_string(rank_) +
-                        ": all_to_all_scatter is not offered on " + name_);
+void ProcessGroupCommunicator::do_all_to_all_scatter(std::span<const ConstSegment> send,
+                                                     std::span<const std::size_t> send_first,
+                                                     std::span<const RecvPiece> pieces,
+                                                     std::span<const std::size_t> first,
+                                                     Deadline deadline) {
+  // Reached only where capabilities().all_to_all (point to point); the base checks it.
+  const char* what = "all_to_all_scatter";
+  if (abort_requested_.load()) {
+    throw Aborted("rank " + std::to_string(rank_) + ": abort() before " + what + " on " + name_);
+  }
+  const auto world = static_cast<std::size_t>(size_);
+  const auto me = static_cast<std::size_t>(rank_);
+  const auto to = [&](std::size_t p) {
+    return send.subspan(send_first[p], send_first[p + 1] - send_first[p]);
+  };
+  const auto from = [&](std::size_t q) {
+    return pieces.subspan(first[q], first[q + 1] - first[q]);
+  };
+  copy_stream(to(me), from(me));
+  // Each pair's bytes go in messages of at most kGatherChunk, cut at the same offsets on both
+  // sides (both know the pair's total), one round per chunk index so that a pair has one
+  // message in flight each way. A message goes from, or lands in, the caller's memory where one
+  // contiguous run holds it, else through a staging buffer.
+  std::vector<std::uint64_t> out_bytes(world);
+  std::vector<std::uint64_t> in_bytes(world);
+  std::uint64_t rounds = 0;
+  for (std::size_t r = 0; r < world; ++r) {
+    if (r != me) {
+      out_bytes[r] = stream_bytes(to(r));
+      in_bytes[r] = stream_bytes(from(r));
+      rounds =
+          std::max(rounds, (std::max(out_bytes[r], in_bytes[r]) + kGatherChunk - 1) / kGatherChunk);
+    }
+  }
+  const auto contiguous = [](const std::vector<RecvPiece>& run) {
+    return run.size() == 1 && run[0].count == 1;
+  };
+  for (std::uint64_t c = 0; c < rounds; ++c) {
+    const std::uint64_t begin = c * kGatherChunk;
+    std::vector<at::Tensor> outgoing(world);
+    std::vector<at::Tensor> incoming(world);
+    std::vector<std::vector<RecvPiece>> land(world);  // staged receives, copied out after
+    for (std::size_t r = 0; r < world; ++r) {
+      if (r == me) {
+        continue;
+      }
+      if (begin < out_bytes[r]) {
+        const std::uint64_t end = std::min(out_bytes[r], begin + kGatherChunk);
+        const std::vector<RecvPiece> run = slice_segments(to(r), begin, end);
+        if (contiguous(run)) {
+          outgoing[r] = host_bytes(run[0].data, end - begin);
+        } else {
+          outgoing[r] = at::empty({static_cast<std::int64_t>(end - begin)},
+                                  at::TensorOptions().dtype(at::kByte));
+          std::vector<ConstSegment> src;
+          for (const RecvPiece& piece : run) {
+            for (std::uint64_t k = 0; k < piece.count; ++k) {
+              src.push_back({piece.data + k * piece.stride, piece.block});
+            }
+          }
+          const RecvPiece whole{static_cast<std::byte*>(outgoing[r].data_ptr()), end - begin, 1, 0};
+          copy_stream(src, std::span(&whole, 1));
+        }
+      }
+      if (begin < in_bytes[r]) {
+        const std::uint64_t end = std::min(in_bytes[r], begin + kGatherChunk);
+        std::vector<RecvPiece> run = slice_pieces(from(r), begin, end);
+        if (contiguous(run)) {
+          incoming[r] = host_bytes(run[0].data, end - begin);
+        } else {
+          incoming[r] = at::empty({static_cast<std::int64_t>(end - begin)},
+                                  at::TensorOptions().dtype(at::kByte));
+          land[r] = std::move(run);
+        }
+      }
+    }
+    post(
+        [&] {
+          inflight_.clear();
+          for (std::size_t step = 1; step < world; ++step) {
+            const std::size_t q = (me + world - step) % world;
+            if (incoming[q].defined()) {
+              p2p_tensors_.assign(1, incoming[q]);
+              inflight_.push_back(group_->recv(p2p_tensors_, static_cast<int>(q), kP2PTag));
+            }
+          }
+          for (std::size_t step = 1; step < world; ++step) {
+            const std::size_t p = (me + step) % world;
+            if (outgoing[p].defined()) {
+              p2p_tensors_.assign(1, outgoing[p]);
+              inflight_.push_back(group_->send(p2p_tensors_, static_cast<int>(p), kP2PTag));
+            }
+          }
+        },
+        what);
+    wait_p2p(deadline, what);
+    for (std::size_t q = 0; q < world; ++q) {
+      if (!land[q].empty()) {
+        const ConstSegment got{static_cast<const std::byte*>(incoming[q].data_ptr()),
+                               static_cast<std::uint64_t>(incoming[q].numel())};
+        copy_stream(std::span(&got, 1), land[q]);
+      }
+    }
+  }
 }
 
 void ProcessGroupCommunicator::do_barrier(Deadline deadline) {

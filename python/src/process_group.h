@@ -110,7 +110,7 @@ class ProcessGroupCommunicator final : public Communicator {
             .small_messages_in_shared_memory = mailbox_ != nullptr,
             .gather_v = p2p_,
             .scatter = p2p_,
-            .all_to_all = false};
+            .all_to_all = p2p_};
   }
 
  protected:
@@ -126,7 +126,8 @@ class ProcessGroupCommunicator final : public Communicator {
   void do_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                          std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
                          int root, Deadline deadline) override;
-  // Not offered (capabilities().all_to_all is false): the hierarchical strategy runs kDirect.
+  // Point to point (Gloo, host memory): each pair's bytes in messages of at most kGatherChunk,
+  // one round per chunk; staged only where a message spans segments or strided pieces.
   void do_all_to_all_scatter(std::span<const ConstSegment> send,
                              std::span<const std::size_t> send_first,
                              std::span<const RecvPiece> pieces, std::span<const std::size_t> first,

@@ -66,6 +66,7 @@ void run_payload(Call& call, Strategy requested, Strategy strategy, const Gather
   const auto run = [&] {
     call.transfer([&] { run_strategy(stats.strategy, job, comm, call.deadline(), scratch); });
   };
+  const Clock::time_point t0 = Clock::now();
   try {
     run();
   } catch (const OutOfMemory&) {
@@ -81,6 +82,12 @@ void run_payload(Call& call, Strategy requested, Strategy strategy, const Gather
     scratch.shared_unavailable = true;
     stats.strategy = select_strategy(requested, job.counts, comm, true);
     run();
+  }
+  if (requested == Strategy::kAuto) {
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    const std::uint64_t settle_before = comm.collectives_issued();
+    call.transfer([&] { record_auto(stats.strategy, seconds, comm, call.deadline(), scratch); });
+    scratch.setup_collectives += comm.collectives_issued() - settle_before;
   }
   stats.setup_collectives = scratch.setup_collectives - setup_before;
   stats.payload_collectives = comm.collectives_issued() - before - stats.setup_collectives;

@@ -87,10 +87,9 @@ void AllGatherPlan::check_params(const Communicator& comm, std::span<const Tenso
   stats.staged_bytes = staged;
 }
 
-Strategy AllGatherPlan::resolve(const Communicator& comm) const {
-  return detail::select_strategy(
-      options_.strategy, layout_.counts, comm,
-      scratch_.peek() != nullptr && scratch_.peek()->strategy.shared_unavailable);
+Strategy AllGatherPlan::resolve(const Communicator& comm, const char*& why) {
+  return detail::plan_strategy(options_.strategy, layout_.counts, comm, scratch_.get().strategy,
+                               why);
 }
 
 detail::GatherJob AllGatherPlan::prepare(detail::Call& call, std::span<const TensorView> params,
@@ -204,7 +203,7 @@ namespace detail {
 ExecStats PlanAccess::run(AllGatherPlan& plan, Call& call, std::span<const TensorView> params,
                           std::byte* out, std::uint64_t out_size) {
   ExecStats stats;
-  const Strategy strategy = plan.resolve(call.comm());
+  const Strategy strategy = plan.resolve(call.comm(), stats.why);
   const GatherJob job = plan.prepare(call, params, out, out_size, strategy, stats);
   run_payload(call, plan.options_.strategy, strategy, job, plan.scratch_.get().strategy, stats);
   return stats;

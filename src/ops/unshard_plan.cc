@@ -405,10 +405,10 @@ ExecStats UnshardPlan::run(detail::Call& call, std::span<const TensorView> shard
   call.guard(scratch_);
   ExecStats stats;
   // A gather to one rank is kDirect's (the constructor refused any other request).
-  const Strategy strategy = dst_ >= 0
-                                ? Strategy::kDirect
-                                : detail::select_strategy(options_.strategy, counts_, call.comm(),
-                                                          x.strategy.shared_unavailable);
+  stats.why = "a gather to one rank moves direct";
+  const Strategy strategy = dst_ >= 0 ? Strategy::kDirect
+                                      : detail::plan_strategy(options_.strategy, counts_,
+                                                              call.comm(), x.strategy, stats.why);
   detail::PreflightHeader& header = call.header();
   header.flags |= detail::kHasHint;
   header.hint_hash = fingerprint_;

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "strategies/strategy.h"
 
@@ -86,6 +87,65 @@ Strategy select_strategy(Strategy requested, std::span<const std::uint64_t> coun
     return Strategy::kHierarchical;
   }
   return direct();
+}
+
+Strategy plan_strategy(Strategy requested, std::span<const std::uint64_t> counts,
+                       const Communicator& comm, StrategyScratch& scratch, const char*& why) {
+  const Strategy rule = select_strategy(requested, counts, comm, scratch.shared_unavailable);
+  AutoTrial& t = scratch.trial;
+  if (requested != Strategy::kAuto) {
+    why = "requested";
+    return rule;
+  }
+  if (rule != Strategy::kShared && rule != Strategy::kHierarchical) {
+    why = scratch.shared_unavailable ? "rule: the window could not be reserved" : "rule";
+    return rule;
+  }
+  if (t.settled) {
+    why = t.why;
+    return t.chosen;
+  }
+  t.candidates = {rule, comm.capabilities().gather_v ? Strategy::kDirect : Strategy::kPadded};
+  why = "measuring";
+  return t.candidates[static_cast<std::size_t>(t.runs % 2)];
+}
+
+void record_auto(Strategy ran, double seconds, Communicator& comm, Deadline deadline,
+                 StrategyScratch& scratch) {
+  AutoTrial& t = scratch.trial;
+  if (t.settled || t.candidates[0] == Strategy::kAuto) {
+    return;
+  }
+  if (scratch.shared_unavailable) {
+    // The window failed on some rank, so on every rank (SharedBuffer::create): no trial.
+    t.settled = true;
+    t.chosen = t.candidates[1];
+    t.why = "rule: the window could not be reserved";
+    return;
+  }
+  const auto k = static_cast<std::size_t>(t.runs % 2);
+  if (ran != t.candidates[k]) {
+    return;  // not a trial of this plan's (cannot happen: the same sequence on every rank)
+  }
+  if (++t.runs > 2) {
+    t.best[k] = std::min(t.best[k], seconds);
+  }
+  if (t.runs < kAutoTrialRuns) {
+    return;
+  }
+  const auto world = static_cast<std::size_t>(comm.size());
+  std::vector<double> all(2 * world);
+  comm.all_gather(std::as_bytes(std::span(t.best)), std::as_writable_bytes(std::span(all)),
+                  deadline);
+  for (std::size_t r = 0; r < world; ++r) {
+    t.slowest[0] = std::max(t.slowest[0], all[2 * r]);
+    t.slowest[1] = std::max(t.slowest[1], all[2 * r + 1]);
+  }
+  // The window has to win: on a tie kDirect, which holds no window.
+  const bool window = t.slowest[0] < t.slowest[1];
+  t.chosen = t.candidates[window ? 0 : 1];
+  t.why = window ? "measured: the window was faster" : "measured: direct was faster";
+  t.settled = true;
 }
 
 void run_strategy(Strategy strategy, const GatherJob& job, Communicator& comm, Deadline deadline,

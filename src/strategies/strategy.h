@@ -6,8 +6,10 @@
 // `num_tensors` parts (one per tensor), which only kPerTensor looks at.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <span>
 #include <vector>
@@ -43,6 +45,20 @@ struct GatherJob {
   int root = -1;
 };
 
+// kAuto measuring its two candidates on a plan's first executions (select.cc, plan_strategy).
+struct AutoTrial {
+  // The rule's windowed choice (kShared or kHierarchical) and kDirect; kAuto: not measuring.
+  std::array<Strategy, 2> candidates{Strategy::kAuto, Strategy::kAuto};
+  int runs = 0;  // trial executions recorded so far
+  // This rank's fastest trial of each, in seconds (a candidate's first run is its warm-up).
+  std::array<double, 2> best{std::numeric_limits<double>::infinity(),
+                             std::numeric_limits<double>::infinity()};
+  std::array<double, 2> slowest{};  // after settling: the slowest rank's best of each
+  bool settled = false;
+  Strategy chosen = Strategy::kAuto;
+  const char* why = "";
+};
+
 // Scratch a strategy may need; owned by the plan so executions allocate nothing.
 struct StrategyScratch {
   std::vector<std::byte> packed;      // kPacked: this rank's stream, contiguous
@@ -66,6 +82,7 @@ struct StrategyScratch {
   std::vector<std::size_t> a2a_send_first;  // size() + 1
   std::vector<RecvPiece> a2a_pieces;
   std::vector<std::size_t> a2a_first;  // size() + 1
+  AutoTrial trial;
 };
 
 // When every rank's pieces form one contiguous run, fills scratch.displs relative to *base and
@@ -126,6 +143,20 @@ bool hierarchical_available(const Communicator& comm) noexcept;
 // answer (the pre-flight header compares it).
 Strategy select_strategy(Strategy requested, std::span<const std::uint64_t> counts,
                          const Communicator& comm, bool shared_unavailable);
+
+// The strategy for one execution of a plan: select_strategy's, except where kAuto chose a
+// node-shared window (kShared, kHierarchical): that choice is measured against kDirect. The
+// first kAutoTrialRuns (strategy.h) executions alternate the two (the window first), then every
+// rank settles, in record_auto, on the one that was faster for the slowest rank, and later
+// executions run it. `why` says which of these decided (a static string). Every input is the
+// same on every rank and so is the answer, execution by execution.
+Strategy plan_strategy(Strategy requested, std::span<const std::uint64_t> counts,
+                       const Communicator& comm, StrategyScratch& scratch, const char*& why);
+// After an execution's payload ran with `ran` in `seconds` (this rank's time): records a trial,
+// and after the last one agrees with every rank on the choice (one all_gather, which the caller
+// counts as setup). Collective while measuring; does nothing otherwise.
+void record_auto(Strategy ran, double seconds, Communicator& comm, Deadline deadline,
+                 StrategyScratch& scratch);
 
 // Per-rank bytes from which kAuto gathers through the node-shared window on this backend.
 std::uint64_t shared_window_min_bytes(const Capabilities& caps) noexcept;

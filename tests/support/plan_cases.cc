@@ -642,14 +642,64 @@ void case_hierarchical(Communicator& comm) {
   expect_plan_runs(
       comm, [world](int r) { return r == world - 1 ? 4099 : 0; }, Strategy::kHierarchical, want,
       true, "only the last rank sends");
-  // kAuto past the window's threshold, on ranks spanning hosts: kHierarchical unless the
-  // transport reads peer memory itself (threads), where a window only adds copies.
-  const std::span<const int> hosts = comm.hosts();
-  if (world > 1 && !hosts.empty() && *std::max_element(hosts.begin(), hosts.end()) > 0) {
-    const Strategy auto_runs = comm.capabilities().reads_peer_memory ? Strategy::kDirect : want;
-    expect_plan_runs(
-        comm, [](int r) { return (std::int64_t{1} << 18) + 3 * r; }, Strategy::kAuto, auto_runs,
-        true, "auto, 1 MiB per rank");
+}
+
+void case_auto_measures(Communicator& comm) {
+  const int world = comm.size();
+  // The window kAuto would consider here: kShared on one host, kHierarchical across hosts; none
+  // where the transport reads peer memory itself (threads: a window only adds copies).
+  const bool one_host = comm.ranks_on_host() == world;
+  const Strategy window = comm.capabilities().reads_peer_memory || world == 1 ? Strategy::kDirect
+                          : one_host                                          ? Strategy::kShared
+                                     : hierarchical_runs(comm);
+  std::vector<std::vector<Shape>> shapes;
+  for (int r = 0; r < world; ++r) {
+    shapes.push_back({{(std::int64_t{1} << 18) + 3 * r}});  // 1 MiB of float32: past the threshold
+  }
+  std::vector<HostTensor> tensors;
+  tensors.push_back(make_tensor(DType::kFloat32, shapes[static_cast<std::size_t>(comm.rank())][0],
+                                kSeed, comm.rank(), 0));
+  const std::vector<TensorView> params = views_of(tensors);
+  const std::vector<DType> dtypes = {DType::kFloat32};
+  AllGatherPlan plan(dtypes, shapes, comm.rank());
+  std::vector<std::byte> out(plan.output_bytes());
+  Strategy settled = Strategy::kAuto;
+  for (int step = 0; step < 10; ++step) {
+    std::memset(out.data(), 0xee, out.size());
+    const ExecStats stats = plan.execute(params, comm, out);
+    const std::string what = "step " + std::to_string(step) + ", ran " +
+                             std::string(strategy_name(stats.strategy)) + " (" + stats.why + ")";
+    ASSERT_EQ(check_plan_views(plan.views(out.data()), world, 1), "") << what;
+    if (window == Strategy::kDirect) {
+      EXPECT_EQ(stats.strategy, Strategy::kDirect) << what;
+      EXPECT_STREQ(stats.why, "rule") << what;
+      continue;
+    }
+    if (step < kAutoTrialRuns) {
+      // The trials alternate, the window first; the last one's settling is one setup collective.
+      EXPECT_EQ(stats.strategy, step % 2 == 0 ? window : Strategy::kDirect) << what;
+      EXPECT_STREQ(stats.why, "measuring") << what;
+      if (step == kAutoTrialRuns - 1) {
+        EXPECT_EQ(stats.setup_collectives, 1U) << what;
+      }
+      continue;
+    }
+    // Then one choice, the same at every step (and on every rank: the header compares it).
+    if (step == kAutoTrialRuns) {
+      settled = stats.strategy;
+      EXPECT_TRUE(settled == window || settled == Strategy::kDirect) << what;
+    }
+    EXPECT_EQ(stats.strategy, settled) << what;
+    EXPECT_EQ(std::string(stats.why).rfind("measured: ", 0), 0U) << what;
+    EXPECT_EQ(stats.setup_collectives, 0U) << what;
+  }
+  // An explicit strategy pins the choice: no trial.
+  const PlanOptions pinned{.timeout = {}, .preflight = true, .strategy = window};
+  AllGatherPlan fixed(dtypes, shapes, comm.rank(), pinned);
+  for (int step = 0; step < 3; ++step) {
+    const ExecStats stats = fixed.execute(params, comm, out);
+    EXPECT_EQ(stats.strategy, window) << "pinned, step " << step;
+    EXPECT_STREQ(stats.why, "requested");
   }
 }
 

@@ -36,9 +36,12 @@ void case_unshard_stream_errors(Communicator& comm);
 void case_unshard_stream_timeout(Communicator& comm);
 
 // kHierarchical: plans bit-exact over uneven, empty and one-sided lists, with and without the
-// header; it runs where the ranks span hosts and some host has several (kDirect elsewhere), and
-// kAuto picks it past the window's threshold on a transport that does not read peer memory.
+// header; it runs where the ranks span hosts and some host has several (kDirect elsewhere).
 void case_hierarchical(Communicator& comm);
+// kAuto past the window's threshold: the first kAutoTrialRuns executions alternate the window
+// (kShared on one host, kHierarchical across hosts) and kDirect, then one choice stays and why
+// says "measured: ..."; where no window applies, kDirect by the rule. An explicit strategy pins.
+void case_auto_measures(Communicator& comm);
 // Communicator::all_to_all_scatter: per-pair sizes (some zero, the own pair included), two
 // segments out, a strided and a plain piece in, twice (the second from any datatype cache).
 void case_all_to_all_scatter(Communicator& comm);

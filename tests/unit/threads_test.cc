@@ -73,6 +73,7 @@ TEST_P(ThreadsWorld, UnshardStreamTimeout) { run(testing::case_unshard_stream_ti
 
 TEST_P(ThreadsWorld, AllToAllScatter) { run(testing::case_all_to_all_scatter); }
 TEST_P(ThreadsWorld, HierarchicalFallsBackOnOneHost) { run(testing::case_hierarchical); }
+TEST_P(ThreadsWorld, AutoByRule) { run(testing::case_auto_measures); }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, ThreadsWorld, ::testing::Values(1, 2, 3, 4, 7),
                          [](const auto& p) { return "w" + std::to_string(p.param); });
@@ -97,6 +98,7 @@ TEST_P(ThreadsHosts, HostsAndRanksOnHost) {
   });
 }
 TEST_P(ThreadsHosts, Hierarchical) { run(testing::case_hierarchical); }
+TEST_P(ThreadsHosts, AutoByRule) { run(testing::case_auto_measures); }
 TEST_P(ThreadsHosts, AllToAllScatter) { run(testing::case_all_to_all_scatter); }
 TEST_P(ThreadsHosts, PlanSteadyState) { run(testing::case_plan_steady_state); }
 TEST_P(ThreadsHosts, UnshardDims) { run(testing::case_unshard_dims); }

@@ -44,22 +44,6 @@ bool same_pieces(std::span<const RecvPiece> a, std::span<const RecvPiece> b) {
          });
 }
 
-std::uint64_t piece_bytes(std::span<const RecvPiece> pieces) {
-  std::uint64_t bytes = 0;
-  for (const RecvPiece& p : pieces) {
-    bytes += p.block * p.count;
-  }
-  return bytes;
-}
-
-std::uint64_t segment_bytes(std::span<const ConstSegment> segments) {
-  std::uint64_t bytes = 0;
-  for (const ConstSegment& s : segments) {
-    bytes += s.size;
-  }
-  return bytes;
-}
-
 std::vector<Run> runs_of(std::span<const ConstSegment> segments) {
   std::vector<Run> runs;
   for (const ConstSegment& s : segments) {
@@ -522,7 +506,7 @@ void MpiCommunicator::do_all_to_all_scatter(std::span<const ConstSegment> send,
   const std::vector<MPI_Datatype>* recv_dt = nullptr;
   for (std::size_t k = 1; k < world; ++k) {
     const std::size_t q = (me + world - k) % world;
-    const std::uint64_t bytes = piece_bytes(from(q));
+    const std::uint64_t bytes = stream_bytes(from(q));
     if (bytes > chunk) {
       post_chunks(std::vector<RecvPiece>(from(q).begin(), from(q).end()), bytes,
                   static_cast<int>(q), true);
@@ -533,7 +517,7 @@ void MpiCommunicator::do_all_to_all_scatter(std::span<const ConstSegment> send,
   }
   for (std::size_t k = 1; k < world; ++k) {
     const std::size_t p = (me + k) % world;
-    const std::uint64_t bytes = segment_bytes(to(p));
+    const std::uint64_t bytes = stream_bytes(to(p));
     if (bytes > chunk) {
       post_chunks(slice_segments(to(p), 0, bytes), bytes, static_cast<int>(p), false);
     } else if (bytes != 0) {

@@ -21,22 +21,6 @@ std::vector<int> count_per_host(const std::vector<int>& hosts) {
   return counts;
 }
 
-std::uint64_t bytes_of(std::span<const ConstSegment> segments) {
-  std::uint64_t bytes = 0;
-  for (const ConstSegment& s : segments) {
-    bytes += s.size;
-  }
-  return bytes;
-}
-
-std::uint64_t bytes_of(std::span<const RecvPiece> pieces) {
-  std::uint64_t bytes = 0;
-  for (const RecvPiece& p : pieces) {
-    bytes += p.block * p.count;
-  }
-  return bytes;
-}
-
 }  // namespace
 
 GroupState::GroupState(int world, std::vector<int> host_of_rank)
@@ -226,8 +210,8 @@ void ThreadsCommunicator::do_all_to_all_scatter(std::span<const ConstSegment> se
   std::string error;
   for (std::size_t q = 0; q < g.slots.size() && error.empty(); ++q) {
     for (std::size_t r = 0; r < g.slots.size(); ++r) {
-      const std::uint64_t out = bytes_of(sent(q, r));
-      const std::uint64_t in = bytes_of(received(r, q));
+      const std::uint64_t out = stream_bytes(sent(q, r));
+      const std::uint64_t in = stream_bytes(received(r, q));
       if (out != in) {
         error = "rank " + std::to_string(rank_) + ": all_to_all_scatter: rank " +
                 std::to_string(q) + " sends " + std::to_string(out) + " bytes to rank " +
