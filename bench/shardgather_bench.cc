@@ -57,6 +57,7 @@ struct Config {
   bool preflight = true;
   int copy_threads = 0;
   std::uint64_t bucket_mib = 256;  // op "stream"
+  bool mpi_yield = false;          // MpiOptions::Wait::kYield
 };
 
 struct Result {
@@ -770,6 +771,8 @@ void usage() {
       "      --no-in-place      skip the execute_shared case (views into the window)\n"
       "      --no-preflight     skip the pre-flight header check\n"
       "      --copy-threads N   threads for copy-in/out (default: cores / ranks on host)\n"
+      "      --mpi-yield        MPI waits yield the core between tests (MpiOptions::Wait::kYield:\n"
+      "                         ranks of several simulated hosts share one machine's cores)\n"
       "  -J, --json FILE        also write the results as JSON (schema_version 1)\n");
 }
 
@@ -810,6 +813,8 @@ Config parse(int argc, char** argv) {
       cfg.bucket_mib = std::stoull(value());
     } else if (a == "--copy-threads") {
       cfg.copy_threads = std::stoi(value());
+    } else if (a == "--mpi-yield") {
+      cfg.mpi_yield = true;
     } else if (a == "-J" || a == "--json") {
       cfg.json = value();
     } else if (a == "-h" || a == "--help") {
@@ -910,7 +915,10 @@ int run_mpi(const Config& cfg, int argc, char** argv) {
   lib = lib.substr(0, lib.find_first_of(",\n"));
   int rc = 0;
   {
-    auto comm = sg::make_mpi_communicator(MPI_COMM_WORLD);
+    auto comm = sg::make_mpi_communicator(
+        MPI_COMM_WORLD, sg::MpiOptions{.max_chunk_bytes = sg::MpiOptions{}.max_chunk_bytes,
+                                       .wait = cfg.mpi_yield ? sg::MpiOptions::Wait::kYield
+                                                             : sg::MpiOptions::Wait::kAuto});
     try {
       std::vector<int> counts;
       std::vector<int> displs;

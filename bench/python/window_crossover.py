@@ -1,5 +1,5 @@
-"""Where the node-shared window starts to beat a torch Gloo group's own transport: the numbers
-behind ProcessGroupCommunicator::shared_window_min_bytes() (docs/benchmarking.md).
+"""Where the node-shared window starts to beat a torch Gloo group's own transport (the crossover
+an "auto" plan now finds by measuring; docs/benchmarking.md).
 
 For each size per rank (100 float32 tensors), on one Gloo group of spawned processes: the
 group's own all_gather into a preallocated buffer (the limit), a plan over Gloo send/recv

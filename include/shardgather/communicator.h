@@ -58,8 +58,9 @@ struct Capabilities {
   // all_gather_scatter lands bytes in strided pieces itself (threads, MPI derived datatypes).
   // False: the strategy layer gathers rank-major and copies out.
   bool scatter = true;
-  // all_to_all_scatter moves each pair's bytes point to point (threads, MPI). False: it raises
-  // InvalidArgument, and kHierarchical runs kDirect instead.
+  // all_to_all_scatter moves each pair's bytes point to point (threads, MPI, Gloo point to
+  // point). False: it raises InvalidArgument, and kHierarchical runs kDirect (kPadded without
+  // gather_v) instead.
   bool all_to_all = true;
 };
 
@@ -126,7 +127,8 @@ class SHARDGATHER_API Communicator {
   // Pairs with nothing to move cost nothing, and this rank's own entry is copied locally. What q
   // sends to r must be exactly what r's pieces from q hold: callers derive both sides from facts
   // every rank shares (the pre-flight header's counts). The threads backend checks every pair
-  // and raises Mismatch on every rank; MPI raises on a receive too small for its message.
+  // and raises Mismatch on every rank; MPI raises on a receive too small for its message (and a
+  // sender whose message is never matched waits to its deadline); Gloo fails the pair's works.
   void all_to_all_scatter(std::span<const ConstSegment> send,
                           std::span<const std::size_t> send_first,
                           std::span<const RecvPiece> pieces, std::span<const std::size_t> first,

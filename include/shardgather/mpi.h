@@ -29,7 +29,14 @@ namespace shardgather {
 struct MpiOptions {
   // Largest message the chunked path sends at once (and the threshold that selects it).
   // Tests lower it to exercise the chunked path on small data.
+  // Must be the same on every rank: the chunks of one transfer are matched message by message.
   std::uint64_t max_chunk_bytes = std::uint64_t{1} << 30;
+  // How a blocked call polls MPI_Test. Open MPI progresses only inside MPI calls, so a waiting
+  // rank spins; kAuto yields the core between tests (sched_yield) only when this host has more
+  // ranks than cores. kYield always yields: for ranks that share cores in a way the host count
+  // cannot see (several simulated hosts, containers, on one machine's cores). kSpin never does.
+  enum class Wait : std::uint8_t { kAuto, kYield, kSpin };
+  Wait wait = Wait::kAuto;
 };
 
 SHARDGATHER_API std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm,

@@ -51,9 +51,11 @@ struct ExecStats {
   std::uint64_t setup_collectives = 0;
   std::uint64_t staged_bytes = 0;       // bytes copied into staging before sending
   Strategy strategy = Strategy::kAuto;  // the one that ran
-  // What decided it (a static string): "requested"; for kAuto, "rule" (select.cc's facts and
-  // thresholds), "measuring" (one of the first executions that time the node-shared window
-  // against direct), or "measured: ..." (the one that was faster for the slowest rank).
+  // What decided it (a static string): "requested"; for kAuto, "rule" (select.cc's facts: no
+  // window applies), "rule: the window could not be reserved", "measuring" (one of the first
+  // executions that time the node-shared window against direct), or "measured: ..." (the one
+  // that was faster for the slowest rank); "a gather to one rank moves direct" (UnshardPlan's
+  // dst). Empty from one-shot calls and execute_shared.
   const char* why = "";
 };
 

@@ -34,8 +34,9 @@ enum class Strategy : std::uint8_t {
   // host's node-shared window and sends it once to one rank of every other host, which receives
   // it into that host's window; after a barrier every rank copies out from its window. Each
   // byte crosses the network once per receiving host instead of once per receiving rank. Falls
-  // back to kDirect where it cannot apply (one host, one rank per host, a gather to one rank, a
-  // transport without capabilities().all_to_all).
+  // back to kDirect (kPadded without an exact gather-v) where it cannot apply: one host, one
+  // rank per host, hosts unknown, a transport without capabilities().all_to_all. A gather to
+  // one rank (UnshardPlan's dst) takes only kAuto or kDirect.
   kHierarchical = 6,
 };
 

@@ -460,8 +460,13 @@ int ProcessGroupCommunicator::count_ranks_on_host(Deadline deadline) {
       std::count_if(all.begin(), all.end(), [&](const auto& r) { return r[0] == mine[0]; }));
   if (env_agrees && all[0][1] != 0) {
     const auto local = static_cast<int>(all[0][1]);
-    if (local != by_name) {
-      hosts_.clear();  // the names and the variable disagree: which rank is where is unknown
+    // Decided from the table every rank holds, so every rank decides alike: where some host's
+    // name count differs from the variable, which rank is where is unknown.
+    for (const int h : hosts_) {
+      if (std::count(hosts_.begin(), hosts_.end(), h) != local) {
+        hosts_.clear();
+        break;
+      }
     }
     return local;
   }

@@ -101,7 +101,7 @@ std::unique_ptr<SharedBuffer> SharedBuffer::create(Communicator& comm, std::uint
         ::shm_unlink(mine.data());
       }
       throw OutOfMemory("rank " + std::to_string(comm.rank()) + ": shared buffer: rank " +
-                        std::to_string(r) + " could not create its host's" +
+                        std::to_string(r) + " could not create its host's shared buffer" +
                         (error.empty() ? "" : ": " + error));
     }
   }
@@ -125,7 +125,7 @@ std::unique_ptr<SharedBuffer> SharedBuffer::create(Communicator& comm, std::uint
         ::munmap(p, size);
       }
       throw OutOfMemory("rank " + std::to_string(comm.rank()) + ": shared buffer: rank " +
-                        std::to_string(r) + " could not map its host's" +
+                        std::to_string(r) + " could not map its host's shared buffer" +
                         (map_error.empty() ? "" : ": " + map_error));
     }
   }

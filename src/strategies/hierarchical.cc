@@ -1,7 +1,8 @@
 // kHierarchical: ranks on several hosts. The node-shared window of kShared, one per host, and
 // between the hosts each stream crosses the network once per receiving host:
 //   1. every rank copies its stream into its host's window (for the ranks of its host);
-//   2. one all_to_all_scatter: every rank sends its stream, from its own tensors, to one rank of
+//   2. one all_to_all_scatter: every rank sends its stream, from its region of the window, to one
+//   rank of
 //      every other host (the one whose local index is the sender's, modulo that host's rank
 //      count, so all ranks of a host share the receiving), which lands it in that host's window;
 //   3. a barrier: every window now holds every rank's stream;
@@ -56,7 +57,9 @@ void plan_exchange(const GatherJob& job, std::span<const int> hosts, std::size_t
     const auto theirs = static_cast<std::size_t>(hosts[p]);
     scratch.a2a_send_first[p] = scratch.a2a_send.size();
     if (theirs != mine && job.counts[me] != 0 && receiver(theirs, local[me]) == p) {
-      scratch.a2a_send.insert(scratch.a2a_send.end(), job.send.begin(), job.send.end());
+      // From this rank's region of the window, which window_round has filled: one contiguous
+      // run however many tensors the stream has (no staging on transports that need that).
+      scratch.a2a_send.push_back(ConstSegment{base + displs[me], job.counts[me]});
     }
     scratch.a2a_first[p] = scratch.a2a_pieces.size();
     if (theirs != mine && job.counts[p] != 0 && receiver(mine, local[p]) == me) {

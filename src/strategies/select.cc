@@ -44,20 +44,6 @@ Strategy parse_strategy(std::string_view name) {
 
 namespace detail {
 
-std::uint64_t shared_window_min_bytes(const Capabilities& caps) noexcept {
-  if (caps.reads_peer_memory) {
-    return std::numeric_limits<std::uint64_t>::max();  // the window could only add copies
-  }
-  if (caps.small_messages_in_shared_memory) {
-    // Its barriers cost two futex rendezvous: the window took 0.27-0.38 of Gloo's own
-    // all-gather from 1.6 KB to 8 MB per rank (bench/python/window_crossover.py).
-    return 0;
-  }
-  // Open MPI's shared-memory transport, and Gloo with its barriers, beat the window's two copies
-  // below about a MiB per rank (docs/benchmarking.md, docs/python.md).
-  return std::uint64_t{1} << 20;
-}
-
 Strategy select_strategy(Strategy requested, std::span<const std::uint64_t> counts,
                          const Communicator& comm, bool shared_unavailable) {
   const Capabilities caps = comm.capabilities();
@@ -75,9 +61,13 @@ Strategy select_strategy(Strategy requested, std::span<const std::uint64_t> coun
   if (requested != Strategy::kAuto) {
     return requested;
   }
+  // A window is the candidate wherever one can exist, at every size: no fixed threshold was right
+  // on every backend and topology (docs/benchmarking.md), so plans measure it against kDirect
+  // (plan_strategy). Never where the transport reads peer memory itself (threads: the window
+  // could only add copies), nor for a payload of nothing.
   const std::uint64_t largest =
       counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
-  if (shared_unavailable || largest < shared_window_min_bytes(caps)) {
+  if (shared_unavailable || largest == 0 || caps.reads_peer_memory) {
     return direct();
   }
   if (shared_available(comm)) {
@@ -100,6 +90,9 @@ Strategy plan_strategy(Strategy requested, std::span<const std::uint64_t> counts
   if (rule != Strategy::kShared && rule != Strategy::kHierarchical) {
     why = scratch.shared_unavailable ? "rule: the window could not be reserved" : "rule";
     return rule;
+  }
+  if (t.candidates[0] != Strategy::kAuto && t.candidates[0] != rule) {
+    t = AutoTrial{};  // executed over a communicator of another topology: measure afresh
   }
   if (t.settled) {
     why = t.why;
@@ -146,6 +139,12 @@ void record_auto(Strategy ran, double seconds, Communicator& comm, Deadline dead
   t.chosen = t.candidates[window ? 0 : 1];
   t.why = window ? "measured: the window was faster" : "measured: direct was faster";
   t.settled = true;
+  if (!window) {
+    // Its memory goes back: every rank has finished the last windowed trial (this one ran
+    // direct), nothing still writes into it, and each rank unmaps only its own mapping.
+    scratch.window.reset();
+    scratch.window_bytes = 0;
+  }
 }
 
 void run_strategy(Strategy strategy, const GatherJob& job, Communicator& comm, Deadline deadline,

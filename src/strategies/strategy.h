@@ -137,10 +137,10 @@ void run_hierarchical(const GatherJob& job, Communicator& comm, Deadline deadlin
 bool hierarchical_available(const Communicator& comm) noexcept;
 
 // `requested` resolved for a payload of `counts` bytes per rank on this backend: kAuto from the
-// backend's facts and every threshold (docs/benchmarking.md has the measurements), kShared to
-// kDirect where the window cannot exist. `shared_unavailable`: the plan's window could not be
-// reserved, so kAuto never picks kShared. Every input is the same on every rank, and so is the
-// answer (the pre-flight header compares it).
+// backend's facts (a window wherever one can exist; plans then measure it, plan_strategy), kShared
+// and kHierarchical to kDirect where they cannot run. `shared_unavailable`: the plan's window could
+// not be reserved, so kAuto never picks kShared. Every input is the same on every rank, and so is
+// the answer (the pre-flight header compares it).
 Strategy select_strategy(Strategy requested, std::span<const std::uint64_t> counts,
                          const Communicator& comm, bool shared_unavailable);
 
@@ -157,9 +157,6 @@ Strategy plan_strategy(Strategy requested, std::span<const std::uint64_t> counts
 // counts as setup). Collective while measuring; does nothing otherwise.
 void record_auto(Strategy ran, double seconds, Communicator& comm, Deadline deadline,
                  StrategyScratch& scratch);
-
-// Per-rank bytes from which kAuto gathers through the node-shared window on this backend.
-std::uint64_t shared_window_min_bytes(const Capabilities& caps) noexcept;
 
 // Runs the job with `strategy` (already resolved).
 void run_strategy(Strategy strategy, const GatherJob& job, Communicator& comm, Deadline deadline,

@@ -27,8 +27,8 @@ def case_hosts_seen(rank, world):
     # ~1.2 MB of f32 per rank (past the 1 MiB threshold), uneven; rank 1 has no int64 rows.
     shapes = [[(300_000 + 1000 * r,), (0 if r == 1 else 3, 2), ()] for r in range(world)]
     dtypes = [torch.float32, torch.int64, torch.bfloat16]
-    want = {"auto": "hierarchical", "shared": "direct", "hierarchical": "hierarchical"}
-    for strategy, runs in want.items():
+    runs_by_request = {"auto": "hierarchical", "shared": "direct", "hierarchical": "hierarchical"}
+    for strategy, runs in runs_by_request.items():
         for step in range(3):
             params = [make(s, dt, 100 * step + 10 * rank + i)
                       for i, (s, dt) in enumerate(zip(shapes[rank], dtypes))]

@@ -159,7 +159,9 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, const MpiOptions& options) : opt
                                                   : hosts_[static_cast<std::size_t>(leaders[r])];
   }
   const unsigned cores = std::thread::hardware_concurrency();
-  oversubscribed_ = cores != 0 && static_cast<unsigned>(ranks_on_host_) > cores;
+  oversubscribed_ = options_.wait == MpiOptions::Wait::kYield ||
+                    (options_.wait == MpiOptions::Wait::kAuto && cores != 0 &&
+                     static_cast<unsigned>(ranks_on_host_) > cores);
 }
 
 MpiCommunicator::~MpiCommunicator() {

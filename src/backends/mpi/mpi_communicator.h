@@ -102,7 +102,7 @@ class MpiCommunicator final : public Communicator {
   int size_ = 1;
   int ranks_on_host_ = 1;
   std::vector<int> hosts_;       // rank -> host, from MPI_COMM_TYPE_SHARED
-  bool oversubscribed_ = false;  // more ranks on this host than cores
+  bool oversubscribed_ = false;  // yield between tests: more ranks here than cores, or kYield
   MpiOptions options_;
   std::atomic<bool> abort_requested_{false};
   std::vector<SendType> type_cache_;   // most recently used last
