@@ -46,7 +46,7 @@ enum class Strategy : std::uint8_t {
 // agrees, in one all_gather counted as setup, on the one that was faster for the slowest rank,
 // and later executions run that one (ExecStats::why says which happened). An explicit
 // strategy pins the choice. One-shot calls and stream buckets do not measure: they use kDirect.
-inline constexpr int kAutoTrialRuns = 6;
+inline constexpr int kAutoTrialRuns = 10;
 
 SHARDGATHER_API std::string_view strategy_name(Strategy strategy) noexcept;
 // InvalidArgument for an unknown name. Accepts "auto", "direct", "packed", "per_tensor",
