@@ -28,6 +28,13 @@ SHARDGATHER_API void copy_stream(std::span<const ConstSegment> src,
 // Copies the concatenation of `segments` to `dst`.
 SHARDGATHER_API void copy_segments(std::span<const ConstSegment> segments, std::byte* dst) noexcept;
 
+// Rank r's part of a list that `first` (one offset per rank, and one past the end) splits by
+// rank: items[first[r] .. first[r + 1]).
+template <typename Items, typename First>
+[[nodiscard]] auto rank_part(const Items& items, const First& first, std::size_t r) noexcept {
+  return items.subspan(first[r], first[r + 1] - first[r]);
+}
+
 // How many bytes the segments, or the pieces' blocks, hold in all.
 SHARDGATHER_API std::uint64_t stream_bytes(std::span<const ConstSegment> segments) noexcept;
 SHARDGATHER_API std::uint64_t stream_bytes(std::span<const RecvPiece> pieces) noexcept;

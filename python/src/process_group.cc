@@ -297,7 +297,7 @@ void ProcessGroupCommunicator::scatter_chunked(std::span<const ConstSegment> sen
     }
   }
   if (receives) {
-    copy_stream(send, pieces.subspan(first[me], first[me + 1] - first[me]));
+    copy_stream(send, rank_part(pieces, first, me));
   }
   if (rounds == 0) {
     return;
@@ -365,8 +365,8 @@ void ProcessGroupCommunicator::scatter_chunked(std::span<const ConstSegment> sen
         continue;
       }
       const ConstSegment got{slot(r, c), len};
-      const std::vector<RecvPiece> into = slice_pieces(
-          pieces.subspan(first[r], first[r + 1] - first[r]), c * chunk, c * chunk + len);
+      const std::vector<RecvPiece> into =
+          slice_pieces(rank_part(pieces, first, r), c * chunk, c * chunk + len);
       copy_stream(std::span(&got, 1), into);
     }
     if (c + 1 < rounds) {
@@ -485,12 +485,8 @@ void ProcessGroupCommunicator::do_all_to_all_scatter(std::span<const ConstSegmen
   }
   const auto world = static_cast<std::size_t>(size_);
   const auto me = static_cast<std::size_t>(rank_);
-  const auto to = [&](std::size_t p) {
-    return send.subspan(send_first[p], send_first[p + 1] - send_first[p]);
-  };
-  const auto from = [&](std::size_t q) {
-    return pieces.subspan(first[q], first[q + 1] - first[q]);
-  };
+  const auto to = [&](std::size_t p) { return rank_part(send, send_first, p); };
+  const auto from = [&](std::size_t q) { return rank_part(pieces, first, q); };
   copy_stream(to(me), from(me));
   // Each pair's bytes go in messages of at most kGatherChunk, cut at the same offsets on both
   // sides (both know the pair's total), one round per chunk index so that a pair has one

@@ -7,6 +7,8 @@
 #include "detail/parallel_copy.h"
 #include "strategies/strategy.h"
 
+#include "shardgather/copy.h"
+
 namespace shardgather::detail {
 
 bool contiguous_per_rank(std::span<const RecvPiece> pieces, std::span<const std::size_t> first,
@@ -74,8 +76,7 @@ void gather_into_pieces(std::span<const ConstSegment> send, std::span<const Recv
   comm.all_gather_v(send, scratch.gathered.data(), counts, scratch.displs, deadline);
   for (std::size_t r = 0; r < counts.size(); ++r) {
     const ConstSegment stream{scratch.gathered.data() + scratch.displs[r], counts[r]};
-    copy_stream_parallel(std::span(&stream, 1), pieces.subspan(first[r], first[r + 1] - first[r]),
-                         copy_threads);
+    copy_stream_parallel(std::span(&stream, 1), rank_part(pieces, first, r), copy_threads);
   }
 }
 

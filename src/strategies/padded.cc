@@ -66,8 +66,7 @@ void gather_padded(std::span<const ConstSegment> send, std::span<const RecvPiece
   comm.all_gather(mine, scratch.gathered, deadline);
   for (std::size_t r = 0; r < world; ++r) {
     const ConstSegment block{scratch.gathered.data() + r * width, counts[r]};
-    copy_stream_parallel(std::span(&block, 1), pieces.subspan(first[r], first[r + 1] - first[r]),
-                         copy_threads);
+    copy_stream_parallel(std::span(&block, 1), rank_part(pieces, first, r), copy_threads);
   }
 }
 

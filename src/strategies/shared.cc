@@ -9,6 +9,7 @@
 #include "detail/parallel_copy.h"
 #include "strategies/strategy.h"
 
+#include "shardgather/copy.h"
 #include "shardgather/layout.h"
 
 namespace shardgather::detail {
@@ -58,8 +59,7 @@ void copy_out_window(const GatherJob& job, const std::byte* base,
                      std::span<const std::uint64_t> displs) {
   for (std::size_t r = 0; r < job.counts.size(); ++r) {
     const ConstSegment stream{base + displs[r], job.counts[r]};
-    copy_stream_parallel(std::span(&stream, 1),
-                         job.pieces.subspan(job.first[r], job.first[r + 1] - job.first[r]),
+    copy_stream_parallel(std::span(&stream, 1), rank_part(job.pieces, job.first, r),
                          job.copy_threads);
   }
 }

@@ -323,7 +323,7 @@ TEST(MpiHosts, RanksOnHostAndNothingSharedAcrossHosts) {
         PlanOptions{.timeout = {}, .preflight = true, .strategy = strategy, .copy_threads = 0});
     std::vector<std::byte> out(plan.output_bytes());
     for (int step = 0; step < 2; ++step) {
-      std::memset(out.data(), 0xee, out.size());
+      std::fill(out.begin(), out.end(), std::byte{0xee});
       // kAuto's first executions measure: the window, then kDirect (case_auto_measures).
       const bool trial_direct =
           strategy == Strategy::kAuto && runs != Strategy::kDirect && step == 1;

@@ -197,7 +197,7 @@ void case_plan_steady_state(Communicator& comm) {
         // first run sizes its scratch, the last trial settles): steady state begins after.
         const int settled = strategy == Strategy::kAuto ? kAutoTrialRuns : 1;
         for (int step = 0; step < settled + 4; ++step) {
-          std::memset(out.data(), 0xee, out.size());
+          std::fill(out.begin(), out.end(), std::byte{0xee});
           const std::uint64_t allocs = thread_allocations();
           const std::uint64_t before = comm.collectives_issued();
           const ExecStats stats = plan.execute(params, comm, out);
@@ -613,7 +613,7 @@ void expect_plan_runs(Communicator& comm, const std::function<std::int64_t(int)>
   AllGatherPlan plan(dtypes, shapes, comm.rank(), options);
   std::vector<std::byte> out(plan.output_bytes());
   for (int step = 0; step < 3; ++step) {
-    std::memset(out.data(), 0xee, out.size());
+    std::fill(out.begin(), out.end(), std::byte{0xee});
     EXPECT_EQ(plan.execute(params, comm, out).strategy, want) << what << ", step " << step;
     ASSERT_EQ(check_plan_views(plan.views(out.data()), world, 1), "") << what << ", step " << step;
   }
@@ -635,7 +635,7 @@ void case_hierarchical(Communicator& comm) {
     AllGatherPlan plan(kPlanDTypes, shapes, rank, options);
     std::vector<std::byte> out(plan.output_bytes());
     for (int step = 0; step < 4; ++step) {
-      std::memset(out.data(), 0xee, out.size());
+      std::fill(out.begin(), out.end(), std::byte{0xee});
       const ExecStats stats = plan.execute(params, comm, out);
       const std::string what =
           "preflight " + std::to_string(preflight) + ", step " + std::to_string(step);
@@ -673,7 +673,7 @@ void case_auto_measures(Communicator& comm) {
   std::vector<std::byte> out(plan.output_bytes());
   Strategy settled = Strategy::kAuto;
   for (int step = 0; step < 10; ++step) {
-    std::memset(out.data(), 0xee, out.size());
+    std::fill(out.begin(), out.end(), std::byte{0xee});
     const ExecStats stats = plan.execute(params, comm, out);
     const std::string what = "step " + std::to_string(step) + ", ran " +
                              std::string(strategy_name(stats.strategy)) + " (" + stats.why + ")";

@@ -249,7 +249,7 @@ const std::vector<MPI_Datatype>& MpiCommunicator::recv_types(std::span<const Rec
                   std::vector<std::size_t>(first.begin(), first.end()),
                   {}};
   for (std::size_t r = 0; r + 1 < first.size(); ++r) {
-    const std::vector<Run> runs = runs_of(pieces.subspan(first[r], first[r + 1] - first[r]));
+    const std::vector<Run> runs = runs_of(rank_part(pieces, first, r));
     entry.types.push_back(runs.empty() ? MPI_DATATYPE_NULL : build_type(runs, rank_));
   }
   if (recv_cache_.size() == kTypeCacheSize) {
@@ -319,10 +319,10 @@ void MpiCommunicator::all_gather_scatter_chunked(std::span<const ConstSegment> s
                                                  Deadline deadline) {
   const std::uint64_t chunk = options_.max_chunk_bytes;
   const auto me = static_cast<std::size_t>(rank_);
-  copy_stream(send, pieces.subspan(first[me], first[me + 1] - first[me]));
+  copy_stream(send, rank_part(pieces, first, me));
   for (int root = 0; root < size_; ++root) {
     const auto r = static_cast<std::size_t>(root);
-    const auto mine = pieces.subspan(first[r], first[r + 1] - first[r]);
+    const auto mine = rank_part(pieces, first, r);
     for (std::uint64_t begin = 0; begin < counts[r]; begin += chunk) {
       const std::uint64_t end = std::min(counts[r], begin + chunk);
       const std::vector<RecvPiece> slice =
@@ -362,7 +362,7 @@ void MpiCommunicator::gather_scatter_chunked(std::span<const ConstSegment> send,
   const std::uint64_t chunk = options_.max_chunk_bytes;
   const auto me = static_cast<std::size_t>(rank_);
   if (rank_ == root) {
-    copy_stream(send, pieces.subspan(first[me], first[me + 1] - first[me]));
+    copy_stream(send, rank_part(pieces, first, me));
   }
   for (int sender = 0; sender < size_; ++sender) {
     if (sender == root || (rank_ != root && rank_ != sender)) {
@@ -478,12 +478,8 @@ void MpiCommunicator::do_all_to_all_scatter(std::span<const ConstSegment> send,
   const std::uint64_t chunk = options_.max_chunk_bytes;
   const auto world = static_cast<std::size_t>(size_);
   const auto me = static_cast<std::size_t>(rank_);
-  const auto to = [&](std::size_t p) {
-    return send.subspan(send_first[p], send_first[p + 1] - send_first[p]);
-  };
-  const auto from = [&](std::size_t q) {
-    return pieces.subspan(first[q], first[q + 1] - first[q]);
-  };
+  const auto to = [&](std::size_t p) { return rank_part(send, send_first, p); };
+  const auto from = [&](std::size_t q) { return rank_part(pieces, first, q); };
   copy_stream(to(me), from(me));
   requests_.clear();
   // One message per pair from the datatype caches; above max_chunk_bytes, one per chunk.

@@ -168,7 +168,7 @@ void ThreadsCommunicator::do_all_gather_scatter(std::span<const ConstSegment> se
                                                 Deadline deadline) {
   exchange(send, counts, deadline, "all_gather_scatter", -1,
            [&](std::size_t r, std::span<const ConstSegment> segments) {
-             copy_stream(segments, pieces.subspan(first[r], first[r + 1] - first[r]));
+             copy_stream(segments, rank_part(pieces, first, r));
            });
 }
 
@@ -179,7 +179,7 @@ void ThreadsCommunicator::do_gather_scatter(std::span<const ConstSegment> send,
                                             Deadline deadline) {
   exchange(send, counts, deadline, "gather_scatter", root,
            [&](std::size_t r, std::span<const ConstSegment> segments) {
-             copy_stream(segments, pieces.subspan(first[r], first[r + 1] - first[r]));
+             copy_stream(segments, rank_part(pieces, first, r));
            });
 }
 
@@ -200,11 +200,11 @@ void ThreadsCommunicator::do_all_to_all_scatter(std::span<const ConstSegment> se
   meet(deadline, "all_to_all_scatter");
   const auto sent = [&](std::size_t q, std::size_t r) {
     const GroupState::Slot& s = g.slots[q];
-    return s.segments.subspan(s.send_first[r], s.send_first[r + 1] - s.send_first[r]);
+    return rank_part(s.segments, s.send_first, r);
   };
   const auto received = [&](std::size_t r, std::size_t q) {
     const GroupState::Slot& s = g.slots[r];
-    return s.pieces.subspan(s.first[q], s.first[q + 1] - s.first[q]);
+    return rank_part(s.pieces, s.first, q);
   };
   // Every pair, on every rank: the same verdict everywhere.
   std::string error;
