@@ -104,6 +104,9 @@ TEST_P(MpiTeams, UnshardStream) { testing::case_unshard_stream(team_.comm()); }
 TEST_P(MpiTeams, UnshardStreamErrors) { testing::case_unshard_stream_errors(team_.comm()); }
 TEST_P(MpiTeams, AllToAllScatter) { testing::case_all_to_all_scatter(team_.comm()); }
 TEST_P(MpiTeams, Hierarchical) { testing::case_hierarchical(team_.comm()); }
+TEST_P(MpiTeams, HierarchicalDisagreement) {
+  testing::case_hierarchical_disagreement(team_.comm());
+}
 TEST_P(MpiTeams, AutoMeasures) { testing::case_auto_measures(team_.comm()); }
 
 INSTANTIATE_TEST_SUITE_P(Teams, MpiTeams,

@@ -652,6 +652,23 @@ void case_hierarchical(Communicator& comm) {
       true, "only the last rank sends");
 }
 
+void case_hierarchical_disagreement(Communicator& comm) {
+  if (hierarchical_runs(comm) != Strategy::kHierarchical) {
+    return;  // one host, or one rank per host: both requests move direct, nothing disagrees
+  }
+  // The last rank's plan moves direct, the others' hierarchical: the header compares the
+  // strategy, so every rank raises Mismatch before anything moves, and nobody hangs.
+  const int world = comm.size();
+  const auto shapes = plan_shapes(world);
+  const std::vector<HostTensor> tensors = plan_tensors(shapes, comm.rank());
+  const std::vector<TensorView> params = views_of(tensors);
+  const Strategy mine = comm.rank() == world - 1 ? Strategy::kDirect : Strategy::kHierarchical;
+  AllGatherPlan plan(kPlanDTypes, shapes, comm.rank(),
+                     PlanOptions{.timeout = {}, .preflight = true, .strategy = mine});
+  std::vector<std::byte> out(plan.output_bytes());
+  expect_raises<Mismatch>([&] { plan.execute(params, comm, out); }, "strategy differs");
+}
+
 void case_auto_measures(Communicator& comm) {
   const int world = comm.size();
   // The window kAuto would consider here: kShared on one host, kHierarchical across hosts; none

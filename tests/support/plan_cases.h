@@ -38,6 +38,9 @@ void case_unshard_stream_timeout(Communicator& comm);
 // kHierarchical: plans bit-exact over uneven, empty and one-sided lists, with and without the
 // header; it runs where the ranks span hosts and some host has several (kDirect elsewhere).
 void case_hierarchical(Communicator& comm);
+// Ranks spanning hosts whose plans disagree (hierarchical on some, direct on one): Mismatch
+// ("strategy differs") on every rank from the header, no hang (RELIABILITY.md 2.8b).
+void case_hierarchical_disagreement(Communicator& comm);
 // kAuto past the window's threshold: the first kAutoTrialRuns executions alternate the window
 // (kShared on one host, kHierarchical across hosts) and kDirect, then one choice stays and why
 // says "measured: ..."; where no window applies, kDirect by the rule. An explicit strategy pins.

@@ -98,6 +98,9 @@ TEST_P(ThreadsHosts, HostsAndRanksOnHost) {
   });
 }
 TEST_P(ThreadsHosts, Hierarchical) { run(testing::case_hierarchical); }
+TEST_P(ThreadsHosts, HierarchicalDisagreementRaisesOnEveryRank) {
+  run(testing::case_hierarchical_disagreement);
+}
 TEST_P(ThreadsHosts, AutoByRule) { run(testing::case_auto_measures); }
 TEST_P(ThreadsHosts, AllToAllScatter) { run(testing::case_all_to_all_scatter); }
 TEST_P(ThreadsHosts, PlanSteadyState) { run(testing::case_plan_steady_state); }
