@@ -1,6 +1,5 @@
 // Strategy names and the automatic choice.
 #include <algorithm>
-#include <limits>
 #include <string>
 #include <vector>
 
