@@ -17,6 +17,7 @@ import tempfile
 import time
 
 ARGS = None  # the parsed command line (launcher() needs the tools directory)
+STUCK_S = 10  # how long mpirun may outlive every rank before it counts as stuck in teardown
 
 B_IDS = "B1 B2 B3a B3b B4 B5 B6 B7c B8 B9a B9b B10 B11a B11b B12 B13 B14".split()
 M_IDS = "M1 M2 M3 M4 M5a M5b M6 M7a M8 M9".split()
@@ -94,6 +95,47 @@ def launcher(spec, deadline):
             str(spec["per_host"])]
 
 
+def live_ranks(binary):
+    """The ranks that still run: the launchers' command lines name the binary too, and a zombie
+    has ended (only its parent has yet to reap it)."""
+    live = []
+    for pid in pgrep(binary):
+        try:
+            with open("/proc/%d/stat" % pid) as fh:
+                comm, rest = fh.read().split(" (", 1)[1].rsplit(") ", 1)
+        except (OSError, IndexError, ValueError):
+            continue
+        if comm == os.path.basename(binary)[:15] and rest.split()[0] not in ("Z", "X"):
+            live.append(pid)
+    return live
+
+
+def launch_and_watch(cmd, binary, watch):
+    """Runs one launch; returns (completed process, launcher_stuck).
+
+    Open MPI 4.1's mpirun (PMIx 4.2, Debian 12) sometimes never returns when one rank has
+    finalized and another calls MPI_Abort: every rank has ended (its zombies wait to be reaped)
+    while mpirun's main thread waits in PMIx_server_finalize for a progress thread blocked on
+    a PMIx mutex. A 20-line MPI program without this library shows it in about 1 launch in 12
+    (docs/reliability.md). Where watch is set, a launcher that outlives all of its ranks by
+    STUCK_S is ended here and reported as stuck, not hung: a hang is a rank that still runs.
+    """
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    seen = stuck = False
+    quiet_since = None
+    while watch and proc.poll() is None:
+        time.sleep(0.25)
+        live = live_ranks(binary)
+        seen = seen or bool(live)
+        quiet_since = None if live or not seen else (quiet_since or time.monotonic())
+        if quiet_since and time.monotonic() - quiet_since > STUCK_S and proc.poll() is None:
+            stuck = True
+            os.killpg(proc.pid, signal.SIGKILL)
+    out, err = proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), stuck
+
+
 def run_launch(args, spec, timeout_ms):
     deadline = spec.get("deadline", args.deadline)
     with tempfile.TemporaryDirectory(prefix="sg-h2-") as tmp:
@@ -110,7 +152,7 @@ def run_launch(args, spec, timeout_ms):
         cmd += ["--naked"] if spec.get("naked") else []
         cmd += spec["ids"]
         t0 = time.monotonic()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc, stuck = launch_and_watch(cmd, args.bin, watch="per_host" not in spec)
         wall = time.monotonic() - t0
         leftover = pgrep(args.bin)
         for pid in leftover:
@@ -131,9 +173,9 @@ def run_launch(args, spec, timeout_ms):
                         except ValueError:
                             lines.append({"case": "?", "rank": -1, "bad_line": line})
     return dict(rc=proc.returncode, wall=wall, leftover=len(leftover), orphans=len(orphans),
-                lines=lines, stderr=proc.stderr[-2000:],
+                lines=lines, stderr=proc.stderr[-2000:], launcher_stuck=stuck,
                 hung=(proc.returncode in (124, 137) or proc.returncode < 0)
-                and wall >= deadline - 1)
+                and wall >= deadline - 1 and not stuck)
 
 
 def judge(spec, res, cid, timeout_s):
@@ -144,7 +186,8 @@ def judge(spec, res, cid, timeout_s):
     problems = []
     v = dict(case=cid, np=np_, naked=bool(spec.get("naked")), family=cid[0], wall=res["wall"],
              rc=res["rc"], orphans=res["orphans"], leftover=res["leftover"], hung=res["hung"],
-             t_err_over_t=[], silent=0, lost_bytes=0, uniform=None, skipped=False, lines=mine)
+             t_err_over_t=[], silent=0, lost_bytes=0, uniform=None, skipped=False, lines=mine,
+             launcher_stuck=res["launcher_stuck"])
     if res["orphans"]:
         problems.append("%d orphan processes" % res["orphans"])
     if spec.get("naked"):
@@ -270,6 +313,9 @@ def main():
             if spec["job"] != "clean":
                 extra += " job rc=%d wall=%.2fs leftover=%d" % (res["rc"], res["wall"],
                                                                  res["leftover"])
+            if res["launcher_stuck"]:
+                extra += " (mpirun outlived every rank by %d s: stuck in PMIx teardown, ended)" \
+                    % STUCK_S
             shown = [l for l in v["lines"] if l["rank"] == 0 or not cid.startswith("OVH")]
             notes = "; ".join(l.get("note", "") for l in shown
                               if cid in ("OVH", "OVH-threads", "L1", "L2", "L4", "X2", "X3"))
