@@ -12,8 +12,10 @@
 //    InvalidArgument on every rank (through the header).
 //  - Not given, shapes travel inside the payload, and the one metadata collective is the
 //    fixed-size header (tensor count, dtype hash, bytes per rank).
-//  - The payload moves in exactly one all_gather_v, sent straight from the tensors' memory:
-//    no copy-in for contiguous inputs (strided inputs are packed first) and no padding.
+//  - By default the payload moves in exactly one all_gather_v, sent straight from the tensors'
+//    memory: no copy-in for contiguous inputs (strided inputs are packed first) and no padding.
+//    options.strategy asks for another way to move it (strategy.h), with the same fallbacks as
+//    a plan's; kAuto means direct here, since a window would be created for one use.
 //  - Outputs are views into one gathered buffer that the result owns (no copy-out).
 //
 // Blocking: returns when the gather is complete on this rank, or raises. Inputs are only read.
@@ -32,6 +34,7 @@
 #include "shardgather/communicator.h"
 #include "shardgather/export.h"
 #include "shardgather/layout.h"
+#include "shardgather/strategy.h"
 #include "shardgather/types.h"
 #include "shardgather/work.h"
 
@@ -47,14 +50,22 @@ struct ForeachAllGatherOptions {
   // bytes, local status) so that mismatches and local errors raise on every rank. Without a
   // shapes hint the header is also the metadata exchange and is always sent.
   bool preflight = true;
+  // How the payload moves. kAuto: direct (padded without an exact gather-v), because a one-shot
+  // call must not create a node-shared window it uses once. An explicit kShared or
+  // kHierarchical creates one for this call (collective setup, and its first touch) and falls
+  // back to direct where it cannot apply, as a plan's does. Must be the same on every rank
+  // (the header compares what it resolves to: Mismatch on every rank otherwise).
+  Strategy strategy = Strategy::kAuto;
 };
 
-// How many collectives a call issued, by purpose.
+// How many collectives a call issued, by purpose, and how its payload moved.
 struct CallStats {
   std::uint64_t preflight_collectives = 0;  // the header, when it served only as a check
   std::uint64_t metadata_collectives = 0;   // the header, when it carried what the plan needed
   std::uint64_t payload_collectives = 0;
-  std::uint64_t staged_bytes = 0;  // bytes packed before sending (non-contiguous inputs only)
+  std::uint64_t setup_collectives = 0;  // making a window (an explicit kShared, kHierarchical)
+  std::uint64_t staged_bytes = 0;       // bytes packed before sending (non-contiguous inputs only)
+  Strategy strategy = Strategy::kDirect;  // the one that ran
 };
 
 // The gathered tensors. Owns the gathered buffer; the views stay valid while the result lives.

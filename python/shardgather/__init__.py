@@ -136,6 +136,7 @@ def foreach_all_gather(
     *,
     timeout=None,
     preflight=True,
+    strategy="auto",
     async_op=False,
 ):
     """Gathers ``params`` from every rank of ``group`` in one collective.
@@ -152,6 +153,12 @@ def foreach_all_gather(
     communicator is poisoned. ``preflight=False`` (with a hint only) skips the header that makes
     mismatches raise on every rank.
 
+    ``strategy`` names how the payload moves (see :class:`AllGatherPlan`); ``"auto"`` means
+    ``"direct"`` for a one-shot call, which would otherwise create a node-shared window it uses
+    once. ``"hierarchical"`` (ranks on several hosts, more than one on a host) or ``"shared"``
+    (one host) create that window for this call; where it cannot apply they move direct. Every
+    rank passes the same strategy (a difference raises MismatchError on every rank).
+
     Errors: InvalidTypeError (a TypeError) for a non-tensor, InvalidArgumentError (a ValueError)
     for bad arguments, MismatchError when ranks disagree, CollectiveTimeout (a TimeoutError)
     past the deadline; each is raised on every rank. The results share one buffer and never
@@ -165,7 +172,7 @@ def foreach_all_gather(
     """
     comm = communicator(group, _setup_timeout(timeout))
     return _C.foreach_all_gather(params, comm, params_shapes_across_group, timeout, preflight,
-                                 async_op)
+                                 strategy, async_op)
 
 
 def _setup_timeout(timeout):

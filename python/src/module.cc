@@ -70,14 +70,26 @@ py::list result_lists(std::unique_ptr<GatherResult> result) {
   return out;
 }
 
+// The options of a collective call; a bad strategy name or timeout fails the call on every rank.
+PlanOptions collective_plan_options(Communicator& comm, const std::string& strategy, bool preflight,
+                                    std::optional<double> timeout, const CallShape& call) {
+  try {
+    return plan_options(strategy, preflight, timeout);
+  } catch (const InvalidArgument& e) {
+    fail_call(comm, {LocalError::kValue, 0, e.what()}, call);
+  }
+}
+
 py::object foreach_all_gather_py(py::handle params, const CommPtr& comm_ptr, py::handle hint_obj,
-                                 std::optional<double> timeout, bool preflight, bool async_op) {
+                                 std::optional<double> timeout, bool preflight,
+                                 const std::string& strategy, bool async_op) {
   Communicator& comm = *comm_ptr;
+  const CallShape shape{Operation::kForeachAllGather,
+                        header_exchanged(hint_given(hint_obj), preflight), std::nullopt};
   const ForeachAllGatherOptions options{
-      .timeout = timeout_or_fail(comm, timeout,
-                                 {Operation::kForeachAllGather,
-                                  header_exchanged(hint_given(hint_obj), preflight), std::nullopt}),
-      .preflight = preflight};
+      .timeout = timeout_or_fail(comm, timeout, shape),
+      .preflight = preflight,
+      .strategy = collective_plan_options(comm, strategy, preflight, timeout, shape).strategy};
   auto in = std::make_shared<CallInputs>(
       parse_call_or_fail(params, hint_obj, comm, Operation::kForeachAllGather, options));
   if (async_op) {
@@ -93,16 +105,6 @@ py::object foreach_all_gather_py(py::handle params, const CommPtr& comm_ptr, py:
       [&] { *result = foreach_all_gather(in->params.views, comm, in->hint, options); });
   in->params.tensors.clear();
   return result_lists(std::move(result));
-}
-
-// The options of a collective call; a bad strategy name or timeout fails the call on every rank.
-PlanOptions collective_plan_options(Communicator& comm, const std::string& strategy, bool preflight,
-                                    std::optional<double> timeout, const CallShape& call) {
-  try {
-    return plan_options(strategy, preflight, timeout);
-  } catch (const InvalidArgument& e) {
-    fail_call(comm, {LocalError::kValue, 0, e.what()}, call);
-  }
 }
 
 py::object seconds_or_none(std::optional<std::chrono::milliseconds> timeout) {
@@ -319,7 +321,7 @@ PYBIND11_MODULE(_shardgather, m) {
 
   m.def("foreach_all_gather", &foreach_all_gather_py, py::arg("params"), py::arg("comm"),
         py::arg("params_shapes_across_group") = py::none(), py::arg("timeout") = py::none(),
-        py::arg("preflight") = true, py::arg("async_op") = false);
+        py::arg("preflight") = true, py::arg("strategy") = "auto", py::arg("async_op") = false);
   py::class_<PyWork>(m, "Work",
                      "The handle of an async_op=True call: wait() returns what the blocking call "
                      "returns (or raises its error, on every rank); is_completed() polls.")

@@ -31,11 +31,10 @@ GatherResult gather_with_hint(std::span<const TensorView> params, Communicator& 
   call.check([&] {
     const detail::LocalInput in = detail::validate_params(params);
     detail::check_hint(hint, in, comm.rank(), comm.size());
-    // kDirect, not kAuto: a one-shot call must not create a node-shared window it uses once.
     plan = AllGatherPlan(in.dtypes, hint, comm.rank(),
                          {.timeout = options.timeout,
                           .preflight = options.preflight,
-                          .strategy = Strategy::kDirect});
+                          .strategy = detail::one_shot_strategy(options.strategy)});
     out = AlignedBuffer(plan.output_bytes());
   });
   call.guard(out);
@@ -43,7 +42,9 @@ GatherResult gather_with_hint(std::span<const TensorView> params, Communicator& 
   const CallStats stats{.preflight_collectives = exec.preflight_collectives,
                         .metadata_collectives = 0,
                         .payload_collectives = exec.payload_collectives,
-                        .staged_bytes = exec.staged_bytes};
+                        .setup_collectives = exec.setup_collectives,
+                        .staged_bytes = exec.staged_bytes,
+                        .strategy = exec.strategy};
   return {plan.layout(), std::move(out), stats};
 }
 
@@ -74,8 +75,9 @@ LayoutPlan layout_from_records(const detail::Call& call, const AlignedBuffer& ou
 GatherResult gather_without_hint(std::span<const TensorView> params, Communicator& comm,
                                  const ForeachAllGatherOptions& options) {
   detail::Call call(comm, Operation::kForeachAllGather, options.timeout, true);
-  // kDirect, or what it becomes on this transport (kPadded without an exact gather-v).
-  const Strategy strategy = detail::select_strategy(Strategy::kDirect, {}, comm, false);
+  // Known before the counts are: an explicit strategy, or its fallback on this communicator.
+  const Strategy requested = detail::one_shot_strategy(options.strategy);
+  const Strategy strategy = detail::select_strategy(requested, {}, comm, false);
   detail::set_strategy(call.header(), strategy);
   detail::LocalInput in;
   BlockLayout block;
@@ -113,11 +115,13 @@ GatherResult gather_without_hint(std::span<const TensorView> params, Communicato
   call.guard(blocks.scratch.padded);
   call.guard(blocks.scratch.gathered);
   ExecStats exec;
-  detail::run_payload(call, Strategy::kDirect, strategy, blocks.job, blocks.scratch, exec);
+  detail::run_payload(call, requested, strategy, blocks.job, blocks.scratch, exec);
   const CallStats stats{.preflight_collectives = 0,
                         .metadata_collectives = call.exchanges() ? 1U : 0U,
                         .payload_collectives = exec.payload_collectives,
-                        .staged_bytes = in.strided_bytes};
+                        .setup_collectives = exec.setup_collectives,
+                        .staged_bytes = in.strided_bytes,
+                        .strategy = exec.strategy};
   LayoutPlan layout = layout_from_records(call, out, in.dtypes, counts, displs);
   return {std::move(layout), std::move(out), stats};
 }

@@ -50,6 +50,10 @@ void size_scratch(ExecScratch& x, int world, std::size_t n) {
   x.strategy.pieces.reserve(w);
 }
 
+Strategy one_shot_strategy(Strategy requested) noexcept {
+  return requested == Strategy::kAuto ? Strategy::kDirect : requested;
+}
+
 void run_payload(Call& call, Strategy requested, Strategy strategy, const GatherJob& job,
                  StrategyScratch& scratch, ExecStats& stats) {
   Communicator& comm = call.comm();

@@ -18,6 +18,11 @@ namespace shardgather::detail {
 // Sizes the scratch for world ranks of n tensors (no-op when already sized).
 void size_scratch(ExecScratch& x, int world, std::size_t n);
 
+// What a one-shot call (foreach_all_gather, unshard, a stream's buckets) asks the strategy layer
+// for: kAuto becomes kDirect, since a node-shared window would be created for one use and a
+// trial needs executions to compare; an explicit strategy is kept.
+Strategy one_shot_strategy(Strategy requested) noexcept;
+
 // Moves the job's payload with `strategy` (from select_strategy; `requested` is what the caller
 // asked for, which decides the kAuto window fallback): a local copy at world size 1, nothing
 // when no rank sends a byte, else the strategy, inside call.transfer (the caller guards what the

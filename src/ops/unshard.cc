@@ -6,6 +6,7 @@
 #include <string>
 
 #include "ops/call.h"
+#include "ops/payload.h"
 #include "ops/plan_access.h"
 #include "ops/start.h"
 
@@ -18,11 +19,8 @@ namespace {
 UnshardResult unshard_now(std::span<const TensorView> shards, Communicator& comm,
                           std::span<const ShardSpec> specs, const PlanOptions& options) {
   detail::Call call(comm, Operation::kUnshard, options.timeout, options.preflight);
-  // A one-shot call must not create a node-shared window it uses once: kAuto means kDirect.
   PlanOptions one_shot = options;
-  if (one_shot.strategy == Strategy::kAuto) {
-    one_shot.strategy = Strategy::kDirect;
-  }
+  one_shot.strategy = detail::one_shot_strategy(options.strategy);
   UnshardPlan plan;
   AlignedBuffer buffer;
   call.check([&] {

@@ -62,11 +62,9 @@ UnshardStream::UnshardStream(std::span<const ShardSpec> specs, int world_size, i
                           std::to_string(options.prefetch));
   }
   options_.plan.preflight = true;  // a failure on one rank travels in the next header
-  if (options_.plan.strategy == Strategy::kAuto) {
-    // A node-shared window is per plan, so one per bucket would hold the whole model; kDirect
-    // lands every bucket in place with no memory of its own.
-    options_.plan.strategy = Strategy::kDirect;
-  }
+  // A node-shared window is per plan, so one per bucket would hold the whole model; kDirect
+  // lands every bucket in place with no memory of its own.
+  options_.plan.strategy = detail::one_shot_strategy(options_.plan.strategy);
   firsts_ = cut_buckets(specs, options.bucket_bytes);
   detail::Hasher hasher;
   hasher.add(options.bucket_bytes);

@@ -108,6 +108,7 @@ TEST_P(MpiTeams, HierarchicalDisagreement) {
   testing::case_hierarchical_disagreement(team_.comm());
 }
 TEST_P(MpiTeams, AutoMeasures) { testing::case_auto_measures(team_.comm()); }
+TEST_P(MpiTeams, ForeachStrategies) { testing::case_foreach_strategies(team_.comm()); }
 
 INSTANTIATE_TEST_SUITE_P(Teams, MpiTeams,
                          ::testing::Values(Team::kWorld, Team::kReverse, Team::kOddEven),

@@ -268,6 +268,36 @@ def case_wrong_hint_peer_row(rank, world):
     _follow_up(rank, world)
 
 
+def case_strategies(rank, world):
+    """Every strategy name, one shot, with and without the hint: bit-exact (on one host
+    "hierarchical" moves direct; across hosts, from hosts_cases.py, it runs over Gloo point to
+    point). A bad name, or ranks asking for different strategies, raise on every rank."""
+    params = [make((rank + 2, 3), torch.float32, rank), make((0 if rank == 1 else 4,),
+                                                             torch.int64, 10 + rank),
+              make((), torch.bfloat16, 20 + rank)]
+    ref, shapes = reference(params, world)
+    hint = [[tuple(s) for s in row] for row in shapes]
+    for name in ("auto", "direct", "packed", "per_tensor", "shared", "padded", "hierarchical"):
+        for h in (None, hint):
+            out = shardgather.foreach_all_gather(params, None, h, timeout=T, strategy=name)
+            assert_same(out, ref, world)
+    try:
+        shardgather.foreach_all_gather(params, timeout=T, strategy="ring")
+    except shardgather.InvalidArgumentError as e:
+        assert "ring" in str(e), str(e)
+    else:
+        raise AssertionError("an unknown strategy must raise on every rank")
+    if world > 1:
+        mine = "packed" if rank == world - 1 else "direct"
+        try:
+            shardgather.foreach_all_gather(params, None, hint, timeout=T, strategy=mine)
+        except shardgather.MismatchError as e:
+            assert "strategy" in str(e), str(e)
+        else:
+            raise AssertionError("ranks asking for different strategies must raise on every rank")
+    _follow_up(rank, world)
+
+
 def case_dtype_mismatch(rank, world):
     if world == 1:
         return

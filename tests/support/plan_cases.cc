@@ -652,6 +652,58 @@ void case_hierarchical(Communicator& comm) {
       true, "only the last rank sends");
 }
 
+// What an explicit strategy asked of a one-shot foreach moves as on this communicator (the
+// fallbacks are strategy.h's; kAuto is direct for a one-shot call).
+Strategy one_shot_runs(Strategy asked, const Communicator& comm) {
+  const Strategy direct = comm.capabilities().gather_v ? Strategy::kDirect : Strategy::kPadded;
+  switch (asked) {
+    case Strategy::kAuto:
+    case Strategy::kDirect:
+      return direct;
+    case Strategy::kShared:
+      return comm.size() > 1 && comm.ranks_on_host() == comm.size() ? Strategy::kShared : direct;
+    case Strategy::kHierarchical:
+      return hierarchical_runs(comm) == Strategy::kHierarchical ? Strategy::kHierarchical : direct;
+    default:
+      return asked;
+  }
+}
+
+void case_foreach_strategies(Communicator& comm) {
+  const int world = comm.size();
+  const auto shapes = plan_shapes(world);
+  const std::vector<HostTensor> tensors = plan_tensors(shapes, comm.rank());
+  const std::vector<TensorView> params = views_of(tensors);
+  for (const Strategy s :
+       {Strategy::kAuto, Strategy::kDirect, Strategy::kPacked, Strategy::kPerTensor,
+        Strategy::kShared, Strategy::kPadded, Strategy::kHierarchical}) {
+    for (const bool hint : {true, false}) {
+      const std::string what =
+          std::string(strategy_name(s)) + (hint ? ", with the hint" : ", without a hint");
+      const GatherResult out = foreach_all_gather(
+          params, comm, hint ? std::span<const std::vector<Shape>>(shapes) : ShapesHint{},
+          ForeachAllGatherOptions{.timeout = {}, .preflight = true, .strategy = s});
+      // At world 1 nothing moves: the strategy is reported as resolved all the same.
+      EXPECT_EQ(out.stats().strategy, one_shot_runs(s, comm)) << what;
+      std::vector<TensorView> views;
+      for (std::size_t i = 0; i < out.size(); ++i) {
+        views.insert(views.end(), out[i].begin(), out[i].end());
+      }
+      ASSERT_EQ(check_plan_views(views, world), "") << what;
+    }
+  }
+  // The header compares the resolved strategy: a rank that asks for another raises with the rest.
+  const Strategy mine = comm.rank() == world - 1 ? Strategy::kPacked : Strategy::kDirect;
+  if (world > 1) {
+    expect_raises<Mismatch>(
+        [&] {
+          (void)foreach_all_gather(params, comm, shapes,
+                                   {.timeout = {}, .preflight = true, .strategy = mine});
+        },
+        "strategy differs");
+  }
+}
+
 void case_hierarchical_disagreement(Communicator& comm) {
   if (hierarchical_runs(comm) != Strategy::kHierarchical) {
     return;  // one host, or one rank per host: both requests move direct, nothing disagrees

@@ -38,6 +38,10 @@ void case_unshard_stream_timeout(Communicator& comm);
 // kHierarchical: plans bit-exact over uneven, empty and one-sided lists, with and without the
 // header; it runs where the ranks span hosts and some host has several (kDirect elsewhere).
 void case_hierarchical(Communicator& comm);
+// A one-shot foreach_all_gather with every strategy, with and without the hint: bit-exact, and
+// run as asked or by the documented fallback (kAuto: direct); ranks asking for different
+// strategies raise Mismatch on every rank.
+void case_foreach_strategies(Communicator& comm);
 // Ranks spanning hosts whose plans disagree (hierarchical on some, direct on one): Mismatch
 // ("strategy differs") on every rank from the header, no hang (RELIABILITY.md 2.8b).
 void case_hierarchical_disagreement(Communicator& comm);

@@ -74,6 +74,7 @@ TEST_P(ThreadsWorld, UnshardStreamTimeout) { run(testing::case_unshard_stream_ti
 TEST_P(ThreadsWorld, AllToAllScatter) { run(testing::case_all_to_all_scatter); }
 TEST_P(ThreadsWorld, HierarchicalFallsBackOnOneHost) { run(testing::case_hierarchical); }
 TEST_P(ThreadsWorld, AutoByRule) { run(testing::case_auto_measures); }
+TEST_P(ThreadsWorld, ForeachStrategies) { run(testing::case_foreach_strategies); }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, ThreadsWorld, ::testing::Values(1, 2, 3, 4, 7),
                          [](const auto& p) { return "w" + std::to_string(p.param); });
@@ -102,6 +103,7 @@ TEST_P(ThreadsHosts, HierarchicalDisagreementRaisesOnEveryRank) {
   run(testing::case_hierarchical_disagreement);
 }
 TEST_P(ThreadsHosts, AutoByRule) { run(testing::case_auto_measures); }
+TEST_P(ThreadsHosts, ForeachStrategies) { run(testing::case_foreach_strategies); }
 TEST_P(ThreadsHosts, AllToAllScatter) { run(testing::case_all_to_all_scatter); }
 TEST_P(ThreadsHosts, PlanSteadyState) { run(testing::case_plan_steady_state); }
 TEST_P(ThreadsHosts, UnshardDims) { run(testing::case_unshard_dims); }
