@@ -53,8 +53,10 @@ struct ForeachAllGatherOptions {
   // How the payload moves. kAuto: direct (padded without an exact gather-v), because a one-shot
   // call must not create a node-shared window it uses once. An explicit kShared or
   // kHierarchical creates one for this call (collective setup, and its first touch) and falls
-  // back to direct where it cannot apply, as a plan's does. Must be the same on every rank
-  // (the header compares what it resolves to: Mismatch on every rank otherwise).
+  // back to direct where it cannot apply, as a plan's does. Without a hint this rank's block
+  // (records and tensors) is one part, so kPerTensor issues one collective there. Must be the
+  // same on every rank: with the pre-flight header (always sent without a hint) a difference
+  // raises Mismatch on every rank; with the header switched off it is not checked.
   Strategy strategy = Strategy::kAuto;
 };
 

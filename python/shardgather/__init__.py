@@ -157,7 +157,8 @@ def foreach_all_gather(
     ``"direct"`` for a one-shot call, which would otherwise create a node-shared window it uses
     once. ``"hierarchical"`` (ranks on several hosts, more than one on a host) or ``"shared"``
     (one host) create that window for this call; where it cannot apply they move direct. Every
-    rank passes the same strategy (a difference raises MismatchError on every rank).
+    rank passes the same strategy: with the pre-flight header, a difference raises
+    MismatchError and an unknown name InvalidArgumentError on every rank.
 
     Errors: InvalidTypeError (a TypeError) for a non-tensor, InvalidArgumentError (a ValueError)
     for bad arguments, MismatchError when ranks disagree, CollectiveTimeout (a TimeoutError)

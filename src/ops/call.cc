@@ -114,8 +114,12 @@ void Call::park_guarded() noexcept {
   if (scratch_ != nullptr) {
     scratch_->leak();
   }
+  if (strategy_ != nullptr) {
+    park(*strategy_);  // moves its buffers and window out; the emptied scratch is freed as usual
+  }
   aligned_n_ = vectors_n_ = 0;
   scratch_ = nullptr;
+  strategy_ = nullptr;
 }
 
 }  // namespace detail

@@ -35,6 +35,7 @@
 namespace shardgather::detail {
 
 class ScratchHolder;
+struct StrategyScratch;
 
 // The header exchange's buffers. Plans keep theirs in their scratch so that a steady-state
 // execution allocates nothing; a one-shot call uses the Call's own.
@@ -96,6 +97,9 @@ class Call {
   void guard(AlignedBuffer& buffer) noexcept { add(aligned_, aligned_n_, &buffer); }
   void guard(std::vector<std::byte>& buffer) noexcept { add(vectors_, vectors_n_, &buffer); }
   void guard(ScratchHolder& scratch) noexcept { scratch_ = &scratch; }
+  // A one-shot job's strategy scratch, whole: its staging (packed, padded, gathered) and the
+  // node-shared window an explicit strategy makes during the transfer.
+  void guard(StrategyScratch& scratch) noexcept { strategy_ = &scratch; }
 
   // Runs a collective of this call; on a CommunicationError parks everything guarded and
   // rethrows.
@@ -131,6 +135,7 @@ class Call {
   std::array<std::vector<std::byte>*, 8> vectors_{};
   std::size_t vectors_n_ = 0;
   ScratchHolder* scratch_ = nullptr;
+  StrategyScratch* strategy_ = nullptr;
 };
 
 // The operations' sequence numbers come from here (tests skew them through it).

@@ -112,8 +112,7 @@ GatherResult gather_without_hint(std::span<const TensorView> params, Communicato
       params, block.offsets, 0, block.sizes, records, staging.data(),
       [](std::size_t /*i*/) { return false; }, segments, send_first);
   detail::BlockJob blocks(segments, out.data(), counts, displs, call.exchanges());
-  call.guard(blocks.scratch.padded);
-  call.guard(blocks.scratch.gathered);
+  call.guard(blocks.scratch);
   ExecStats exec;
   detail::run_payload(call, requested, strategy, blocks.job, blocks.scratch, exec);
   const CallStats stats{.preflight_collectives = 0,

@@ -35,8 +35,7 @@ std::vector<std::vector<Shape>> gather_shapes(detail::Call& call,
   const ConstSegment mine{records.data(), records.size()};
   const std::span<const ConstSegment> send(&mine, records.empty() ? 0 : 1);
   detail::BlockJob blocks(send, all.data(), counts, displs, true);
-  call.guard(blocks.scratch.padded);
-  call.guard(blocks.scratch.gathered);
+  call.guard(blocks.scratch);
   ExecStats stats;
   const Strategy strategy = detail::select_strategy(Strategy::kDirect, counts, comm, false);
   detail::run_payload(call, Strategy::kDirect, strategy, blocks.job, blocks.scratch, stats);

@@ -116,7 +116,7 @@ def launch_and_watch(cmd, binary, watch):
     Open MPI 4.1's mpirun (PMIx 4.2, Debian 12) sometimes never returns when one rank has
     finalized and another calls MPI_Abort: every rank has ended (its zombies wait to be reaped)
     while mpirun's main thread waits in PMIx_server_finalize for a progress thread blocked on
-    a PMIx mutex. A 20-line MPI program without this library shows it in about 1 launch in 12
+    a PMIx mutex. A 20-line MPI program without this library shows it in about 1 launch in 10
     (docs/reliability.md). Where watch is set, a launcher that outlives all of its ranks by
     STUCK_S is ended here and reported as stuck, not hung: a hang is a rank that still runs.
     """
@@ -124,15 +124,19 @@ def launch_and_watch(cmd, binary, watch):
                             start_new_session=True)
     seen = stuck = False
     quiet_since = None
-    while watch and proc.poll() is None:
-        time.sleep(0.25)
+    while True:
+        try:
+            # Reading as we wait: a launcher blocked on a full pipe must not look stuck.
+            out, err = proc.communicate(timeout=0.5 if watch else None)
+            break
+        except subprocess.TimeoutExpired:
+            pass
         live = live_ranks(binary)
         seen = seen or bool(live)
         quiet_since = None if live or not seen else (quiet_since or time.monotonic())
         if quiet_since and time.monotonic() - quiet_since > STUCK_S and proc.poll() is None:
             stuck = True
             os.killpg(proc.pid, signal.SIGKILL)
-    out, err = proc.communicate()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), stuck
 
 
@@ -187,7 +191,7 @@ def judge(spec, res, cid, timeout_s):
     v = dict(case=cid, np=np_, naked=bool(spec.get("naked")), family=cid[0], wall=res["wall"],
              rc=res["rc"], orphans=res["orphans"], leftover=res["leftover"], hung=res["hung"],
              t_err_over_t=[], silent=0, lost_bytes=0, uniform=None, skipped=False, lines=mine,
-             launcher_stuck=res["launcher_stuck"])
+             launcher_stuck=res["launcher_stuck"], launch=spec["name"])
     if res["orphans"]:
         problems.append("%d orphan processes" % res["orphans"])
     if spec.get("naked"):

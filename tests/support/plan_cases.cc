@@ -684,7 +684,11 @@ void case_foreach_strategies(Communicator& comm) {
           params, comm, hint ? std::span<const std::vector<Shape>>(shapes) : ShapesHint{},
           ForeachAllGatherOptions{.timeout = {}, .preflight = true, .strategy = s});
       // At world 1 nothing moves: the strategy is reported as resolved all the same.
-      EXPECT_EQ(out.stats().strategy, one_shot_runs(s, comm)) << what;
+      const Strategy ran = one_shot_runs(s, comm);
+      EXPECT_EQ(out.stats().strategy, ran) << what;
+      // A window is made for the call (collectively) wherever one runs, and nowhere else.
+      const bool window = world > 1 && (ran == Strategy::kShared || ran == Strategy::kHierarchical);
+      EXPECT_EQ(out.stats().setup_collectives > 0, window) << what;
       std::vector<TensorView> views;
       for (std::size_t i = 0; i < out.size(); ++i) {
         views.insert(views.end(), out[i].begin(), out[i].end());
@@ -692,15 +696,20 @@ void case_foreach_strategies(Communicator& comm) {
       ASSERT_EQ(check_plan_views(views, world), "") << what;
     }
   }
-  // The header compares the resolved strategy: a rank that asks for another raises with the rest.
+  // The header compares the resolved strategy, with and without a hint: a rank that asks for
+  // another raises with the rest. Packed and direct would move the same bytes into the same
+  // places, so without the comparison this pair would succeed silently.
   const Strategy mine = comm.rank() == world - 1 ? Strategy::kPacked : Strategy::kDirect;
   if (world > 1) {
-    expect_raises<Mismatch>(
-        [&] {
-          (void)foreach_all_gather(params, comm, shapes,
-                                   {.timeout = {}, .preflight = true, .strategy = mine});
-        },
-        "strategy differs");
+    for (const bool hint : {true, false}) {
+      expect_raises<Mismatch>(
+          [&] {
+            (void)foreach_all_gather(
+                params, comm, hint ? std::span<const std::vector<Shape>>(shapes) : ShapesHint{},
+                {.timeout = {}, .preflight = true, .strategy = mine});
+          },
+          "strategy differs");
+    }
   }
 }
 
