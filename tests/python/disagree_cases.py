@@ -30,6 +30,10 @@ ROWS = [
      dict(op="execute", strategy="per_tensor")),
     ("strategy_shared", "MismatchError", "strategy differs", 2, EXECUTE,
      dict(op="execute", strategy="shared")),
+    ("strategy_foreach", "MismatchError", "strategy differs", 2, FOREACH,
+     dict(op="foreach", strategy="packed")),
+    ("strategy_foreach_nohint", "MismatchError", "strategy differs", 2,
+     dict(op="foreach", hint=False), dict(op="foreach", hint=False, strategy="packed")),
     ("strategy_create", "MismatchError", "strategy differs", 2, dict(op="create"),
      dict(op="create", strategy="packed")),
     ("count_foreach", "MismatchError", "tensor count", 2, FOREACH, dict(op="foreach", extra=1)),
@@ -94,7 +98,8 @@ def _call(c, rank, world, params):
     strategy = c.get("strategy", "direct")
     op = c["op"]
     if op == "foreach":
-        return shardgather.foreach_all_gather(params, None, hint, timeout=timeout)
+        return shardgather.foreach_all_gather(params, None, hint, timeout=timeout,
+                                              strategy=strategy)
     if op == "create":
         return shardgather.AllGatherPlan.create(params, None, hint, strategy=strategy,
                                                 timeout=timeout)

@@ -797,6 +797,20 @@ const DRow kDRows[] = {
      2,
      kRefExecute,
      {.op = DOp::kExecute, .strategy = Strategy::kShared}},
+    {"D-strategy-foreach",
+     "one-shot gathers moving with direct and packed, with a hint",
+     "Mismatch",
+     "strategy differs",
+     2,
+     kRefForeach,
+     {.op = DOp::kForeach, .strategy = Strategy::kPacked}},
+    {"D-strategy-foreach-nohint",
+     "one-shot gathers moving with direct and packed, without a hint",
+     "Mismatch",
+     "strategy differs",
+     2,
+     {.op = DOp::kForeach, .hint = false},
+     {.op = DOp::kForeach, .hint = false, .strategy = Strategy::kPacked}},
     {"D-strategy-create",
      "plans created with direct and packed",
      "Mismatch",
@@ -981,7 +995,7 @@ GatherResult d_call(const DCall& c, Communicator& comm, const CaseContext& ctx, 
   switch (c.op) {
     case DOp::kForeach:
       return foreach_all_gather(in.views, comm, c.hint ? rows : none,
-                                {.timeout = timeout, .preflight = true});
+                                {.timeout = timeout, .preflight = true, .strategy = c.strategy});
     case DOp::kCreate:
       (void)AllGatherPlan::create(in.views, comm, c.hint ? rows : none, po);
       return {};
