@@ -1,11 +1,14 @@
 # Warnings ride on an INTERFACE target linked PRIVATE, so they never leak into consumers.
 add_library(shardgather_warnings INTERFACE)
 target_compile_options(shardgather_warnings INTERFACE
-  -Wall -Wextra -Wpedantic -Wshadow -Wconversion -Wsign-conversion -Wnon-virtual-dtor
+  "$<$<COMPILE_LANGUAGE:CXX>:-Wall;-Wextra;-Wpedantic;-Wshadow;-Wconversion;-Wsign-conversion;-Wnon-virtual-dtor>"
   # GCC 12 reports std::string concatenation as overlapping memcpy at -O3 (GCC bug 105329):
   # a false positive that breaks Release builds with -Werror.
-  $<$<CXX_COMPILER_ID:GNU>:-Wno-restrict>
-  $<$<BOOL:${SHARDGATHER_WERROR}>:-Werror>)
+  $<$<AND:$<COMPILE_LANGUAGE:CXX>,$<CXX_COMPILER_ID:GNU>>:-Wno-restrict>
+  $<$<AND:$<COMPILE_LANGUAGE:CXX>,$<BOOL:${SHARDGATHER_WERROR}>>:-Werror>
+  # nvcc: its own warnings and the host compiler's, errors where the C++ ones are.
+  "$<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra>"
+  $<$<AND:$<COMPILE_LANGUAGE:CUDA>,$<BOOL:${SHARDGATHER_WERROR}>>:-Werror=all-warnings>)
 
 # shardgather_add_test(NAME target SOURCES ...): a GoogleTest binary, one ctest entry per test.
 function(shardgather_add_test name)

@@ -1,5 +1,7 @@
 #include "shardgather/types.h"
 
+#include <string>
+
 namespace shardgather {
 
 std::string_view dtype_name(DType dtype) noexcept {
@@ -26,6 +28,16 @@ std::string_view dtype_name(DType dtype) noexcept {
       return "f64";
   }
   return "invalid";
+}
+
+std::string device_name(const Device& device) {
+  switch (device.type) {
+    case DeviceType::kCpu:
+      return "cpu";
+    case DeviceType::kCuda:
+      return "cuda:" + std::to_string(device.index);
+  }
+  return "device type " + std::to_string(static_cast<int>(device.type));
 }
 
 }  // namespace shardgather

@@ -6,6 +6,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardgather/device.h"
 #include "shardgather/export.h"
 
 namespace shardgather {
@@ -55,15 +56,16 @@ SHARDGATHER_API std::string_view dtype_name(DType dtype) noexcept;
 
 using Shape = std::vector<std::int64_t>;
 
-// A non-owning view of a host tensor. The caller keeps `data` alive for the duration of every
-// call that receives the view. `strides` are in elements; empty means contiguous row-major.
-// Inputs are only ever read through a view; `data` is non-const so that one type serves inputs
-// and outputs.
+// A non-owning view of a tensor on `device` (host memory unless it says otherwise). The caller
+// keeps `data` alive for the duration of every call that receives the view. `strides` are in
+// elements; empty means contiguous row-major. Inputs are only ever read through a view; `data`
+// is non-const so that one type serves inputs and outputs. A call's views are all on one device.
 struct TensorView {
   void* data = nullptr;
   DType dtype = DType::kUInt8;
   Shape shape;
   Shape strides;
+  Device device{};
 };
 
 // A read-only run of bytes: one piece of a rank's contribution. A send is a list of these, so a

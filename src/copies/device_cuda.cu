@@ -1,0 +1,156 @@
+// The CUDA build of copies/device_runtime.h: the fused copy kernel and thin, checked wrappers
+// over the CUDA runtime.
+#include <cuda_runtime.h>
+
+#include <string>
+#include <utility>
+
+#include "copies/device_runtime.h"
+
+#include "shardgather/errors.h"
+
+namespace shardgather {
+
+bool cuda_built() noexcept { return true; }
+
+namespace detail {
+
+namespace {
+
+void check(cudaError_t status, const char* what) {
+  if (status == cudaSuccess) {
+    return;
+  }
+  const std::string message = std::string(what) + ": CUDA error " +
+                              cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")";
+  if (status == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();  // not sticky: clear it so the device stays usable
+    throw OutOfMemory(message);
+  }
+  throw CommunicationError(message);
+}
+
+cudaStream_t as_stream(void* stream) noexcept { return static_cast<cudaStream_t>(stream); }
+
+// One unit of `width` bytes, with the widest load and store the width allows.
+__device__ __forceinline__ void move_unit(std::uint64_t dst, std::uint64_t src,
+                                          std::uint32_t width) {
+  switch (width) {
+    case 16:
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+      break;
+    case 8:
+      *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(src);
+      break;
+    case 4:
+      *reinterpret_cast<unsigned*>(dst) = *reinterpret_cast<const unsigned*>(src);
+      break;
+    case 2:
+      *reinterpret_cast<unsigned short*>(dst) = *reinterpret_cast<const unsigned short*>(src);
+      break;
+    default:
+      *reinterpret_cast<unsigned char*>(dst) = *reinterpret_cast<const unsigned char*>(src);
+      break;
+  }
+}
+
+// Block b copies units [k * kCopyUnitsPerBlock, (k + 1) * kCopyUnitsPerBlock) of the
+// descriptor it falls in (k = b - first_block); thread t takes every kCopyThreads-th unit, so
+// a warp's accesses are adjacent. run_on_host (copy_table.cc) is the same loop on the host.
+__global__ void __launch_bounds__(kCopyThreads)
+    fused_copy(const CopyDesc* descs, std::size_t count) {
+  const std::uint64_t block = blockIdx.x;
+  const CopyDesc& d = descs[find_desc(descs, count, block)];
+  const std::uint64_t base = (block - d.first_block) * kCopyUnitsPerBlock;
+  const std::uint64_t units = units_of(d);
+#pragma unroll
+  for (unsigned i = 0; i < kCopyUnroll; ++i) {
+    const std::uint64_t u = base + i * kCopyThreads + threadIdx.x;
+    if (u < units) {
+      const UnitAddress a = unit_address(d, u);
+      move_unit(a.dst, a.src, d.width);
+    }
+  }
+}
+
+}  // namespace
+
+void* device_allocate(std::uint64_t bytes, int device) {
+  use_device(device);
+  void* p = nullptr;
+  check(cudaMalloc(&p, bytes == 0 ? 1 : bytes), "cudaMalloc");
+  return p;
+}
+
+void device_free(void* data) noexcept {
+  if (data != nullptr) {
+    (void)cudaFree(data);
+  }
+}
+
+DeviceMemory::DeviceMemory(std::uint64_t bytes, int device)
+    : data_(static_cast<std::byte*>(device_allocate(bytes, device))), size_(bytes), device_(device) {}
+
+DeviceMemory::DeviceMemory(DeviceMemory&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      device_(other.device_) {}
+
+DeviceMemory& DeviceMemory::operator=(DeviceMemory&& other) noexcept {
+  std::swap(data_, other.data_);
+  std::swap(size_, other.size_);
+  std::swap(device_, other.device_);
+  return *this;
+}
+
+DeviceMemory::~DeviceMemory() { device_free(data_); }
+
+void DeviceMemory::reserve(std::uint64_t bytes, int device) {
+  if (data_ != nullptr && bytes <= size_ && device == device_) {
+    return;
+  }
+  DeviceMemory fresh(bytes, device);
+  *this = std::move(fresh);
+}
+
+void use_device(int device) { check(cudaSetDevice(device), "cudaSetDevice"); }
+
+Device device_of(const void* p) {
+  cudaPointerAttributes attributes{};
+  const cudaError_t status = cudaPointerGetAttributes(&attributes, p);
+  if (status != cudaSuccess) {
+    (void)cudaGetLastError();
+    return kCpu;
+  }
+  if (attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged) {
+    return cuda_device(attributes.device);
+  }
+  return kCpu;
+}
+
+void copy_async(void* dst, const void* src, std::uint64_t bytes, void* stream) {
+  if (bytes == 0) {
+    return;
+  }
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, as_stream(stream)),
+        "cudaMemcpyAsync");
+}
+
+void launch_copies(const CopyDesc* device_descs, std::size_t count, std::uint64_t blocks,
+                   void* stream) {
+  if (blocks == 0) {
+    return;
+  }
+  if (blocks > 0x7fffffffULL) {
+    throw InvalidArgument("launch_copies: " + std::to_string(blocks) +
+                          " blocks exceed one launch's grid");
+  }
+  fused_copy<<<static_cast<unsigned>(blocks), kCopyThreads, 0, as_stream(stream)>>>(device_descs,
+                                                                                   count);
+  check(cudaGetLastError(), "fused_copy launch");
+}
+
+void sync_stream(void* stream) { check(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize"); }
+
+}  // namespace detail
+}  // namespace shardgather

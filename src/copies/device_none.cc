@@ -1,0 +1,57 @@
+// A build without CUDA: every device operation says so. The validated entry path raises the
+// same error, on every rank, before any of these could be reached (ops/call.cc).
+#include <string>
+
+#include "copies/device_runtime.h"
+
+#include "shardgather/errors.h"
+
+namespace shardgather {
+
+bool cuda_built() noexcept { return false; }
+
+namespace detail {
+
+namespace {
+
+[[noreturn]] void no_cuda(const char* what) {
+  throw InvalidArgument(std::string(what) +
+                        ": shardgather was built without CUDA (SHARDGATHER_WITH_CUDA=OFF)");
+}
+
+}  // namespace
+
+DeviceMemory::DeviceMemory(std::uint64_t /*bytes*/, int /*device*/) { no_cuda("device memory"); }
+DeviceMemory::DeviceMemory(DeviceMemory&& other) noexcept
+    : data_(other.data_), size_(other.size_), device_(other.device_) {
+  other.data_ = nullptr;
+  other.size_ = 0;
+}
+DeviceMemory& DeviceMemory::operator=(DeviceMemory&& other) noexcept {
+  std::swap(data_, other.data_);
+  std::swap(size_, other.size_);
+  std::swap(device_, other.device_);
+  return *this;
+}
+DeviceMemory::~DeviceMemory() = default;
+void DeviceMemory::reserve(std::uint64_t bytes, int /*device*/) {
+  if (bytes > size_) {
+    no_cuda("device memory");
+  }
+}
+
+void device_free(void* /*data*/) noexcept {}
+void* device_allocate(std::uint64_t /*bytes*/, int /*device*/) { no_cuda("device memory"); }
+void use_device(int /*device*/) { no_cuda("use_device"); }
+Device device_of(const void* /*p*/) { return kCpu; }
+void copy_async(void* /*dst*/, const void* /*src*/, std::uint64_t /*bytes*/, void* /*stream*/) {
+  no_cuda("copy_async");
+}
+void launch_copies(const CopyDesc* /*device_descs*/, std::size_t /*count*/,
+                   std::uint64_t /*blocks*/, void* /*stream*/) {
+  no_cuda("launch_copies");
+}
+void sync_stream(void* /*stream*/) { no_cuda("sync_stream"); }
+
+}  // namespace detail
+}  // namespace shardgather
