@@ -34,6 +34,16 @@ AlignedBuffer::AlignedBuffer(std::uint64_t bytes) : size_(bytes) {
   data_.reset(static_cast<std::byte*>(p));
 }
 
-void AlignedBuffer::Free::operator()(std::byte* p) const noexcept { std::free(p); }
+AlignedBuffer::AlignedBuffer(std::byte* data, std::uint64_t bytes, Device device,
+                             void (*release)(void*) noexcept) noexcept
+    : data_(data, Free{release}), size_(bytes), device_(device) {}
+
+void AlignedBuffer::Free::operator()(std::byte* p) const noexcept {
+  if (release != nullptr) {
+    release(p);
+  } else {
+    std::free(p);
+  }
+}
 
 }  // namespace shardgather

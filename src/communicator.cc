@@ -64,6 +64,37 @@ void Communicator::all_gather(std::span<const std::byte> send, std::span<std::by
   run_collective("all_gather", [&] { do_all_gather(send, recv, deadline); });
 }
 
+void Communicator::check_gather_v(std::string_view what, std::span<const ConstSegment> send,
+                                  std::span<const std::uint64_t> counts,
+                                  std::span<const std::uint64_t> displs,
+                                  const std::byte* recv) const {
+  const auto world = static_cast<std::size_t>(size());
+  if (counts.size() != world || displs.size() != world) {
+    throw InvalidArgument("rank " + std::to_string(rank()) + ": " + std::string(what) + ": " +
+                          std::to_string(counts.size()) + " counts and " +
+                          std::to_string(displs.size()) + " displs for world size " +
+                          std::to_string(world));
+  }
+  std::uint64_t total = 0;
+  for (const ConstSegment& segment : send) {
+    if (segment.data == nullptr && segment.size != 0) {
+      throw InvalidArgument("rank " + std::to_string(rank()) + ": " + std::string(what) +
+                            ": null send segment");
+    }
+    total += segment.size;
+  }
+  const auto me = static_cast<std::size_t>(rank());
+  if (total != counts[me]) {
+    throw InvalidArgument("rank " + std::to_string(rank()) + ": " + std::string(what) + ": sends " +
+                          std::to_string(total) + " bytes but counts[" + std::to_string(me) +
+                          "] is " + std::to_string(counts[me]));
+  }
+  if (recv == nullptr && std::accumulate(counts.begin(), counts.end(), std::uint64_t{0}) != 0) {
+    throw InvalidArgument("rank " + std::to_string(rank()) + ": " + std::string(what) +
+                          ": null recv buffer");
+  }
+}
+
 void Communicator::all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
                                 std::span<const std::uint64_t> counts,
                                 std::span<const std::uint64_t> displs, Deadline deadline) {
@@ -73,30 +104,34 @@ void Communicator::all_gather_v(std::span<const ConstSegment> send, std::byte* r
                           " transport has no exact gather-v (capabilities().gather_v is false); "
                           "the operations pad through all_gather");
   }
-  const auto world = static_cast<std::size_t>(size());
-  if (counts.size() != world || displs.size() != world) {
-    throw InvalidArgument("rank " + std::to_string(rank()) +
-                          ": all_gather_v: " + std::to_string(counts.size()) + " counts and " +
-                          std::to_string(displs.size()) + " displs for world size " +
-                          std::to_string(world));
-  }
-  std::uint64_t total = 0;
-  for (const ConstSegment& segment : send) {
-    if (segment.data == nullptr && segment.size != 0) {
-      throw InvalidArgument("rank " + std::to_string(rank()) + ": all_gather_v: null send segment");
-    }
-    total += segment.size;
-  }
-  const auto me = static_cast<std::size_t>(rank());
-  if (total != counts[me]) {
-    throw InvalidArgument("rank " + std::to_string(rank()) + ": all_gather_v: sends " +
-                          std::to_string(total) + " bytes but counts[" + std::to_string(me) +
-                          "] is " + std::to_string(counts[me]));
-  }
-  if (recv == nullptr && std::accumulate(counts.begin(), counts.end(), std::uint64_t{0}) != 0) {
-    throw InvalidArgument("rank " + std::to_string(rank()) + ": all_gather_v: null recv buffer");
-  }
+  check_gather_v("all_gather_v", send, counts, displs, recv);
   run_collective("all_gather_v", [&] { do_all_gather_v(send, recv, counts, displs, deadline); });
+}
+
+void Communicator::all_gather_v_device(std::span<const ConstSegment> send, std::byte* recv,
+                                       std::span<const std::uint64_t> counts,
+                                       std::span<const std::uint64_t> displs, const Device& device,
+                                       void* stream, Deadline deadline) {
+  if (!capabilities().device_memory) {
+    throw InvalidArgument("rank " + std::to_string(rank()) + ": all_gather_v_device: the " +
+                          std::string(backend_name()) +
+                          " transport moves host memory only (capabilities().device_memory is "
+                          "false)");
+  }
+  check_gather_v("all_gather_v_device", send, counts, displs, recv);
+  run_collective("all_gather_v_device", [&] {
+    do_all_gather_v_device(send, recv, counts, displs, device, stream, deadline);
+  });
+}
+
+void Communicator::do_all_gather_v_device(std::span<const ConstSegment> /*send*/,
+                                          std::byte* /*recv*/,
+                                          std::span<const std::uint64_t> /*counts*/,
+                                          std::span<const std::uint64_t> /*displs*/,
+                                          const Device& /*device*/, void* /*stream*/,
+                                          Deadline /*deadline*/) {
+  throw InvalidArgument("all_gather_v_device: the " + std::string(backend_name()) +
+                        " backend does not move device memory");
 }
 
 namespace {

@@ -30,6 +30,23 @@ std::string_view dtype_name(DType dtype) noexcept {
   return "invalid";
 }
 
+std::string_view device_type_name(DeviceType type) noexcept {
+  switch (type) {
+    case DeviceType::kCpu:
+      return "cpu";
+    case DeviceType::kCuda:
+      return "cuda";
+  }
+  return "invalid";
+}
+
+namespace {
+thread_local void* current_stream = nullptr;
+}  // namespace
+
+void* current_cuda_stream() noexcept { return current_stream; }
+void set_current_cuda_stream(void* stream) noexcept { current_stream = stream; }
+
 std::string device_name(const Device& device) {
   switch (device.type) {
     case DeviceType::kCpu:

@@ -1,29 +1,37 @@
-// Owning host memory for gathered results: the library's one output allocation.
+// Owning memory for gathered results: the library's one output allocation (host memory, or
+// device memory for a call on device tensors).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 
+#include "shardgather/device.h"
 #include "shardgather/export.h"
 
 namespace shardgather {
 
-// 64-byte aligned host memory. Owning, movable, not copyable.
+// 64-byte aligned memory. Owning, movable, not copyable.
 class SHARDGATHER_API AlignedBuffer {
  public:
   AlignedBuffer() = default;
-  // OutOfMemory when the allocation fails.
+  // Host memory. OutOfMemory when the allocation fails.
   explicit AlignedBuffer(std::uint64_t bytes);
+  // Takes `data` (`bytes` bytes on `device`), given back with `release(data)` on destruction.
+  AlignedBuffer(std::byte* data, std::uint64_t bytes, Device device,
+                void (*release)(void*) noexcept) noexcept;
   [[nodiscard]] std::byte* data() const noexcept { return data_.get(); }
   [[nodiscard]] std::uint64_t size() const noexcept { return size_; }
+  [[nodiscard]] Device device() const noexcept { return device_; }
 
  private:
   struct Free {
+    void (*release)(void*) noexcept;  // null (value-initialised): std::free
     void operator()(std::byte* p) const noexcept;
   };
   std::unique_ptr<std::byte, Free> data_;
   std::uint64_t size_ = 0;
+  Device device_{};
 };
 
 }  // namespace shardgather

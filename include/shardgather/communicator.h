@@ -9,7 +9,8 @@
 //  3. Every blocking call takes a deadline. Past it the call raises Timeout; after a Timeout,
 //     an abort or a backend failure the communicator is poisoned and every later call raises
 //     CommAborted at once (nothing is sent). Build a new communicator to continue.
-//  4. Buffers are host memory; the caller keeps them alive and unmodified until the call returns.
+//  4. Buffers are host memory (all_gather_v_device's are device memory); the caller keeps them
+//     alive and unmodified until the call returns.
 //  5. Operations started asynchronously (Work, work.h) run on this communicator's progress
 //     thread, one after another in the order they were started; a blocking operation runs on
 //     the calling thread once every operation started before it has completed. The raw
@@ -62,6 +63,11 @@ struct Capabilities {
   // point). False: it raises InvalidArgument, and kHierarchical runs kDirect (kPadded without
   // gather_v) instead.
   bool all_to_all = true;
+  // all_gather_v_device moves device (CUDA) memory: threads in a CUDA build (cudaMemcpyAsync
+  // between the ranks' buffers on one process's devices), torch groups (NCCL on the tensors
+  // themselves; Gloo stages them). False: a call on CUDA tensors raises InvalidArgument on every
+  // rank (MPI: this build does not assume a CUDA-aware MPI).
+  bool device_memory = false;
 };
 
 // Used when neither the call nor the communicator sets a timeout. Gloo uses 30 s; a large
@@ -103,6 +109,16 @@ class SHARDGATHER_API Communicator {
   void all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
                     std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs,
                     Deadline deadline);
+
+  // The device path's one collective (where capabilities().device_memory): all_gather_v over
+  // device memory on `device`, ordered on `stream` (a cudaStream_t; nullptr the legacy default
+  // stream): it reads `send` after the work enqueued there before it, and work enqueued after it
+  // sees `recv` filled. It may return before the bytes have landed; the operations synchronise
+  // the stream before they report completion.
+  void all_gather_v_device(std::span<const ConstSegment> send, std::byte* recv,
+                           std::span<const std::uint64_t> counts,
+                           std::span<const std::uint64_t> displs, const Device& device,
+                           void* stream, Deadline deadline);
 
   // Variable-size gather into scattered destinations (where capabilities().scatter): rank r's
   // counts[r] bytes fill, in order,
@@ -192,6 +208,11 @@ class SHARDGATHER_API Communicator {
                                      std::span<const std::size_t> send_first,
                                      std::span<const RecvPiece> pieces,
                                      std::span<const std::size_t> first, Deadline deadline) = 0;
+  // Default: raises InvalidArgument (no device memory); see Capabilities::device_memory.
+  virtual void do_all_gather_v_device(std::span<const ConstSegment> send, std::byte* recv,
+                                      std::span<const std::uint64_t> counts,
+                                      std::span<const std::uint64_t> displs, const Device& device,
+                                      void* stream, Deadline deadline);
   virtual void do_barrier(Deadline deadline) = 0;
   virtual void do_abort() noexcept = 0;
 
@@ -206,6 +227,10 @@ class SHARDGATHER_API Communicator {
  private:
   template <typename Fn>
   void run_collective(std::string_view what, Fn&& fn);
+  // InvalidArgument unless counts, displs and the send segments fit a gather-v of this group.
+  void check_gather_v(std::string_view what, std::span<const ConstSegment> send,
+                      std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs,
+                      const std::byte* recv) const;
 
   std::atomic<bool> poisoned_{false};
   std::atomic<std::uint64_t> collectives_{0};

@@ -62,6 +62,7 @@ struct ExecStats {
 namespace detail {
 struct ExecScratch;
 struct GatherJob;
+struct Stager;
 class Call;
 struct PlanAccess;
 // Owns an execution's scratch space. Copies get their own, empty scratch: a plan copied to

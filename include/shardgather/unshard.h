@@ -98,7 +98,9 @@ class SHARDGATHER_API UnshardPlan {
   void check_shards(const Communicator& comm, std::span<const TensorView> shards, bool one_buffer,
                     ExecStats& stats);
   // This rank's stream (the real part of each shard) and every rank's destination pieces.
-  void build_job(std::span<const TensorView> shards);
+  // Raises unless the outputs are on the shards' device.
+  void check_output_device();
+  void build_job(std::span<const TensorView> shards, detail::Stager& stager);
 
   std::vector<ShardSpec> specs_;  // sizes filled in
   int world_ = 1;
@@ -127,6 +129,7 @@ class SHARDGATHER_API UnshardResult {
   [[nodiscard]] std::size_t size() const noexcept { return views_.size(); }
   [[nodiscard]] const TensorView& operator[](std::size_t i) const { return views_.at(i); }
   [[nodiscard]] const ExecStats& stats() const noexcept { return stats_; }
+  [[nodiscard]] const AlignedBuffer& buffer() const noexcept { return buffer_; }
 
  private:
   std::vector<TensorView> views_;

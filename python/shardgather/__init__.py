@@ -170,10 +170,44 @@ def foreach_all_gather(
     call's error, on every rank). Started calls on one group complete in the order they were
     started. The tensors in ``params`` must not be modified until then (the handle keeps them
     alive).
+
+    CUDA tensors (all on one device) are gathered on the device, on the current CUDA stream
+    (docs/gpu.md); the results are on that device. Without the shapes hint, the shapes are first
+    gathered on the host in one small call of their own.
     """
     comm = communicator(group, _setup_timeout(timeout))
+    if params_shapes_across_group is None and _first_is_cuda(params):
+        params_shapes_across_group = _gather_shapes(params, comm, timeout)
     return _C.foreach_all_gather(params, comm, params_shapes_across_group, timeout, preflight,
                                  strategy, async_op)
+
+
+def _first_is_cuda(params):
+    try:
+        return len(params) > 0 and isinstance(params[0], torch.Tensor) and params[0].is_cuda
+    except TypeError:
+        return False
+
+
+def _gather_shapes(params, comm, timeout):
+    """Every rank's shapes of ``params``, by a host gather of one int64 tensor per rank
+    (``[n, ndim_0, dims_0..., ndim_1, ...]``): the device call then needs no records."""
+    row = [len(params)]
+    for t in params:
+        shape = list(getattr(t, "shape", ()))
+        row += [len(shape)] + shape
+    gathered = _C.foreach_all_gather([torch.tensor(row, dtype=torch.int64)], comm, None, timeout,
+                                     True, "auto", False)[0]
+    shapes = []
+    for r, flat in enumerate(gathered):
+        values = flat.tolist()
+        at, ranks = 1, []
+        for _ in range(values[0]):
+            ndim = values[at]
+            ranks.append(tuple(values[at + 1:at + 1 + ndim]))
+            at += 1 + ndim
+        shapes.append(ranks)
+    return shapes
 
 
 def _setup_timeout(timeout):

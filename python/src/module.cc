@@ -53,7 +53,8 @@ py::list result_lists(std::unique_ptr<GatherResult> result) {
   const std::size_t n = gathered.size();
   const auto world = static_cast<std::size_t>(gathered.world_size());
   std::byte* base = gathered.buffer().data();
-  const c10::Storage storage = adopt_storage(std::move(result), base, gathered.buffer().size());
+  const c10::Storage storage =
+      adopt_storage(std::move(result), base, gathered.buffer().size(), gathered.buffer().device());
   py::list out(n);
   for (std::size_t i = 0; i < n; ++i) {
     const std::span<const TensorView> views = gathered[i];

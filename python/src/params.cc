@@ -6,6 +6,8 @@
 #include <string_view>
 #include <utility>
 
+#include <c10/core/Stream.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "torch_tensors.h"
@@ -54,6 +56,14 @@ std::optional<std::chrono::milliseconds> to_timeout(std::optional<double> second
 }
 
 namespace {
+
+// Makes torch's current stream of CUDA device `index` this thread's stream for the call that
+// follows (shardgather/device.h), through c10's device-guard registry: no CUDA headers here.
+void use_torch_stream(c10::DeviceIndex index) {
+  const c10::Device device(c10::kCUDA, index);
+  const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device);
+  set_current_cuda_stream(stream.native_handle());
+}
 
 // Inputs (not outputs) accept DTensors: what this rank holds of one is its local shard.
 bool unwraps_dtensors(const char* what) { return std::string_view(what) != "outputs"; }
@@ -133,10 +143,14 @@ void parse_params_into(py::handle params, const char* what, Params& out) {
                   name(i) + " is on " + t.device().str() + " but " + what + "[0] is on " +
                       out.tensors.front().device().str() + ": all tensors must be on one device");
     }
-    if (!t.device().is_cpu()) {
-      return fail(LocalError::kValue, i,
-                  name(i) + " is on " + t.device().str() +
-                      ": shardgather gathers host (CPU) tensors; the device path is not built");
+    if (!t.device().is_cpu() && !t.device().is_cuda()) {
+      return fail(
+          LocalError::kValue, i,
+          name(i) + " is on " + t.device().str() + ": shardgather gathers CPU and CUDA tensors");
+    }
+    if (t.device().is_cuda() && out.tensors.empty()) {
+      // The call enqueues on torch's current stream of that device, as torch.distributed does.
+      use_torch_stream(t.device().index());
     }
     if (!t.has_storage()) {  // a wrapper subclass (a DTensor among outputs, say)
       return fail(LocalError::kValue, i,

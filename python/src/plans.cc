@@ -343,7 +343,8 @@ py::list full_tensors(std::unique_ptr<UnshardResult> result) {
         end, static_cast<std::uint64_t>(static_cast<std::byte*>(v.data) - base) + bytes);
   }
   const UnshardResult& full = *result;
-  const c10::Storage storage = adopt_storage(std::move(result), base, end);
+  const Device device = full.buffer().device();
+  const c10::Storage storage = adopt_storage(std::move(result), base, end, device);
   py::list out(n);
   for (std::size_t i = 0; i < n; ++i) {
     out[i] = wrap(tensor_over(storage, base, full[i]));

@@ -7,6 +7,7 @@
 #include <exception>
 #include <functional>
 #include <new>
+#include <numeric>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -67,6 +68,12 @@ ProcessGroupCommunicator::ProcessGroupCommunicator(
       device_(device),
       staged_on_device_(!device.is_cpu()),
       p2p_(p2p && device.is_cpu() && name_ == "torch.gloo") {
+  if (const char* how = std::getenv("SHARDGATHER_DEVICE_GATHER"); how != nullptr) {
+    const std::string_view v(how);
+    device_gather_ = v == "broadcast" ? DeviceGather::kBroadcast
+                     : v == "padded"  ? DeviceGather::kPadded
+                                      : DeviceGather::kAuto;
+  }
   const Deadline setup = deadline_after(setup_timeout);
   ranks_on_host_ = count_ranks_on_host(setup);
   if (host_mailbox) {
@@ -173,6 +180,93 @@ void ProcessGroupCommunicator::do_all_gather(std::span<const std::byte> send,
       scratch(recv_staging_, recv.size()).narrow(0, 0, static_cast<std::int64_t>(recv.size()));
   allgather(input, output, deadline, "all_gather");
   host_bytes(recv.data(), recv.size()).copy_(output);
+}
+
+namespace {
+
+at::Tensor device_bytes(const std::byte* data, std::uint64_t size, const c10::Device& device) {
+  return at::from_blob(const_cast<std::byte*>(data), {static_cast<std::int64_t>(size)},
+                       at::TensorOptions().dtype(at::kByte).device(device));
+}
+
+at::Tensor& grown(at::Tensor& buffer, std::uint64_t size, const c10::Device& device) {
+  const auto n = static_cast<std::int64_t>(size);
+  if (!buffer.defined() || buffer.numel() < n || buffer.device() != device) {
+    buffer = at::empty({n}, at::TensorOptions().dtype(at::kByte).device(device));
+  }
+  return buffer;
+}
+
+}  // namespace
+
+void ProcessGroupCommunicator::do_all_gather_v_device(std::span<const ConstSegment> send,
+                                                      std::byte* recv,
+                                                      std::span<const std::uint64_t> counts,
+                                                      std::span<const std::uint64_t> displs,
+                                                      const Device& device, void* /*stream*/,
+                                                      Deadline deadline) {
+  // The stream is torch's current one (params.cc set both): c10d orders the work after it.
+  const char* what = "all_gather_v_device";
+  const c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(device.index));
+  const auto me = static_cast<std::size_t>(rank_);
+  const auto world = static_cast<std::size_t>(size_);
+  const std::byte* mine = send.empty() ? nullptr : send.front().data;  // one segment (device.cc)
+  const std::uint64_t widest = *std::max_element(counts.begin(), counts.end());
+  const std::uint64_t total = std::accumulate(counts.begin(), counts.end(), std::uint64_t{0});
+  bool even = true;
+  for (std::size_t r = 0; r < world; ++r) {
+    even = even && counts[r] == widest && displs[r] == r * widest;
+  }
+  if (even) {
+    at::Tensor input = device_bytes(mine, widest, dev);
+    at::Tensor output = device_bytes(recv, total, dev);
+    allgather(input, output, deadline, what);
+    return;
+  }
+  const bool padded =
+      device_gather_ == DeviceGather::kPadded ||
+      (device_gather_ == DeviceGather::kAuto && 8 * (world * widest - total) <= total);
+  if (padded) {
+    at::Tensor input =
+        grown(padded_send_, widest, dev).narrow(0, 0, static_cast<std::int64_t>(widest));
+    if (counts[me] != 0) {
+      input.narrow(0, 0, static_cast<std::int64_t>(counts[me]))
+          .copy_(device_bytes(mine, counts[me], dev));
+    }
+    at::Tensor output = grown(padded_recv_, world * widest, dev)
+                            .narrow(0, 0, static_cast<std::int64_t>(world * widest));
+    allgather(input, output, deadline, what);
+    for (std::size_t r = 0; r < world; ++r) {
+      if (counts[r] != 0) {
+        device_bytes(recv + displs[r], counts[r], dev)
+            .copy_(output.narrow(0, static_cast<std::int64_t>(r * widest),
+                                 static_cast<std::int64_t>(counts[r])));
+      }
+    }
+    return;
+  }
+  // One broadcast per rank, each straight into its slot; this rank's own bytes by a copy.
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (std::size_t r = 0; r < world; ++r) {
+    if (counts[r] == 0) {
+      continue;
+    }
+    std::vector<at::Tensor> tensors{r == me ? device_bytes(mine, counts[r], dev)
+                                            : device_bytes(recv + displs[r], counts[r], dev)};
+    c10d::BroadcastOptions options;
+    options.rootRank = static_cast<std::int64_t>(r);
+    try {
+      works.push_back(group_->broadcast(tensors, options));
+    } catch (const std::exception& e) {
+      raise_not_issued(e, rank_, what, name_);
+    }
+  }
+  if (counts[me] != 0) {
+    device_bytes(recv + displs[me], counts[me], dev).copy_(device_bytes(mine, counts[me], dev));
+  }
+  for (const auto& work : works) {
+    wait(work, deadline, what);
+  }
 }
 
 void ProcessGroupCommunicator::do_all_gather_v(std::span<const ConstSegment> send, std::byte* recv,

@@ -9,8 +9,15 @@
 //  3. Any number may coexist; each keeps its group alive. The Python package caches one per
 //     group object (a weak-keyed dict), so sequence numbers and poisoning persist across calls
 //     and a destroyed group releases its communicator.
-//  4. Host memory at this interface. On NCCL groups the bytes are staged through device buffers
-//     on `device` (the binding passes torch.cuda.current_device()); untested here (no CUDA).
+//  4. Host memory at this interface, except all_gather_v_device. On NCCL groups host bytes are
+//     staged through device buffers on `device` (the binding passes torch.cuda.current_device()).
+//  5. Device memory (all_gather_v_device, CUDA tensors): the collective is issued on the device
+//     bytes themselves (c10d sends CUDA tensors to the group's CUDA backend: NCCL, or Gloo, which
+//     stages them), ordered after torch's current stream, which the binding makes the call's
+//     stream (params.cc). Uneven counts: one broadcast per rank into its slot (NCCL >= 2.29
+//     runs the group as one all-gather-v kernel) or one padded all_gather_into_tensor and a copy
+//     out; SHARDGATHER_DEVICE_GATHER=broadcast|padded picks one, else broadcast unless padding
+//     adds at most 1/8 of the bytes (docs/gpu.md).
 //
 // This transport states facts and holds no strategy: without point to point (NCCL, or
 // `p2p=false`) it has only c10d's equal-size allgather (capabilities().gather_v false), and the
@@ -110,7 +117,8 @@ class ProcessGroupCommunicator final : public Communicator {
             .small_messages_in_shared_memory = mailbox_ != nullptr,
             .gather_v = p2p_,
             .scatter = p2p_,
-            .all_to_all = p2p_};
+            .all_to_all = p2p_,
+            .device_memory = true};
   }
 
  protected:
@@ -132,10 +140,16 @@ class ProcessGroupCommunicator final : public Communicator {
                              std::span<const std::size_t> send_first,
                              std::span<const RecvPiece> pieces, std::span<const std::size_t> first,
                              Deadline deadline) override;
+  void do_all_gather_v_device(std::span<const ConstSegment> send, std::byte* recv,
+                              std::span<const std::uint64_t> counts,
+                              std::span<const std::uint64_t> displs, const Device& device,
+                              void* stream, Deadline deadline) override;
   void do_barrier(Deadline deadline) override;
   void do_abort() noexcept override;
 
  public:
+  // How all_gather_v_device moves uneven counts.
+  enum class DeviceGather { kAuto, kBroadcast, kPadded };
   // scatter_chunked's chunk: at most kGatherChunk, at least kMinGatherChunk unless the streams
   // are smaller, and 2 x world chunks within kSlotBudget.
   static constexpr std::uint64_t kGatherChunk = std::uint64_t{8} << 20;
@@ -186,6 +200,9 @@ class ProcessGroupCommunicator final : public Communicator {
   std::vector<c10::intrusive_ptr<c10d::Work>> inflight_;
   std::vector<at::Tensor> p2p_tensors_;  // reused: one-element lists for send/recv
   std::vector<std::uint64_t> p2p_displs_;
+  DeviceGather device_gather_ = DeviceGather::kAuto;  // SHARDGATHER_DEVICE_GATHER
+  at::Tensor padded_send_;   // reused: all_gather_v_device's padded send, on its device
+  at::Tensor padded_recv_;   // reused: its padded receive
   at::Tensor send_staging_;  // reused: device staging of an all_gather's send
   at::Tensor recv_staging_;  // reused: device staging of an all_gather's receive
   at::Tensor chunk_slots_;   // reused: gather_scatter's staging slots

@@ -75,6 +75,7 @@ c10::ScalarType scalar_type_of(DType dtype) {
 void set_view(const at::Tensor& t, DType dtype, TensorView& view) {
   view.data = t.data_ptr();
   view.dtype = dtype;
+  view.device = t.is_cuda() ? cuda_device(t.device().index()) : kCpu;
   view.shape.assign(t.sizes().begin(), t.sizes().end());
   if (t.is_contiguous()) {
     view.strides.clear();
@@ -87,11 +88,12 @@ at::Tensor tensor_over(const c10::Storage& storage, const std::byte* base, const
   const auto type = scalar_type_of(view.dtype);
   const auto elem = static_cast<std::int64_t>(dtype_size(view.dtype));
   const auto offset = (static_cast<const std::byte*>(view.data) - base) / elem;
-  // Built the way at::from_blob builds its tensor, but sharing one storage: a plain CPU
+  // Built the way at::from_blob builds its tensor, but sharing one storage: a plain CPU or CUDA
   // TensorImpl (the constructor adds the autograd keys), no grad, no graph.
-  auto tensor = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage),
-                                                         c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                                         c10::scalarTypeToTypeMeta(type));
+  const c10::DispatchKey key =
+      view.device.type == DeviceType::kCuda ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
+  auto tensor = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(storage), c10::DispatchKeySet(key), c10::scalarTypeToTypeMeta(type));
   c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
   impl->set_sizes_contiguous(view.shape);
   impl->set_storage_offset(offset);

@@ -33,13 +33,20 @@ c10::ScalarType scalar_type_of(DType dtype);
 // while the view is used.
 void set_view(const at::Tensor& t, DType dtype, TensorView& view);
 
-// Adopts `bytes` bytes at `data` as a CPU storage; destroying the storage destroys `owner`.
-// `owner` must own the memory at `data` (or be the only thing keeping it alive).
+// The torch device of a shardgather device.
+inline c10::Device torch_device(const Device& device) {
+  return device.type == DeviceType::kCuda
+             ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device.index))
+             : c10::Device(c10::kCPU);
+}
+
+// Adopts `bytes` bytes at `data` (on `device`) as a storage; destroying the storage destroys
+// `owner`. `owner` must own the memory at `data` (or be the only thing keeping it alive).
 template <typename Owner>
-c10::Storage adopt_storage(std::unique_ptr<Owner> owner, std::byte* data, std::uint64_t bytes) {
+c10::Storage adopt_storage(std::unique_ptr<Owner> owner, std::byte* data, std::uint64_t bytes,
+                           const Device& device = kCpu) {
   c10::DataPtr ptr(
-      data, owner.get(), [](void* ctx) { delete static_cast<Owner*>(ctx); },
-      c10::Device(c10::kCPU));
+      data, owner.get(), [](void* ctx) { delete static_cast<Owner*>(ctx); }, torch_device(device));
   owner.release();  // now owned by the DataPtr's context
   return c10::Storage(c10::Storage::use_byte_size_t(), static_cast<std::size_t>(bytes),
                       std::move(ptr), /*allocator=*/nullptr, /*resizable=*/false);

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "copies/device_runtime.h"
+
 #include "shardgather/copy.h"
 #include "shardgather/errors.h"
 #include "shardgather/layout.h"
@@ -14,6 +16,36 @@ std::string shape_str(std::span<const std::int64_t> shape) {
     s += (d == 0 ? "" : ", ") + std::to_string(shape[d]);
   }
   return s + "]";
+}
+
+Device call_device(std::span<const TensorView> views) noexcept {
+  return views.empty() ? kCpu : views.front().device;
+}
+
+void check_device(const TensorView& t, std::size_t i, const Device& device, const char* what) {
+  const auto where = [&] { return std::string(what) + " " + std::to_string(i) + ": "; };
+  if (t.device != device) {
+    throw InvalidArgument(where() + "on " + device_name(t.device) +
+                          ", but the call's first is on " + device_name(device) +
+                          " (a call's tensors are on one device)");
+  }
+  if (t.device.type == DeviceType::kCpu) {
+    return;
+  }
+  if (t.device.type != DeviceType::kCuda || t.device.index < 0) {
+    throw InvalidArgument(where() + "unknown device " + device_name(t.device));
+  }
+  if (!cuda_built()) {
+    throw InvalidArgument(where() + "on " + device_name(t.device) +
+                          ": shardgather was built without CUDA (SHARDGATHER_WITH_CUDA=OFF)");
+  }
+  if (t.data != nullptr) {
+    const Device actual = device_of(t.data);
+    if (actual != t.device) {
+      throw InvalidArgument(where() + "the view says " + device_name(t.device) +
+                            " but its memory is on " + device_name(actual));
+    }
+  }
 }
 
 std::uint64_t check_tensor(const TensorView& t, std::size_t i) {
@@ -80,10 +112,12 @@ Extent extent_of(const TensorView& t, std::uint64_t bytes) {
 
 LocalInput validate_params(std::span<const TensorView> params) {
   LocalInput in;
+  in.device = call_device(params);
   in.dtypes.reserve(params.size());
   in.shapes.reserve(params.size());
   for (std::size_t i = 0; i < params.size(); ++i) {
     const std::uint64_t bytes = check_tensor(params[i], i);
+    check_device(params[i], i, in.device);
     if (!is_contiguous(params[i])) {
       in.strided_bytes += bytes;
     }

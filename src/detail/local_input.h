@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "shardgather/device.h"
 #include "shardgather/types.h"
 
 namespace shardgather::detail {
@@ -15,6 +16,15 @@ std::string shape_str(std::span<const std::int64_t> shape);
 
 // Checks one tensor on its own (dtype, dims, size, strides, data); returns its bytes.
 std::uint64_t check_tensor(const TensorView& t, std::size_t i);
+
+// The device a call's views are on: the first one's (the host when there are none).
+Device call_device(std::span<const TensorView> views) noexcept;
+
+// InvalidArgument, naming `what` i ("tensor 3", "output 0"), unless the view is on `device`, the
+// build can reach it (a CUDA view needs SHARDGATHER_WITH_CUDA) and, for a CUDA view, its memory
+// really is on the device it names (a host pointer passed as a CUDA view would fault the kernel).
+void check_device(const TensorView& t, std::size_t i, const Device& device,
+                  const char* what = "tensor");
 
 // Checks a tensor against what a plan expects of it.
 void check_tensor_matches(const TensorView& t, std::size_t i, DType dtype,
@@ -36,6 +46,7 @@ struct TaggedExtent {
 void check_no_overlap(std::vector<TaggedExtent>& extents);
 
 struct LocalInput {
+  Device device;  // of every tensor
   std::vector<DType> dtypes;
   std::vector<Shape> shapes;
   std::uint64_t strided_bytes = 0;  // staging needed for non-contiguous inputs

@@ -5,6 +5,8 @@
 #include <span>
 #include <vector>
 
+#include "copies/copy_table.h"
+
 #include "shardgather/copy.h"
 #include "shardgather/types.h"
 
@@ -13,10 +15,31 @@ namespace shardgather::detail {
 // Alignment gaps are sent from here, so a gap never needs a copy.
 inline constexpr std::byte kZeroBytes[8] = {};
 
+// Where a tensor that cannot be sent from its own memory is packed, and where gaps come from.
+// On the host: packed now, by pack(), into `at`. On a device: `at` and `zeros` are device memory,
+// and each pack is recorded in `deferred`, which the device path runs as its first launch.
+struct Stager {
+  std::byte* at = nullptr;
+  CopyTable* deferred = nullptr;
+  const std::byte* zeros = kZeroBytes;  // at least 8 zero bytes
+
+  // Packs `view` (`bytes` bytes) at `at`, which then advances past it; returns where it went.
+  std::byte* stage(const TensorView& view, std::uint64_t bytes) {
+    std::byte* to = at;
+    if (deferred != nullptr) {
+      deferred->add_pack(view, to);
+    } else {
+      pack(view, to);
+    }
+    at += bytes;
+    return to;
+  }
+};
+
 // Appends the bytes of `view` to `out`: straight from the tensor when it is contiguous and not
-// `force_stage`d, else packed into `staging`, which then advances past them.
+// `force_stage`d, else staged.
 inline void append_tensor(const TensorView& view, std::uint64_t bytes, bool force_stage,
-                          std::byte*& staging, std::vector<ConstSegment>& out) {
+                          Stager& stager, std::vector<ConstSegment>& out) {
   if (bytes == 0) {
     return;
   }
@@ -24,9 +47,7 @@ inline void append_tensor(const TensorView& view, std::uint64_t bytes, bool forc
     out.push_back({static_cast<const std::byte*>(view.data), bytes});
     return;
   }
-  pack(view, staging);
-  out.push_back({staging, bytes});
-  staging += bytes;
+  out.push_back({stager.stage(view, bytes), bytes});
 }
 
 // Appends a rank-major block: `records` (may be empty), then each tensor at its offset inside
@@ -35,7 +56,7 @@ inline void append_tensor(const TensorView& view, std::uint64_t bytes, bool forc
 template <typename ForceStage>
 void append_block(std::span<const TensorView> params, std::span<const std::uint64_t> offsets,
                   std::uint64_t base, std::span<const std::uint64_t> sizes,
-                  std::span<const std::byte> records, std::byte* staging, ForceStage&& force_stage,
+                  std::span<const std::byte> records, Stager& stager, ForceStage&& force_stage,
                   std::vector<ConstSegment>& out, std::vector<std::size_t>& send_first) {
   out.clear();
   send_first.clear();
@@ -51,9 +72,9 @@ void append_block(std::span<const TensorView> params, std::span<const std::uint6
     }
     const std::uint64_t offset = offsets[i] - base;
     if (offset > end) {
-      out.push_back({kZeroBytes, offset - end});
+      out.push_back({stager.zeros, offset - end});
     }
-    append_tensor(params[i], sizes[i], force_stage(i), staging, out);
+    append_tensor(params[i], sizes[i], force_stage(i), stager, out);
     end = offset + sizes[i];
   }
   send_first.push_back(out.size());

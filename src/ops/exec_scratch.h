@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "detail/local_input.h"
@@ -15,6 +16,9 @@
 namespace shardgather::detail {
 
 struct ExecScratch {
+  Device device;  // this execution's tensors' (set by the operation's checks)
+  // unshard into output views: the device they say they are on (unset for one output buffer).
+  std::optional<Device> output_device;
   std::vector<ConstSegment> segments;   // this rank's wire stream
   std::vector<std::size_t> send_first;  // per tensor: its first segment; n + 1 entries
   std::vector<RecvPiece> pieces;        // one per (rank, tensor), rank-major

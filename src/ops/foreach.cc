@@ -35,7 +35,7 @@ GatherResult gather_with_hint(std::span<const TensorView> params, Communicator& 
                          {.timeout = options.timeout,
                           .preflight = options.preflight,
                           .strategy = detail::one_shot_strategy(options.strategy)});
-    out = AlignedBuffer(plan.output_bytes());
+    out = detail::output_buffer(plan.output_bytes(), in.device);
   });
   call.guard(out);
   const ExecStats exec = detail::PlanAccess::run(plan, call, params, out.data(), out.size());
@@ -85,6 +85,14 @@ GatherResult gather_without_hint(std::span<const TensorView> params, Communicato
   std::vector<std::byte> staging;
   call.check([&] {
     in = detail::validate_params(params);
+    detail::check_call_device(call, in.device);
+    if (in.device.type != DeviceType::kCpu) {
+      // The shapes travel at the head of each rank's block, and the layout is read from them
+      // on the host; a device call needs them known up front.
+      throw InvalidArgument("foreach_all_gather on " + device_name(in.device) +
+                            " tensors needs shapes_across_group (or a plan); the Python binding "
+                            "gathers the shapes first");
+    }
     detail::set_dtypes(call.header(), in.dtypes);
     detail::check_record_dims(in.shapes);
     block = plan_block(in.dtypes, in.shapes, kWithRecords);
@@ -108,8 +116,9 @@ GatherResult gather_without_hint(std::span<const TensorView> params, Communicato
   call.guard(records);
   std::vector<ConstSegment> segments;
   std::vector<std::size_t> send_first;
+  detail::Stager stager{.at = staging.data()};
   detail::append_block(
-      params, block.offsets, 0, block.sizes, records, staging.data(),
+      params, block.offsets, 0, block.sizes, records, stager,
       [](std::size_t /*i*/) { return false; }, segments, send_first);
   detail::BlockJob blocks(segments, out.data(), counts, displs, call.exchanges());
   call.guard(blocks.scratch);
@@ -138,7 +147,7 @@ GatherResult::GatherResult(LayoutPlan plan, AlignedBuffer buffer, CallStats stat
     : plan_(std::move(plan)),
       buffer_(std::move(buffer)),
       stats_(stats),
-      views_(detail::layout_views(plan_, buffer_.data())) {}
+      views_(detail::layout_views(plan_, buffer_.data(), buffer_.device())) {}
 
 std::span<const TensorView> GatherResult::operator[](std::size_t i) const {
   if (i >= plan_.num_tensors) {

@@ -50,6 +50,33 @@ void size_scratch(ExecScratch& x, int world, std::size_t n) {
   x.strategy.pieces.reserve(w);
 }
 
+void check_call_device(Call& call, const Device& device) {
+  set_device_type(call.header(), device.type);
+  if (device.type == DeviceType::kCpu || call.comm().capabilities().device_memory) {
+    return;
+  }
+  throw InvalidArgument("rank " + std::to_string(call.comm().rank()) + ": tensors on " +
+                        device_name(device) + ", but the " +
+                        std::string(call.comm().backend_name()) +
+                        " transport moves host memory only (CUDA tensors need a torch group, NCCL "
+                        "or Gloo, or the threads backend of a CUDA build)");
+}
+
+Stager stager_for(ExecScratch& x, const Device& device, std::uint64_t staged, void* stream) {
+  if (device.type == DeviceType::kCpu) {
+    return Stager{.at = x.staging.data()};
+  }
+  StrategyScratch& s = x.strategy;
+  s.copy_stage.clear();
+  if (s.device_zeros.size() == 0) {
+    s.device_zeros.reserve(sizeof kZeroBytes, device.index);
+    copy_async(s.device_zeros.data(), kZeroBytes, sizeof kZeroBytes, stream);
+  }
+  s.device_staging.reserve(staged, device.index);
+  return Stager{
+      .at = s.device_staging.data(), .deferred = &s.copy_stage, .zeros = s.device_zeros.data()};
+}
+
 Strategy one_shot_strategy(Strategy requested) noexcept {
   return requested == Strategy::kAuto ? Strategy::kDirect : requested;
 }
@@ -58,11 +85,23 @@ void run_payload(Call& call, Strategy requested, Strategy strategy, const Gather
                  StrategyScratch& scratch, ExecStats& stats) {
   Communicator& comm = call.comm();
   stats.strategy = strategy;
+  const bool empty =
+      std::all_of(job.counts.begin(), job.counts.end(), [](std::uint64_t c) { return c == 0; });
+  if (job.device.type != DeviceType::kCpu) {
+    stats.strategy = Strategy::kPacked;
+    if (empty) {
+      return;
+    }
+    const std::uint64_t before = comm.collectives_issued();
+    call.transfer([&] { run_device(job, comm, call.deadline(), scratch); });
+    stats.payload_collectives = comm.collectives_issued() - before;
+    return;
+  }
   if (comm.size() == 1) {
     copy_stream(job.send, job.pieces);
     return;
   }
-  if (std::all_of(job.counts.begin(), job.counts.end(), [](std::uint64_t c) { return c == 0; })) {
+  if (empty) {
     return;
   }
   const std::uint64_t before = comm.collectives_issued();
@@ -118,7 +157,16 @@ BlockJob::BlockJob(std::span<const ConstSegment> send, std::byte* base,
                   .entry_synchronized = entry_synchronized};
 }
 
-std::vector<TensorView> layout_views(const LayoutPlan& layout, const std::byte* buffer) {
+AlignedBuffer output_buffer(std::uint64_t bytes, const Device& device) {
+  if (device.type == DeviceType::kCpu) {
+    return AlignedBuffer(bytes);
+  }
+  return AlignedBuffer(static_cast<std::byte*>(device_allocate(bytes, device.index)), bytes, device,
+                       device_free);
+}
+
+std::vector<TensorView> layout_views(const LayoutPlan& layout, const std::byte* buffer,
+                                     const Device& device) {
   const auto world = static_cast<std::size_t>(layout.world_size);
   std::vector<TensorView> out(layout.num_tensors * world);
   for (std::size_t i = 0; i < layout.num_tensors; ++i) {
@@ -128,7 +176,8 @@ std::vector<TensorView> layout_views(const LayoutPlan& layout, const std::byte* 
       out[i * world + r] = TensorView{.data = const_cast<std::byte*>(buffer) + layout.offsets[k],
                                       .dtype = layout.dtypes[i],
                                       .shape = layout.shapes[k],
-                                      .strides = {}};
+                                      .strides = {},
+                                      .device = device};
     }
   }
   return out;

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <vector>
 
+#include "detail/send_stream.h"
 #include "ops/call.h"
 #include "ops/exec_scratch.h"
 #include "strategies/strategy.h"
@@ -15,6 +16,17 @@
 
 namespace shardgather::detail {
 
+// The device half of a call's checks, run inside call.check once its tensors are validated:
+// InvalidArgument unless the communicator can move memory of `device` (capabilities()
+// .device_memory); records the device type in the header, where two ranks on different kinds of
+// memory disagree.
+void check_call_device(Call& call, const Device& device);
+
+// Where this execution stages strided inputs and takes gap bytes from: the host staging, or on a
+// CUDA device the strategy scratch's device staging (grown to `staged` bytes), its device zeros
+// and its deferred pack table (cleared), all on `stream`.
+Stager stager_for(ExecScratch& x, const Device& device, std::uint64_t staged, void* stream);
+
 // Sizes the scratch for world ranks of n tensors (no-op when already sized).
 void size_scratch(ExecScratch& x, int world, std::size_t n);
 
@@ -24,9 +36,10 @@ void size_scratch(ExecScratch& x, int world, std::size_t n);
 Strategy one_shot_strategy(Strategy requested) noexcept;
 
 // Moves the job's payload with `strategy` (from select_strategy; `requested` is what the caller
-// asked for, which decides the kAuto window fallback): a local copy at world size 1, nothing
-// when no rank sends a byte, else the strategy, inside call.transfer (the caller guards what the
-// collective may touch). Fills stats.strategy and the collective counts.
+// asked for, which decides the kAuto window fallback): a device job through run_device (it moves
+// as kPacked), a local copy at world size 1, nothing when no rank sends a byte, else the strategy,
+// inside call.transfer (the caller guards what the collective may touch). Fills stats.strategy and
+// the collective counts.
 void run_payload(Call& call, Strategy requested, Strategy strategy, const GatherJob& job,
                  StrategyScratch& scratch, ExecStats& stats);
 
@@ -50,8 +63,13 @@ struct BlockJob {
   GatherJob job;
 };
 
-// Views of a layout's tensors over `buffer`: element i * world + r is rank r's tensor i.
-std::vector<TensorView> layout_views(const LayoutPlan& layout, const std::byte* buffer);
+// Views of a layout's tensors over `buffer` (on `device`): element i * world + r is rank r's
+// tensor i.
+std::vector<TensorView> layout_views(const LayoutPlan& layout, const std::byte* buffer,
+                                     const Device& device = kCpu);
+
+// A one-shot call's output: host memory, or memory on the tensors' CUDA device.
+AlignedBuffer output_buffer(std::uint64_t bytes, const Device& device);
 
 // InvalidArgument unless `comm` is rank `rank` of `world`, as the plan was built.
 void check_plan_world(const Communicator& comm, int world, int rank);

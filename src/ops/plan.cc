@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "copies/device_runtime.h"
 #include "detail/local_input.h"
 #include "detail/send_stream.h"
 #include "ops/call.h"
@@ -61,6 +62,8 @@ void AllGatherPlan::check_params(const Communicator& comm, std::span<const Tenso
                           " bytes, the plan needs " + std::to_string(layout_.total_bytes));
   }
   const auto me = static_cast<std::size_t>(rank_);
+  ExecScratch& x = scratch_.get();
+  x.device = detail::call_device(params);
   const auto out_begin = reinterpret_cast<std::uintptr_t>(out);
   const std::uintptr_t out_end = out == nullptr ? 0 : out_begin + layout_.total_bytes;
   std::uint64_t staged = 0;
@@ -68,6 +71,7 @@ void AllGatherPlan::check_params(const Communicator& comm, std::span<const Tenso
     const std::size_t k = me * n + i;
     detail::check_tensor_matches(params[i], i, layout_.dtypes[i], layout_.shapes[k],
                                  layout_.sizes[k]);
+    detail::check_device(params[i], i, x.device);
     const bool contiguous = is_contiguous(params[i]);
     const detail::Extent e = detail::extent_of(params[i], layout_.sizes[k]);
     const bool overlaps = e.begin < out_end && out_begin < e.end;
@@ -80,8 +84,13 @@ void AllGatherPlan::check_params(const Communicator& comm, std::span<const Tenso
       staged += layout_.sizes[k];
     }
   }
-  ExecScratch& x = scratch_.get();
-  if (x.staging.size() < staged) {
+  if (x.device.type != DeviceType::kCpu && out != nullptr && layout_.total_bytes != 0 &&
+      detail::device_of(out) != x.device) {
+    throw InvalidArgument("the output is on " + device_name(detail::device_of(out)) +
+                          ", the tensors on " + device_name(x.device) +
+                          " (a call's tensors and output are on one device)");
+  }
+  if (x.device.type == DeviceType::kCpu && x.staging.size() < staged) {
     x.staging.resize(staged);  // once: later executions reuse it
   }
   stats.staged_bytes = staged;
@@ -108,6 +117,12 @@ detail::GatherJob AllGatherPlan::prepare(detail::Call& call, std::span<const Ten
   detail::set_strategy(header, strategy);
   call.check([&] {
     check_params(call.comm(), params, out, out_size, stats);
+    detail::check_call_device(call, x.device);
+    if (out == nullptr && x.device.type != DeviceType::kCpu) {
+      throw InvalidArgument(
+          "execute_shared gathers host memory; execute CUDA tensors into an "
+          "output on their device");
+    }
     header.payload_bytes = layout_.counts[me];
   });
   call.agree();
@@ -117,8 +132,10 @@ detail::GatherJob AllGatherPlan::prepare(detail::Call& call, std::span<const Ten
   const auto in_place = [&](std::size_t i) {
     return out != nullptr && params[i].data == out + layout_.offsets[me * n + i];
   };
+  void* stream = current_cuda_stream();
+  detail::Stager stager = detail::stager_for(x, x.device, stats.staged_bytes, stream);
   detail::append_block(params, std::span(layout_.offsets).subspan(me * n, n), layout_.displs[me],
-                       std::span(layout_.sizes).subspan(me * n, n), {}, x.staging.data(), in_place,
+                       std::span(layout_.sizes).subspan(me * n, n), {}, stager, in_place,
                        x.segments, x.send_first);
   // Destinations: one piece per (rank, tensor), the tensor and the gap before it.
   for (std::size_t r = 0; r < static_cast<std::size_t>(world); ++r) {
@@ -148,6 +165,8 @@ detail::GatherJob AllGatherPlan::prepare(detail::Call& call, std::span<const Ten
       .copy_threads = detail::copy_threads(options_, call.comm()),
       .stream_displs = layout_.displs,
       .entry_synchronized = call.exchanges(),
+      .device = x.device,
+      .stream = stream,
   };
 }
 

@@ -103,6 +103,10 @@ PreflightHeader decode_header(std::span<const std::byte> bytes, int from_rank) {
     throw Mismatch(where() + ": unknown strategy " +
                    std::to_string((h.flags >> kStrategyShift) & 0xffU));
   }
+  if (device_type_name(device_type_of(h)) == "invalid") {
+    throw Mismatch(where() + ": unknown device type " +
+                   std::to_string((h.flags >> kDeviceShift) & 0xffU));
+  }
   if (h.status > static_cast<std::uint8_t>(kLastErrorCode)) {
     throw Mismatch(where() + ": unknown status " + std::to_string(h.status));
   }
@@ -154,6 +158,12 @@ void check_agrees(const PreflightHeader& h0, const PreflightHeader& h, std::size
                    "dtype of a tensor at index >= " + std::to_string(kInlineDTypes) +
                    " differs between rank 0 and rank " + std::to_string(r) + " (dtype hash " +
                    std::to_string(h0.dtype_hash) + " vs " + std::to_string(h.dtype_hash) + ")");
+  }
+  if (device_type_of(h) != device_type_of(h0)) {
+    throw Mismatch(op_prefix(me, h0) + "device differs: rank 0 gathers " +
+                   std::string(device_type_name(device_type_of(h0))) + " tensors, rank " +
+                   std::to_string(r) + " " + std::string(device_type_name(device_type_of(h))) +
+                   " tensors");
   }
   // Last: plans that differ resolve kAuto differently, and "plan differs" is the cause.
   if (strategy_of(h) != strategy_of(h0)) {

@@ -31,6 +31,9 @@ enum HeaderFlags : std::uint32_t {
 // Bits 8-15 of flags: the strategy the payload moves with (resolved, so kAuto never travels),
 // because two ranks moving one payload two ways would mis-pair their transfers.
 inline constexpr unsigned kStrategyShift = 8;
+// Bits 16-23: the DeviceType of the call's tensors, because a rank gathering host memory and one
+// gathering device memory take different transport paths (docs/gpu.md).
+inline constexpr unsigned kDeviceShift = 16;
 
 struct PreflightHeader {
   std::uint32_t magic = kHeaderMagic;
@@ -58,6 +61,14 @@ inline Strategy strategy_of(const PreflightHeader& header) noexcept {
   return static_cast<Strategy>((header.flags >> kStrategyShift) & 0xffU);
 }
 
+inline void set_device_type(PreflightHeader& header, DeviceType type) noexcept {
+  header.flags = (header.flags & ~(0xffU << kDeviceShift)) |
+                 (static_cast<std::uint32_t>(type) << kDeviceShift);
+}
+inline DeviceType device_type_of(const PreflightHeader& header) noexcept {
+  return static_cast<DeviceType>((header.flags >> kDeviceShift) & 0xffU);
+}
+
 // Records a local failure; the text is truncated to fit.
 void set_status(PreflightHeader& header, ErrorCode code, std::string_view text) noexcept;
 
@@ -76,7 +87,7 @@ PreflightHeader decode_header(std::span<const std::byte> bytes, int from_rank);
 
 // Decodes every rank's header from an all_gather and raises, identically on every rank, the
 // first failed status or disagreement: operation, world size, sequence number, tensor count,
-// hint presence and hash, dtypes, strategy. `me` only prefixes the message.
+// hint presence and hash, dtypes, device type, strategy. `me` only prefixes the message.
 void check_headers(std::span<const std::byte> gathered, std::span<PreflightHeader> headers, int me);
 
 }  // namespace shardgather::detail

@@ -26,19 +26,22 @@ decltype(auto) run_blocking(Communicator& comm, Fn&& op) {
 template <typename T, typename Fn>
 Work<T> start_on(Communicator& comm, Fn op) {
   auto state = std::make_shared<WorkResult<T>>();
-  comm.operations().submit([state, op = std::move(op)]() mutable noexcept {
-    // The job lets go of the state before it completes it: the handle (which always holds one,
-    // its destructor waits) is then the last owner, so the state and a stored exception are
-    // destroyed on the waiter's thread, never under its reading of them.
-    std::shared_ptr<WorkResult<T>> mine = std::move(state);
-    std::exception_ptr error;
-    try {
-      mine->value.emplace(op());
-    } catch (...) {
-      error = std::current_exception();
-    }
-    WorkState::finish(std::move(mine), std::move(error));
-  });
+  // A call on CUDA tensors enqueues on the stream that was current where it was started.
+  comm.operations().submit(
+      [state, op = std::move(op), stream = current_cuda_stream()]() mutable noexcept {
+        const CudaStreamGuard on_stream(stream);
+        // The job lets go of the state before it completes it: the handle (which always holds one,
+        // its destructor waits) is then the last owner, so the state and a stored exception are
+        // destroyed on the waiter's thread, never under its reading of them.
+        std::shared_ptr<WorkResult<T>> mine = std::move(state);
+        std::exception_ptr error;
+        try {
+          mine->value.emplace(op());
+        } catch (...) {
+          error = std::current_exception();
+        }
+        WorkState::finish(std::move(mine), std::move(error));
+      });
   return Work<T>(std::move(state));
 }
 

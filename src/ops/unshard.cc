@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <string>
 
+#include "detail/local_input.h"
 #include "ops/call.h"
 #include "ops/payload.h"
 #include "ops/plan_access.h"
@@ -25,11 +26,14 @@ UnshardResult unshard_now(std::span<const TensorView> shards, Communicator& comm
   AlignedBuffer buffer;
   call.check([&] {
     plan = UnshardPlan(specs, comm.size(), comm.rank(), one_shot);
-    buffer = AlignedBuffer(plan.output_bytes());
+    buffer = detail::output_buffer(plan.output_bytes(), detail::call_device(shards));
   });
   call.guard(buffer);
   const ExecStats stats = detail::PlanAccess::run(plan, call, shards, buffer.data(), buffer.size());
   std::vector<TensorView> views = plan.views(buffer.data());
+  for (TensorView& view : views) {
+    view.device = buffer.device();
+  }
   return {std::move(views), std::move(buffer), stats};
 }
 

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <string>
 
+#include "copies/device_runtime.h"
 #include "detail/checked_math.h"
 #include "detail/hash.h"
 #include "detail/local_input.h"
@@ -200,6 +201,7 @@ std::vector<TensorView> UnshardPlan::views(std::byte* buffer) const {
 
 std::optional<std::string> UnshardPlan::target_buffer(std::byte* out, std::uint64_t out_size) {
   detail::ExecScratch& x = scratch_.get();
+  x.output_device.reset();
   x.outputs.resize(specs_.size());
   if (!receives()) {
     std::fill(x.outputs.begin(), x.outputs.end(), nullptr);
@@ -217,6 +219,7 @@ std::optional<std::string> UnshardPlan::target_buffer(std::byte* out, std::uint6
 
 std::optional<std::string> UnshardPlan::target_outputs(std::span<const TensorView> outputs) {
   detail::ExecScratch& x = scratch_.get();
+  x.output_device = detail::call_device(outputs);
   x.outputs.resize(specs_.size());
   if (!receives()) {
     std::fill(x.outputs.begin(), x.outputs.end(), nullptr);
@@ -236,6 +239,10 @@ std::optional<std::string> UnshardPlan::target_outputs(std::span<const TensorVie
     }
     if (o.data == nullptr && checked_nbytes(s.dtype, s.full_shape) != 0) {
       return "output " + std::to_string(i) + ": null data";
+    }
+    if (o.device != *x.output_device) {
+      return "output " + std::to_string(i) + ": on " + device_name(o.device) + ", output 0 on " +
+             device_name(*x.output_device) + " (a call's outputs are on one device)";
     }
     x.outputs[i] = static_cast<std::byte*>(o.data);
   }
@@ -295,6 +302,8 @@ void UnshardPlan::check_shards(const Communicator& comm, std::span<const TensorV
     throw InvalidArgument("the plan has " + std::to_string(n) + " parameters, got " +
                           std::to_string(shards.size()) + " shards");
   }
+  x.device = detail::call_device(shards);
+  check_output_device();
   // Aliasing: against the one output buffer (O(n)), or across every extent, shards read and
   // outputs written (sorted, O(n log n)).
   const auto out_begin =
@@ -324,6 +333,7 @@ void UnshardPlan::check_shards(const Communicator& comm, std::span<const TensorV
       }
     }
     detail::check_tensor_matches(t, i, s.dtype, t.shape, local_bytes_[i]);
+    detail::check_device(t, i, x.device, "shard");
     if (!is_contiguous(t)) {
       staged += local_bytes_[i];
     }
@@ -344,20 +354,38 @@ void UnshardPlan::check_shards(const Communicator& comm, std::span<const TensorV
     x.extents.push_back({{o, o + checked_nbytes(s.dtype, s.full_shape)}, true});
   }
   detail::check_no_overlap(x.extents);
-  if (x.staging.size() < staged) {
+  if (x.device.type == DeviceType::kCpu && x.staging.size() < staged) {
     x.staging.resize(staged);
   }
   stats.staged_bytes = staged;
 }
 
-void UnshardPlan::build_job(std::span<const TensorView> shards) {
+void UnshardPlan::check_output_device() {
+  const detail::ExecScratch& x = scratch_.get();
+  if (!receives() || x.outputs.empty()) {
+    return;
+  }
+  const Device claimed = x.output_device.value_or(x.device);
+  if (claimed != x.device) {
+    throw InvalidArgument("the outputs are on " + device_name(claimed) + ", the shards on " +
+                          device_name(x.device) + " (a call's tensors are on one device)");
+  }
+  // A host pointer where device memory is expected would fault the copy kernel: check where the
+  // first output really is (only on a device call: a host call never touches the CUDA runtime).
+  if (x.device.type != DeviceType::kCpu && output_bytes_ != 0 && x.outputs[0] != nullptr &&
+      detail::device_of(x.outputs[0]) != x.device) {
+    throw InvalidArgument("the output is on " + device_name(detail::device_of(x.outputs[0])) +
+                          ", the shards on " + device_name(x.device));
+  }
+}
+
+void UnshardPlan::build_job(std::span<const TensorView> shards, detail::Stager& stager) {
   detail::ExecScratch& x = scratch_.get();
   const std::size_t n = specs_.size();
   const auto world = static_cast<std::size_t>(world_);
   const auto me = static_cast<std::size_t>(rank_);
   x.segments.clear();
   x.send_first.clear();
-  std::byte* staging = x.staging.data();
   for (std::size_t i = 0; i < n; ++i) {
     x.send_first.push_back(x.segments.size());
     const ShardSpec& s = specs_[i];
@@ -368,16 +396,14 @@ void UnshardPlan::build_job(std::span<const TensorView> shards) {
       continue;
     }
     if (real == local) {
-      detail::append_tensor(shards[i], bytes, false, staging, x.segments);
+      detail::append_tensor(shards[i], bytes, false, stager, x.segments);
       continue;
     }
     // Padded: the real rows of every outer index, from the shard (packed first if strided).
     const Split split = split_of(s);
     const auto* base = static_cast<const std::byte*>(shards[i].data);
     if (!is_contiguous(shards[i])) {
-      pack(shards[i], staging);
-      base = staging;
-      staging += split.outer * local * split.inner_bytes;
+      base = stager.stage(shards[i], split.outer * local * split.inner_bytes);
     }
     for (std::uint64_t o = 0; o < split.outer; ++o) {
       x.segments.push_back({base + o * local * split.inner_bytes, real * split.inner_bytes});
@@ -424,11 +450,14 @@ ExecStats UnshardPlan::run(detail::Call& call, std::span<const TensorView> shard
                             " transport lacks");
     }
     check_shards(call.comm(), shards, one_buffer, stats);
+    detail::check_call_device(call, x.device);
     header.payload_bytes = counts_[static_cast<std::size_t>(rank_)];
   });
   call.agree();
   stats.preflight_collectives = call.exchanges() ? 1 : 0;
-  build_job(shards);
+  void* stream = current_cuda_stream();
+  detail::Stager stager = detail::stager_for(x, x.device, stats.staged_bytes, stream);
+  build_job(shards, stager);
   const detail::GatherJob job{
       .send = x.segments,
       .pieces = x.pieces,
@@ -442,6 +471,8 @@ ExecStats UnshardPlan::run(detail::Call& call, std::span<const TensorView> shard
       .stream_displs = {},
       .entry_synchronized = call.exchanges(),
       .root = dst_,
+      .device = x.device,
+      .stream = stream,
   };
   detail::run_payload(call, options_.strategy, strategy, job, x.strategy, stats);
   return stats;

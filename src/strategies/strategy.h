@@ -14,6 +14,8 @@
 #include <span>
 #include <vector>
 
+#include "copies/copy_table.h"
+#include "copies/device_runtime.h"
 #include "detail/shared_buffer.h"
 
 #include "shardgather/communicator.h"
@@ -43,6 +45,10 @@ struct GatherJob {
   // >= 0: a gather to this one rank (unshard's dst): only it receives, and `pieces` are read on
   // it only. kDirect alone runs it (Communicator::gather_scatter).
   int root = -1;
+  // kCuda: every byte the job names (segments and pieces) is memory on this device, and the
+  // payload moves through run_device on `stream`, whatever strategy was asked for.
+  Device device{};
+  void* stream = nullptr;
 };
 
 // kAuto measuring its two candidates on a plan's first executions (select.cc, plan_strategy).
@@ -83,6 +89,19 @@ struct StrategyScratch {
   std::vector<RecvPiece> a2a_pieces;
   std::vector<std::size_t> a2a_first;  // size() + 1
   AutoTrial trial;
+  // The device path (device.cc): staging for strided inputs and the zero bytes gaps are sent
+  // from (filled by the operation, send_stream.h's Stager), the contiguous send and gather
+  // buffers, the three tables of its launches (the operation's packs into staging, copy-in,
+  // copy-out) and their one upload (redone only when an address changes).
+  DeviceMemory device_staging;
+  DeviceMemory device_zeros;
+  DeviceMemory device_send;
+  DeviceMemory device_gathered;
+  DeviceMemory device_table;
+  CopyTable copy_stage;
+  CopyTable copy_in;
+  CopyTable copy_out;
+  std::vector<CopyDesc> uploaded;
 };
 
 // When every rank's pieces form one contiguous run, fills scratch.displs relative to *base and
@@ -157,6 +176,15 @@ Strategy plan_strategy(Strategy requested, std::span<const std::uint64_t> counts
 // counts as setup). Collective while measuring; does nothing otherwise.
 void record_auto(Strategy ran, double seconds, Communicator& comm, Deadline deadline,
                  StrategyScratch& scratch);
+
+// The device path: the operation's deferred packs of strided inputs (scratch.copy_stage, filled
+// before this), one fused copy-in into a contiguous device buffer (skipped when the stream is
+// one contiguous run already), one all_gather_v_device, one fused copy-out into the pieces
+// (skipped when every rank's pieces are one run: the gather lands in place); then waits for the
+// stream. Launches at most three kernels, and after the first execution of a plan allocates
+// nothing and uploads nothing while the tensors stay where they were.
+void run_device(const GatherJob& job, Communicator& comm, Deadline deadline,
+                StrategyScratch& scratch);
 
 // Runs the job with `strategy` (already resolved).
 void run_strategy(Strategy strategy, const GatherJob& job, Communicator& comm, Deadline deadline,

@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <string>
+
+#include "copies/device_runtime.h"
 
 #include "shardgather/copy.h"
 #include "shardgather/threads.h"
@@ -159,6 +162,39 @@ void ThreadsCommunicator::do_all_gather_v(std::span<const ConstSegment> send, st
            [&](std::size_t r, std::span<const ConstSegment> segments) {
              copy_segments(segments, recv + displs[r]);
            });
+}
+
+void ThreadsCommunicator::do_all_gather_v_device(
+    std::span<const ConstSegment> send, std::byte* recv, std::span<const std::uint64_t> counts,
+    std::span<const std::uint64_t> displs, const Device& device, void* stream, Deadline deadline) {
+  // A CUDA failure must not leave this rank between the two meetings (its peers would wait to
+  // their deadlines): it is kept, and raised once the exchange is over.
+  std::exception_ptr failure;
+  try {
+    use_device(device.index);
+    sync_stream(stream);  // the copy-in kernel has written `send`
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  std::size_t copied = 0;
+  exchange(send, counts, deadline, "all_gather_v_device", -1,
+           [&](std::size_t r, std::span<const ConstSegment> segments) {
+             try {
+               std::byte* to = recv + displs[r];
+               for (const ConstSegment& segment : segments) {
+                 copy_async(to, segment.data, segment.size, stream);
+                 to += segment.size;
+               }
+               if (++copied == static_cast<std::size_t>(size())) {
+                 sync_stream(stream);  // done reading the peers' memory
+               }
+             } catch (...) {
+               failure = std::current_exception();
+             }
+           });
+  if (failure) {
+    std::rethrow_exception(failure);
+  }
 }
 
 void ThreadsCommunicator::do_all_gather_scatter(std::span<const ConstSegment> send,

@@ -66,7 +66,9 @@ class ThreadsCommunicator final : public Communicator {
   }
   [[nodiscard]] std::span<const int> hosts() const noexcept override { return group_->hosts; }
   [[nodiscard]] Capabilities capabilities() const noexcept override {
-    return {.reads_peer_memory = true, .small_messages_in_shared_memory = false};
+    return {.reads_peer_memory = true,
+            .small_messages_in_shared_memory = false,
+            .device_memory = cuda_built()};
   }
 
  protected:
@@ -75,6 +77,13 @@ class ThreadsCommunicator final : public Communicator {
   void do_all_gather_v(std::span<const ConstSegment> send, std::byte* recv,
                        std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs,
                        Deadline deadline) override;
+  // Each rank copies every peer's device bytes with cudaMemcpyAsync on its own stream (peer
+  // access or staging is the driver's business); the sender's stream is synchronised before it
+  // publishes its segments and the reader's before it leaves, so no buffer is reused early.
+  void do_all_gather_v_device(std::span<const ConstSegment> send, std::byte* recv,
+                              std::span<const std::uint64_t> counts,
+                              std::span<const std::uint64_t> displs, const Device& device,
+                              void* stream, Deadline deadline) override;
   void do_all_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                              std::span<const std::size_t> first,
                              std::span<const std::uint64_t> counts, Deadline deadline) override;

@@ -1,0 +1,115 @@
+// The device path: how a job over CUDA memory moves. Whatever strategy was asked for, device
+// bytes move as kPacked does on the host (copy-in, one collective, copy-out), with each copy one
+// launch of the fused kernel (copies/) and the collective the transport's all_gather_v_device
+// (NCCL or Gloo on torch groups, cudaMemcpyAsync between threads). Every step is enqueued on
+// job.stream; the stream is synchronised once, at the end.
+#include <algorithm>
+#include <array>
+#include <numeric>
+
+#include "strategies/strategy.h"
+
+#include "shardgather/copy.h"
+
+namespace shardgather::detail {
+
+namespace {
+
+// The three tables (stage, in, out) in one device buffer, uploaded only when a descriptor
+// changed (a plan over the same tensors uploads once). Returns each table's device copy.
+std::array<const CopyDesc*, 3> upload_tables(StrategyScratch& s, const Device& device,
+                                             void* stream) {
+  const std::array<const CopyTable*, 3> tables{&s.copy_stage, &s.copy_in, &s.copy_out};
+  std::size_t total = 0;
+  bool same = true;
+  for (const CopyTable* t : tables) {
+    const std::span<const CopyDesc> d = t->descs();
+    same = same && total + d.size() <= s.uploaded.size() &&
+           std::equal(d.begin(), d.end(), s.uploaded.begin() + static_cast<std::ptrdiff_t>(total));
+    total += d.size();
+  }
+  if (!same || total != s.uploaded.size()) {
+    s.uploaded.clear();
+    for (const CopyTable* t : tables) {
+      s.uploaded.insert(s.uploaded.end(), t->descs().begin(), t->descs().end());
+    }
+    const std::uint64_t bytes = s.uploaded.size() * sizeof(CopyDesc);
+    s.device_table.reserve(bytes, device.index);
+    // From pageable memory: the runtime has staged the bytes when this returns, so s.uploaded
+    // may change afterwards.
+    copy_async(s.device_table.data(), s.uploaded.data(), bytes, stream);
+  }
+  const auto* base = reinterpret_cast<const CopyDesc*>(s.device_table.data());
+  return {base, base + s.copy_stage.descs().size(),
+          base + s.copy_stage.descs().size() + s.copy_in.descs().size()};
+}
+
+void launch(const CopyTable& table, const CopyDesc* on_device, void* stream) {
+  launch_copies(on_device, table.descs().size(), table.blocks(), stream);
+}
+
+// Where the gather lands: in place where every rank's pieces are one run (and this rank keeps
+// what it receives), else rank-major in the gathered buffer, with the copy-out recorded.
+std::byte* gather_target(const GatherJob& job, int me, StrategyScratch& s) {
+  std::byte* base = nullptr;
+  const bool receives = job.root < 0 || job.root == me;
+  if (job.root < 0 && contiguous_per_rank(job.pieces, job.first, job.counts, base, s.displs)) {
+    return base;
+  }
+  const std::size_t world = job.counts.size();
+  s.displs.resize(world);
+  std::uint64_t total = 0;
+  for (std::size_t r = 0; r < world; ++r) {
+    s.displs[r] = total;
+    total += job.counts[r];
+  }
+  s.device_gathered.reserve(total, job.device.index);
+  base = s.device_gathered.data();
+  if (receives) {
+    for (std::size_t r = 0; r < world; ++r) {
+      const ConstSegment from{base + s.displs[r], job.counts[r]};
+      s.copy_out.add_stream(std::span(&from, 1), rank_part(job.pieces, job.first, r));
+    }
+  }
+  return base;
+}
+
+}  // namespace
+
+void run_device(const GatherJob& job, Communicator& comm, Deadline deadline, StrategyScratch& s) {
+  const int me = comm.rank();
+  const std::uint64_t mine = job.counts[static_cast<std::size_t>(me)];
+  use_device(job.device.index);
+  s.copy_in.clear();
+  s.copy_out.clear();
+  s.copy_stage.finish();
+  const std::byte* send = nullptr;
+  std::byte* base = nullptr;
+  if (comm.size() == 1) {
+    s.copy_out.add_stream(job.send, job.pieces);  // nothing to gather: straight to the pieces
+  } else {
+    if (job.send.size() == 1) {
+      send = job.send.front().data;  // one contiguous run already: no copy-in
+    } else if (mine != 0) {
+      s.device_send.reserve(mine, job.device.index);
+      const RecvPiece whole{s.device_send.data(), mine, 1, 0};
+      s.copy_in.add_stream(job.send, std::span(&whole, 1));
+      send = s.device_send.data();
+    }
+    base = gather_target(job, me, s);
+  }
+  s.copy_in.finish();
+  s.copy_out.finish();
+  const std::array<const CopyDesc*, 3> on_device = upload_tables(s, job.device, job.stream);
+  launch(s.copy_stage, on_device[0], job.stream);
+  launch(s.copy_in, on_device[1], job.stream);
+  if (comm.size() > 1) {
+    const ConstSegment segment{send, mine};
+    comm.all_gather_v_device(std::span(&segment, mine == 0 ? 0 : 1), base, job.counts, s.displs,
+                             job.device, job.stream, deadline);
+  }
+  launch(s.copy_out, on_device[2], job.stream);
+  sync_stream(job.stream);
+}
+
+}  // namespace shardgather::detail
