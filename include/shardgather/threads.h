@@ -4,8 +4,10 @@
 //  1. Collectives are matched by call order, as for every backend.
 //  2. Each communicator is driven by one thread (normally rank r's thread); abort() from any.
 //  3. Any number of groups may coexist; a group lives while any of its communicators does.
-//  4. Host memory only. A gather copies each peer's bytes straight from the peer's own
-//     buffers (one copy, done by the receiving thread): no staging buffer.
+//  4. Host memory: a gather copies each peer's bytes straight from the peer's own buffers (one
+//     copy, done by the receiving thread): no staging buffer. In a CUDA build also device
+//     memory (capabilities().device_memory): each receiver copies with cudaMemcpyAsync on its
+//     own call's stream, after the sender's stream was synchronised.
 // A Timeout or abort on one rank poisons the whole group: the peers wake at once with the
 // same class (Timeout or Aborted), instead of each waiting out its own deadline.
 #pragma once

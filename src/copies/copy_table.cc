@@ -21,7 +21,8 @@ std::uint64_t address(const void* p) noexcept { return reinterpret_cast<std::uin
 std::uint32_t widest_unit(const CopyDesc& d) noexcept {
   std::uint64_t bits = d.src | d.dst | d.run;
   for (std::uint32_t k = 0; k < d.ndim; ++k) {
-    bits |= static_cast<std::uint64_t>(d.src_stride[k]) | static_cast<std::uint64_t>(d.dst_stride[k]);
+    bits |=
+        static_cast<std::uint64_t>(d.src_stride[k]) | static_cast<std::uint64_t>(d.dst_stride[k]);
   }
   std::uint32_t width = 16;
   while (width > 1 && (bits & (width - 1)) != 0) {
@@ -93,7 +94,8 @@ void CopyTable::add_pack(const TensorView& src, std::byte* dst) {
     return;
   }
   if (is_contiguous(src)) {
-    add_bytes(static_cast<const std::byte*>(src.data), dst, static_cast<std::uint64_t>(numel * elem));
+    add_bytes(static_cast<const std::byte*>(src.data), dst,
+              static_cast<std::uint64_t>(numel * elem));
     return;
   }
   // Size-1 dims dropped, neighbours merged where both sides step as one dim; innermost last.
@@ -189,9 +191,10 @@ std::uint64_t CopyTable::bytes() const noexcept {
   return total;
 }
 
-void run_on_host(const CopyTable& table) noexcept {
-  const std::span<const CopyDesc> descs = table.descs();
-  for (std::uint64_t block = 0; block < table.blocks(); ++block) {
+void run_on_host(const CopyTable& table) noexcept { run_on_host(table.descs(), table.blocks()); }
+
+void run_on_host(std::span<const CopyDesc> descs, std::uint64_t blocks) noexcept {
+  for (std::uint64_t block = 0; block < blocks; ++block) {
     const CopyDesc& d = descs[find_desc(descs.data(), descs.size(), block)];
     const std::uint64_t base = (block - d.first_block) * kCopyUnitsPerBlock;
     const std::uint64_t units = units_of(d);

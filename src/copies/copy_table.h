@@ -47,5 +47,7 @@ class CopyTable {
 // Runs a finished table on the host, block by block and thread by thread exactly as the kernel
 // partitions it (the CPU tests' oracle for the kernel's index arithmetic; memory must be host).
 void run_on_host(const CopyTable& table) noexcept;
+// The same over a table's descriptors and block count.
+void run_on_host(std::span<const CopyDesc> descs, std::uint64_t blocks) noexcept;
 
 }  // namespace shardgather::detail

@@ -1,11 +1,9 @@
 // The CUDA build of copies/device_runtime.h: the fused copy kernel and thin, checked wrappers
 // over the CUDA runtime.
-#include <cuda_runtime.h>
-
 #include <string>
-#include <utility>
 
 #include "copies/device_runtime.h"
+#include <cuda_runtime.h>
 
 #include "shardgather/errors.h"
 
@@ -21,8 +19,8 @@ void check(cudaError_t status, const char* what) {
   if (status == cudaSuccess) {
     return;
   }
-  const std::string message = std::string(what) + ": CUDA error " +
-                              cudaGetErrorName(status) + " (" + cudaGetErrorString(status) + ")";
+  const std::string message = std::string(what) + ": CUDA error " + cudaGetErrorName(status) +
+                              " (" + cudaGetErrorString(status) + ")";
   if (status == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();  // not sticky: clear it so the device stays usable
     throw OutOfMemory(message);
@@ -88,31 +86,6 @@ void device_free(void* data) noexcept {
   }
 }
 
-DeviceMemory::DeviceMemory(std::uint64_t bytes, int device)
-    : data_(static_cast<std::byte*>(device_allocate(bytes, device))), size_(bytes), device_(device) {}
-
-DeviceMemory::DeviceMemory(DeviceMemory&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)),
-      size_(std::exchange(other.size_, 0)),
-      device_(other.device_) {}
-
-DeviceMemory& DeviceMemory::operator=(DeviceMemory&& other) noexcept {
-  std::swap(data_, other.data_);
-  std::swap(size_, other.size_);
-  std::swap(device_, other.device_);
-  return *this;
-}
-
-DeviceMemory::~DeviceMemory() { device_free(data_); }
-
-void DeviceMemory::reserve(std::uint64_t bytes, int device) {
-  if (data_ != nullptr && bytes <= size_ && device == device_) {
-    return;
-  }
-  DeviceMemory fresh(bytes, device);
-  *this = std::move(fresh);
-}
-
 void use_device(int device) { check(cudaSetDevice(device), "cudaSetDevice"); }
 
 Device device_of(const void* p) {
@@ -132,8 +105,7 @@ void copy_async(void* dst, const void* src, std::uint64_t bytes, void* stream) {
   if (bytes == 0) {
     return;
   }
-  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, as_stream(stream)),
-        "cudaMemcpyAsync");
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, as_stream(stream)), "cudaMemcpyAsync");
 }
 
 void launch_copies(const CopyDesc* device_descs, std::size_t count, std::uint64_t blocks,
@@ -146,11 +118,13 @@ void launch_copies(const CopyDesc* device_descs, std::size_t count, std::uint64_
                           " blocks exceed one launch's grid");
   }
   fused_copy<<<static_cast<unsigned>(blocks), kCopyThreads, 0, as_stream(stream)>>>(device_descs,
-                                                                                   count);
+                                                                                    count);
   check(cudaGetLastError(), "fused_copy launch");
 }
 
-void sync_stream(void* stream) { check(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize"); }
+void sync_stream(void* stream) {
+  check(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize");
+}
 
 }  // namespace detail
 }  // namespace shardgather

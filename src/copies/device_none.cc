@@ -21,25 +21,6 @@ namespace {
 
 }  // namespace
 
-DeviceMemory::DeviceMemory(std::uint64_t /*bytes*/, int /*device*/) { no_cuda("device memory"); }
-DeviceMemory::DeviceMemory(DeviceMemory&& other) noexcept
-    : data_(other.data_), size_(other.size_), device_(other.device_) {
-  other.data_ = nullptr;
-  other.size_ = 0;
-}
-DeviceMemory& DeviceMemory::operator=(DeviceMemory&& other) noexcept {
-  std::swap(data_, other.data_);
-  std::swap(size_, other.size_);
-  std::swap(device_, other.device_);
-  return *this;
-}
-DeviceMemory::~DeviceMemory() = default;
-void DeviceMemory::reserve(std::uint64_t bytes, int /*device*/) {
-  if (bytes > size_) {
-    no_cuda("device memory");
-  }
-}
-
 void device_free(void* /*data*/) noexcept {}
 void* device_allocate(std::uint64_t /*bytes*/, int /*device*/) { no_cuda("device memory"); }
 void use_device(int /*device*/) { no_cuda("use_device"); }

@@ -1,0 +1,115 @@
+"""GPU tests of the Python drop-in (tools/device-check runs them on a machine with one GPU).
+
+- an NCCL group at world 1: CUDA tensors in, CUDA tensors out, on the current stream;
+- a Gloo group at world 2 (two processes on one GPU: NCCL refuses two ranks on one device), with
+  CUDA tensors: foreach_all_gather with and without the shapes hint, a transposed input, and
+  unshard along dims 0, 1 and the last, bit-exact against torch.cat of the shards.
+"""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import shardgather as sg
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _init(backend, rank, world, store_path):
+    dist.init_process_group(backend, init_method="file://" + store_path, rank=rank,
+                            world_size=world)
+
+
+def _shards(rank, world):
+    torch.manual_seed(100 + rank)
+    a = torch.randn(rank + 2, 3, device="cuda")
+    b = torch.randn(3, 5 * (rank + 1), device="cuda").t()  # transposed: strided input
+    c = torch.randint(-100, 100, (7,), dtype=torch.int8, device="cuda")
+    return [a, b, c]
+
+
+def _check_gather(out, world, rank_tensors):
+    for i in range(3):
+        for r in range(world):
+            got = out[i][r]
+            assert got.is_cuda
+            assert torch.equal(got.cpu(), rank_tensors[r][i].cpu()), (i, r)
+
+
+def _check_unshard(rank, world):
+    group = dist.group.WORLD
+    for dim in (0, 1, 2):
+        full_shape = [6, 10, 4 * world - 1]
+        torch.manual_seed(7 + dim)
+        full = torch.randn(*full_shape, device="cuda")
+        sizes = sg.chunk_sizes(full_shape[dim], world)
+        local = torch.split(full, sizes, dim=dim)[rank].contiguous()
+        spec = sg.ShardSpec(torch.float32, full_shape, dim)
+        (got,) = sg.unshard([local], [spec], group)
+        assert got.is_cuda and torch.equal(got.cpu(), full.cpu()), dim
+
+
+def _gloo_worker(rank, world, store_path, errors):
+    try:
+        torch.cuda.set_device(0)
+        _init("gloo", rank, world, store_path)
+        mine = _shards(rank, world)
+        every = [_shards(r, world) for r in range(world)]
+        hint = [[tuple(t.shape) for t in every[r]] for r in range(world)]
+        _check_gather(sg.foreach_all_gather(mine, None, hint), world, every)
+        _check_gather(sg.foreach_all_gather(mine), world, every)  # shapes gathered first
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            out = sg.foreach_all_gather(mine, None, hint)
+        stream.synchronize()
+        _check_gather(out, world, every)
+        _check_unshard(rank, world)
+        dist.destroy_process_group()
+    except BaseException as e:  # reported to the parent, which fails the test
+        errors.put("rank %d: %r" % (rank, e))
+        raise
+
+
+def test_gloo_world2_cuda_tensors():
+    with tempfile.TemporaryDirectory() as d:
+        ctx = mp.get_context("spawn")
+        errors = ctx.Queue()
+        procs = [ctx.Process(target=_gloo_worker, args=(r, 2, os.path.join(d, "store"), errors))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(300)
+        msgs = []
+        while not errors.empty():
+            msgs.append(errors.get())
+        assert not msgs, msgs
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def test_nccl_world1():
+    with tempfile.TemporaryDirectory() as d:
+        torch.cuda.set_device(0)
+        _init("nccl", 0, 1, os.path.join(d, "store"))
+        try:
+            mine = _shards(0, 1)
+            _check_gather(sg.foreach_all_gather(mine, None, [[tuple(t.shape) for t in mine]]), 1,
+                          [mine])
+            _check_unshard(0, 1)
+        finally:
+            dist.destroy_process_group()
+
+
+def test_cuda_results_are_on_the_inputs_device_and_host_calls_unchanged():
+    with tempfile.TemporaryDirectory() as d:
+        _init("gloo", 0, 1, os.path.join(d, "store"))
+        try:
+            (out,) = sg.foreach_all_gather([torch.arange(5.0)])
+            assert not out[0].is_cuda and torch.equal(out[0], torch.arange(5.0))
+            (dev,) = sg.foreach_all_gather([torch.arange(5.0, device="cuda")], None, [[(5,)]])
+            assert dev[0].device == torch.device("cuda", 0)
+        finally:
+            dist.destroy_process_group()

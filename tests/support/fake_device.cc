@@ -1,0 +1,141 @@
+#include "support/fake_device.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <iterator>
+#include <map>
+#include <mutex>
+
+#include "copies/copy_table.h"
+#include "copies/device_runtime.h"
+
+#include "shardgather/errors.h"
+
+namespace shardgather {
+
+bool cuda_built() noexcept { return true; }
+
+namespace testing {
+namespace {
+
+struct Registry {
+  std::mutex mu;
+  std::map<std::uintptr_t, std::uint64_t> blocks;  // start -> size
+  FakeDeviceCounters counters;
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+// Whether [p, p + n) lies inside one fake allocation.
+bool on_device(std::uintptr_t p, std::uint64_t n) {
+  Registry& r = registry();
+  const std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.blocks.upper_bound(p);
+  if (it == r.blocks.begin()) {
+    return false;
+  }
+  --it;
+  return p + n <= it->first + it->second;
+}
+
+}  // namespace
+
+FakeDeviceCounters fake_device_counters() {
+  Registry& r = registry();
+  const std::lock_guard<std::mutex> lock(r.mu);
+  return r.counters;
+}
+
+void reset_fake_device_counters() {
+  Registry& r = registry();
+  const std::lock_guard<std::mutex> lock(r.mu);
+  r.counters = {};
+}
+
+void* alloc_fake(std::uint64_t bytes) { return detail::device_allocate(bytes, 0); }
+void free_fake(void* p) noexcept { detail::device_free(p); }
+
+}  // namespace testing
+
+namespace detail {
+
+void* device_allocate(std::uint64_t bytes, int /*device*/) {
+  const std::uint64_t rounded = (bytes + 255) / 256 * 256 + 256;
+  void* p = std::aligned_alloc(256, rounded);
+  if (p == nullptr) {
+    throw OutOfMemory("fake device: cannot allocate " + std::to_string(bytes) + " bytes");
+  }
+  std::memset(p, 0xA5, rounded);  // not zero: nothing may rely on fresh memory being zero
+  testing::Registry& r = testing::registry();
+  const std::lock_guard<std::mutex> lock(r.mu);
+  r.blocks[reinterpret_cast<std::uintptr_t>(p)] = bytes == 0 ? 1 : bytes;
+  ++r.counters.allocations;
+  return p;
+}
+
+void device_free(void* data) noexcept {
+  if (data == nullptr) {
+    return;
+  }
+  {
+    testing::Registry& r = testing::registry();
+    const std::lock_guard<std::mutex> lock(r.mu);
+    r.blocks.erase(reinterpret_cast<std::uintptr_t>(data));
+  }
+  std::free(data);
+}
+
+void use_device(int /*device*/) {}
+
+Device device_of(const void* p) {
+  return testing::on_device(reinterpret_cast<std::uintptr_t>(p), 1) ? cuda_device(0) : kCpu;
+}
+
+void copy_async(void* dst, const void* src, std::uint64_t bytes, void* /*stream*/) {
+  if (bytes == 0) {
+    return;
+  }
+  const bool from_host = !testing::on_device(reinterpret_cast<std::uintptr_t>(src), bytes);
+  std::memcpy(dst, src, bytes);
+  testing::Registry& r = testing::registry();
+  const std::lock_guard<std::mutex> lock(r.mu);
+  ++r.counters.copies;
+  r.counters.host_to_device += from_host ? 1 : 0;
+}
+
+void launch_copies(const CopyDesc* device_descs, std::size_t count, std::uint64_t blocks,
+                   void* /*stream*/) {
+  if (blocks == 0) {
+    return;
+  }
+  std::uint64_t stray =
+      testing::on_device(reinterpret_cast<std::uintptr_t>(device_descs), count * sizeof(CopyDesc))
+          ? 0U
+          : 1U;
+  // Every descriptor's first and last unit must be device memory on both sides.
+  for (std::size_t i = 0; i < count; ++i) {
+    const CopyDesc& d = device_descs[i];
+    const std::uint64_t units = units_of(d);
+    for (const std::uint64_t u : {std::uint64_t{0}, units - 1}) {
+      const UnitAddress a = unit_address(d, u);
+      stray += testing::on_device(a.src, d.width) && testing::on_device(a.dst, d.width) ? 0U : 1U;
+    }
+  }
+  run_on_host(std::span(device_descs, count), blocks);
+  testing::Registry& r = testing::registry();
+  const std::lock_guard<std::mutex> lock(r.mu);
+  ++r.counters.launches;
+  r.counters.stray += stray;
+}
+
+void sync_stream(void* /*stream*/) {
+  testing::Registry& r = testing::registry();
+  const std::lock_guard<std::mutex> lock(r.mu);
+  ++r.counters.syncs;
+}
+
+}  // namespace detail
+}  // namespace shardgather

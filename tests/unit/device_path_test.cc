@@ -1,0 +1,358 @@
+// The device path end to end on the host, over a fake CUDA device (support/fake_device.h):
+// the operations, the deferred packs, the copy tables and their uploads, the device strategy and
+// the threads transport's device gather, everything but the CUDA calls themselves. Each call on
+// fake device memory must give the bytes of the same call on host memory, touch nothing but
+// device memory from the kernel, and, in a plan's steady state, launch at most three kernels,
+// upload nothing and allocate nothing. (tools/device-check runs the same calls on a real GPU.)
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "support/fake_device.h"
+#include "support/limited_communicator.h"
+
+#include "shardgather/shardgather.h"
+
+namespace shardgather {
+namespace {
+
+using testing::fake_device_counters;
+
+void run_ranks(int world, const std::function<void(int, Communicator&)>& fn) {
+  auto comms = make_thread_group(world);
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        fn(r, *comms[static_cast<std::size_t>(r)]);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  for (const auto& e : errors) {
+    if (e) {
+      std::rethrow_exception(e);
+    }
+  }
+}
+
+// A host tensor and its copy in fake device memory.
+struct Pair {
+  std::vector<std::byte> host;
+  std::byte* device = nullptr;
+  TensorView host_view;
+  TensorView device_view;
+  Pair() = default;
+  Pair(const Pair&) = delete;
+  Pair& operator=(const Pair&) = delete;
+  Pair(Pair&&) = delete;
+  Pair& operator=(Pair&&) = delete;
+  ~Pair() { testing::free_fake(device); }
+
+  void make(DType dtype, const Shape& shape, const Shape& strides, std::size_t elems,
+            std::uint64_t seed) {
+    host.resize(elems * dtype_size(dtype));
+    for (auto& b : host) {
+      seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+      b = static_cast<std::byte>(seed >> 56U);
+    }
+    device = static_cast<std::byte*>(testing::alloc_fake(host.size()));
+    if (!host.empty()) {
+      std::memcpy(device, host.data(), host.size());
+    }
+    host_view = TensorView{host.data(), dtype, shape, strides};
+    device_view = TensorView{device, dtype, shape, strides, cuda_device(0)};
+  }
+};
+
+bool same_bytes(const void* a, const void* b, std::uint64_t n) {
+  return n == 0 || std::memcmp(a, b, n) == 0;
+}
+
+std::uint64_t bytes_of(const TensorView& v) {
+  std::uint64_t n = dtype_size(v.dtype);
+  for (const auto e : v.shape) {
+    n *= static_cast<std::uint64_t>(e);
+  }
+  return n;
+}
+
+// Every tensor of two gathers (the gaps between them are undefined, docs/layout.md).
+bool same_tensors(std::span<const TensorView> a, std::span<const TensorView> b) {
+  if (a.size() != b.size()) {
+    return false;
+  }
+  for (std::size_t k = 0; k < a.size(); ++k) {
+    if (a[k].shape != b[k].shape || !same_bytes(a[k].data, b[k].data, bytes_of(b[k]))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool same_gathers(const GatherResult& a, const GatherResult& b) {
+  if (a.size() != b.size()) {
+    return false;
+  }
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (!same_tensors(a[i], b[i])) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Rank r: [r + 2, 3] f32 (transposed storage on odd ranks), [5 r] bf16 (empty on rank 0), [7] i8.
+std::vector<std::vector<Shape>> hint(int world) {
+  std::vector<std::vector<Shape>> h;
+  for (int r = 0; r < world; ++r) {
+    h.push_back({{r + 2, 3}, {5 * r}, {7}});
+  }
+  return h;
+}
+
+void make_list(Pair (&t)[3], int rank) {
+  const std::int64_t rows = rank + 2;
+  const auto seed = static_cast<std::uint64_t>(rank);
+  t[0].make(DType::kFloat32, {rows, 3}, rank % 2 == 1 ? Shape{1, rows} : Shape{},
+            static_cast<std::size_t>(rows * 3), 11 + seed);
+  t[1].make(DType::kBFloat16, {5 * rank}, {}, static_cast<std::size_t>(5 * rank), 21 + seed);
+  t[2].make(DType::kInt8, {7}, {}, 7, 31 + seed);
+}
+
+class DevicePath : public ::testing::TestWithParam<int> {};
+
+TEST_P(DevicePath, ForeachWithHintGivesTheHostBytes) {
+  const int world = GetParam();
+  const std::uint64_t stray_before = fake_device_counters().stray;
+  run_ranks(world, [world](int rank, Communicator& comm) {
+    Pair t[3];
+    make_list(t, rank);
+    const std::vector<TensorView> dv{t[0].device_view, t[1].device_view, t[2].device_view};
+    const std::vector<TensorView> hv{t[0].host_view, t[1].host_view, t[2].host_view};
+    const GatherResult d = foreach_all_gather(dv, comm, hint(world));
+    const GatherResult h = foreach_all_gather(hv, comm, hint(world));
+    EXPECT_EQ(d.buffer().device(), cuda_device(0));
+    EXPECT_EQ(d[0][0].device, cuda_device(0));
+    EXPECT_EQ(d.stats().strategy, Strategy::kPacked);
+    ASSERT_EQ(d.buffer().size(), h.buffer().size());
+    EXPECT_TRUE(same_gathers(d, h)) << "rank " << rank;
+  });
+  EXPECT_EQ(fake_device_counters().stray, stray_before) << "a kernel touched host memory";
+}
+
+TEST_P(DevicePath, PlanSteadyStateLaunchesAtMostThreeKernelsAndUploadsNothing) {
+  const int world = GetParam();
+  run_ranks(world, [world](int rank, Communicator& comm) {
+    Pair t[3];
+    make_list(t, rank);
+    const std::vector<TensorView> dv{t[0].device_view, t[1].device_view, t[2].device_view};
+    const std::vector<TensorView> hv{t[0].host_view, t[1].host_view, t[2].host_view};
+    const std::vector<DType> dtypes{DType::kFloat32, DType::kBFloat16, DType::kInt8};
+    AllGatherPlan plan(dtypes, hint(world), rank);
+    std::vector<std::byte> want(plan.output_bytes());
+    (void)plan.execute(hv, comm, want);
+    auto* out = static_cast<std::byte*>(testing::alloc_fake(plan.output_bytes()));
+    for (int i = 0; i < 4; ++i) {
+      comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
+      const testing::FakeDeviceCounters before = fake_device_counters();
+      const ExecStats stats = plan.execute(dv, comm, std::span(out, plan.output_bytes()));
+      comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
+      const testing::FakeDeviceCounters after = fake_device_counters();
+      EXPECT_TRUE(same_tensors(plan.views(out), plan.views(want.data()))) << "execution " << i;
+      EXPECT_EQ(stats.strategy, Strategy::kPacked);
+      if (i > 0) {
+        // Counters are process-wide: every rank's execution is between the two barriers.
+        EXPECT_EQ(after.allocations, before.allocations) << "execution " << i;
+        EXPECT_EQ(after.host_to_device, before.host_to_device) << "execution " << i;
+        EXPECT_LE(after.launches - before.launches, 3U * static_cast<unsigned>(world));
+      }
+    }
+    testing::free_fake(out);
+  });
+}
+
+TEST_P(DevicePath, UnshardAlongEveryDimGivesTheHostBytes) {
+  const int world = GetParam();
+  for (int dim = 0; dim < 3; ++dim) {
+    for (const bool padded : {false, true}) {
+      run_ranks(world, [=](int rank, Communicator& comm) {
+        const Shape full{6, 10, 4 * world - 1};
+        ShardSpec spec{.dtype = DType::kFloat32, .full_shape = full, .shard_dim = dim, .sizes = {}};
+        if (padded) {
+          spec.padded_size = (full[static_cast<std::size_t>(dim)] + world - 1) / world;
+        }
+        const std::vector<ShardSpec> specs{
+            spec, {.dtype = DType::kInt16, .full_shape = {9}, .shard_dim = 0, .sizes = {}}};
+        const UnshardPlan plan(specs, world, rank);
+        Pair shards[2];
+        for (std::size_t i = 0; i < 2; ++i) {
+          const Shape s = plan.shard_shape(rank, i);
+          std::size_t n = 1;
+          for (const auto e : s) {
+            n *= static_cast<std::size_t>(e);
+          }
+          // A transposed last-two-dims storage for the 3-D shard on odd ranks: a strided input.
+          Shape strides;
+          if (i == 0 && rank % 2 == 1) {
+            strides = {s[1] * s[2], 1, s[1]};
+          }
+          shards[i].make(specs[i].dtype, s, strides, n,
+                         41 + 7 * static_cast<std::uint64_t>(rank) + i);
+        }
+        const std::vector<TensorView> dv{shards[0].device_view, shards[1].device_view};
+        const std::vector<TensorView> hv{shards[0].host_view, shards[1].host_view};
+        const UnshardResult d = unshard(dv, comm, specs);
+        const UnshardResult h = unshard(hv, comm, specs);
+        for (std::size_t i = 0; i < 2; ++i) {
+          std::uint64_t bytes = dtype_size(specs[i].dtype);
+          for (const auto e : specs[i].full_shape) {
+            bytes *= static_cast<std::uint64_t>(e);
+          }
+          EXPECT_EQ(d[i].device, cuda_device(0));
+          EXPECT_TRUE(same_bytes(d[i].data, h[i].data, bytes))
+              << "dim " << dim << (padded ? " padded" : "") << " rank " << rank << " param " << i;
+        }
+      });
+    }
+  }
+}
+
+TEST_P(DevicePath, UnshardToOneRank) {
+  const int world = GetParam();
+  run_ranks(world, [world](int rank, Communicator& comm) {
+    const std::vector<ShardSpec> specs{
+        {.dtype = DType::kFloat32, .full_shape = {5, 2 * world + 1}, .shard_dim = 1, .sizes = {}}};
+    UnshardPlan plan(specs, world, rank, {}, world - 1);
+    Pair shard;
+    const Shape s = plan.shard_shape(rank, 0);
+    shard.make(DType::kFloat32, s, {}, static_cast<std::size_t>(s[0] * s[1]),
+               5 + static_cast<std::uint64_t>(rank));
+    const std::uint64_t bytes = plan.output_bytes();
+    auto* out = static_cast<std::byte*>(testing::alloc_fake(bytes));
+    std::vector<std::byte> want(bytes);
+    const std::vector<TensorView> dv{shard.device_view};
+    const std::vector<TensorView> hv{shard.host_view};
+    (void)plan.execute(hv, comm, want);
+    (void)plan.execute(dv, comm, std::span(out, bytes));
+    if (rank == world - 1) {
+      EXPECT_TRUE(same_bytes(out, want.data(), bytes));
+    }
+    testing::free_fake(out);
+  });
+}
+
+TEST_P(DevicePath, ManySmallTensors) {
+  const int world = GetParam();
+  run_ranks(world, [world](int rank, Communicator& comm) {
+    constexpr int kTensors = 1000;
+    std::vector<Pair> t(kTensors);
+    std::vector<TensorView> dv;
+    std::vector<TensorView> hv;
+    std::vector<std::vector<Shape>> h(static_cast<std::size_t>(world));
+    for (int i = 0; i < kTensors; ++i) {
+      for (int r = 0; r < world; ++r) {
+        h[static_cast<std::size_t>(r)].push_back({1 + (i * 7 + r) % 61});
+      }
+      const std::int64_t n = 1 + (i * 7 + rank) % 61;
+      t[static_cast<std::size_t>(i)].make(DType::kFloat32, {n}, {}, static_cast<std::size_t>(n),
+                                          static_cast<std::uint64_t>(i * 131 + rank));
+      dv.push_back(t[static_cast<std::size_t>(i)].device_view);
+      hv.push_back(t[static_cast<std::size_t>(i)].host_view);
+    }
+    const GatherResult d = foreach_all_gather(dv, comm, h);
+    const GatherResult c = foreach_all_gather(hv, comm, h);
+    EXPECT_TRUE(same_gathers(d, c));
+  });
+}
+
+TEST_P(DevicePath, StartedOnAStream) {
+  const int world = GetParam();
+  run_ranks(world, [world](int rank, Communicator& comm) {
+    Pair t[3];
+    make_list(t, rank);
+    const std::vector<TensorView> dv{t[0].device_view, t[1].device_view, t[2].device_view};
+    const std::vector<TensorView> hv{t[0].host_view, t[1].host_view, t[2].host_view};
+    int stream_token = 0;
+    const CudaStreamGuard on(&stream_token);
+    Work<GatherResult> work = start_foreach_all_gather(dv, comm, hint(world));
+    const GatherResult d = work.wait();
+    const GatherResult h = foreach_all_gather(hv, comm, hint(world));
+    EXPECT_TRUE(same_gathers(d, h));
+  });
+}
+
+TEST_P(DevicePath, WithoutAHintEveryRankIsToldToPassOne) {
+  const int world = GetParam();
+  run_ranks(world, [](int rank, Communicator& comm) {
+    Pair t[3];
+    make_list(t, rank);
+    const std::vector<TensorView> dv{t[0].device_view, t[1].device_view, t[2].device_view};
+    try {
+      (void)foreach_all_gather(dv, comm);
+      ADD_FAILURE() << "no error";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("needs shapes_across_group"), std::string::npos)
+          << e.what();
+    }
+  });
+}
+
+// A transport that moves host memory only (MPI here) refuses CUDA tensors on every rank, from
+// the header, and stays usable.
+TEST_P(DevicePath, AHostOnlyTransportRefusesOnEveryRank) {
+  const int world = GetParam();
+  run_ranks(world, [world](int rank, Communicator& inner) {
+    testing::LimitedCommunicator comm(inner, Capabilities{});
+    Pair t[3];
+    make_list(t, rank);
+    const std::vector<TensorView> dv{t[0].device_view, t[1].device_view, t[2].device_view};
+    const std::vector<TensorView> hv{t[0].host_view, t[1].host_view, t[2].host_view};
+    try {
+      (void)foreach_all_gather(dv, comm, hint(world));
+      ADD_FAILURE() << "no error on rank " << rank;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("transport moves host memory only"), std::string::npos)
+          << e.what();
+    }
+    const GatherResult h = foreach_all_gather(hv, comm, hint(world));
+    EXPECT_EQ(h.size(), 3U);
+  });
+}
+
+// A torch group's facts (NCCL: no gather-v, no scatter, device memory): the device path needs
+// only all_gather_v_device from it.
+TEST_P(DevicePath, AnNcclLikeTransportNeedsOnlyTheDeviceGather) {
+  const int world = GetParam();
+  run_ranks(world, [world](int rank, Communicator& inner) {
+    testing::LimitedCommunicator comm(inner, {.reads_peer_memory = false,
+                                              .small_messages_in_shared_memory = false,
+                                              .gather_v = false,
+                                              .scatter = false,
+                                              .all_to_all = false,
+                                              .device_memory = true});
+    Pair t[3];
+    make_list(t, rank);
+    const std::vector<TensorView> dv{t[0].device_view, t[1].device_view, t[2].device_view};
+    const std::vector<TensorView> hv{t[0].host_view, t[1].host_view, t[2].host_view};
+    const GatherResult d = foreach_all_gather(dv, comm, hint(world));
+    const GatherResult h = foreach_all_gather(hv, comm, hint(world));
+    EXPECT_TRUE(same_gathers(d, h));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, DevicePath, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& p) { return "w" + std::to_string(p.param); });
+
+}  // namespace
+}  // namespace shardgather
