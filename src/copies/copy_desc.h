@@ -19,10 +19,10 @@
 
 namespace shardgather::detail {
 
-inline constexpr int kCopyMaxDims = 4;            // outer dims after merging
-inline constexpr unsigned kCopyThreads = 256;     // threads per block
-inline constexpr unsigned kCopyUnroll = 4;        // units per thread
-inline constexpr std::uint64_t kCopyUnitsPerBlock = kCopyThreads * kCopyUnroll;
+inline constexpr int kCopyMaxDims = 4;         // outer dims after merging
+inline constexpr unsigned kCopyThreads = 256;  // threads per block
+inline constexpr unsigned kCopyUnroll = 4;     // units per thread
+inline constexpr std::uint64_t kCopyUnitsPerBlock = std::uint64_t{kCopyThreads} * kCopyUnroll;
 
 struct CopyDesc {
   std::uint64_t src = 0;  // address of the first byte read

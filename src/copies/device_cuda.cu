@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kCopyThreads)
   const std::uint64_t units = units_of(d);
 #pragma unroll
   for (unsigned i = 0; i < kCopyUnroll; ++i) {
-    const std::uint64_t u = base + i * kCopyThreads + threadIdx.x;
+    const std::uint64_t u = base + std::uint64_t{i} * kCopyThreads + threadIdx.x;
     if (u < units) {
       const UnitAddress a = unit_address(d, u);
       move_unit(a.dst, a.src, d.width);

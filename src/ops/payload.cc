@@ -161,8 +161,8 @@ AlignedBuffer output_buffer(std::uint64_t bytes, const Device& device) {
   if (device.type == DeviceType::kCpu) {
     return AlignedBuffer(bytes);
   }
-  return AlignedBuffer(static_cast<std::byte*>(device_allocate(bytes, device.index)), bytes, device,
-                       device_free);
+  return {static_cast<std::byte*>(device_allocate(bytes, device.index)), bytes, device,
+          device_free};
 }
 
 std::vector<TensorView> layout_views(const LayoutPlan& layout, const std::byte* buffer,

@@ -3,7 +3,7 @@
 // thread by thread as the kernel partitions it (run_on_host), and compared byte for byte with
 // pack() and copy_stream(). The CUDA kernel shares unit_address and find_desc with run_on_host,
 // so what these tests pass is the index arithmetic the GPU runs.
-#include <gtest/gtest.h>
+#include "copies/copy_table.h"
 
 #include <cstddef>
 #include <cstdint>
@@ -11,7 +11,7 @@
 #include <random>
 #include <vector>
 
-#include "copies/copy_table.h"
+#include <gtest/gtest.h>
 
 #include "shardgather/copy.h"
 
@@ -68,7 +68,8 @@ RandomView random_view(std::mt19937& rng, int ndim) {
     reach += std::abs(strides[d]) * (shape[d] - 1);
   }
   RandomView out;
-  out.storage = pattern(static_cast<std::size_t>((offset + reach) * elem), static_cast<std::uint32_t>(rng()));
+  out.storage =
+      pattern(static_cast<std::size_t>((offset + reach) * elem), static_cast<std::uint32_t>(rng()));
   out.view = TensorView{out.storage.data() + offset * elem, dtype, shape, strides};
   return out;
 }
@@ -180,7 +181,8 @@ TEST(CopyTable, StreamMatchesCopyStream) {
     const std::vector<std::byte> source = pattern(total, static_cast<std::uint32_t>(rng()));
     std::vector<ConstSegment> segments;
     for (std::uint64_t s = 0; s < total;) {
-      const std::uint64_t size = std::min<std::uint64_t>(total - s, rng() % 3 == 0 ? 0 : 1 + rng() % 90);
+      const std::uint64_t size =
+          std::min<std::uint64_t>(total - s, rng() % 3 == 0 ? 0 : 1 + rng() % 90);
       segments.push_back(ConstSegment{source.data() + s, size});
       s += size;
     }
@@ -239,7 +241,8 @@ TEST(CopyTable, ManySmallTensorsAreOneLaunch) {
   std::vector<std::vector<std::byte>> tensors;
   std::vector<std::byte> want;
   for (int i = 0; i < 1000; ++i) {
-    tensors.push_back(pattern(4 + static_cast<std::size_t>(i % 13) * 4, static_cast<std::uint32_t>(i)));
+    tensors.push_back(
+        pattern(4 + static_cast<std::size_t>(i % 13) * 4, static_cast<std::uint32_t>(i)));
     want.resize((want.size() + 15) / 16 * 16 + 16);  // a gap keeps the copies apart
     want.insert(want.end(), tensors.back().begin(), tensors.back().end());
   }
