@@ -119,6 +119,9 @@ int main(int argc, char** argv) {
       pattern[i] = static_cast<std::byte>((i * 2654435761U) >> 13);
     }
     check(cudaMemcpy(gathered, pattern.data(), total, cudaMemcpyHostToDevice), "cudaMemcpy");
+    // Pageable copies and memsets may still be in flight on the legacy stream, which does not
+    // order with the non-blocking stream the runs use: wait for them.
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 
     // The pieces: rank r's shard of parameter p, torch.chunk sizes along `dim`.
     std::vector<Piece> pieces;
@@ -187,6 +190,7 @@ int main(int argc, char** argv) {
     // Bit-exact against the loop.
     check(cudaMemset(full, 0, total), "cudaMemset");
     check(cudaMemset(check_full, 0, total), "cudaMemset");
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     fused();
     loop_into(check_full);
     check(cudaStreamSynchronize(stream), "sync");

@@ -194,7 +194,9 @@ def _gather_shapes(params, comm, timeout):
     (``[n, ndim_0, dims_0..., ndim_1, ...]``): the device call then needs no records."""
     row = [len(params)]
     for t in params:
-        shape = list(getattr(t, "shape", ()))
+        # A DTensor stands for its local shard (the binding gathers that), not its global shape.
+        local = t.to_local() if hasattr(t, "to_local") else t
+        shape = list(getattr(local, "shape", ()))
         row += [len(shape)] + shape
     gathered = _C.foreach_all_gather([torch.tensor(row, dtype=torch.int64)], comm, None, timeout,
                                      True, "auto", False)[0]

@@ -13,9 +13,13 @@
 #include <thread>
 
 #include <ATen/Functions.h>
+#include <c10/core/Stream.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
+#include "copies/device_runtime.h"
 #include "detail/graveyard.h"
+#include "torch_compat.h"
 #include <unistd.h>
 
 #include "shardgather/copy.h"
@@ -50,10 +54,7 @@ constexpr std::chrono::milliseconds kWaitSlice{50};
 // A torch 2.x group holds one backend per device type (the default "cpu:gloo,cuda:nccl"): the
 // one that carries this communicator's tensors is the one that matters.
 std::string backend_for(c10d::ProcessGroup& group, c10::DeviceType device) {
-  if (group.hasBackendForDeviceType(device)) {
-    return group.getBackend(device)->getBackendName();
-  }
-  return group.getBackendName();
+  return backend_name_for(group, device);
 }
 
 }  // namespace
@@ -139,7 +140,7 @@ void ProcessGroupCommunicator::allgather(at::Tensor& input, at::Tensor& output, 
                                          const char* what) {
   c10::intrusive_ptr<c10d::Work> work;
   try {
-    work = group_->all_gather_single(output, input);
+    work = all_gather_single(*group_, output, input);
   } catch (const std::exception& e) {
     raise_not_issued(e, rank_, what, name_);
   }
@@ -199,73 +200,116 @@ at::Tensor& grown(at::Tensor& buffer, std::uint64_t size, const c10::Device& dev
 
 }  // namespace
 
-void ProcessGroupCommunicator::do_all_gather_v_device(std::span<const ConstSegment> send,
-                                                      std::byte* recv,
-                                                      std::span<const std::uint64_t> counts,
-                                                      std::span<const std::uint64_t> displs,
-                                                      const Device& device, void* /*stream*/,
-                                                      Deadline deadline) {
-  // The stream is torch's current one (params.cc set both): c10d orders the work after it.
+void ProcessGroupCommunicator::wait_polled(const c10::intrusive_ptr<c10d::Work>& work,
+                                           Deadline deadline, const char* what) {
+  // WorkNCCL::wait(timeout) measures the timeout from the work's start and aborts the NCCL
+  // communicator when it passes: slices would kill any collective slower than one. So poll
+  // completion (an event query) against the deadline, then wait without a timeout, which only
+  // makes torch's current stream wait on the collective.
+  while (!work->isCompleted()) {
+    check_interrupt();
+    if (abort_requested_.load()) {
+      throw Aborted("rank " + std::to_string(rank_) + ": abort() while in " + what + " on " +
+                    name_ + "; the c10d work cannot be cancelled, rebuild the group");
+    }
+    if (Clock::now() >= deadline) {
+      throw Timeout("rank " + std::to_string(rank_) + ": " + what + " on " + name_ +
+                    " passed its deadline waiting for peers (the c10d work cannot be cancelled: "
+                    "the communicator is poisoned; rebuild the group or end the process)");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    throw RemoteError("rank " + std::to_string(rank_) + ": " + what + " on " + name_ +
+                      " failed: " + e.what());
+  }
+}
+
+void ProcessGroupCommunicator::do_all_gather_v_device(
+    std::span<const ConstSegment> send, std::byte* recv, std::span<const std::uint64_t> counts,
+    std::span<const std::uint64_t> displs, const Device& device, void* stream, Deadline deadline) {
   const char* what = "all_gather_v_device";
   const c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(device.index));
+  // c10d orders its work after torch's current stream and makes that stream wait for it. A
+  // blocking call runs on that stream already (params.cc made it the call's); a started one
+  // runs on the progress thread, whose torch stream is another: there the call's stream is
+  // synchronised before the collective, and torch's after it, so that copy-in, collective and
+  // copy-out stay in order.
+  const c10::Stream torch_stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(dev);
+  const bool other_stream = torch_stream.native_handle() != stream;
+  if (other_stream) {
+    detail::sync_stream(stream);
+  }
   const auto me = static_cast<std::size_t>(rank_);
   const auto world = static_cast<std::size_t>(size_);
   const std::byte* mine = send.empty() ? nullptr : send.front().data;  // one segment (device.cc)
   const std::uint64_t widest = *std::max_element(counts.begin(), counts.end());
   const std::uint64_t total = std::accumulate(counts.begin(), counts.end(), std::uint64_t{0});
-  bool even = true;
-  for (std::size_t r = 0; r < world; ++r) {
-    even = even && counts[r] == widest && displs[r] == r * widest;
-  }
-  if (even) {
-    at::Tensor input = device_bytes(mine, widest, dev);
-    at::Tensor output = device_bytes(recv, total, dev);
-    allgather(input, output, deadline, what);
-    return;
-  }
+  // The choice reads the counts only, which every rank shares: every rank issues the same
+  // collectives whatever its own displacements.
+  const bool even =
+      std::all_of(counts.begin(), counts.end(), [widest](std::uint64_t c) { return c == widest; });
   const bool padded =
-      device_gather_ == DeviceGather::kPadded ||
+      even || device_gather_ == DeviceGather::kPadded ||
       (device_gather_ == DeviceGather::kAuto && 8 * (world * widest - total) <= total);
   if (padded) {
-    at::Tensor input =
-        grown(padded_send_, widest, dev).narrow(0, 0, static_cast<std::int64_t>(widest));
-    if (counts[me] != 0) {
-      input.narrow(0, 0, static_cast<std::int64_t>(counts[me]))
-          .copy_(device_bytes(mine, counts[me], dev));
+    bool in_place = even;
+    for (std::size_t r = 0; r < world && in_place; ++r) {
+      in_place = displs[r] == displs[0] + r * widest;
     }
-    at::Tensor output = grown(padded_recv_, world * widest, dev)
-                            .narrow(0, 0, static_cast<std::int64_t>(world * widest));
-    allgather(input, output, deadline, what);
-    for (std::size_t r = 0; r < world; ++r) {
+    at::Tensor input = device_bytes(mine, widest, dev);
+    if (!even) {
+      input = grown(padded_send_, widest, dev).narrow(0, 0, static_cast<std::int64_t>(widest));
+      if (counts[me] != 0) {
+        input.narrow(0, 0, static_cast<std::int64_t>(counts[me]))
+            .copy_(device_bytes(mine, counts[me], dev));
+      }
+    }
+    at::Tensor output = in_place ? device_bytes(recv + displs[0], world * widest, dev)
+                                 : grown(padded_recv_, world * widest, dev)
+                                       .narrow(0, 0, static_cast<std::int64_t>(world * widest));
+    c10::intrusive_ptr<c10d::Work> work;
+    try {
+      work = all_gather_single(*group_, output, input);
+    } catch (const std::exception& e) {
+      raise_not_issued(e, rank_, what, name_);
+    }
+    wait_polled(work, deadline, what);
+    for (std::size_t r = 0; r < world && !in_place; ++r) {
       if (counts[r] != 0) {
         device_bytes(recv + displs[r], counts[r], dev)
             .copy_(output.narrow(0, static_cast<std::int64_t>(r * widest),
                                  static_cast<std::int64_t>(counts[r])));
       }
     }
-    return;
-  }
-  // One broadcast per rank, each straight into its slot; this rank's own bytes by a copy.
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  for (std::size_t r = 0; r < world; ++r) {
-    if (counts[r] == 0) {
-      continue;
+  } else {
+    // One broadcast per rank, each straight into its slot; this rank's own bytes by a copy.
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (std::size_t r = 0; r < world; ++r) {
+      if (counts[r] == 0) {
+        continue;
+      }
+      std::vector<at::Tensor> tensors{r == me ? device_bytes(mine, counts[r], dev)
+                                              : device_bytes(recv + displs[r], counts[r], dev)};
+      c10d::BroadcastOptions options;
+      options.rootRank = static_cast<std::int64_t>(r);
+      try {
+        works.push_back(group_->broadcast(tensors, options));
+      } catch (const std::exception& e) {
+        raise_not_issued(e, rank_, what, name_);
+      }
     }
-    std::vector<at::Tensor> tensors{r == me ? device_bytes(mine, counts[r], dev)
-                                            : device_bytes(recv + displs[r], counts[r], dev)};
-    c10d::BroadcastOptions options;
-    options.rootRank = static_cast<std::int64_t>(r);
-    try {
-      works.push_back(group_->broadcast(tensors, options));
-    } catch (const std::exception& e) {
-      raise_not_issued(e, rank_, what, name_);
+    if (counts[me] != 0) {
+      device_bytes(recv + displs[me], counts[me], dev).copy_(device_bytes(mine, counts[me], dev));
+    }
+    for (const auto& work : works) {
+      wait_polled(work, deadline, what);
     }
   }
-  if (counts[me] != 0) {
-    device_bytes(recv + displs[me], counts[me], dev).copy_(device_bytes(mine, counts[me], dev));
-  }
-  for (const auto& work : works) {
-    wait(work, deadline, what);
+  if (other_stream) {
+    torch_stream.synchronize();
   }
 }
 

@@ -14,10 +14,9 @@
 //  5. Device memory (all_gather_v_device, CUDA tensors): the collective is issued on the device
 //     bytes themselves (c10d sends CUDA tensors to the group's CUDA backend: NCCL, or Gloo, which
 //     stages them), ordered after torch's current stream, which the binding makes the call's
-//     stream (params.cc). Uneven counts: one broadcast per rank into its slot (NCCL >= 2.29
-//     runs the group as one all-gather-v kernel) or one padded all_gather_into_tensor and a copy
-//     out; SHARDGATHER_DEVICE_GATHER=broadcast|padded picks one, else broadcast unless padding
-//     adds at most 1/8 of the bytes (docs/gpu.md).
+//     stream (params.cc). Uneven counts: one broadcast per rank into its slot, or one padded
+//     all_gather_into_tensor and a copy out; SHARDGATHER_DEVICE_GATHER=broadcast|padded picks
+//     one, else broadcast unless padding adds at most 1/8 of the bytes (docs/gpu.md).
 //
 // This transport states facts and holds no strategy: without point to point (NCCL, or
 // `p2p=false`) it has only c10d's equal-size allgather (capabilities().gather_v false), and the
@@ -167,6 +166,9 @@ class ProcessGroupCommunicator final : public Communicator {
   void scatter_chunked(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                        std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
                        int root, Deadline deadline, const char* what);
+  // Waits for a device collective: polls completion against the deadline, then waits without a
+  // timeout (NCCL aborts its communicator when a wait's timeout passes).
+  void wait_polled(const c10::intrusive_ptr<c10d::Work>& work, Deadline deadline, const char* what);
   // One c10d all_gather_single of `input` (the same byte count on every rank) into the flat
   // `output` (world x that), waited on until `deadline`.
   void allgather(at::Tensor& input, at::Tensor& output, Deadline deadline, const char* what);

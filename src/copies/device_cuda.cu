@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(kCopyThreads)
 }  // namespace
 
 void* device_allocate(std::uint64_t bytes, int device) {
-  use_device(device);
+  const CurrentDevice on(device);
   void* p = nullptr;
   check(cudaMalloc(&p, bytes == 0 ? 1 : bytes), "cudaMalloc");
   return p;
@@ -86,7 +86,20 @@ void device_free(void* data) noexcept {
   }
 }
 
-void use_device(int device) { check(cudaSetDevice(device), "cudaSetDevice"); }
+CurrentDevice::CurrentDevice(int device) {
+  int current = 0;
+  check(cudaGetDevice(&current), "cudaGetDevice");
+  if (current != device) {
+    check(cudaSetDevice(device), "cudaSetDevice");
+    previous_ = current;
+  }
+}
+
+CurrentDevice::~CurrentDevice() {
+  if (previous_ >= 0) {
+    (void)cudaSetDevice(previous_);
+  }
+}
 
 Device device_of(const void* p) {
   cudaPointerAttributes attributes{};

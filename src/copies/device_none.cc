@@ -23,7 +23,8 @@ namespace {
 
 void device_free(void* /*data*/) noexcept {}
 void* device_allocate(std::uint64_t /*bytes*/, int /*device*/) { no_cuda("device memory"); }
-void use_device(int /*device*/) { no_cuda("use_device"); }
+CurrentDevice::CurrentDevice(int /*device*/) { no_cuda("CurrentDevice"); }
+CurrentDevice::~CurrentDevice() { (void)previous_; }  // nothing was changed
 Device device_of(const void* /*p*/) { return kCpu; }
 void copy_async(void* /*dst*/, const void* /*src*/, std::uint64_t /*bytes*/, void* /*stream*/) {
   no_cuda("copy_async");

@@ -33,6 +33,7 @@ class DeviceMemory {
 
   [[nodiscard]] std::byte* data() const noexcept { return data_; }
   [[nodiscard]] std::uint64_t size() const noexcept { return size_; }
+  [[nodiscard]] int device() const noexcept { return device_; }
   // Makes room for `bytes` (keeps the memory when it is large enough; the old contents are lost
   // otherwise).
   void reserve(std::uint64_t bytes, int device);
@@ -48,8 +49,21 @@ void device_free(void* data) noexcept;
 // `bytes` of memory on `device`, 256-byte aligned; OutOfMemory on failure.
 void* device_allocate(std::uint64_t bytes, int device);
 
-// Makes `device` current on the calling thread (CUDA's per-thread current device).
-void use_device(int device);
+// Makes `device` current on the calling thread (CUDA's per-thread current device) for a scope,
+// and restores the caller's current device after it: a gather on cuda:1 must not move the
+// caller's later allocations there.
+class CurrentDevice {
+ public:
+  explicit CurrentDevice(int device);
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+  CurrentDevice(CurrentDevice&&) = delete;
+  CurrentDevice& operator=(CurrentDevice&&) = delete;
+  ~CurrentDevice();
+
+ private:
+  int previous_ = -1;  // -1: nothing to restore
+};
 
 // The device the memory at `p` is on: kCpu for memory CUDA does not know (plain host memory)
 // or host memory it maps, so a caller's claim about a view can be checked.

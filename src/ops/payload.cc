@@ -62,17 +62,25 @@ void check_call_device(Call& call, const Device& device) {
                         "or Gloo, or the threads backend of a CUDA build)");
 }
 
-Stager stager_for(ExecScratch& x, const Device& device, std::uint64_t staged, void* stream) {
+void reserve_device_scratch(ExecScratch& x, const Device& device, std::uint64_t staged,
+                            void* stream) {
+  if (device.type == DeviceType::kCpu) {
+    return;
+  }
+  StrategyScratch& s = x.strategy;
+  if (s.device_zeros.size() == 0 || s.device_zeros.device() != device.index) {
+    s.device_zeros.reserve(sizeof kZeroBytes, device.index);
+    copy_async(s.device_zeros.data(), kZeroBytes, sizeof kZeroBytes, stream);
+  }
+  s.device_staging.reserve(staged, device.index);
+}
+
+Stager stager_for(ExecScratch& x, const Device& device) {
   if (device.type == DeviceType::kCpu) {
     return Stager{.at = x.staging.data()};
   }
   StrategyScratch& s = x.strategy;
   s.copy_stage.clear();
-  if (s.device_zeros.size() == 0) {
-    s.device_zeros.reserve(sizeof kZeroBytes, device.index);
-    copy_async(s.device_zeros.data(), kZeroBytes, sizeof kZeroBytes, stream);
-  }
-  s.device_staging.reserve(staged, device.index);
   return Stager{
       .at = s.device_staging.data(), .deferred = &s.copy_stage, .zeros = s.device_zeros.data()};
 }

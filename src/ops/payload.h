@@ -22,10 +22,16 @@ namespace shardgather::detail {
 // memory disagree.
 void check_call_device(Call& call, const Device& device);
 
+// A device call's scratch that its checks must size (inside call.check, so that a failed
+// allocation travels in the header): device staging of `staged` bytes for strided inputs, and
+// the zero bytes gaps are sent from, on `device` (written on `stream`). No-op on the host.
+void reserve_device_scratch(ExecScratch& x, const Device& device, std::uint64_t staged,
+                            void* stream);
+
 // Where this execution stages strided inputs and takes gap bytes from: the host staging, or on a
-// CUDA device the strategy scratch's device staging (grown to `staged` bytes), its device zeros
-// and its deferred pack table (cleared), all on `stream`.
-Stager stager_for(ExecScratch& x, const Device& device, std::uint64_t staged, void* stream);
+// CUDA device the reserved device staging and zeros, with the deferred pack table (cleared).
+// Allocates nothing.
+Stager stager_for(ExecScratch& x, const Device& device);
 
 // Sizes the scratch for world ranks of n tensors (no-op when already sized).
 void size_scratch(ExecScratch& x, int world, std::size_t n);

@@ -115,9 +115,11 @@ detail::GatherJob AllGatherPlan::prepare(detail::Call& call, std::span<const Ten
   header.hint_hash = fingerprint_;
   detail::set_dtypes(header, layout_.dtypes, dtype_hash_);
   detail::set_strategy(header, strategy);
+  void* stream = current_cuda_stream();
   call.check([&] {
     check_params(call.comm(), params, out, out_size, stats);
     detail::check_call_device(call, x.device);
+    detail::reserve_device_scratch(x, x.device, stats.staged_bytes, stream);
     if (out == nullptr && x.device.type != DeviceType::kCpu) {
       throw InvalidArgument(
           "execute_shared gathers host memory; execute CUDA tensors into an "
@@ -132,8 +134,7 @@ detail::GatherJob AllGatherPlan::prepare(detail::Call& call, std::span<const Ten
   const auto in_place = [&](std::size_t i) {
     return out != nullptr && params[i].data == out + layout_.offsets[me * n + i];
   };
-  void* stream = current_cuda_stream();
-  detail::Stager stager = detail::stager_for(x, x.device, stats.staged_bytes, stream);
+  detail::Stager stager = detail::stager_for(x, x.device);
   detail::append_block(params, std::span(layout_.offsets).subspan(me * n, n), layout_.displs[me],
                        std::span(layout_.sizes).subspan(me * n, n), {}, stager, in_place,
                        x.segments, x.send_first);

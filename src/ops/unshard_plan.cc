@@ -371,11 +371,18 @@ void UnshardPlan::check_output_device() {
                           device_name(x.device) + " (a call's tensors are on one device)");
   }
   // A host pointer where device memory is expected would fault the copy kernel: check where the
-  // first output really is (only on a device call: a host call never touches the CUDA runtime).
-  if (x.device.type != DeviceType::kCpu && output_bytes_ != 0 && x.outputs[0] != nullptr &&
-      detail::device_of(x.outputs[0]) != x.device) {
-    throw InvalidArgument("the output is on " + device_name(detail::device_of(x.outputs[0])) +
-                          ", the shards on " + device_name(x.device));
+  // outputs really are (only on a device call: a host call never touches the CUDA runtime). One
+  // buffer is checked at its base; output views one by one.
+  if (x.device.type == DeviceType::kCpu || output_bytes_ == 0) {
+    return;
+  }
+  const std::size_t checked = x.output_device ? x.outputs.size() : 1;
+  for (std::size_t i = 0; i < checked; ++i) {
+    if (x.outputs[i] != nullptr && detail::device_of(x.outputs[i]) != x.device) {
+      throw InvalidArgument("output " + std::to_string(i) + " is on " +
+                            device_name(detail::device_of(x.outputs[i])) + ", the shards on " +
+                            device_name(x.device));
+    }
   }
 }
 
@@ -440,6 +447,7 @@ ExecStats UnshardPlan::run(detail::Call& call, std::span<const TensorView> shard
   header.hint_hash = fingerprint_;
   header.num_tensors = specs_.size();
   detail::set_strategy(header, strategy);
+  void* stream = current_cuda_stream();
   call.check([&] {
     if (output_error) {
       throw InvalidArgument(*output_error);
@@ -451,12 +459,12 @@ ExecStats UnshardPlan::run(detail::Call& call, std::span<const TensorView> shard
     }
     check_shards(call.comm(), shards, one_buffer, stats);
     detail::check_call_device(call, x.device);
+    detail::reserve_device_scratch(x, x.device, stats.staged_bytes, stream);
     header.payload_bytes = counts_[static_cast<std::size_t>(rank_)];
   });
   call.agree();
   stats.preflight_collectives = call.exchanges() ? 1 : 0;
-  void* stream = current_cuda_stream();
-  detail::Stager stager = detail::stager_for(x, x.device, stats.staged_bytes, stream);
+  detail::Stager stager = detail::stager_for(x, x.device);
   build_job(shards, stager);
   const detail::GatherJob job{
       .send = x.segments,

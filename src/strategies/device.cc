@@ -29,15 +29,20 @@ std::array<const CopyDesc*, 3> upload_tables(StrategyScratch& s, const Device& d
     total += d.size();
   }
   if (!same || total != s.uploaded.size()) {
+    // s.uploaded says what the device holds: empty until the upload is enqueued, so that a
+    // failed one is redone, never skipped.
     s.uploaded.clear();
-    for (const CopyTable* t : tables) {
-      s.uploaded.insert(s.uploaded.end(), t->descs().begin(), t->descs().end());
-    }
-    const std::uint64_t bytes = s.uploaded.size() * sizeof(CopyDesc);
+    const std::uint64_t bytes = total * sizeof(CopyDesc);
     s.device_table.reserve(bytes, device.index);
-    // From pageable memory: the runtime has staged the bytes when this returns, so s.uploaded
+    std::vector<CopyDesc>& staged = s.upload_staging;
+    staged.clear();
+    for (const CopyTable* t : tables) {
+      staged.insert(staged.end(), t->descs().begin(), t->descs().end());
+    }
+    // From pageable memory: the runtime has staged the bytes when this returns, so the vector
     // may change afterwards.
-    copy_async(s.device_table.data(), s.uploaded.data(), bytes, stream);
+    copy_async(s.device_table.data(), staged.data(), bytes, stream);
+    s.uploaded.swap(staged);
   }
   const auto* base = reinterpret_cast<const CopyDesc*>(s.device_table.data());
   return {base, base + s.copy_stage.descs().size(),
@@ -79,7 +84,7 @@ std::byte* gather_target(const GatherJob& job, int me, StrategyScratch& s) {
 void run_device(const GatherJob& job, Communicator& comm, Deadline deadline, StrategyScratch& s) {
   const int me = comm.rank();
   const std::uint64_t mine = job.counts[static_cast<std::size_t>(me)];
-  use_device(job.device.index);
+  const CurrentDevice on(job.device.index);
   s.copy_in.clear();
   s.copy_out.clear();
   s.copy_stage.finish();

@@ -101,7 +101,8 @@ struct StrategyScratch {
   CopyTable copy_stage;
   CopyTable copy_in;
   CopyTable copy_out;
-  std::vector<CopyDesc> uploaded;
+  std::vector<CopyDesc> uploaded;        // what device_table holds
+  std::vector<CopyDesc> upload_staging;  // the next upload, assembled
 };
 
 // When every rank's pieces form one contiguous run, fills scratch.displs relative to *base and

@@ -64,6 +64,9 @@ void make(Pair& p, sg::DType dtype, const sg::Shape& shape, const sg::Shape& str
   fill(p.host, seed);
   cuda(cudaMalloc(&p.device, p.host.size() + 1), "cudaMalloc");
   cuda(cudaMemcpy(p.device, p.host.data(), p.host.size(), cudaMemcpyHostToDevice), "cudaMemcpy");
+  // A pageable copy may still be landing on the legacy stream, which does not order with the
+  // ranks' non-blocking streams.
+  cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   p.host_view = sg::TensorView{p.host.data(), dtype, shape, strides};
   p.device_view = sg::TensorView{p.device, dtype, shape, strides, sg::cuda_device(0)};
 }
@@ -146,6 +149,7 @@ void foreach_case(int rank, sg::Communicator& comm, int world) {
   cuda(cudaMalloc(&out, plan.output_bytes() + 1), "cudaMalloc");
   for (int i = 0; i < 3; ++i) {
     cuda(cudaMemset(out, 0xff, plan.output_bytes()), "cudaMemset");
+    cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     const sg::ExecStats stats = plan.execute(dv, comm, std::span(out, plan.output_bytes()));
     expect(same(to_host(out, plan.output_bytes()), c.buffer().data(), plan.output_bytes()),
            where + ": plan execution " + std::to_string(i));

@@ -121,6 +121,20 @@ void ThreadsCommunicator::do_all_gather(std::span<const std::byte> send, std::sp
   }
 }
 
+std::string ThreadsCommunicator::count_error(const char* what) const {
+  const GroupState& g = *group_;
+  for (std::size_t q = 0; q < g.slots.size(); ++q) {
+    for (std::size_t r = 0; r < g.slots.size(); ++r) {
+      if (g.slots[q].counts[r] != g.slots[r].bytes) {
+        return "rank " + std::to_string(rank_) + ": " + what + ": rank " + std::to_string(q) +
+               " expects " + std::to_string(g.slots[q].counts[r]) + " bytes from rank " +
+               std::to_string(r) + ", which sends " + std::to_string(g.slots[r].bytes);
+      }
+    }
+  }
+  return {};
+}
+
 template <typename CopyFn>
 void ThreadsCommunicator::exchange(std::span<const ConstSegment> send,
                                    std::span<const std::uint64_t> counts, Deadline deadline,
@@ -130,17 +144,7 @@ void ThreadsCommunicator::exchange(std::span<const ConstSegment> send,
   g.slots[me] =
       GroupState::Slot{.segments = send, .flat = {}, .bytes = counts[me], .counts = counts};
   meet(deadline, what);
-  std::string error;
-  for (std::size_t q = 0; q < g.slots.size() && error.empty(); ++q) {
-    for (std::size_t r = 0; r < g.slots.size(); ++r) {
-      if (g.slots[q].counts[r] != g.slots[r].bytes) {
-        error = "rank " + std::to_string(rank_) + ": " + what + ": rank " + std::to_string(q) +
-                " expects " + std::to_string(g.slots[q].counts[r]) + " bytes from rank " +
-                std::to_string(r) + ", which sends " + std::to_string(g.slots[r].bytes);
-        break;
-      }
-    }
-  }
+  const std::string error = count_error(what);
   if (error.empty() && (root < 0 || root == rank_)) {
     // Start at a different peer on every rank so the readers spread over the sources.
     for (std::size_t k = 0; k < g.slots.size(); ++k) {
@@ -167,33 +171,59 @@ void ThreadsCommunicator::do_all_gather_v(std::span<const ConstSegment> send, st
 void ThreadsCommunicator::do_all_gather_v_device(
     std::span<const ConstSegment> send, std::byte* recv, std::span<const std::uint64_t> counts,
     std::span<const std::uint64_t> displs, const Device& device, void* stream, Deadline deadline) {
-  // A CUDA failure must not leave this rank between the two meetings (its peers would wait to
-  // their deadlines): it is kept, and raised once the exchange is over.
+  const char* what = "all_gather_v_device";
+  GroupState& g = *group_;
+  const auto me = static_cast<std::size_t>(rank_);
+  // A CUDA failure must reach every rank and must not leave this one between the two
+  // meetings: a rank whose bytes are not ready says so in its slot; copies that fail are
+  // still synchronised before the second meeting, since peers reuse their buffers after it.
   std::exception_ptr failure;
   try {
-    use_device(device.index);
+    const CurrentDevice on(device.index);
     sync_stream(stream);  // the copy-in kernel has written `send`
   } catch (...) {
     failure = std::current_exception();
   }
-  std::size_t copied = 0;
-  exchange(send, counts, deadline, "all_gather_v_device", -1,
-           [&](std::size_t r, std::span<const ConstSegment> segments) {
-             try {
-               std::byte* to = recv + displs[r];
-               for (const ConstSegment& segment : segments) {
-                 copy_async(to, segment.data, segment.size, stream);
-                 to += segment.size;
-               }
-               if (++copied == static_cast<std::size_t>(size())) {
-                 sync_stream(stream);  // done reading the peers' memory
-               }
-             } catch (...) {
-               failure = std::current_exception();
-             }
-           });
+  g.slots[me] = GroupState::Slot{
+      .segments = send, .flat = {}, .bytes = counts[me], .counts = counts, .failed = !!failure};
+  meet(deadline, what);
+  const std::string mismatch = count_error(what);
+  std::string peer_failed;
+  for (std::size_t q = 0; q < g.slots.size() && peer_failed.empty(); ++q) {
+    if (g.slots[q].failed) {
+      peer_failed = "rank " + std::to_string(rank_) + ": " + what + ": rank " + std::to_string(q) +
+                    "'s device failed before it could send";
+    }
+  }
+  if (mismatch.empty() && peer_failed.empty()) {
+    try {
+      const CurrentDevice on(device.index);
+      for (std::size_t k = 0; k < g.slots.size(); ++k) {
+        const std::size_t r = (me + k) % g.slots.size();
+        std::byte* to = recv + displs[r];
+        for (const ConstSegment& segment : g.slots[r].segments) {
+          copy_async(to, segment.data, segment.size, stream);
+          to += segment.size;
+        }
+      }
+    } catch (...) {
+      failure = failure ? failure : std::current_exception();
+    }
+    try {
+      sync_stream(stream);  // done reading the peers' memory
+    } catch (...) {
+      failure = failure ? failure : std::current_exception();
+    }
+  }
+  meet(deadline, what);
   if (failure) {
     std::rethrow_exception(failure);
+  }
+  if (!mismatch.empty()) {
+    throw Mismatch(mismatch);
+  }
+  if (!peer_failed.empty()) {
+    throw CommunicationError(peer_failed);
   }
 }
 

@@ -33,6 +33,8 @@ struct GroupState {
     std::span<const std::size_t> send_first{};
     std::span<const RecvPiece> pieces{};
     std::span<const std::size_t> first{};
+    // all_gather_v_device: this rank's device failed before it could publish ready bytes.
+    bool failed = false;
   };
 
   const int world_size;
@@ -104,6 +106,9 @@ class ThreadsCommunicator final : public Communicator {
   // `copy` runs on every rank, or on `root` only (>= 0): the others just publish and wait.
   void exchange(std::span<const ConstSegment> send, std::span<const std::uint64_t> counts,
                 Deadline deadline, const char* what, int root, CopyFn&& copy);
+  // After the first meeting: the first rank whose counts disagree with a sender's bytes, as a
+  // message every rank words the same; empty when all agree.
+  [[nodiscard]] std::string count_error(const char* what) const;
   // The group barrier: returns when every rank arrived, or throws Timeout / Aborted.
   void meet(Deadline deadline, const char* what);
 
