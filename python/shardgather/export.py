@@ -62,7 +62,8 @@ def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
         for b, bucket in enumerate(stream):
             if not writer:
                 continue
-            tensors = {str(k): t for k, t in bucket.items()}
+            # CUDA buckets (a stream over CUDA shards) are written from host copies.
+            tensors = {str(k): t.cpu() for k, t in bucket.items()}
             _write_atomic(os.path.join(out_dir, names[b]),
                           lambda path: save_file(tensors, path, metadata=header))
             size = sum(t.nbytes for t in tensors.values())

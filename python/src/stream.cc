@@ -53,7 +53,8 @@ py::object PyUnshardStream::next() {
     auto* base = static_cast<std::byte*>(bucket->full.front().data);
     const std::uint64_t bytes = stream_->buffer_bytes();
     const c10::Storage storage =
-        adopt_storage(std::make_unique<BucketOwner>(BucketOwner{comm_, stream_}), base, bytes);
+        adopt_storage(std::make_unique<BucketOwner>(BucketOwner{comm_, stream_}), base, bytes,
+                      bucket->full.front().device);
     for (std::size_t j = 0; j < bucket->full.size(); ++j) {
       PyObject* obj = THPVariable_Wrap(tensor_over(storage, base, bucket->full[j]));
       if (obj == nullptr) {

@@ -162,10 +162,16 @@ void UnshardStream::begin(std::span<const TensorView> shards, Communicator& comm
         }
       }
     }
+    // The buckets live where the shards do (device memory for CUDA shards), made once; a
+    // begin() on another device makes them again.
+    const Device device = detail::call_device(shards);
+    if (!buffers_.empty() && buffers_.front().device() != device) {
+      buffers_.clear();
+    }
     if (buffers_.empty() && buffer_bytes_ != 0) {
       const auto ring = static_cast<std::size_t>(options_.prefetch) + 1;
       for (std::size_t k = 0; k < std::min(ring, plans_.size()); ++k) {
-        buffers_.emplace_back(buffer_bytes_);
+        buffers_.push_back(detail::output_buffer(buffer_bytes_, device));
       }
     }
   });
@@ -236,7 +242,11 @@ std::optional<StreamBucket> UnshardStream::next() {
     bucket.first_param = firsts_[b];
     bucket.num_params = plans_[b].size();
     if (!buffers_.empty()) {
-      bucket.full = plans_[b].views(buffers_[b % buffers_.size()].data());
+      const AlignedBuffer& buffer = buffers_[b % buffers_.size()];
+      bucket.full = plans_[b].views(buffer.data());
+      for (TensorView& view : bucket.full) {
+        view.device = buffer.device();
+      }
     }
     return bucket;
   } catch (...) {

@@ -6,6 +6,7 @@
 // upload nothing and allocate nothing. (tools/device-check runs the same calls on a real GPU.)
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -304,6 +305,57 @@ TEST_P(DevicePath, WithoutAHintEveryRankIsToldToPassOne) {
     } catch (const InvalidArgument& e) {
       EXPECT_NE(std::string(e.what()).find("needs shapes_across_group"), std::string::npos)
           << e.what();
+    }
+  });
+}
+
+// A stream over CUDA shards gathers every bucket into device memory (RL weight sync), and two
+// begin()s reuse the buckets.
+TEST_P(DevicePath, StreamBucketsOnTheDevice) {
+  const int world = GetParam();
+  run_ranks(world, [world](int rank, Communicator& comm) {
+    std::vector<ShardSpec> specs;
+    for (int i = 0; i < 6; ++i) {
+      specs.push_back({.dtype = i % 2 == 0 ? DType::kFloat32 : DType::kBFloat16,
+                       .full_shape = {3 + i, 2 * world + i},
+                       .shard_dim = i % 2,
+                       .sizes = {}});
+    }
+    std::vector<Pair> shards(specs.size());
+    std::vector<TensorView> dv;
+    std::vector<TensorView> hv;
+    const UnshardPlan shapes(specs, world, rank);
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      const Shape s = shapes.shard_shape(rank, i);
+      shards[i].make(specs[i].dtype, s, {}, static_cast<std::size_t>(s[0] * s[1]),
+                     3 + 17 * i + static_cast<std::uint64_t>(rank));
+      dv.push_back(shards[i].device_view);
+      hv.push_back(shards[i].host_view);
+    }
+    const StreamOptions options{.bucket_bytes = 256, .prefetch = 1, .dst = -1};
+    UnshardStream host(specs, world, rank, options);
+    UnshardStream device(specs, world, rank, options);
+    for (int round = 0; round < 2; ++round) {
+      host.begin(hv, comm);
+      device.begin(dv, comm);
+      std::size_t buckets = 0;
+      for (;;) {
+        // Interleaved on one communicator: the two streams' operations alternate in order.
+        std::optional<StreamBucket> d = device.next();
+        std::optional<StreamBucket> h = host.next();
+        ASSERT_EQ(d.has_value(), h.has_value());
+        if (!d) {
+          break;
+        }
+        ++buckets;
+        ASSERT_EQ(d->full.size(), h->full.size());
+        for (std::size_t j = 0; j < d->full.size(); ++j) {
+          EXPECT_EQ(d->full[j].device, cuda_device(0));
+          EXPECT_TRUE(same_bytes(d->full[j].data, h->full[j].data, bytes_of(h->full[j])))
+              << "round " << round << " bucket " << d->index << " param " << j;
+        }
+      }
+      EXPECT_GT(buckets, 1U);
     }
   });
 }
