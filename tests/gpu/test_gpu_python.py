@@ -2,8 +2,9 @@
 
 - an NCCL group at world 1: CUDA tensors in, CUDA tensors out, on the current stream;
 - a Gloo group at world 2 (two processes on one GPU: NCCL refuses two ranks on one device), with
-  CUDA tensors: foreach_all_gather with and without the shapes hint, a transposed input, and
-  unshard along dims 0, 1 and the last, bit-exact against torch.cat of the shards.
+  CUDA tensors: foreach_all_gather with and without the shapes hint, both forms of an uneven
+  device gather (per-rank broadcasts, padded all-gather), a transposed input, a side stream, and
+  unshard along dims 0, 1 and the last, bit-exact against the shards' source tensors.
 """
 import os
 import tempfile
@@ -55,11 +56,18 @@ def _check_unshard(rank, world):
 def _gloo_worker(rank, world, store_path, errors):
     try:
         torch.cuda.set_device(0)
+        # Both forms of an uneven device gather: the variable is read when a group's
+        # communicator is made, so each form gets a group of its own.
+        os.environ["SHARDGATHER_DEVICE_GATHER"] = "broadcast"
         _init("gloo", rank, world, store_path)
         mine = _shards(rank, world)
         every = [_shards(r, world) for r in range(world)]
         hint = [[tuple(t.shape) for t in every[r]] for r in range(world)]
         _check_gather(sg.foreach_all_gather(mine, None, hint), world, every)
+        os.environ["SHARDGATHER_DEVICE_GATHER"] = "padded"
+        padded_group = dist.new_group(list(range(world)))
+        _check_gather(sg.foreach_all_gather(mine, padded_group, hint), world, every)
+        del os.environ["SHARDGATHER_DEVICE_GATHER"]
         _check_gather(sg.foreach_all_gather(mine), world, every)  # shapes gathered first
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):

@@ -99,6 +99,15 @@ def case_uneven_dim0(rank, world):
     check(params, world)
 
 
+def case_shapes_gathered_for_a_device_call(rank, world):
+    # What a CUDA call without a hint gathers first (one host call): every rank's shapes,
+    # 0-d and empty ones included, as the hint the device call then takes.
+    params = [make((rank + 1, 2), torch.float32, rank), make((), torch.int8, 7),
+              make((0, rank), torch.bfloat16, 9)]
+    got = shardgather._gather_shapes(params, shardgather.communicator(None), T)
+    assert got == shapes_of(params, world), got
+
+
 def case_zero_dim(rank, world):
     params = [make((), dt, 7 * rank + k) for k, dt in enumerate(DTYPES)]
     check(params, world)
