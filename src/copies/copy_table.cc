@@ -19,8 +19,8 @@ std::uint64_t address(const void* p) noexcept { return reinterpret_cast<std::uin
 
 // Descriptors hold addresses as integers, the form the kernel reads them in.
 void* as_pointer(std::uint64_t a) noexcept {
-  return reinterpret_cast<void*>(
-      static_cast<std::uintptr_t>(a));  // NOLINT(performance-no-int-to-ptr)
+  // NOLINTNEXTLINE(performance-no-int-to-ptr)
+  return reinterpret_cast<void*>(static_cast<std::uintptr_t>(a));
 }
 
 // The widest unit that every address and step of `d` is a multiple of.

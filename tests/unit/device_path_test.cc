@@ -6,8 +6,8 @@
 // upload nothing and allocate nothing. (tools/device-check runs the same calls on a real GPU.)
 #include <cstring>
 #include <functional>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
