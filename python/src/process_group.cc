@@ -285,24 +285,33 @@ void ProcessGroupCommunicator::do_all_gather_v_device(
       }
     }
   } else {
-    // One broadcast per rank, each straight into its slot; this rank's own bytes by a copy.
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    for (std::size_t r = 0; r < world; ++r) {
-      if (counts[r] == 0) {
-        continue;
-      }
-      std::vector<at::Tensor> tensors{r == me ? device_bytes(mine, counts[r], dev)
-                                              : device_bytes(recv + displs[r], counts[r], dev)};
-      c10d::BroadcastOptions options;
-      options.rootRank = static_cast<std::int64_t>(r);
-      try {
-        works.push_back(group_->broadcast(tensors, options));
-      } catch (const std::exception& e) {
-        raise_not_issued(e, rank_, what, name_);
-      }
-    }
+    // One broadcast per rank, each straight into its slot; this rank's own bytes by a copy. On
+    // NCCL the broadcasts are one coalesced group (one ncclGroupStart/End), which NCCL >= 2.29
+    // can run as one all-gather-v kernel, and only the group's work is waited for.
     if (counts[me] != 0) {
       device_bytes(recv + displs[me], counts[me], dev).copy_(device_bytes(mine, counts[me], dev));
+    }
+    const bool coalesce = backend_name_for(*group_, c10::kCUDA) == "nccl";
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    try {
+      if (coalesce) {
+        group_->startCoalescing(c10::kCUDA);
+      }
+      for (std::size_t r = 0; r < world; ++r) {
+        if (counts[r] == 0) {
+          continue;
+        }
+        std::vector<at::Tensor> tensors{r == me ? device_bytes(mine, counts[r], dev)
+                                                : device_bytes(recv + displs[r], counts[r], dev)};
+        c10d::BroadcastOptions options;
+        options.rootRank = static_cast<std::int64_t>(r);
+        works.push_back(group_->broadcast(tensors, options));
+      }
+      if (coalesce) {
+        works.assign(1, group_->endCoalescing(c10::kCUDA));
+      }
+    } catch (const std::exception& e) {
+      raise_not_issued(e, rank_, what, name_);
     }
     for (const auto& work : works) {
       wait_polled(work, deadline, what);

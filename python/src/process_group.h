@@ -14,7 +14,8 @@
 //  5. Device memory (all_gather_v_device, CUDA tensors): the collective is issued on the device
 //     bytes themselves (c10d sends CUDA tensors to the group's CUDA backend: NCCL, or Gloo, which
 //     stages them), ordered after torch's current stream, which the binding makes the call's
-//     stream (params.cc). Uneven counts: one broadcast per rank into its slot, or one padded
+//     stream (params.cc). Uneven counts: one broadcast per rank into its slot (coalesced into
+//     one group on NCCL), or one padded
 //     all_gather_into_tensor and a copy out; SHARDGATHER_DEVICE_GATHER=broadcast|padded picks
 //     one, else broadcast unless padding adds at most 1/8 of the bytes (docs/gpu.md).
 //
