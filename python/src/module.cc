@@ -496,6 +496,22 @@ PYBIND11_MODULE(_shardgather, m) {
       py::arg("comm"), py::arg("message"), py::arg("is_type_error") = false,
       py::arg("preflight") = true, py::arg("timeout") = py::none());
   m.def("_make_thread_group", &make_thread_group_py, py::arg("world_size"));
+  // For tests: how a torch group's communicator moves uneven device gathers, as agreed.
+  m.def("_device_gather", [](const std::shared_ptr<Communicator>& comm) -> std::string {
+    const auto* pg = dynamic_cast<const ProcessGroupCommunicator*>(comm.get());
+    if (pg == nullptr) {
+      return "";
+    }
+    switch (pg->device_gather()) {
+      case ProcessGroupCommunicator::DeviceGather::kBroadcast:
+        return "broadcast";
+      case ProcessGroupCommunicator::DeviceGather::kPadded:
+        return "padded";
+      case ProcessGroupCommunicator::DeviceGather::kAuto:
+        break;
+    }
+    return "auto";
+  });
   m.def("_process_group_communicator", &process_group_communicator, py::arg("group"),
         py::arg("device") = "cpu", py::arg("p2p") = true, py::arg("host_mailbox") = true,
         py::arg("timeout") = py::none());

@@ -584,16 +584,23 @@ int ProcessGroupCommunicator::count_ranks_on_host(Deadline deadline) {
   std::array<char, 256> name{};
   (void)::gethostname(name.data(), name.size() - 1);
   const char* env = std::getenv("LOCAL_WORLD_SIZE");
-  const std::array<std::uint64_t, 2> mine{
+  // SHARDGATHER_DEVICE_GATHER rides along: two ranks moving one uneven device gather two ways
+  // (broadcasts against an all-gather) would pair mismatched collectives, so it too is believed
+  // only when every rank has the same one, and otherwise every rank uses the rule (kAuto).
+  const std::array<std::uint64_t, 3> mine{
       std::hash<std::string_view>{}(std::string_view(name.data())),
-      env != nullptr && std::atoi(env) > 0 ? static_cast<std::uint64_t>(std::atoi(env)) : 0};
+      env != nullptr && std::atoi(env) > 0 ? static_cast<std::uint64_t>(std::atoi(env)) : 0,
+      static_cast<std::uint64_t>(device_gather_)};
   // Parked on failure: an interrupted or timed-out receive may still write into it.
   const std::vector<std::byte> bytes =
       detail::gather_or_park(*this, std::as_bytes(std::span(mine)), deadline);
-  std::vector<std::array<std::uint64_t, 2>> all(static_cast<std::size_t>(size_));
+  std::vector<std::array<std::uint64_t, 3>> all(static_cast<std::size_t>(size_));
   std::memcpy(all.data(), bytes.data(), bytes.size());
   const bool env_agrees =
       std::all_of(all.begin(), all.end(), [&](const auto& r) { return r[1] == all[0][1]; });
+  if (!std::all_of(all.begin(), all.end(), [&](const auto& r) { return r[2] == all[0][2]; })) {
+    device_gather_ = DeviceGather::kAuto;
+  }
   // Hosts numbered in the order of their lowest rank.
   std::vector<std::uint64_t> names;
   for (const auto& r : all) {

@@ -148,8 +148,10 @@ class ProcessGroupCommunicator final : public Communicator {
   void do_abort() noexcept override;
 
  public:
-  // How all_gather_v_device moves uneven counts.
+  // How all_gather_v_device moves uneven counts: SHARDGATHER_DEVICE_GATHER where every rank
+  // set the same, else kAuto (agreed at construction, count_ranks_on_host).
   enum class DeviceGather { kAuto, kBroadcast, kPadded };
+  [[nodiscard]] DeviceGather device_gather() const noexcept { return device_gather_; }
   // scatter_chunked's chunk: at most kGatherChunk, at least kMinGatherChunk unless the streams
   // are smaller, and 2 x world chunks within kSlotBudget.
   static constexpr std::uint64_t kGatherChunk = std::uint64_t{8} << 20;

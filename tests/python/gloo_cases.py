@@ -108,6 +108,25 @@ def case_shapes_gathered_for_a_device_call(rank, world):
     assert got == shapes_of(params, world), got
 
 
+def case_device_gather_form_agreed(rank, world):
+    # Reliability 2.8b: SHARDGATHER_DEVICE_GATHER decides which collectives an uneven device
+    # gather issues. Set alike, every rank's communicator takes it; set differently (rank 0
+    # another form), every rank falls back to the same rule, so none pairs broadcasts with an
+    # all-gather. Read when a group's communicator is made: a group of its own for each.
+    import os
+    ranks = list(range(world))
+    try:
+        os.environ["SHARDGATHER_DEVICE_GATHER"] = "padded"
+        same = shardgather.communicator(dist.new_group(ranks))
+        assert shardgather._C._device_gather(same) == "padded", rank
+        os.environ["SHARDGATHER_DEVICE_GATHER"] = "broadcast" if rank == 0 else "padded"
+        differ = shardgather.communicator(dist.new_group(ranks))
+        want = "auto" if world > 1 else "broadcast"
+        assert shardgather._C._device_gather(differ) == want, (rank, want)
+    finally:
+        os.environ.pop("SHARDGATHER_DEVICE_GATHER", None)
+
+
 def case_zero_dim(rank, world):
     params = [make((), dt, 7 * rank + k) for k, dt in enumerate(DTYPES)]
     check(params, world)
