@@ -8,11 +8,23 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "shardgather/shardgather.h"
 
 namespace shardgather::testing {
+
+// Runs `call` and returns the class it raised ("Ok" when it returned) and its message.
+template <typename Fn>
+std::pair<std::string, std::string> outcome(Fn&& call) {
+  try {
+    call();
+  } catch (const Error& e) {
+    return {std::string(error_code_name(e.code())), e.what()};
+  }
+  return {"Ok", ""};
+}
 
 std::uint64_t mix(std::uint64_t x) noexcept;
 

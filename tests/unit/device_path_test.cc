@@ -122,14 +122,25 @@ std::vector<std::vector<Shape>> hint(int world) {
   return h;
 }
 
-void make_list(Pair (&t)[3], int rank) {
-  const std::int64_t rows = rank + 2;
-  const auto seed = static_cast<std::uint64_t>(rank);
-  t[0].make(DType::kFloat32, {rows, 3}, rank % 2 == 1 ? Shape{1, rows} : Shape{},
-            static_cast<std::size_t>(rows * 3), 11 + seed);
-  t[1].make(DType::kBFloat16, {5 * rank}, {}, static_cast<std::size_t>(5 * rank), 21 + seed);
-  t[2].make(DType::kInt8, {7}, {}, 7, 31 + seed);
-}
+// One rank's list of hint(world) (transposed storage on odd ranks), on the fake device and on
+// the host.
+struct RankList {
+  explicit RankList(int rank) {
+    const std::int64_t rows = rank + 2;
+    const auto seed = static_cast<std::uint64_t>(rank);
+    t[0].make(DType::kFloat32, {rows, 3}, rank % 2 == 1 ? Shape{1, rows} : Shape{},
+              static_cast<std::size_t>(rows * 3), 11 + seed);
+    t[1].make(DType::kBFloat16, {5 * rank}, {}, static_cast<std::size_t>(5 * rank), 21 + seed);
+    t[2].make(DType::kInt8, {7}, {}, 7, 31 + seed);
+    for (const Pair& p : t) {
+      dv.push_back(p.device_view);
+      hv.push_back(p.host_view);
+    }
+  }
+  Pair t[3];
+  std::vector<TensorView> dv;
+  std::vector<TensorView> hv;
+};
 
 class DevicePath : public ::testing::TestWithParam<int> {};
 
@@ -137,10 +148,9 @@ TEST_P(DevicePath, ForeachWithHintGivesTheHostBytes) {
   const int world = GetParam();
   const std::uint64_t stray_before = fake_device_counters().stray;
   run_ranks(world, [world](int rank, Communicator& comm) {
-    Pair t[3];
-    make_list(t, rank);
-    const std::vector<TensorView> dv{t[0].device_view, t[1].device_view, t[2].device_view};
-    const std::vector<TensorView> hv{t[0].host_view, t[1].host_view, t[2].host_view};
+    const RankList list(rank);
+    const std::vector<TensorView>& dv = list.dv;
+    const std::vector<TensorView>& hv = list.hv;
     const GatherResult d = foreach_all_gather(dv, comm, hint(world));
     const GatherResult h = foreach_all_gather(hv, comm, hint(world));
     EXPECT_EQ(d.buffer().device(), cuda_device(0));
@@ -155,10 +165,9 @@ TEST_P(DevicePath, ForeachWithHintGivesTheHostBytes) {
 TEST_P(DevicePath, PlanSteadyStateLaunchesAtMostThreeKernelsAndUploadsNothing) {
   const int world = GetParam();
   run_ranks(world, [world](int rank, Communicator& comm) {
-    Pair t[3];
-    make_list(t, rank);
-    const std::vector<TensorView> dv{t[0].device_view, t[1].device_view, t[2].device_view};
-    const std::vector<TensorView> hv{t[0].host_view, t[1].host_view, t[2].host_view};
+    const RankList list(rank);
+    const std::vector<TensorView>& dv = list.dv;
+    const std::vector<TensorView>& hv = list.hv;
     const std::vector<DType> dtypes{DType::kFloat32, DType::kBFloat16, DType::kInt8};
     AllGatherPlan plan(dtypes, hint(world), rank);
     std::vector<std::byte> want(plan.output_bytes());
@@ -280,10 +289,9 @@ TEST_P(DevicePath, ManySmallTensors) {
 TEST_P(DevicePath, StartedOnAStream) {
   const int world = GetParam();
   run_ranks(world, [world](int rank, Communicator& comm) {
-    Pair t[3];
-    make_list(t, rank);
-    const std::vector<TensorView> dv{t[0].device_view, t[1].device_view, t[2].device_view};
-    const std::vector<TensorView> hv{t[0].host_view, t[1].host_view, t[2].host_view};
+    const RankList list(rank);
+    const std::vector<TensorView>& dv = list.dv;
+    const std::vector<TensorView>& hv = list.hv;
     int stream_token = 0;
     const CudaStreamGuard on(&stream_token);
     Work<GatherResult> work = start_foreach_all_gather(dv, comm, hint(world));
@@ -296,9 +304,8 @@ TEST_P(DevicePath, StartedOnAStream) {
 TEST_P(DevicePath, WithoutAHintEveryRankIsToldToPassOne) {
   const int world = GetParam();
   run_ranks(world, [](int rank, Communicator& comm) {
-    Pair t[3];
-    make_list(t, rank);
-    const std::vector<TensorView> dv{t[0].device_view, t[1].device_view, t[2].device_view};
+    const RankList list(rank);
+    const std::vector<TensorView>& dv = list.dv;
     try {
       (void)foreach_all_gather(dv, comm);
       ADD_FAILURE() << "no error";
@@ -366,10 +373,9 @@ TEST_P(DevicePath, AHostOnlyTransportRefusesOnEveryRank) {
   const int world = GetParam();
   run_ranks(world, [world](int rank, Communicator& inner) {
     testing::LimitedCommunicator comm(inner, Capabilities{});
-    Pair t[3];
-    make_list(t, rank);
-    const std::vector<TensorView> dv{t[0].device_view, t[1].device_view, t[2].device_view};
-    const std::vector<TensorView> hv{t[0].host_view, t[1].host_view, t[2].host_view};
+    const RankList list(rank);
+    const std::vector<TensorView>& dv = list.dv;
+    const std::vector<TensorView>& hv = list.hv;
     try {
       (void)foreach_all_gather(dv, comm, hint(world));
       ADD_FAILURE() << "no error on rank " << rank;
@@ -393,10 +399,9 @@ TEST_P(DevicePath, AnNcclLikeTransportNeedsOnlyTheDeviceGather) {
                                               .scatter = false,
                                               .all_to_all = false,
                                               .device_memory = true});
-    Pair t[3];
-    make_list(t, rank);
-    const std::vector<TensorView> dv{t[0].device_view, t[1].device_view, t[2].device_view};
-    const std::vector<TensorView> hv{t[0].host_view, t[1].host_view, t[2].host_view};
+    const RankList list(rank);
+    const std::vector<TensorView>& dv = list.dv;
+    const std::vector<TensorView>& hv = list.hv;
     const GatherResult d = foreach_all_gather(dv, comm, hint(world));
     const GatherResult h = foreach_all_gather(hv, comm, hint(world));
     EXPECT_TRUE(same_gathers(d, h));

@@ -19,15 +19,7 @@ namespace {
 
 using testing::run_ranks;
 
-template <typename Fn>
-std::pair<std::string, std::string> outcome(Fn&& call) {
-  try {
-    call();
-  } catch (const Error& e) {
-    return {std::string(error_code_name(e.code())), e.what()};
-  }
-  return {"Ok", ""};
-}
+using testing::outcome;
 
 const std::vector<std::vector<Shape>> kHint{{{4}, {3}}, {{4}, {3}}};
 

@@ -24,16 +24,7 @@ std::string test_name() {
   return std::string(info->test_suite_name()) + "." + info->name();
 }
 
-// Runs `call` and returns the class it raised ("Ok" when it returned) and its message.
-template <typename Fn>
-std::pair<std::string, std::string> outcome(Fn&& call) {
-  try {
-    call();
-  } catch (const Error& e) {
-    return {std::string(error_code_name(e.code())), e.what()};
-  }
-  return {"Ok", ""};
-}
+using testing::outcome;
 
 std::vector<std::vector<Shape>> rows(int world) {
   std::vector<std::vector<Shape>> r;
