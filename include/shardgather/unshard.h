@@ -110,6 +110,9 @@ class SHARDGATHER_API UnshardPlan {
   std::uint64_t output_bytes_ = 0;
   std::vector<std::uint64_t> output_offsets_;
   std::uint64_t fingerprint_ = 0;
+  // The header names a dtype that differs, not just a fingerprint (one list, hashed once).
+  std::vector<DType> dtypes_;
+  std::uint64_t dtype_hash_ = 0;
   // Per (rank, param), rank-major: bytes on the wire, and the destination relative to the
   // param's full tensor (offset of the first block, block bytes, blocks, stride).
   std::vector<std::uint64_t> part_bytes_;

@@ -139,11 +139,6 @@ void check_agrees(const PreflightHeader& h0, const PreflightHeader& h, std::size
                    std::to_string((h0.flags & kHasHint) != 0 ? 0 : rr) + " but not on rank " +
                    std::to_string((h0.flags & kHasHint) != 0 ? rr : 0));
   }
-  if (h.hint_hash != h0.hint_hash) {
-    throw Mismatch(op_prefix(me, h0) + "shapes hint / plan differs between rank 0 and rank " +
-                   std::to_string(r) + " (shapes hash " + std::to_string(h0.hint_hash) + " vs " +
-                   std::to_string(h.hint_hash) + ")");
-  }
   const std::size_t inline_n = std::min<std::uint64_t>(h.num_tensors, kInlineDTypes);
   for (std::size_t i = 0; i < inline_n; ++i) {
     if (h.dtypes[i] != h0.dtypes[i]) {
@@ -158,6 +153,13 @@ void check_agrees(const PreflightHeader& h0, const PreflightHeader& h, std::size
                    "dtype of a tensor at index >= " + std::to_string(kInlineDTypes) +
                    " differs between rank 0 and rank " + std::to_string(r) + " (dtype hash " +
                    std::to_string(h0.dtype_hash) + " vs " + std::to_string(h.dtype_hash) + ")");
+  }
+  // After the dtypes: a plan's fingerprint covers its dtypes too, and the dtype is the cause
+  // that can be named.
+  if (h.hint_hash != h0.hint_hash) {
+    throw Mismatch(op_prefix(me, h0) + "shapes hint / plan differs between rank 0 and rank " +
+                   std::to_string(r) + " (shapes hash " + std::to_string(h0.hint_hash) + " vs " +
+                   std::to_string(h.hint_hash) + ")");
   }
   if (device_type_of(h) != device_type_of(h0)) {
     throw Mismatch(op_prefix(me, h0) + "device differs: rank 0 gathers " +

@@ -148,7 +148,9 @@ UnshardPlan::UnshardPlan(std::span<const ShardSpec> specs, int world_size, int r
     output_offsets_[i] = end;
     end = detail::add_checked(end, full_bytes, "output size");
     hash_spec(hasher, specs_[i]);
+    dtypes_.push_back(specs_[i].dtype);
   }
+  dtype_hash_ = detail::hash_dtypes(dtypes_);
   output_bytes_ = end;
   for (std::size_t i = 0; i < n; ++i) {
     local_bytes_.push_back(checked_nbytes(specs_[i].dtype, shard_shape(rank, i)));
@@ -445,7 +447,7 @@ ExecStats UnshardPlan::run(detail::Call& call, std::span<const TensorView> shard
   detail::PreflightHeader& header = call.header();
   header.flags |= detail::kHasHint;
   header.hint_hash = fingerprint_;
-  header.num_tensors = specs_.size();
+  detail::set_dtypes(header, dtypes_, dtype_hash_);
   detail::set_strategy(header, strategy);
   void* stream = current_cuda_stream();
   call.check([&] {
