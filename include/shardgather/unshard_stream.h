@@ -86,7 +86,8 @@ class SHARDGATHER_API UnshardStream {
   [[nodiscard]] std::size_t num_params() const noexcept { return firsts_.back(); }
   [[nodiscard]] const UnshardPlan& bucket_plan(std::size_t b) const { return plans_.at(b); }
   [[nodiscard]] std::size_t bucket_first(std::size_t b) const { return firsts_.at(b); }
-  // Bytes of each of the prefetch + 1 buffers (the largest bucket); 0 where nothing arrives.
+  // Bytes of each of the prefetch + 1 buffers (the largest bucket, at least 64 so that a bucket
+  // of empty parameters has views too); 0 where nothing arrives.
   [[nodiscard]] std::uint64_t buffer_bytes() const noexcept { return buffer_bytes_; }
   [[nodiscard]] const StreamOptions& options() const noexcept { return options_; }
 
