@@ -1,0 +1,175 @@
+"""The agreement of the Python entry points that take names, specs and options of their own
+(streams, the export, ``full_tensors`` over dicts): one collective in which every rank tells
+the others the argument error it found, if any, and fingerprints of what must be equal.
+
+Why it exists: an argument that is bad on one rank only, raised there before any exchange,
+leaves the peers waiting for their whole deadline and the group unusable. Here every argument
+error travels instead, so every rank raises the same class at once and the group stays usable;
+and what ranks must agree on (the ordered names, the specs, the options) is compared, so that a
+rank holding other keys is a MismatchError naming the first differing key, not silently wrong
+rows.
+
+Cost: one fixed-size gather (a header and a payload collective) per agreement; when names or
+specs differ, one more gather of every rank's description, on that failure path only (every
+rank takes it alike: they all see the same fingerprints).
+"""
+
+import hashlib
+import json
+
+import torch
+
+from ._shardgather import InvalidArgumentError, InvalidTypeError, MismatchError
+from ._shardgather import foreach_all_gather as _gather
+
+_MESSAGE_BYTES = 480
+_CLASSES = {1: InvalidArgumentError, 2: InvalidTypeError, 3: MismatchError}
+_CODES = {cls: code for code, cls in _CLASSES.items()}
+_NAMES, _SPECS = 1, 2  # positions in the record: [error code, names hash, specs hash, options...]
+
+
+class Agreement:
+    """What one rank brings to an agreement: ``what`` prefixes every message (the entry point);
+    ``options`` is a list of (name, int) pairs, in the same order on every rank."""
+
+    def __init__(self, what):
+        self.what = what
+        self.error = None  # (class, message): the first local argument error
+        self.names = None
+        self.specs = None
+        self.options = []
+
+    def fail(self, cls, message):
+        """Records a local argument error (the first one wins)."""
+        if self.error is None:
+            self.error = (cls if cls in _CODES else InvalidArgumentError, str(message))
+
+    def capture(self, step):
+        """Runs ``step()`` unless an earlier step failed, recording the argument error it
+        raises (a ShardgatherError, TypeError or ValueError) instead of raising it. Returns
+        the step's result, or None."""
+        if self.error is not None:
+            return None
+        try:
+            return step()
+        except (InvalidTypeError, TypeError) as e:
+            self.fail(InvalidTypeError, e)
+        except (InvalidArgumentError, MismatchError) as e:
+            self.fail(type(e), e)
+        except ValueError as e:
+            self.fail(InvalidArgumentError, e)
+        return None
+
+    def run(self, comm, timeout=None):
+        """Collective over ``comm``: raises, identically on every rank, the first rank's
+        recorded error, else the first difference of names, specs or options."""
+        record, message = self._record()
+        n = len(record)
+        hint = [[(n,), (_MESSAGE_BYTES,)]] * comm.size
+        got = _gather([record, message], comm, hint, timeout, True, "auto", False)
+        records = [r.tolist() for r in got[0]]
+        for r, rec in enumerate(records):
+            if rec[0]:
+                text = bytes(got[1][r].tolist()).rstrip(b"\0").decode("utf-8", "replace")
+                raise _CLASSES[rec[0]]("%s: rank %d: %s" % (self.what, r, text))
+        for r, rec in enumerate(records):
+            if rec[_NAMES] != records[0][_NAMES] or rec[_SPECS] != records[0][_SPECS]:
+                self._explain(comm, r, timeout)
+        for k, (name, _) in enumerate(self.options):
+            for r, rec in enumerate(records):
+                if rec[3 + k] != records[0][3 + k]:
+                    raise MismatchError("%s: %s differs: rank 0 has %s, rank %d has %s"
+                                        % (self.what, name, _show(name, records[0][3 + k]), r,
+                                           _show(name, rec[3 + k])))
+
+    def _record(self):
+        code, text = 0, ""
+        if self.error is not None:
+            code, text = _CODES[self.error[0]], self.error[1]
+        record = [code, _digest(self._names_text()), _digest(self._specs_text())]
+        record += [_wire(name, v) for name, v in self.options]
+        raw = text.encode("utf-8")[:_MESSAGE_BYTES - 1]
+        message = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
+        if raw:
+            message[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        return torch.tensor(record, dtype=torch.int64), message
+
+    def _names_text(self):
+        return None if self.names is None else [repr(k) for k in self.names]
+
+    def _specs_text(self):
+        if self.specs is None:
+            return None
+        return [[str(s.dtype), list(s.full_shape), s.shard_dim, list(s.sizes), s.padded_size]
+                for s in self.specs]
+
+    def _explain(self, comm, r, timeout):
+        """Every rank's names and specs (one more gather, on this failure path only), and the
+        MismatchError naming the first difference between rank 0's and rank ``r``'s."""
+        mine = json.dumps([self._names_text(), self._specs_text()]).encode("utf-8")
+        mine = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+        got = _gather([mine], comm, None, timeout, True, "auto", False)[0]
+        names0, specs0 = json.loads(bytes(got[0].tolist()))
+        names, specs = json.loads(bytes(got[r].tolist()))
+        raise MismatchError("%s: %s" % (self.what, _first_difference(names0, specs0, names,
+                                                                       specs, r)))
+
+
+def _first_difference(names0, specs0, names, specs, r):
+    if names0 != names:
+        return _names_difference(names0 or [], names or [], r)
+    fields = ("dtype", "full shape", "shard dim", "per-rank sizes", "padded size")
+    for i, (a, b) in enumerate(zip(specs0 or [], specs or [])):
+        for field, x, y in zip(fields, a, b):
+            if x != y:
+                name = " (%s)" % names0[i] if names0 else ""
+                return ("the spec of tensor %d%s differs: %s is %s on rank 0, %s on rank %d"
+                        % (i, name, field, x, y, r))
+    return "the number of specs differs: rank 0 has %d, rank %d has %d" % (
+        len(specs0 or []), r, len(specs or []))
+
+
+def _names_difference(names0, names, r):
+    """The first key one side lacks, else the first position whose key differs."""
+    only0 = [k for k in names0 if k not in set(names)]
+    only = [k for k in names if k not in set(names0)]
+    if only0 or only:
+        parts = []
+        if only0:
+            parts.append("rank %d lacks key %s (and %d more)" % (r, only0[0], len(only0) - 1)
+                         if len(only0) > 1 else "rank %d lacks key %s" % (r, only0[0]))
+        if only:
+            parts.append("rank %d has key %s that rank 0 lacks" % (r, only[0]))
+        return "the keys differ: " + "; ".join(parts)
+    for i, (a, b) in enumerate(zip(names0, names)):
+        if a != b:
+            return ("the key order differs: key %d is %s on rank 0, %s on rank %d (the same "
+                    "keys in another order would gather one parameter's rows into another)"
+                    % (i, a, b, r))
+    return "the keys differ between rank 0 and rank %d" % r
+
+
+def _digest(value):
+    """A 63-bit fingerprint of a JSON-able value, the same in every process (Python's own
+    hash() of a str is salted per process)."""
+    raw = json.dumps(value).encode("utf-8")
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1
+
+
+# Option values that are not ints travel as codes: None as -1 (dst=None: every rank), a
+# strategy as its index here (an unknown name is an argument error found before).
+_STRATEGIES = ("auto", "direct", "packed", "per_tensor", "shared", "padded", "hierarchical")
+
+
+def _wire(name, value):
+    if value is None:
+        return -1
+    if name == "strategy":
+        return _STRATEGIES.index(value) if value in _STRATEGIES else -2
+    return int(value)
+
+
+def _show(name, value):
+    if name == "strategy":
+        return repr(_STRATEGIES[value]) if 0 <= value < len(_STRATEGIES) else "?"
+    return "None" if value == -1 and name == "dst" else str(value)
