@@ -11,6 +11,7 @@ ProcessGroup (None: the default group) or a :class:`Communicator` from :class:`T
 import atexit
 import threading
 import weakref
+from numbers import Real
 
 import torch
 import torch.distributed as dist
@@ -176,10 +177,31 @@ def foreach_all_gather(
     gathered on the host in one small call of their own.
     """
     comm = communicator(group, _setup_timeout(timeout))
+    _check_call(comm, "foreach_all_gather", strategy=strategy, preflight=preflight,
+                async_op=async_op, timeout=timeout,
+                hinted=params_shapes_across_group is not None)
     if params_shapes_across_group is None and _first_is_cuda(params):
         params_shapes_across_group = _gather_shapes(params, comm, timeout)
     return _C.foreach_all_gather(params, comm, params_shapes_across_group, timeout, preflight,
                                  strategy, async_op)
+
+
+def _check_call(comm, op, *, strategy="auto", preflight=True, async_op=False, timeout=None,
+                hinted=False):
+    """Fails the call ``op`` on every rank when a keyword has the wrong type, which the
+    extension would otherwise refuse on this rank alone (a TypeError before any exchange).
+    Values of the right type (a strategy name, a timeout's sign) the call itself checks."""
+    problem = None
+    for name, value in (("preflight", preflight), ("async_op", async_op)):
+        if not isinstance(value, bool):
+            problem = "%s must be a bool, got %s" % (name, type(value).__name__)
+    if not isinstance(strategy, str):
+        problem = "strategy must be a str, got %s" % type(strategy).__name__
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, Real)):
+        problem = "timeout must be a number of seconds or None, got %s" % type(timeout).__name__
+    if problem is not None:
+        exchanged = not hinted or preflight is not False
+        _C._fail_call(comm, op, problem, True, exchanged, _setup_timeout(timeout))
 
 
 def _first_is_cuda(params):
@@ -222,9 +244,49 @@ def _setup_timeout(timeout):
     return seconds if seconds >= 0 and seconds == seconds and seconds != float("inf") else None
 
 
+def _rank_arg(name, value, low=0):
+    """An int argument (a rank, a world size), as an int: a bool or a float is refused rather
+    than truncated; range checks are the plan's."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidTypeError("%s must be an int, got %s" % (name, type(value).__name__))
+    if value < low:
+        raise InvalidArgumentError("%s must be >= %d, got %d" % (name, low, value))
+    return value
+
+
 def _from_plan(name, doc=None):
-    """A read-only property reading ``self._plan.<name>`` (the C++ plan)."""
-    return property(lambda self: getattr(self._plan, name), doc=doc)
+    """A read-only property reading ``self._plan.<name>`` (the C++ plan); on a plan whose
+    construction failed, it raises that error (on this rank: an accessor exchanges nothing)."""
+    return property(lambda self: getattr(self._built(), name), doc=doc)
+
+
+class _Deferred:
+    """The argument error a pure constructor (one without a group) found: raised by the plan's
+    first collective call on every rank, through the header the peers exchange in that call,
+    so one rank's bad argument never leaves its peers waiting for their deadline."""
+
+    def __init__(self, error):
+        self.cls = InvalidTypeError if isinstance(error, TypeError) else type(error)
+        if not issubclass(self.cls, ShardgatherError):
+            self.cls = InvalidArgumentError
+        self.message = str(error)
+
+    def raise_here(self):
+        raise self.cls(self.message)
+
+    def fail_call(self, comm, op, preflight, timeout):
+        """Fails the call the peers are making (``op``) on every rank."""
+        _C._fail_call(comm, op, self.message, self.cls is InvalidTypeError,
+                      preflight if isinstance(preflight, bool) else True,
+                      _setup_timeout(timeout))
+
+
+def _deferred(build):
+    """(build(), None), or (None, the argument error it raised, deferred)."""
+    try:
+        return build(), None
+    except (ShardgatherError, TypeError, ValueError) as e:
+        return None, _Deferred(e)
 
 
 class _PlanState:
@@ -244,8 +306,24 @@ class _PlanState:
     output_bytes = _from_plan("output_bytes")
     world_size = _from_plan("world_size")
 
+    _error = None
+    _preflight = True
+    _given_timeout = None
+
     def _timeout(self):
-        return self._plan.timeout
+        return self._plan.timeout if self._plan is not None else None
+
+    def _built(self):
+        if self._plan is None:
+            self._error.raise_here()
+        return self._plan
+
+    def _execute(self, op, args, group, outputs, async_op):
+        comm = communicator(group, self._timeout())
+        _check_call(comm, op, async_op=async_op, preflight=self._preflight, hinted=True)
+        if self._plan is None:
+            self._error.fail_call(comm, op, self._preflight, self._given_timeout)
+        return self._plan.execute(args, comm, outputs, async_op)
 
 
 class AllGatherPlan(_PlanState):
@@ -271,9 +349,10 @@ class AllGatherPlan(_PlanState):
 
     def __init__(self, dtypes, shapes_across_group, rank, *, strategy="auto", preflight=True,
                  timeout=None):
-        shapes = [[tuple(s) for s in row] for row in shapes_across_group]
-        self._plan = _C.AllGatherPlan(list(dtypes), shapes, int(rank), strategy, preflight,
-                                      timeout)
+        self._preflight, self._given_timeout = preflight, timeout
+        self._plan, self._error = _deferred(lambda: _C.AllGatherPlan(
+            list(dtypes), [[tuple(s) for s in row] for row in shapes_across_group],
+            _rank_arg("rank", rank), strategy, preflight, timeout))
 
     @classmethod
     def create(cls, params, group=None, params_shapes_across_group=None, *, strategy="auto",
@@ -282,15 +361,18 @@ class AllGatherPlan(_PlanState):
         rank's row is checked); without it, every rank must call create (one header and one
         exchange of shape records). Errors raise on every rank."""
         plan = cls.__new__(cls)
-        plan._plan = _C.AllGatherPlan.create(params, communicator(group, _setup_timeout(timeout)),
-                                             params_shapes_across_group, strategy, preflight,
-                                             timeout)
+        comm = communicator(group, _setup_timeout(timeout))
+        _check_call(comm, "AllGatherPlan::create", strategy=strategy, preflight=preflight,
+                    timeout=timeout, hinted=params_shapes_across_group is not None)
+        plan._preflight, plan._given_timeout = preflight, timeout
+        plan._plan = _C.AllGatherPlan.create(params, comm, params_shapes_across_group, strategy,
+                                             preflight, timeout)
         return plan
 
     def execute(self, params, group=None, out=None, *, async_op=False):
         """Gathers ``params`` (matching the plan); returns ``out[i][r]`` views (see the class).
         ``async_op=True`` returns a :class:`Work` whose ``wait()`` returns them."""
-        return self._plan.execute(params, communicator(group, self._timeout()), out, async_op)
+        return self._execute("AllGatherPlan::execute", params, group, out, async_op)
 
     rank = _from_plan("rank")
     num_tensors = _from_plan("num_tensors")
@@ -312,18 +394,20 @@ class UnshardPlan(_PlanState):
 
     def __init__(self, specs, world_size, rank, *, strategy="auto", preflight=True,
                  timeout=None, dst=None):
-        self._plan = _C.UnshardPlan(list(specs), int(world_size), int(rank), strategy,
-                                    preflight, timeout, dst)
+        self._preflight, self._given_timeout = preflight, timeout
+        self._plan, self._error = _deferred(lambda: _C.UnshardPlan(
+            list(specs), _rank_arg("world_size", world_size, 1), _rank_arg("rank", rank),
+            strategy, preflight, timeout, None if dst is None else _rank_arg("dst", dst)))
 
     def execute(self, shards, group=None, outputs=None, *, async_op=False):
         """Gathers this rank's ``shards``; returns the full parameters (see the class).
         ``async_op=True`` returns a :class:`Work` whose ``wait()`` returns them."""
-        return self._plan.execute(shards, communicator(group, self._timeout()), outputs, async_op)
+        return self._execute("UnshardPlan::execute", shards, group, outputs, async_op)
 
     def shard_shape(self, rank, index):
         """The local shard shape rank ``rank`` passes for parameter ``index`` (padded if the
         spec is)."""
-        return self._plan.shard_shape(rank, index)
+        return self._built().shard_shape(rank, index)
 
     specs = _from_plan("specs", "The specs with their sizes filled in.")
 
@@ -334,8 +418,15 @@ def unshard(shards, specs, group=None, *, strategy="auto", preflight=True, timeo
     rank's ``shards`` as described by ``specs`` (a list of :class:`ShardSpec`). Shard shapes are
     checked against the specs; a wrong one raises on every rank. ``async_op=True`` returns a
     :class:`Work` whose ``wait()`` returns them."""
-    return _C.unshard(shards, communicator(group, _setup_timeout(timeout)), list(specs), strategy,
-                      preflight, timeout, async_op)
+    comm = communicator(group, _setup_timeout(timeout))
+    _check_call(comm, "unshard", strategy=strategy, preflight=preflight, async_op=async_op,
+                timeout=timeout, hinted=True)
+    try:
+        specs = list(specs)
+    except TypeError as e:
+        _C._fail_call(comm, "unshard", "specs must be a list of ShardSpec: %s" % e, True,
+                      preflight is not False, _setup_timeout(timeout))
+    return _C.unshard(shards, comm, specs, strategy, preflight, timeout, async_op)
 
 
 def full_tensors(tensors, group=None, *, strategy="auto", timeout=None):

@@ -11,7 +11,9 @@ wire once; the whole list is then one :func:`shardgather.unshard` over the mesh'
 from torch.distributed.tensor import DTensor, Replicate, Shard
 import torch.distributed as dist
 
-from . import _C, InvalidArgumentError, ShardSpec, communicator, unshard
+from . import (_C, InvalidArgumentError, InvalidTypeError, ShardgatherError, ShardSpec,
+               _setup_timeout, communicator, unshard)
+from ._agree import Agreement
 
 __all__ = ["full_tensors"]
 
@@ -48,15 +50,9 @@ def full_tensors(tensors, group=None, *, strategy="auto", timeout=None):
             mesh_group = _mesh_group(mesh, group)
         except _Unsupported as e:  # the same on every rank of the mesh: nobody is waiting
             raise InvalidArgumentError("full_tensors: " + str(e)) from None
-        comm = communicator(mesh_group, timeout)
-        try:
-            sharded, error = _layouts([items[i] for i in where], mesh, mesh_group), None
-        except _Unsupported as e:
-            error = "full_tensors: " + str(e)
-        except Exception as e:  # noqa: BLE001  (whatever it is, the peers must hear of it)
-            error = "full_tensors: reading tensor layouts failed: %s: %s" % (type(e).__name__, e)
-        if error is not None:  # the peers are in the unshard call: they raise it too
-            _C._fail_unshard(comm, error, False, True, timeout)
+        comm = communicator(mesh_group, _setup_timeout(timeout))
+        sharded = _agreed_layouts(comm, [items[i] for i in where], mesh, mesh_group,
+                                  list(tensors.keys()) if is_dict else None, strategy, timeout)
         full = unshard([s for _, s, _ in sharded], [spec for _, _, spec in sharded], comm,
                        strategy=strategy, timeout=timeout)
         for (k, _, _), t in zip(sharded, full):
@@ -68,6 +64,38 @@ def full_tensors(tensors, group=None, *, strategy="auto", timeout=None):
     if is_dict:
         return dict(zip(tensors.keys(), out))
     return out
+
+
+def _agreed_layouts(comm, dtensors, mesh, mesh_group, names, strategy, timeout):
+    """_layouts(), with a failure on any rank raised on every rank. For a dict the ranks also
+    agree on its keys, in order (one small collective): the same layouts under other keys would
+    gather one parameter's rows into another's."""
+    agreement = Agreement("full_tensors")
+    if not isinstance(strategy, str):
+        agreement.fail(InvalidTypeError, "strategy must be a str, got %s"
+                       % type(strategy).__name__)
+    sharded = agreement.capture(lambda: _described(_layouts, dtensors, mesh, mesh_group))
+    if names is not None:
+        agreement.names = names
+        agreement.specs = [spec for _, _, spec in sharded] if sharded is not None else None
+        agreement.run(comm, _setup_timeout(timeout))
+    elif agreement.error is not None:  # the peers are in the unshard call: they raise it too
+        cls, message = agreement.error
+        _C._fail_call(comm, "unshard", "full_tensors: " + message, cls is InvalidTypeError,
+                      True, _setup_timeout(timeout))
+    return sharded
+
+
+def _described(fn, *args):
+    """fn(*args); an unexpected exception becomes an argument error naming what failed (the
+    peers must hear of it whatever it is)."""
+    try:
+        return fn(*args)
+    except (_Unsupported, ShardgatherError, TypeError):
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise InvalidArgumentError("reading tensor layouts failed: %s: %s"
+                                   % (type(e).__name__, e)) from None
 
 
 def _mesh_group(mesh, group):

@@ -8,22 +8,23 @@ writes ``out/model-00001-of-0000N.safetensors`` .. and ``out/model.safetensors.i
 ``transformers``' ``from_pretrained`` and ``safetensors.safe_open`` read. It is one
 :func:`shardgather.unshard_stream` to ``dst``: the other ranks only send, and hold no full
 tensor; on ``dst`` each bucket becomes one file, written while the next bucket gathers, so
-``dst``'s extra memory is about (prefetch + 1) x bucket_bytes whatever the model's size. Files are
-written under a temporary name and renamed once complete; the index is written last.
+``dst``'s extra memory is about (prefetch + 1) x bucket_bytes whatever the model's size. The
+files are written into a staging directory inside ``out_dir`` and the whole checkpoint replaces
+an older one there atomically (:mod:`shardgather.checkpoint_dir`): a loader sees the old
+checkpoint, none, or the new one, never a mix.
 
 Collective over the group (for DTensors: their mesh): every rank calls it with the same layouts.
 A failure on any rank (a write error on ``dst`` included) raises on every rank.
 """
 
-import json
 import os
 
-from . import InvalidArgumentError
-from .stream import UnshardStream
+from . import _C, InvalidArgumentError, InvalidTypeError, _setup_timeout, communicator
+from ._agree import Agreement
+from .checkpoint_dir import INDEX_NAME, CheckpointWriter
+from .stream import UnshardStream, _check_int, _stream_group
 
 __all__ = ["save_safetensors", "INDEX_NAME"]
-
-INDEX_NAME = "model.safetensors.index.json"
 
 
 def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
@@ -34,58 +35,125 @@ def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
     ``state_dict`` may also be an UnshardStream made with the same ``dst``: a checkpoint saved
     every N steps then reuses its buckets (the other arguments but ``out_dir`` are its own).
 
-    ``progress``: a tqdm bar on ``dst`` (bytes written). ``metadata``: extra string pairs for
-    each file's header (``{"format": "pt"}`` is always set). Returns the index's path on ``dst``,
-    None elsewhere.
+    ``dst``: a rank of the group (an int in [0, world size)). ``progress``: a tqdm bar on
+    ``dst`` (bytes written). ``metadata``: extra str to str pairs for each file's header
+    (``{"format": "pt"}`` is always set). Returns the index's path on ``dst``, None elsewhere.
+
+    The checkpoint replaces an older one in ``out_dir`` atomically (see
+    :mod:`shardgather.checkpoint_dir`): until it is complete the older one stays intact, and
+    afterwards nothing of it that the new index could be confused with remains; other files
+    (``config.json``, tokenizer files, ...) are left alone. Every argument error, on any rank,
+    raises the same class on every rank before anything moves, and so does a failure to write
+    or commit on ``dst``.
     """
     from safetensors.torch import save_file
     from tqdm import tqdm
 
+    def check(names):
+        _check_export(out_dir, dst, progress, metadata, names, world)
+
     if isinstance(state_dict, UnshardStream):  # one made once, run again on every save
         stream = state_dict
-        if stream.dst != dst:
-            raise InvalidArgumentError("save_safetensors: the stream gathers to %s, not dst=%s"
-                                       % (stream.dst, dst))
+        world = stream._comm.size
+        _check_premade(stream, dst, check, timeout)
     else:
+        world = _world_of(state_dict, specs, group, timeout)
         stream = UnshardStream(state_dict, specs, group, bucket_bytes=bucket_bytes,
-                               prefetch=prefetch, dst=dst, timeout=timeout)
-    writer = stream.rank == dst
+                               prefetch=prefetch, dst=dst, timeout=timeout, _checks=(check,))
+    writer = []  # on dst: the CheckpointWriter, made inside the stream (a failure travels)
+    try:
+        index = _write_buckets(stream, out_dir, writer, save_file, tqdm, progress, metadata)
+    except BaseException:
+        for w in writer:
+            w.abort()
+        raise
+    return _commit(stream, writer[0] if writer else None, index, timeout, out_dir)
+
+
+def _write_buckets(stream, out_dir, writer, save_file, tqdm, progress, metadata):
+    """Gathers the buckets; on ``dst`` writes each as one file into the staging directory of a
+    CheckpointWriter it appends to ``writer``. Returns the index to commit (None elsewhere)."""
+    receives = stream.rank == stream.dst
     n = stream.num_buckets
     names = ["model-%05d-of-%05d.safetensors" % (b + 1, n) for b in range(n)]
     header = dict(metadata or {}, format="pt")
     weight_map, total = {}, 0
     bar = tqdm(total=stream.total_bytes, unit="B", unit_scale=True, desc="export",
-               disable=not (writer and progress))
+               disable=not (receives and progress))
     with bar, stream:
-        if writer:
-            os.makedirs(out_dir, exist_ok=True)
+        if receives:
+            writer.append(CheckpointWriter(out_dir))
         for b, bucket in enumerate(stream):
-            if not writer:
+            if not receives:
                 continue
             # CUDA buckets (a stream over CUDA shards) are written from host copies.
             tensors = {str(k): t.cpu() for k, t in bucket.items()}
-            _write_atomic(os.path.join(out_dir, names[b]),
-                          lambda path: save_file(tensors, path, metadata=header))
+            writer[0].write(names[b], lambda path: save_file(tensors, path, metadata=header))
             size = sum(t.nbytes for t in tensors.values())
             total += size
             weight_map.update(dict.fromkeys(tensors, names[b]))
             bar.update(size)
-    if not writer:
+    if not receives:
         return None
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    path = os.path.join(out_dir, INDEX_NAME)
-    _write_atomic(path, lambda p: _write_json(p, index))
-    return path
+    return {"metadata": {"total_size": total}, "weight_map": weight_map}
 
 
-def _write_json(path, value):
-    with open(path, "w") as f:
-        json.dump(value, f, indent=2)
-        f.write("\n")
+def _commit(stream, writer, index, timeout, out_dir):
+    """Makes the new checkpoint ``out_dir``'s on ``dst``; one agreement after it, so that a
+    failure there (a full disk, a permission) raises on every rank, not on ``dst`` alone."""
+    done = Agreement("save_safetensors")
+    if writer is not None:
+        done.capture(lambda: _commit_or_abort(writer, index))
+    done.run(stream._comm, _setup_timeout(timeout))
+    return os.path.join(out_dir, INDEX_NAME) if writer is not None else None
 
 
-def _write_atomic(path, write):
-    """``write(tmp)`` then rename: a reader never sees a half-written file under its name."""
-    tmp = path + ".tmp"
-    write(tmp)
-    os.replace(tmp, path)
+def _commit_or_abort(writer, index):
+    try:
+        writer.commit(index)
+    except BaseException as e:
+        writer.abort()
+        if isinstance(e, OSError):  # told to every rank as the argument it is about: out_dir
+            raise InvalidArgumentError("committing the checkpoint in %s failed: %s"
+                                       % (writer.out_dir, e)) from None
+        raise
+
+
+def _check_export(out_dir, dst, progress, metadata, names, world):
+    """The domain of the export's own arguments; ``names`` (None when the shards were already
+    refused) must stay distinct once converted to str, as safetensors names are."""
+    if not isinstance(out_dir, (str, os.PathLike)):
+        raise InvalidTypeError("out_dir must be a str or os.PathLike, got %s"
+                               % type(out_dir).__name__)
+    _check_int("dst", dst, 0, world - 1, "a rank of the group's %d" % world)
+    if not isinstance(progress, bool):
+        raise InvalidTypeError("progress must be a bool, got %s" % type(progress).__name__)
+    if metadata is not None and not (isinstance(metadata, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise InvalidTypeError("metadata must be a dict of str to str, got %r" % (metadata,))
+    seen = {}
+    for k in names or ():
+        if str(k) in seen:
+            raise InvalidArgumentError(
+                "keys %r and %r are both %r once converted to str (safetensors names are "
+                "strings): one would overwrite the other" % (seen[str(k)], k, str(k)))
+        seen[str(k)] = k
+
+
+def _check_premade(stream, dst, check, timeout):
+    """The export's arguments against a stream made beforehand. The peers' next call is that
+    stream's begin(): an error here fails it on every rank."""
+    agreement = Agreement("save_safetensors")
+    agreement.capture(lambda: check(stream._names))
+    if agreement.error is None and stream.dst != dst:
+        agreement.fail(InvalidArgumentError, "the stream gathers to %s, not dst=%s"
+                       % (stream.dst, dst))
+    if agreement.error is not None:
+        cls, message = agreement.error
+        _C._fail_call(stream._comm, "UnshardStream", "save_safetensors: " + message,
+                      cls is InvalidTypeError, True, _setup_timeout(timeout))
+
+
+def _world_of(state_dict, specs, group, timeout):
+    """The size of the group the stream will run over (for dst's domain)."""
+    return communicator(_stream_group(state_dict, specs, group), _setup_timeout(timeout)).size

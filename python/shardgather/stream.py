@@ -30,7 +30,8 @@ import math
 
 import torch
 
-from . import _C, InvalidArgumentError, ShardSpec, communicator
+from . import _C, InvalidArgumentError, InvalidTypeError, ShardSpec, _setup_timeout, communicator
+from ._agree import Agreement
 
 __all__ = ["UnshardStream", "unshard_stream"]
 
@@ -50,17 +51,38 @@ def unshard_stream(shards, specs=None, group=None, *, bucket_bytes=1 << 30, pref
 
 
 class UnshardStream:
-    """Iterable and context manager over the buckets; see :mod:`shardgather.stream`."""
+    """Iterable and context manager over the buckets; see :mod:`shardgather.stream`.
+
+    Building one is collective over the group (one small agreement): every argument error,
+    found on any rank, raises the same class on every rank from the constructor, and specs,
+    names (a dict's keys, in order) and options that differ raise MismatchError naming the first
+    difference; the group stays usable after either.
+    """
 
     def __init__(self, shards, specs=None, group=None, *, bucket_bytes=1 << 30, prefetch=1,
-                 dst=None, copy=False, strategy="auto", timeout=None):
-        names, tensors, specs, group = _inputs(shards, specs, group)
-        self._comm = communicator(group, timeout)
+                 dst=None, copy=False, strategy="auto", timeout=None, _checks=()):
+        agreement = Agreement("unshard_stream")
+        group = _stream_group(shards, specs, group)
+        self._comm = communicator(group, _setup_timeout(timeout))
+        agreement.capture(lambda: _check_options(bucket_bytes, prefetch, dst, copy, strategy,
+                                                 self._comm.size))
+        got = agreement.capture(lambda: _inputs(shards, specs, group))
+        names, tensors, specs = got[:3] if got else (None, None, None)
+        for check in _checks:  # the export's own arguments
+            agreement.capture(lambda: check(names))
+        self._stream = agreement.capture(lambda: _C.UnshardStream(
+            list(specs), self._comm.size, self._comm.rank, bucket_bytes, prefetch, dst,
+            strategy, timeout))
+        agreement.names = names if isinstance(shards, dict) else None
+        agreement.specs = specs
+        agreement.options = [("bucket_bytes", bucket_bytes), ("prefetch", prefetch),
+                             ("dst", dst), ("strategy", strategy)]
+        if agreement.error is not None:
+            agreement.options = [(k, None) for k, _ in agreement.options]
+        agreement.run(self._comm, _setup_timeout(timeout))
         self._names = names
         self._tensors = tensors
         self._copy = copy
-        self._stream = _C.UnshardStream(list(specs), self._comm.size, self._comm.rank,
-                                        bucket_bytes, prefetch, dst, strategy, timeout)
         self._begun = False
         self._ended = False
         self._at = 0  # buckets yielded
@@ -131,8 +153,49 @@ class UnshardStream:
             raise
 
 
+def _check_options(bucket_bytes, prefetch, dst, copy, strategy, world):
+    """The domain of each option, checked on every rank before anything is built."""
+    _check_int("bucket_bytes", bucket_bytes, 1, (1 << 63) - 1)
+    _check_int("prefetch", prefetch, 0, (1 << 31) - 2)
+    if dst is not None:
+        _check_int("dst", dst, 0, world - 1, "a rank of the group's %d, or None" % world)
+    if not isinstance(copy, bool):
+        raise InvalidTypeError("copy must be a bool, got %s" % type(copy).__name__)
+    if not isinstance(strategy, str):
+        raise InvalidTypeError("strategy must be a str, got %s" % type(strategy).__name__)
+
+
+def _check_int(name, value, low, high, domain=None):
+    """``value`` is an int (not a bool) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidTypeError("%s must be an int, got %s" % (name, type(value).__name__))
+    if not low <= value <= high:
+        raise InvalidArgumentError("%s must be %s, got %d"
+                                   % (name, domain or "in [%d, %d]" % (low, high), value))
+
+
+def _stream_group(shards, specs, group):
+    """The group a stream runs over: ``group``, or for DTensors (specs=None) their mesh's. It
+    never raises: a bad input is found (and agreed on) later, over ``group``."""
+    if specs is not None:
+        return group
+    try:
+        from torch.distributed.tensor import DTensor
+
+        from .dtensor import _mesh_group
+
+        values = shards.values() if isinstance(shards, dict) else shards
+        first = next((t for t in values if isinstance(t, DTensor)), None)
+        return group if first is None else _mesh_group(first.device_mesh, group)
+    except Exception:  # noqa: BLE001  (the same input fails again, reported, in _inputs)
+        return group
+
+
 def _inputs(shards, specs, group):
     """(names, shard tensors, specs, group) from any accepted form of the inputs."""
+    if not isinstance(shards, (dict, list, tuple)):
+        raise InvalidTypeError("shards must be a dict or a list of tensors, got %s"
+                               % type(shards).__name__)
     is_dict = isinstance(shards, dict)
     names = list(shards.keys()) if is_dict else list(range(len(shards)))
     tensors = list(shards.values()) if is_dict else list(shards)
@@ -140,12 +203,23 @@ def _inputs(shards, specs, group):
         return _from_dtensors(names, tensors, group)
     if isinstance(specs, dict):
         missing = [k for k in names if k not in specs]
-        if missing or len(specs) != len(names):
+        extra = [k for k in specs if k not in set(names)]
+        if missing or extra or len(specs) != len(names):
             raise InvalidArgumentError(
-                "unshard_stream: specs has keys %s but the shards have %s"
-                % (sorted(map(str, specs)), sorted(map(str, names))))
+                "specs and shards have other keys: %s"
+                % "; ".join(filter(None, [
+                    missing and "no spec for %s" % ", ".join(map(repr, missing[:3])),
+                    extra and "a spec for %s, which is no shard" % ", ".join(map(repr, extra[:3])),
+                ])))
         specs = [specs[k] for k in names]
-    return names, tensors, list(specs), group
+    specs = list(specs)
+    if len(specs) != len(names):
+        raise InvalidArgumentError("%d specs for %d shards" % (len(specs), len(names)))
+    for i, sp in enumerate(specs):
+        if not isinstance(sp, ShardSpec):
+            raise InvalidTypeError("the spec of %r is a %s, not a shardgather.ShardSpec"
+                                   % (names[i], type(sp).__name__))
+    return names, tensors, specs, group
 
 
 def _from_dtensors(names, tensors, group):
@@ -157,13 +231,13 @@ def _from_dtensors(names, tensors, group):
 
     if not tensors or not all(isinstance(t, DTensor) for t in tensors):
         raise InvalidArgumentError(
-            "unshard_stream: specs=None needs a non-empty list or dict of DTensors")
+            "specs=None needs a non-empty list or dict of DTensors")
     mesh = tensors[0].device_mesh
     try:
         mesh_group = _mesh_group(mesh, group)
         sharded = {i: (s, spec) for i, s, spec in _layouts(tensors, mesh, mesh_group)}
     except _Unsupported as e:  # the same on every rank of the mesh
-        raise InvalidArgumentError("unshard_stream: " + str(e)) from None
+        raise InvalidArgumentError(str(e)) from None
     world = torch.distributed.get_world_size(mesh_group)
     me = torch.distributed.get_rank(mesh_group)
     shards, specs = [], []
@@ -174,7 +248,7 @@ def _from_dtensors(names, tensors, group):
             local = t.to_local()
             if local.dim() == 0:
                 raise InvalidArgumentError(
-                    "unshard_stream: %r is a 0-d replicated DTensor, which has no dim to "
+                    "%r is a 0-d replicated DTensor, which has no dim to "
                     "stream along" % (names[i],))
             sizes = [local.shape[0]] + [0] * (world - 1)
             shard = local if me == 0 else local.narrow(0, 0, 0)

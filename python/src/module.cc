@@ -71,6 +71,17 @@ py::list result_lists(std::unique_ptr<GatherResult> result) {
   return out;
 }
 
+// The operation operation_name() calls `name` (an unknown name is this binding's own bug).
+Operation operation_named(const std::string& name) {
+  for (auto code = static_cast<std::uint8_t>(Operation::kForeachAllGather);
+       code <= static_cast<std::uint8_t>(Operation::kUnshardStream); ++code) {
+    if (operation_name(static_cast<Operation>(code)) == name) {
+      return static_cast<Operation>(code);
+    }
+  }
+  throw std::invalid_argument("no operation is called " + name);
+}
+
 // The options of a collective call; a bad strategy name or timeout fails the call on every rank.
 PlanOptions collective_plan_options(Communicator& comm, const std::string& strategy, bool preflight,
                                     std::optional<double> timeout, const CallShape& call) {
@@ -482,18 +493,20 @@ PYBIND11_MODULE(_shardgather, m) {
       },
       py::arg("shards"), py::arg("comm"), py::arg("specs"), py::arg("strategy") = "auto",
       py::arg("preflight") = true, py::arg("timeout") = py::none(), py::arg("async_op") = false);
-  // For Python-level wrappers of unshard (full_tensors): a local error fails the unshard call the
-  // peers are making, with this message, instead of leaving them waiting for their deadline.
+  // For Python-level wrappers (full_tensors, streams, the export): a local error fails the call
+  // the peers are making (`op`, as operation_name() spells it) with this message, instead of
+  // leaving them waiting for their deadline.
   m.def(
-      "_fail_unshard",
-      [](const CommPtr& comm, const std::string& message, bool is_type_error, bool preflight,
-         std::optional<double> timeout) {
+      "_fail_call",
+      [](const CommPtr& comm, const std::string& op, const std::string& message,
+         bool is_type_error, bool preflight, std::optional<double> timeout) {
+        const Operation operation = operation_named(op);
         const LocalError error{is_type_error ? LocalError::kType : LocalError::kValue, 0, message};
         fail_call(*comm, error,
-                  {Operation::kUnshard, preflight,
-                   timeout_or_fail(*comm, timeout, {Operation::kUnshard, preflight, {}})});
+                  {operation, preflight,
+                   timeout_or_fail(*comm, timeout, {operation, preflight, {}})});
       },
-      py::arg("comm"), py::arg("message"), py::arg("is_type_error") = false,
+      py::arg("comm"), py::arg("op"), py::arg("message"), py::arg("is_type_error") = false,
       py::arg("preflight") = true, py::arg("timeout") = py::none());
   m.def("_make_thread_group", &make_thread_group_py, py::arg("world_size"));
   // For tests: how a torch group's communicator moves uneven device gathers, as agreed.

@@ -151,21 +151,31 @@ def case_unshard_wrong_shard_shape(rank, world):
 
 
 def case_unshard_bad_arguments(rank, world):
-    # Pure, local: bad specs raise ValueError without touching the group.
+    # The pure constructor exchanges nothing: its argument error is raised by the first execute,
+    # on every rank (through the header), and by the plan's accessors on this rank.
+    shards = [torch.ones(1, 4)]
     for bad in (
-        lambda: shardgather.UnshardPlan([shardgather.ShardSpec(torch.float32, (4, 4), 2)], world, rank),
+        lambda: shardgather.UnshardPlan([shardgather.ShardSpec(torch.float32, (4, 4), 2)], world,
+                                        rank, timeout=T),
         lambda: shardgather.UnshardPlan(
-            [shardgather.ShardSpec(torch.float32, (4, 4), 0, sizes=[1] * (world + 1))], world, rank
-        ),
-        lambda: shardgather.ShardSpec(torch.complex64, (4,), 0),
-        lambda: shardgather.UnshardPlan([], world, rank, strategy="fastest"),
+            [shardgather.ShardSpec(torch.float32, (4, 4), 0, sizes=[1] * (world + 1))], world,
+            rank, timeout=T),
+        lambda: shardgather.UnshardPlan([], world, rank, strategy="fastest", timeout=T),
     ):
-        try:
-            bad()
-        except ValueError:
-            pass
-        else:
-            raise AssertionError("expected ValueError")
+        plan = bad()
+        for call in (lambda: plan.execute(shards), lambda: plan.specs):
+            try:
+                call()
+            except shardgather.InvalidArgumentError as e:
+                assert isinstance(e, ValueError), e
+            else:
+                raise AssertionError("expected InvalidArgumentError")
+    try:
+        shardgather.ShardSpec(torch.complex64, (4,), 0)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("an unsupported dtype must raise ValueError")
     try:
         shardgather.ShardSpec("float32", (4,), 0)
     except TypeError:
