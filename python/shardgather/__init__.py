@@ -11,7 +11,7 @@ ProcessGroup (None: the default group) or a :class:`Communicator` from :class:`T
 import atexit
 import threading
 import weakref
-from numbers import Real
+from numbers import Integral, Real
 
 import torch
 import torch.distributed as dist
@@ -247,11 +247,11 @@ def _setup_timeout(timeout):
 def _rank_arg(name, value, low=0):
     """An int argument (a rank, a world size), as an int: a bool or a float is refused rather
     than truncated; range checks are the plan's."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, Integral):
         raise InvalidTypeError("%s must be an int, got %s" % (name, type(value).__name__))
     if value < low:
         raise InvalidArgumentError("%s must be >= %d, got %d" % (name, low, value))
-    return value
+    return int(value)
 
 
 def _from_plan(name, doc=None):

@@ -45,9 +45,10 @@ class Agreement:
             self.error = (cls if cls in _CODES else InvalidArgumentError, str(message))
 
     def capture(self, step):
-        """Runs ``step()`` unless an earlier step failed, recording the argument error it
-        raises (a ShardgatherError, TypeError or ValueError) instead of raising it. Returns
-        the step's result, or None."""
+        """Runs ``step()`` unless an earlier step failed, recording what it raises instead of
+        raising it: a TypeError as InvalidTypeError, a ValueError as InvalidArgumentError, and
+        anything else as InvalidArgumentError naming its type (whatever it is, the peers must
+        hear of it). Returns the step's result, or None."""
         if self.error is not None:
             return None
         try:
@@ -58,6 +59,8 @@ class Agreement:
             self.fail(type(e), e)
         except ValueError as e:
             self.fail(InvalidArgumentError, e)
+        except Exception as e:  # noqa: BLE001
+            self.fail(InvalidArgumentError, "%s: %s" % (type(e).__name__, e))
         return None
 
     def run(self, comm, timeout=None):

@@ -11,8 +11,8 @@ wire once; the whole list is then one :func:`shardgather.unshard` over the mesh'
 from torch.distributed.tensor import DTensor, Replicate, Shard
 import torch.distributed as dist
 
-from . import (_C, InvalidArgumentError, InvalidTypeError, ShardgatherError, ShardSpec,
-               _setup_timeout, communicator, unshard)
+from . import (_C, InvalidArgumentError, InvalidTypeError, ShardSpec, _setup_timeout,
+               communicator, unshard)
 from ._agree import Agreement
 
 __all__ = ["full_tensors"]
@@ -74,7 +74,7 @@ def _agreed_layouts(comm, dtensors, mesh, mesh_group, names, strategy, timeout):
     if not isinstance(strategy, str):
         agreement.fail(InvalidTypeError, "strategy must be a str, got %s"
                        % type(strategy).__name__)
-    sharded = agreement.capture(lambda: _described(_layouts, dtensors, mesh, mesh_group))
+    sharded = agreement.capture(lambda: _layouts(dtensors, mesh, mesh_group))
     if names is not None:
         agreement.names = names
         agreement.specs = [spec for _, _, spec in sharded] if sharded is not None else None
@@ -84,18 +84,6 @@ def _agreed_layouts(comm, dtensors, mesh, mesh_group, names, strategy, timeout):
         _C._fail_call(comm, "unshard", "full_tensors: " + message, cls is InvalidTypeError,
                       True, _setup_timeout(timeout))
     return sharded
-
-
-def _described(fn, *args):
-    """fn(*args); an unexpected exception becomes an argument error naming what failed (the
-    peers must hear of it whatever it is)."""
-    try:
-        return fn(*args)
-    except (_Unsupported, ShardgatherError, TypeError):
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise InvalidArgumentError("reading tensor layouts failed: %s: %s"
-                                   % (type(e).__name__, e)) from None
 
 
 def _mesh_group(mesh, group):

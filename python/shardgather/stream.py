@@ -27,6 +27,7 @@ Without ``with``, a consumer that raises on one rank leaves its peers waiting fo
 """
 
 import math
+from numbers import Integral
 
 import torch
 
@@ -167,7 +168,7 @@ def _check_options(bucket_bytes, prefetch, dst, copy, strategy, world):
 
 def _check_int(name, value, low, high, domain=None):
     """``value`` is an int (not a bool) in [low, high]."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, Integral):
         raise InvalidTypeError("%s must be an int, got %s" % (name, type(value).__name__))
     if not low <= value <= high:
         raise InvalidArgumentError("%s must be %s, got %d"
