@@ -11,7 +11,7 @@ ProcessGroup (None: the default group) or a :class:`Communicator` from :class:`T
 import atexit
 import threading
 import weakref
-from numbers import Integral, Real
+from numbers import Real
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ if torch.__version__.split("+")[0] != _BUILT_FOR:
     )
 
 from . import _shardgather as _C  # noqa: E402
+from ._agree import check_int, classify  # noqa: E402
 from ._shardgather import (  # noqa: F401  (re-exported)
     AUTO_TRIAL_RUNS,
     AbortedError,
@@ -191,15 +192,16 @@ def _check_call(comm, op, *, strategy="auto", preflight=True, async_op=False, ti
     """Fails the call ``op`` on every rank when a keyword has the wrong type, which the
     extension would otherwise refuse on this rank alone (a TypeError before any exchange).
     Values of the right type (a strategy name, a timeout's sign) the call itself checks."""
-    problem = None
-    for name, value in (("preflight", preflight), ("async_op", async_op)):
-        if not isinstance(value, bool):
-            problem = "%s must be a bool, got %s" % (name, type(value).__name__)
+    problems = ["%s must be a bool, got %s" % (name, type(value).__name__)
+                for name, value in (("preflight", preflight), ("async_op", async_op))
+                if not isinstance(value, bool)]
     if not isinstance(strategy, str):
-        problem = "strategy must be a str, got %s" % type(strategy).__name__
+        problems.append("strategy must be a str, got %s" % type(strategy).__name__)
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, Real)):
-        problem = "timeout must be a number of seconds or None, got %s" % type(timeout).__name__
-    if problem is not None:
+        problems.append("timeout must be a number of seconds or None, got %s"
+                        % type(timeout).__name__)
+    if problems:
+        problem = problems[0]
         exchanged = not hinted or preflight is not False
         _C._fail_call(comm, op, problem, True, exchanged, _setup_timeout(timeout))
 
@@ -244,16 +246,6 @@ def _setup_timeout(timeout):
     return seconds if seconds >= 0 and seconds == seconds and seconds != float("inf") else None
 
 
-def _rank_arg(name, value, low=0):
-    """An int argument (a rank, a world size), as an int: a bool or a float is refused rather
-    than truncated; range checks are the plan's."""
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise InvalidTypeError("%s must be an int, got %s" % (name, type(value).__name__))
-    if value < low:
-        raise InvalidArgumentError("%s must be >= %d, got %d" % (name, low, value))
-    return int(value)
-
-
 def _from_plan(name, doc=None):
     """A read-only property reading ``self._plan.<name>`` (the C++ plan); on a plan whose
     construction failed, it raises that error (on this rank: an accessor exchanges nothing)."""
@@ -266,10 +258,7 @@ class _Deferred:
     so one rank's bad argument never leaves its peers waiting for their deadline."""
 
     def __init__(self, error):
-        self.cls = InvalidTypeError if isinstance(error, TypeError) else type(error)
-        if not issubclass(self.cls, ShardgatherError):
-            self.cls = InvalidArgumentError
-        self.message = str(error)
+        self.cls, self.message = classify(error)
 
     def raise_here(self):
         raise self.cls(self.message)
@@ -285,7 +274,7 @@ def _deferred(build):
     """(build(), None), or (None, the argument error it raised, deferred)."""
     try:
         return build(), None
-    except (ShardgatherError, TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001  (whatever it is, the first execute tells the peers)
         return None, _Deferred(e)
 
 
@@ -352,7 +341,7 @@ class AllGatherPlan(_PlanState):
         self._preflight, self._given_timeout = preflight, timeout
         self._plan, self._error = _deferred(lambda: _C.AllGatherPlan(
             list(dtypes), [[tuple(s) for s in row] for row in shapes_across_group],
-            _rank_arg("rank", rank), strategy, preflight, timeout))
+            check_int("rank", rank, 0), strategy, preflight, timeout))
 
     @classmethod
     def create(cls, params, group=None, params_shapes_across_group=None, *, strategy="auto",
@@ -396,8 +385,8 @@ class UnshardPlan(_PlanState):
                  timeout=None, dst=None):
         self._preflight, self._given_timeout = preflight, timeout
         self._plan, self._error = _deferred(lambda: _C.UnshardPlan(
-            list(specs), _rank_arg("world_size", world_size, 1), _rank_arg("rank", rank),
-            strategy, preflight, timeout, None if dst is None else _rank_arg("dst", dst)))
+            list(specs), check_int("world_size", world_size, 1), check_int("rank", rank, 0),
+            strategy, preflight, timeout, None if dst is None else check_int("dst", dst, 0)))
 
     def execute(self, shards, group=None, outputs=None, *, async_op=False):
         """Gathers this rank's ``shards``; returns the full parameters (see the class).

@@ -16,10 +16,11 @@ rank takes it alike: they all see the same fingerprints).
 
 import hashlib
 import json
+from numbers import Integral
 
 import torch
 
-from ._shardgather import InvalidArgumentError, InvalidTypeError, MismatchError
+from ._shardgather import InvalidArgumentError, InvalidTypeError, MismatchError, chunk_sizes
 from ._shardgather import foreach_all_gather as _gather
 
 _MESSAGE_BYTES = 480
@@ -45,28 +46,20 @@ class Agreement:
             self.error = (cls if cls in _CODES else InvalidArgumentError, str(message))
 
     def capture(self, step):
-        """Runs ``step()`` unless an earlier step failed, recording what it raises instead of
-        raising it: a TypeError as InvalidTypeError, a ValueError as InvalidArgumentError, and
-        anything else as InvalidArgumentError naming its type (whatever it is, the peers must
-        hear of it). Returns the step's result, or None."""
+        """Runs ``step()`` unless an earlier step failed, recording what it raises (as
+        :func:`classify` names it) instead of raising it. Returns the step's result, or None."""
         if self.error is not None:
             return None
         try:
             return step()
-        except (InvalidTypeError, TypeError) as e:
-            self.fail(InvalidTypeError, e)
-        except (InvalidArgumentError, MismatchError) as e:
-            self.fail(type(e), e)
-        except ValueError as e:
-            self.fail(InvalidArgumentError, e)
-        except Exception as e:  # noqa: BLE001
-            self.fail(InvalidArgumentError, "%s: %s" % (type(e).__name__, e))
+        except Exception as e:  # noqa: BLE001  (whatever it is, the peers must hear of it)
+            self.fail(*classify(e))
         return None
 
     def run(self, comm, timeout=None):
         """Collective over ``comm``: raises, identically on every rank, the first rank's
         recorded error, else the first difference of names, specs or options."""
-        record, message = self._record()
+        record, message = self._record(comm.size)
         n = len(record)
         hint = [[(n,), (_MESSAGE_BYTES,)]] * comm.size
         got = _gather([record, message], comm, hint, timeout, True, "auto", False)
@@ -85,11 +78,11 @@ class Agreement:
                                         % (self.what, name, _show(name, records[0][3 + k]), r,
                                            _show(name, rec[3 + k])))
 
-    def _record(self):
+    def _record(self, world):
         code, text = 0, ""
         if self.error is not None:
             code, text = _CODES[self.error[0]], self.error[1]
-        record = [code, _digest(self._names_text()), _digest(self._specs_text())]
+        record = [code, _digest(self._names_text()), _digest(self._specs_text(world))]
         record += [_wire(name, v) for name, v in self.options]
         raw = text.encode("utf-8")[:_MESSAGE_BYTES - 1]
         message = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
@@ -100,20 +93,27 @@ class Agreement:
     def _names_text(self):
         return None if self.names is None else [repr(k) for k in self.names]
 
-    def _specs_text(self):
+    def _specs_text(self, world):
+        """The specs as the plans read them: default sizes filled in (torch.chunk's), the shard
+        dim made non-negative, so that equal specs written two ways agree."""
         if self.specs is None:
             return None
-        return [[str(s.dtype), list(s.full_shape), s.shard_dim, list(s.sizes), s.padded_size]
-                for s in self.specs]
+        out = []
+        for s in self.specs:
+            ndim = len(s.full_shape)
+            dim = s.shard_dim % ndim if ndim else s.shard_dim
+            sizes = list(s.sizes) or (chunk_sizes(s.full_shape[dim], world) if ndim else [])
+            out.append([str(s.dtype), list(s.full_shape), dim, sizes, s.padded_size])
+        return out
 
     def _explain(self, comm, r, timeout):
         """Every rank's names and specs (one more gather, on this failure path only), and the
         MismatchError naming the first difference between rank 0's and rank ``r``'s."""
-        mine = json.dumps([self._names_text(), self._specs_text()]).encode("utf-8")
+        mine = json.dumps([self._names_text(), self._specs_text(comm.size)]).encode("utf-8")
         mine = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
         got = _gather([mine], comm, None, timeout, True, "auto", False)[0]
-        names0, specs0 = json.loads(bytes(got[0].tolist()))
-        names, specs = json.loads(bytes(got[r].tolist()))
+        names0, specs0 = json.loads(got[0].numpy().tobytes())
+        names, specs = json.loads(got[r].numpy().tobytes())
         raise MismatchError("%s: %s" % (self.what, _first_difference(names0, specs0, names,
                                                                        specs, r)))
 
@@ -134,8 +134,9 @@ def _first_difference(names0, specs0, names, specs, r):
 
 def _names_difference(names0, names, r):
     """The first key one side lacks, else the first position whose key differs."""
-    only0 = [k for k in names0 if k not in set(names)]
-    only = [k for k in names if k not in set(names0)]
+    have, have0 = set(names), set(names0)
+    only0 = [k for k in names0 if k not in have]
+    only = [k for k in names if k not in have0]
     if only0 or only:
         parts = []
         if only0:
@@ -150,6 +151,31 @@ def _names_difference(names0, names, r):
                     "keys in another order would gather one parameter's rows into another)"
                     % (i, a, b, r))
     return "the keys differ between rank 0 and rank %d" % r
+
+
+def classify(error):
+    """(class, message) for an argument error raised on one rank, as every rank will raise it:
+    a TypeError is an InvalidTypeError, a ValueError an InvalidArgumentError, and anything else
+    (a MemoryError from an absurd size, a bug in a caller's object) an InvalidArgumentError
+    naming its type."""
+    if isinstance(error, TypeError):
+        return InvalidTypeError, str(error)
+    if isinstance(error, (InvalidArgumentError, MismatchError)):
+        return type(error), str(error)
+    if isinstance(error, ValueError):
+        return InvalidArgumentError, str(error)
+    return InvalidArgumentError, "%s: %s" % (type(error).__name__, error)
+
+
+def check_int(name, value, low, high=None, domain=None):
+    """``value`` as an int, when it is one (not a bool, not a float) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise InvalidTypeError("%s must be an int, got %s" % (name, type(value).__name__))
+    if value < low or (high is not None and value > high):
+        if domain is None:
+            domain = ">= %d" % low if high is None else "in [%d, %d]" % (low, high)
+        raise InvalidArgumentError("%s must be %s, got %d" % (name, domain, value))
+    return int(value)
 
 
 def _digest(value):

@@ -19,10 +19,13 @@ A failure on any rank (a write error on ``dst`` included) raises on every rank.
 
 import os
 
-from . import _C, InvalidArgumentError, InvalidTypeError, _setup_timeout, communicator
-from ._agree import Agreement
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from . import InvalidArgumentError, InvalidTypeError, _setup_timeout, communicator
+from ._agree import Agreement, check_int
 from .checkpoint_dir import INDEX_NAME, CheckpointWriter
-from .stream import UnshardStream, _check_int, _stream_group
+from .stream import UnshardStream, _stream_group
 
 __all__ = ["save_safetensors", "INDEX_NAME"]
 
@@ -46,8 +49,6 @@ def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
     raises the same class on every rank before anything moves, and so does a failure to write
     or commit on ``dst``.
     """
-    from safetensors.torch import save_file
-    from tqdm import tqdm
 
     def check(names):
         _check_export(out_dir, dst, progress, metadata, names, world)
@@ -62,7 +63,7 @@ def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
                                prefetch=prefetch, dst=dst, timeout=timeout, _checks=(check,))
     writer = []  # on dst: the CheckpointWriter, made inside the stream (a failure travels)
     try:
-        index = _write_buckets(stream, out_dir, writer, save_file, tqdm, progress, metadata)
+        index = _write_buckets(stream, out_dir, writer, progress, metadata)
     except BaseException:
         for w in writer:
             w.abort()
@@ -70,32 +71,46 @@ def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
     return _commit(stream, writer[0] if writer else None, index, timeout, out_dir)
 
 
-def _write_buckets(stream, out_dir, writer, save_file, tqdm, progress, metadata):
+def _write_buckets(stream, out_dir, writer, progress, metadata):
     """Gathers the buckets; on ``dst`` writes each as one file into the staging directory of a
-    CheckpointWriter it appends to ``writer``. Returns the index to commit (None elsewhere)."""
+    CheckpointWriter it appends to ``writer``. Returns the index to commit (None elsewhere).
+    Everything on ``dst`` that can fail happens inside the stream, whose ``with`` tells the
+    peers."""
     receives = stream.rank == stream.dst
     n = stream.num_buckets
     names = ["model-%05d-of-%05d.safetensors" % (b + 1, n) for b in range(n)]
     header = dict(metadata or {}, format="pt")
     weight_map, total = {}, 0
-    bar = tqdm(total=stream.total_bytes, unit="B", unit_scale=True, desc="export",
-               disable=not (receives and progress))
-    with bar, stream:
+    with stream:
         if receives:
             writer.append(CheckpointWriter(out_dir))
-        for b, bucket in enumerate(stream):
-            if not receives:
-                continue
-            # CUDA buckets (a stream over CUDA shards) are written from host copies.
-            tensors = {str(k): t.cpu() for k, t in bucket.items()}
-            writer[0].write(names[b], lambda path: save_file(tensors, path, metadata=header))
-            size = sum(t.nbytes for t in tensors.values())
-            total += size
-            weight_map.update(dict.fromkeys(tensors, names[b]))
-            bar.update(size)
+        bar = tqdm(total=stream.total_bytes, unit="B", unit_scale=True, desc="export",
+                   disable=not (receives and progress))
+        try:
+            for b, bucket in enumerate(stream):
+                if not receives:
+                    continue
+                # CUDA buckets (a stream over CUDA shards) are written from host copies.
+                tensors = {str(k): t.cpu() for k, t in bucket.items()}
+                writer[0].write(names[b], lambda path: save_file(tensors, path, metadata=header))
+                size = sum(t.nbytes for t in tensors.values())
+                total += size
+                weight_map.update(dict.fromkeys(tensors, names[b]))
+                bar.update(size)
+        finally:
+            _close_quietly(bar)
     if not receives:
         return None
     return {"metadata": {"total_size": total}, "weight_map": weight_map}
+
+
+def _close_quietly(bar):
+    """A progress bar never fails an export: closing it runs after the stream ended, where an
+    error (a broken stderr pipe) would reach this rank alone."""
+    try:
+        bar.close()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _commit(stream, writer, index, timeout, out_dir):
@@ -125,7 +140,7 @@ def _check_export(out_dir, dst, progress, metadata, names, world):
     if not isinstance(out_dir, (str, os.PathLike)):
         raise InvalidTypeError("out_dir must be a str or os.PathLike, got %s"
                                % type(out_dir).__name__)
-    _check_int("dst", dst, 0, world - 1, "a rank of the group's %d" % world)
+    check_int("dst", dst, 0, world - 1, "a rank of the group's %d" % world)
     if not isinstance(progress, bool):
         raise InvalidTypeError("progress must be a bool, got %s" % type(progress).__name__)
     if metadata is not None and not (isinstance(metadata, dict) and all(
@@ -141,17 +156,14 @@ def _check_export(out_dir, dst, progress, metadata, names, world):
 
 
 def _check_premade(stream, dst, check, timeout):
-    """The export's arguments against a stream made beforehand. The peers' next call is that
-    stream's begin(): an error here fails it on every rank."""
+    """The export's arguments against a stream made beforehand: one agreement on every rank,
+    so that an error raises everywhere and leaves the stream usable for the next save."""
     agreement = Agreement("save_safetensors")
     agreement.capture(lambda: check(stream._names))
     if agreement.error is None and stream.dst != dst:
         agreement.fail(InvalidArgumentError, "the stream gathers to %s, not dst=%s"
                        % (stream.dst, dst))
-    if agreement.error is not None:
-        cls, message = agreement.error
-        _C._fail_call(stream._comm, "UnshardStream", "save_safetensors: " + message,
-                      cls is InvalidTypeError, True, _setup_timeout(timeout))
+    agreement.run(stream._comm, _setup_timeout(timeout))
 
 
 def _world_of(state_dict, specs, group, timeout):

@@ -32,7 +32,7 @@ from numbers import Integral
 import torch
 
 from . import _C, InvalidArgumentError, InvalidTypeError, ShardSpec, _setup_timeout, communicator
-from ._agree import Agreement
+from ._agree import Agreement, check_int
 
 __all__ = ["UnshardStream", "unshard_stream"]
 
@@ -65,12 +65,12 @@ class UnshardStream:
         agreement = Agreement("unshard_stream")
         group = _stream_group(shards, specs, group)
         self._comm = communicator(group, _setup_timeout(timeout))
-        agreement.capture(lambda: _check_options(bucket_bytes, prefetch, dst, copy, strategy,
-                                                 self._comm.size))
         got = agreement.capture(lambda: _inputs(shards, specs, group))
         names, tensors, specs = got[:3] if got else (None, None, None)
-        for check in _checks:  # the export's own arguments
+        for check in _checks:  # the export's own arguments (its dst domain is narrower)
             agreement.capture(lambda: check(names))
+        agreement.capture(lambda: _check_options(bucket_bytes, prefetch, dst, copy, strategy,
+                                                 self._comm.size))
         self._stream = agreement.capture(lambda: _C.UnshardStream(
             list(specs), self._comm.size, self._comm.rank, bucket_bytes, prefetch, dst,
             strategy, timeout))
@@ -156,40 +156,35 @@ class UnshardStream:
 
 def _check_options(bucket_bytes, prefetch, dst, copy, strategy, world):
     """The domain of each option, checked on every rank before anything is built."""
-    _check_int("bucket_bytes", bucket_bytes, 1, (1 << 63) - 1)
-    _check_int("prefetch", prefetch, 0, (1 << 31) - 2)
+    check_int("bucket_bytes", bucket_bytes, 1, (1 << 63) - 1)
+    check_int("prefetch", prefetch, 0, (1 << 31) - 2)
     if dst is not None:
-        _check_int("dst", dst, 0, world - 1, "a rank of the group's %d, or None" % world)
+        check_int("dst", dst, 0, world - 1, "a rank of the group's %d, or None" % world)
     if not isinstance(copy, bool):
         raise InvalidTypeError("copy must be a bool, got %s" % type(copy).__name__)
     if not isinstance(strategy, str):
         raise InvalidTypeError("strategy must be a str, got %s" % type(strategy).__name__)
 
 
-def _check_int(name, value, low, high, domain=None):
-    """``value`` is an int (not a bool) in [low, high]."""
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise InvalidTypeError("%s must be an int, got %s" % (name, type(value).__name__))
-    if not low <= value <= high:
-        raise InvalidArgumentError("%s must be %s, got %d"
-                                   % (name, domain or "in [%d, %d]" % (low, high), value))
-
-
 def _stream_group(shards, specs, group):
-    """The group a stream runs over: ``group``, or for DTensors (specs=None) their mesh's. It
-    never raises: a bad input is found (and agreed on) later, over ``group``."""
-    if specs is not None:
+    """The group a stream runs over: ``group``, or for DTensors (specs=None) their mesh's. A
+    mesh no group can be found for raises here, before any exchange: that is the same on every
+    rank of the mesh, and agreeing over another group would wait for ranks outside the mesh.
+    Inputs that are no DTensors are found (and agreed on) later, over ``group``."""
+    if specs is not None or not isinstance(shards, (dict, list, tuple)):
+        return group
+    from torch.distributed.tensor import DTensor
+
+    from .dtensor import _mesh_group, _Unsupported
+
+    values = shards.values() if isinstance(shards, dict) else shards
+    first = next((t for t in values if isinstance(t, DTensor)), None)
+    if first is None:
         return group
     try:
-        from torch.distributed.tensor import DTensor
-
-        from .dtensor import _mesh_group
-
-        values = shards.values() if isinstance(shards, dict) else shards
-        first = next((t for t in values if isinstance(t, DTensor)), None)
-        return group if first is None else _mesh_group(first.device_mesh, group)
-    except Exception:  # noqa: BLE001  (the same input fails again, reported, in _inputs)
-        return group
+        return _mesh_group(first.device_mesh, group)
+    except _Unsupported as e:
+        raise InvalidArgumentError("unshard_stream: " + str(e)) from None
 
 
 def _inputs(shards, specs, group):
@@ -204,7 +199,8 @@ def _inputs(shards, specs, group):
         return _from_dtensors(names, tensors, group)
     if isinstance(specs, dict):
         missing = [k for k in names if k not in specs]
-        extra = [k for k in specs if k not in set(names)]
+        have = set(names)
+        extra = [k for k in specs if k not in have]
         if missing or extra or len(specs) != len(names):
             raise InvalidArgumentError(
                 "specs and shards have other keys: %s"

@@ -87,7 +87,8 @@ PreflightHeader decode_header(std::span<const std::byte> bytes, int from_rank);
 
 // Decodes every rank's header from an all_gather and raises, identically on every rank, the
 // first failed status or disagreement: operation, world size, sequence number, tensor count,
-// hint presence and hash, dtypes, device type, strategy. `me` only prefixes the message.
+// hint presence, dtypes, hint hash (a plan's fingerprint covers its dtypes: the dtype is the
+// cause to name), device type, strategy. `me` only prefixes the message.
 void check_headers(std::span<const std::byte> gathered, std::span<PreflightHeader> headers, int me);
 
 }  // namespace shardgather::detail

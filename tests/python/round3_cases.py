@@ -143,6 +143,9 @@ STREAM_ROWS = [
      lambda kw, w: dict(kw, specs=_respecced(kw["specs"], shard_dim=1, full_shape=(2 * w + 1, 3),
                                             sizes=[1] * (w - 1) + [3 - w + 1])),
      "MismatchError", "shard dim is 0 on rank 0, 1", 2),
+    ("spec_written_two_ways", "stream",  # default sizes and a negative dim: the same spec
+     lambda kw, w: dict(kw, specs=dict(kw["specs"], **{"attn.k": shardgather.ShardSpec(
+         torch.bfloat16, (4, 2 * w), -1)})), "ok", "", 2),
     ("keys_renamed", "stream", lambda kw, w: dict(kw, state=_renamed(kw["state"]),
                                                   specs=_renamed(kw["specs"])),
      "MismatchError", "lacks key 'attn.v'", 2),
@@ -385,8 +388,8 @@ def check_export_key_collision(rank, world, group):
 
 
 def check_export_premade_stream(rank, world, group):
-    """A stream made beforehand, saved with another dst on one rank: that rank fails the
-    stream's begin, which its peers are in, so every rank raises; a new stream then works."""
+    """A stream made beforehand, saved with another dst on one rank: every rank raises, and
+    the stream is still usable for the next save on every rank."""
     state, specs = _state(world, rank)
     out = tempfile.mkdtemp(prefix="sg-premade-")
     try:
@@ -399,7 +402,6 @@ def check_export_premade_stream(rank, world, group):
         else:
             raise AssertionError("a stream saved with another dst succeeded")
         _usable(group, rank, world)
-        stream = shardgather.unshard_stream(state, specs, group, dst=world - 1, timeout=T)
         index = save_safetensors(stream, out, dst=world - 1, progress=False, timeout=T)
         assert (index is not None) == (rank == world - 1)
     finally:
@@ -539,6 +541,28 @@ def case_full_tensors_rows(rank, world):
             wrong.append("%s: expected %s, got %s" % (rid, cls, got))
         _usable(None, rank, world)
     assert not wrong, "rank %d:\n  %s" % (rank, "\n  ".join(wrong))
+
+
+def case_stream_mesh_without_group(rank, world):
+    """A stream over DTensors on a 2-D mesh that spans part of the world, without group=:
+    InvalidArgumentError on the mesh's ranks from the constructor, before any exchange (the
+    mesh's ranks cannot agree over the world: the others make no call)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if world < 3:
+        return
+    mesh = DeviceMesh("cpu", [[0], [1]])  # every rank builds it: its sub-groups are collective
+    if rank > 1:
+        return
+    t = DTensor.from_local(torch.ones(1, 3), mesh, [Shard(0), Replicate()], run_check=False,
+                           shape=(2, 3), stride=(3, 1))
+    try:
+        shardgather.unshard_stream({"w": t}, timeout=T)
+    except shardgather.InvalidArgumentError as e:
+        assert "pass group=" in str(e), str(e)
+    else:
+        raise AssertionError("a mesh over part of the world streamed without group=")
 
 
 CASES = sorted(k for k in globals() if k.startswith("case_"))
