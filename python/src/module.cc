@@ -498,13 +498,13 @@ PYBIND11_MODULE(_shardgather, m) {
   // leaving them waiting for their deadline.
   m.def(
       "_fail_call",
-      [](const CommPtr& comm, const std::string& op, const std::string& message,
-         bool is_type_error, bool preflight, std::optional<double> timeout) {
+      [](const CommPtr& comm, const std::string& op, const std::string& message, bool is_type_error,
+         bool preflight, std::optional<double> timeout) {
         const Operation operation = operation_named(op);
         const LocalError error{is_type_error ? LocalError::kType : LocalError::kValue, 0, message};
-        fail_call(*comm, error,
-                  {operation, preflight,
-                   timeout_or_fail(*comm, timeout, {operation, preflight, {}})});
+        fail_call(
+            *comm, error,
+            {operation, preflight, timeout_or_fail(*comm, timeout, {operation, preflight, {}})});
       },
       py::arg("comm"), py::arg("op"), py::arg("message"), py::arg("is_type_error") = false,
       py::arg("preflight") = true, py::arg("timeout") = py::none());

@@ -84,7 +84,10 @@ ProcessGroupCommunicator::ProcessGroupCommunicator(
   }
 }
 
-ProcessGroupCommunicator::~ProcessGroupCommunicator() { finish_operations(); }
+ProcessGroupCommunicator::~ProcessGroupCommunicator() {
+  finish_operations();
+  release_works();  // before the members their transfers point into (chunk_slots_) go
+}
 
 at::Tensor ProcessGroupCommunicator::host_bytes(const std::byte* data, std::uint64_t size) const {
   // c10d takes non-const tensors; the send side is only read.
@@ -377,18 +380,19 @@ void ProcessGroupCommunicator::gather_p2p(std::span<const ConstSegment> send, st
 void ProcessGroupCommunicator::post(const std::function<void()>& issue, const char* what) {
   // Posting happens under inflight_mu_, so abort() either sees the works or sets its flag
   // before they are posted (checked below, after posting); copies run without the lock, so
-  // abort() never waits for them.
-  const std::lock_guard<std::mutex> lock(inflight_mu_);
+  // abort() never waits for them. Works posted before a failure are released (nothing waits on
+  // them yet).
+  std::unique_lock<std::mutex> lock(inflight_mu_);
   try {
     issue();
   } catch (const std::exception& e) {
-    abort_works_locked();
-    inflight_.clear();
+    lock.unlock();
+    release_works();
     raise_not_issued(e, rank_, what, name_);
   }
   if (abort_requested_.load()) {
-    abort_works_locked();
-    inflight_.clear();
+    lock.unlock();
+    release_works();
     throw Aborted("rank " + std::to_string(rank_) + ": abort() while posting " + what + " on " +
                   name_ + "; the Gloo context is aborted, rebuild the group");
   }
@@ -523,13 +527,49 @@ void ProcessGroupCommunicator::scatter_chunked(std::span<const ConstSegment> sen
 }
 
 void ProcessGroupCommunicator::wait_p2p(Deadline deadline, const char* what) {
-  if (!Communicator::has_interrupt_check()) {
-    wait_p2p_here(deadline, what);
+  try {
+    if (!Communicator::has_interrupt_check()) {
+      wait_p2p_here(deadline, what);
+      return;
+    }
+    // This thread runs the interrupt check (Python's signal handlers), so the unsliceable wait
+    // moves to the helper thread; an interrupt aborts the works, which ends that wait.
+    waiter_.run([&] { wait_p2p_here(deadline, what); }, [this] { check_interrupt(); }, kWaitSlice);
+  } catch (...) {
+    // An aborted wait leaves its transfers posted: a peer that came later would still move the
+    // caller's bytes after this call returned (into freed memory, or pairing with a call that
+    // raised). No thread waits on the works any more (the helper has returned), so drop them.
+    release_works();
+    throw;
+  }
+}
+
+void ProcessGroupCommunicator::release_works() noexcept {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  {
+    const std::lock_guard<std::mutex> lock(inflight_mu_);
+    works.swap(inflight_);
+  }
+  if (works.empty()) {
     return;
   }
-  // This thread runs the interrupt check (Python's signal handlers), so the unsliceable wait
-  // moves to the helper thread; an interrupt aborts the works, which ends that wait.
-  waiter_.run([&] { wait_p2p_here(deadline, what); }, [this] { check_interrupt(); }, kWaitSlice);
+  // Destroyed outside the lock: a Gloo unbound buffer's destructor waits for the transport
+  // thread to let go of it, and abort() from another thread must not wait for that.
+  works.clear();
+  close_p2p_context();
+}
+
+void ProcessGroupCommunicator::close_p2p_context() noexcept {
+  // A peer's late message for a dropped receive would stay unread, and Gloo's transport thread
+  // would spin on it until the group is destroyed. A receive that times out makes Gloo close
+  // every pair of its context, as after its own timeouts: one on kCloseTag (nobody sends on
+  // it), waited on for a millisecond. The peers then see the connection closed at once.
+  try {
+    std::vector<at::Tensor> one{at::empty({1}, at::TensorOptions().dtype(at::kByte))};
+    const c10::intrusive_ptr<c10d::Work> work = group_->recv(one, (rank_ + 1) % size_, kCloseTag);
+    (void)work->wait(std::chrono::milliseconds(1));
+  } catch (...) {  // NOLINT(bugprone-empty-catch): the expected outcome (closed, or already)
+  }
 }
 
 void ProcessGroupCommunicator::wait_p2p_here(Deadline deadline, const char* what) {

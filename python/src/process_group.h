@@ -5,7 +5,8 @@
 //  1. Collectives are matched by call order, as for every backend; they are issued on the group
 //     itself, so they interleave with the caller's own torch.distributed calls in program order.
 //  2. One thread drives it at a time; abort() may come from any thread and wakes a blocked wait
-//     within about 50 ms (the in-flight c10d work itself cannot be cancelled).
+//     within about 50 ms (an in-flight c10d collective cannot be cancelled; point-to-point
+//     works are dropped and the group's Gloo context closed, see below).
 //  3. Any number may coexist; each keeps its group alive. The Python package caches one per
 //     group object (a weak-keyed dict), so sequence numbers and poisoning persist across calls
 //     and a destroyed group releases its communicator.
@@ -35,23 +36,30 @@
 // gather-v), no staging, no internal buffer. Scattered destinations (unshard along dim 1, a
 // bucket of several parameters) and gathers to one rank go through scatter_chunked: rounds of
 // chunks of up to 8 MiB through two slots per peer, so the extra memory never grows with the
-// gathered bytes. Tag kP2PTag is reserved on the group. Without it
-// (`p2p=false`, or NCCL) an equal-size all_gather is one c10d all_gather_single into the flat
-// output.
+// gathered bytes. Without it (`p2p=false`, or NCCL) an equal-size all_gather is one c10d
+// all_gather_single into the flat output.
 // Waits are not sliced there: a Gloo unbound-buffer wait that times out signals the failure on
 // the whole Gloo context, so each work is waited on until the deadline, and abort() aborts the
 // in-flight works (SendWork/RecvWork::abort) to wake the wait. Nor can they be polled: Gloo's
 // SendWork/RecvWork mark themselves completed only inside wait(). So a thread with an interrupt
 // check (a Python caller, where Ctrl-C must be noticed) hands that wait to a helper thread
 // (waiter.h) and keeps checking; an interrupt aborts the works, which ends the helper's wait.
+// Aborting a work only wakes its wait: the transfer stays posted, and a peer that sends or
+// receives later would still write the receive buffer and read the send bytes (completing its
+// own call with an interrupted one). So once a wait has failed (abort, interrupt, Timeout, a
+// peer's error) its works are dropped before the call returns, which makes Gloo let go of both
+// buffers (destroying an unbound buffer is its cancel), and the Gloo context is closed, as Gloo
+// does after its own timeouts: a late peer's call fails with RemoteError, and the group must be
+// rebuilt, as the error says. Tags kP2PTag and kCloseTag are reserved on the group.
 //
 // Errors: a call c10d rejects raises CommunicationError; a Gloo transport exception (a peer's
 // connection closed), when issuing or waiting, raises RemoteError. Either poisons.
 //
 // Deadlines: Work::wait is called in slices until the deadline; past it the call raises Timeout
-// and the communicator is poisoned. As with MPI, the c10d work cannot be cancelled and may still
-// read the send bytes and write the receive buffer later: after a Timeout, rebuild the group (in
-// practice: end the process), exactly what torch.distributed itself requires after a timeout.
+// and the communicator is poisoned. As with MPI, a c10d collective (not point to point, above)
+// cannot be cancelled and may still read the send bytes and write the receive buffer later:
+// after a Timeout, rebuild the group (in practice: end the process), exactly what
+// torch.distributed itself requires after a timeout.
 #pragma once
 
 #include <atomic>
@@ -93,6 +101,10 @@ class ProcessGroupCommunicator final : public Communicator {
 
   // The send/recv tag the point-to-point gather uses on the group.
   static constexpr int kP2PTag = 0x5347;  // "SG"
+  // Reserved as well: a receive nobody sends to, whose timed-out wait closes the Gloo context
+  // after a failed transfer (close_p2p_context). ProcessGroupGloo picks a tag's context as
+  // contexts[tag % count]: 840 apart, both tags share one for any count up to 8.
+  static constexpr int kCloseTag = kP2PTag + 840;
 
   // Whether small all_gathers and barriers travel through the host mailbox.
   [[nodiscard]] bool uses_host_mailbox() const noexcept { return mailbox_ != nullptr; }
@@ -186,6 +198,13 @@ class ProcessGroupCommunicator final : public Communicator {
   void wait_p2p_here(Deadline deadline, const char* what);
   // Aborts every in-flight p2p work (wakes their waits); inflight_mu_ held.
   void abort_works_locked() noexcept;
+  // Drops every in-flight p2p work, if any, and then closes the Gloo context; call only when no
+  // thread waits on them. Destroying a Gloo work's unbound buffer is Gloo's cancel: afterwards
+  // the transfer neither reads the send bytes nor writes the receive buffer (see the header
+  // comment).
+  void release_works() noexcept;
+  // Closes every Gloo pair of the p2p context (a timed-out receive on kCloseTag).
+  void close_p2p_context() noexcept;
   int count_ranks_on_host(Deadline deadline);
   // Byte tensors over host memory (borrowed), or on device_ (owned) for device-only backends.
   at::Tensor host_bytes(const std::byte* data, std::uint64_t size) const;
@@ -202,6 +221,7 @@ class ProcessGroupCommunicator final : public Communicator {
   bool p2p_ = false;
   std::atomic<bool> abort_requested_{false};
   std::mutex inflight_mu_;  // guards inflight_ against abort() from another thread
+  // Empty between calls: a wait that succeeds clears it, one that fails releases it.
   std::vector<c10::intrusive_ptr<c10d::Work>> inflight_;
   std::vector<at::Tensor> p2p_tensors_;  // reused: one-element lists for send/recv
   std::vector<std::uint64_t> p2p_displs_;

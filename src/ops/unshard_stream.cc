@@ -89,7 +89,8 @@ UnshardStream::UnshardStream(std::span<const ShardSpec> specs, int world_size, i
       buffer_bytes_ = std::max(buffer_bytes_, plans_.back().output_bytes());
     }
   }
-  if (std::any_of(plans_.begin(), plans_.end(), [](const UnshardPlan& p) { return p.receives(); })) {
+  if (std::any_of(plans_.begin(), plans_.end(),
+                  [](const UnshardPlan& p) { return p.receives(); })) {
     // Never 0 where buckets arrive: a bucket of empty parameters still has views, which carry
     // its parameters' shapes (and, in the bindings, their names).
     buffer_bytes_ = std::max(buffer_bytes_, kParamAlignment);

@@ -131,9 +131,10 @@ def timeout_case_ctrl_c_in_gloo_waits(rank, world):
     communicator without the host mailbox; its peer never comes), in a started call and in a
     blocking one: KeyboardInterrupt within about a second, not at the 30 s deadline. (Gloo's
     send/recv works can neither be waited on in slices nor polled: the blocking call waits on a
-    helper thread; see python/src/process_group.h.)"""
-    group = dist.new_group(list(range(world)))
-    comms = [shardgather._C._process_group_communicator(group, "cpu", True, False)
+    helper thread; see python/src/process_group.h.) A group each: an interrupted call closes
+    its group's Gloo context."""
+    comms = [shardgather._C._process_group_communicator(dist.new_group(list(range(world))), "cpu",
+                                                        True, False)
              for _ in range(2)]
     if rank != 0:
         time.sleep(8.0)  # alive, never calling
@@ -178,6 +179,149 @@ def timeout_case_ctrl_c_during_setup(rank, world):
         timer.join()
     waited = time.monotonic() - start
     assert waited < 2.0, "KeyboardInterrupt after %.1f s" % waited
+
+
+class _Wedged(Exception):
+    """Ends the call of a peer wedged by _wedge_in_header."""
+
+
+def _wedge_in_header(seconds, then_raise=True):
+    """Makes this rank hang for `seconds` in its next call's header wait, after it has posted
+    its own header: a SIGUSR1 handler, which the call's interrupt check runs on this thread about
+    every 100 ms, sleeps. Then it raises _Wedged (ending the call), or returns and the call goes
+    on to its payload, late. Its peers pass the header (they see this rank's) and wait in the
+    payload meanwhile."""
+    import signal
+
+    def wedge(signum, frame):
+        time.sleep(seconds)
+        if then_raise:
+            raise _Wedged()
+
+    signal.signal(signal.SIGUSR1, wedge)
+    timer = threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGUSR1))
+    timer.start()
+    return timer
+
+
+def _interrupted_in_payload(call, what):
+    """Rank 0's side: `call()` once the wedged peer's header is there, SIGINT 0.5 s in;
+    KeyboardInterrupt within about a second of it."""
+    time.sleep(0.6)  # the peer has posted its header and hangs in its check
+    timer = _interrupt_after(0.5)
+    start = time.monotonic()
+    try:
+        call()
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("no KeyboardInterrupt (%s)" % what)
+    finally:
+        timer.join()
+    waited = time.monotonic() - start
+    assert waited < 2.0, "KeyboardInterrupt after %.1f s (%s)" % (waited, what)
+
+
+def _ctrl_c_in_payload(rank, world, call, what, peer_call=None):
+    """Rank 0 makes `call(comm)` while its peer hangs after the header of its `peer_call`
+    (blocking; default `call`): KeyboardInterrupt, and a poisoned communicator. A fresh group
+    each time: an interrupted call closes the group's Gloo context."""
+    group = dist.new_group(list(range(world)))
+    comm = shardgather._C._process_group_communicator(group, "cpu", True, True)
+    if rank != 0:
+        timer = _wedge_in_header(1.6)
+        try:
+            (peer_call or call)(comm)
+        except _Wedged:
+            pass
+        else:
+            raise AssertionError("the peer was not wedged in its header (%s)" % what)
+        finally:
+            timer.join()
+        return
+    _interrupted_in_payload(lambda: call(comm), what)
+    assert comm.is_poisoned, what
+
+
+def timeout_case_ctrl_c_in_gloo_payload_gather(rank, world):
+    """Ctrl-C while rank 0 waits in the payload of a gather over Gloo point to point (the
+    header went through the host mailbox; the peer hangs right after it), blocking and started:
+    KeyboardInterrupt within about a second, not at the 30 s deadline."""
+    params = [torch.full((1024,), float(rank))]
+    hint = [[(1024,)] for _ in range(world)]
+
+    def blocking(comm):
+        shardgather.foreach_all_gather(params, comm, hint, timeout=30.0)
+
+    def started(comm):
+        shardgather.foreach_all_gather(params, comm, hint, timeout=30.0, async_op=True).wait()
+
+    _ctrl_c_in_payload(rank, world, blocking, "foreach, blocking")
+    _ctrl_c_in_payload(rank, world, started, "foreach, started", blocking)
+
+
+def timeout_case_ctrl_c_in_gloo_payload_scatter(rank, world):
+    """The same in the chunked scatter paths: an unshard along dim 1 (every rank receives into
+    strided pieces), and a gather to one rank (dst=), on the receiving and on the sending
+    rank."""
+    spec = shardgather.ShardSpec(torch.float32, (64, 64 * world), 1)
+
+    def unshard(dst):
+        def call(comm):
+            plan = shardgather.UnshardPlan([spec], world, rank, timeout=30.0, dst=dst)
+            plan.execute([torch.ones(plan.shard_shape(rank, 0))], comm)
+        return call
+
+    _ctrl_c_in_payload(rank, world, unshard(None), "unshard along dim 1")
+    _ctrl_c_in_payload(rank, world, unshard(0), "unshard to dst=0, receiving")
+    _ctrl_c_in_payload(rank, world, unshard(1), "unshard to dst=1, sending")
+
+
+def _ctrl_c_then_late_peer(rank, world, shard_dim, what):
+    """Rank 0 is interrupted in the payload of an unshard (strategy direct: it receives into
+    the caller's `full` and sends from the caller's shard) while its peer hangs after the
+    header; then the peer goes on to its payload, late. The interrupted call must have let go
+    of the caller's memory: rank 0 overwrites both tensors after KeyboardInterrupt and finds
+    them untouched once the peer has come, and the late peer's call raises RemoteError (rank 0
+    closed the group's Gloo context) instead of completing with bytes of a call that raised."""
+    group = dist.new_group(list(range(world)))
+    # Without the host mailbox the peer's header completes over Gloo while the peer hangs, so it
+    # goes on to the payload (the mailbox would tell it that rank 0 gave up).
+    comm = shardgather._C._process_group_communicator(group, "cpu", True, False)
+    sizes = [64 + 8 * r for r in range(world)]
+    full_shape = [64, 64]
+    full_shape[shard_dim] = sum(sizes)
+    spec = shardgather.ShardSpec(torch.float32, tuple(full_shape), shard_dim, sizes)
+    plan = shardgather.UnshardPlan([spec], world, rank, strategy="direct",
+                                   timeout=30.0 if rank == 0 else 3.0)
+    shard = torch.full(plan.shard_shape(rank, 0), float(rank + 1))
+    full = torch.zeros(full_shape)
+    if rank != 0:
+        timer = _wedge_in_header(1.6, then_raise=False)
+        outcome = "completed"
+        try:
+            plan.execute([shard], comm, [full])
+        except shardgather.ShardgatherError as e:
+            outcome = type(e).__name__
+        finally:
+            timer.join()
+        dist.barrier()  # rank 0 checks its memory now
+        assert outcome == "RemoteError", "the late peer's call: %s (%s)" % (outcome, what)
+        return
+    _interrupted_in_payload(lambda: plan.execute([shard], comm, [full]), what)
+    full.fill_(7.0)
+    shard.fill_(7.0)
+    dist.barrier()  # the late peer has made its payload by now
+    written = int((full != 7.0).sum())
+    assert written == 0, "%d elements written after the call raised (%s)" % (written, what)
+
+
+def timeout_case_ctrl_c_then_late_peer(rank, world):
+    """After Ctrl-C in the payload nothing touches the caller's memory, on the gather into
+    contiguous pieces (dim 0: received straight into `full`) and the chunked scatter (dim 1:
+    sent straight from the shard)."""
+    _ctrl_c_then_late_peer(rank, world, 0, "unshard along dim 0")
+    _ctrl_c_then_late_peer(rank, world, 1, "unshard along dim 1")
 
 
 CASES = [

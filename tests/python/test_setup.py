@@ -10,6 +10,9 @@ _timeouts = CaseResults("setup_cases", ["timeout_case_first_call_honours_timeout
 _late = CaseResults("setup_cases", ["timeout_case_late_rank_zero_bytes"])
 _ctrl_c = CaseResults("setup_cases", ["timeout_case_ctrl_c_in_gloo_waits"])
 _ctrl_c_setup = CaseResults("setup_cases", ["timeout_case_ctrl_c_during_setup"])
+_ctrl_c_payload = CaseResults("setup_cases", ["timeout_case_ctrl_c_in_gloo_payload_gather",
+                                              "timeout_case_ctrl_c_in_gloo_payload_scatter",
+                                              "timeout_case_ctrl_c_then_late_peer"])
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -34,3 +37,10 @@ def test_ctrl_c_in_gloo_waits():
 
 def test_ctrl_c_during_setup():
     _ctrl_c_setup.check(2, "timeout_case_ctrl_c_during_setup")
+
+
+@pytest.mark.parametrize("case", ["timeout_case_ctrl_c_in_gloo_payload_gather",
+                                  "timeout_case_ctrl_c_in_gloo_payload_scatter",
+                                  "timeout_case_ctrl_c_then_late_peer"])
+def test_ctrl_c_in_gloo_payload(case):
+    _ctrl_c_payload.check(2, case)
