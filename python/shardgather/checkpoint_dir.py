@@ -12,6 +12,15 @@ Stdlib only. A checkpoint is the index ``<stem>.safetensors.index.json`` (defaul
 ``model.safetensors.index.json``, ``{"metadata": ..., "weight_map": {tensor: file}}``) and the
 ``*.safetensors`` files it names, plain file names in ``out_dir``.
 
+:meth:`commit`'s steps: (1) the new files and index are fsynced in the staging directory;
+(2) the old index is renamed into it (retired); (3) each new file is renamed into ``out_dir``,
+an old file of its name first renamed into the staging directory, and then so is a single-file
+``<stem>.safetensors`` the new index does not name (``transformers`` prefers it to an index, so
+it would shadow the new checkpoint); (4) the new index is renamed into ``out_dir``, then
+fsynced: the **commit point**; (5) best-effort clean-up. Nothing is deleted before the commit
+point: everything the commit displaces until then is kept, under a hidden name, in the staging
+directory, so that it can be put back.
+
 Contract (the "old" checkpoint is what ``out_dir`` held before; "at any instant" includes a crash
 of the process or of the machine there, as files and directories are fsynced before each step
 that depends on them):
@@ -20,25 +29,37 @@ that depends on them):
   ``.shardgather-staging-<pid>-<random>`` inside it, where the new files are written.
   :meth:`abort` (or a failed :meth:`write`, then abort) removes it: the old checkpoint stays
   byte-identical and readable.
-* During :meth:`commit`, at any instant ``out_dir`` holds either the old index with every old
-  file intact, or no index at all, or the new index with every new file complete. An index
-  never names a mix of old and new files. (A single-file ``<stem>.safetensors`` old checkpoint
-  stays whole until it is deleted, just before the new index appears.)
-* After :meth:`commit` returns, nothing a loader could confuse with the new checkpoint remains:
-  every ``*.safetensors`` file the old index named that the new one does not; every file named
-  like a shard, ``<stem>-NNNNN-of-NNNNN.safetensors``, that the new index does not name; a
-  single-file ``<stem>.safetensors`` (``transformers`` prefers it to the index, so it would
-  shadow the new checkpoint) unless the new index names it; ``<name>.tmp`` files of those names
-  and of the index (``export.py``'s temporaries); and staging directories left by crashed
-  exports of this module (a retired index they hold counts as an old index).
+* During :meth:`commit`, and during :meth:`abort`'s restore, at any instant ``out_dir`` holds
+  either the old index with every old file intact, or no index at all, or the new index with
+  every new file complete. An index never names a mix of old and new files, and while there is
+  no index a ``<stem>.safetensors`` there is a whole file of one checkpoint.
+* If :meth:`commit` raises before its commit point (any exception, e.g. an OSError of a
+  rename; after it, only a KeyboardInterrupt or the like can make it raise, with the new
+  checkpoint in place), :meth:`abort` (which ``with`` calls) restores the old checkpoint: renames
+  back every file set aside, then the old index, last. ``out_dir`` is byte-identical to before,
+  with the same entries, none of this writer's. If a rename back fails, abort warns
+  (``RuntimeWarning``) and stops there: ``out_dir`` may have no index (never a mix), and the
+  staging directory is left with the retired index and the old files not yet put back.
+* After :meth:`commit` returns (the commit point passed), the new checkpoint is ``out_dir``'s.
+  Its clean-up then removes what a loader could confuse with it: every ``*.safetensors`` file
+  the old index named that the new one does not; every file named like a shard,
+  ``<stem>-NNNNN-of-NNNNN.safetensors``, that the new index does not name; ``<name>.tmp`` files
+  (``export.py``'s temporaries) of those names, of the new files and of the index; and the
+  staging directories of other writers (a retired index they hold counts as an old index).
+  These wait until the commit point because none can mislead before it (there is no index
+  meanwhile) nor after it (the new index names none of them). So a failure to remove one does
+  not fail the commit: what could not be removed is in :attr:`not_removed` and a
+  ``RuntimeWarning``, and the next commit retries it (names that only an old index knew are
+  kept for it in an index left in this writer's staging directory).
+* A process that dies leaves its staging directory, and ``out_dir`` in one of the states above.
+  A new writer does not restore a dead writer's checkpoint: if that left no index, ``out_dir``
+  has none until the next commit, which is as safe as any (it sets aside, and restores on
+  failure, what it finds) and, after its commit point, treats the retired index left there as
+  an old index and removes that staging directory with the old files it held.
 * Every other entry of ``out_dir`` is left alone: ``config.json``, tokenizer files, ``*.bin``
   checkpoints and their index, subdirectories, any other user file.
 * An unreadable or malformed old index counts as no old index: the name-pattern rules above
   still apply.
-* If :meth:`commit` itself fails (an OSError) after the old index is gone, ``out_dir`` is left
-  with no index; :meth:`abort` then keeps only the retired old index in the staging directory
-  so that the next export can finish the clean-up. A process that dies leaves its whole
-  staging directory, which the next export's commit removes.
 * One writer at a time per directory: two concurrent writers (threads, processes, hosts) are
   not supported; a commit removes other writers' staging directories.
 """
@@ -48,17 +69,21 @@ import os
 import re
 import secrets
 import shutil
+import warnings
 
 __all__ = ["CheckpointWriter", "INDEX_NAME", "STAGING_PREFIX"]
 
 INDEX_NAME = "model.safetensors.index.json"
 STAGING_PREFIX = ".shardgather-staging-"
 _INDEX_SUFFIX = ".safetensors.index.json"
-_RETIRED_INDEX = ".retired.index.json"  # hidden: write() refuses hidden names, so no clash
+# Hidden names in the staging directory: write() refuses hidden names, so neither can clash.
+_RETIRED_INDEX = ".retired.index.json"
+_SET_ASIDE = ".old."  # + the name of an old file displaced by commit, to be put back on abort
 
 
 class CheckpointWriter:
-    """Writes a new checkpoint into a staging directory, then swaps it in (see the module)."""
+    """Writes a new checkpoint into a staging directory, then swaps it in (see the module).
+    ``not_removed``: after :meth:`commit`, the paths its clean-up could not remove."""
 
     def __init__(self, out_dir, index_name=INDEX_NAME):
         if not index_name.endswith(_INDEX_SUFFIX) or not _is_plain_name(index_name):
@@ -75,6 +100,7 @@ class CheckpointWriter:
             self.out_dir, "%s%d-%s" % (STAGING_PREFIX, os.getpid(), secrets.token_hex(4)))
         os.mkdir(self.staging_dir)
         self._names = set()
+        self.not_removed = []
         self._state = "open"  # -> "committing" -> "committed", or -> "aborted"
 
     def __enter__(self):
@@ -118,7 +144,8 @@ class CheckpointWriter:
 
     def commit(self, index):
         """Makes the written files, under ``index``, the directory's checkpoint; returns the
-        index's path. ``index["weight_map"]`` must name exactly the files written."""
+        index's path. ``index["weight_map"]`` must name exactly the files written. If it
+        raises, :meth:`abort` restores the old checkpoint (see the module)."""
         self._check_state("commit")
         self._check_index(index)
         self._check_targets()  # fail here, with out_dir untouched, not halfway through
@@ -126,18 +153,16 @@ class CheckpointWriter:
         _write_json(staged_index, index)
         _fsync_file(staged_index)
         _fsync_dir(self.staging_dir)  # 1. the whole new checkpoint is durable in staging
-        self._state = "committing"
+        self._state = "committing"    #    from here on, abort() restores
         self._retire_old_index()      # 2. no index now: no later step can create a mix
-        _fsync_dir(self.out_dir)      #    (durable before any old file is overwritten)
-        for name in sorted(self._names):  # 3. new files in, over old ones of the same names
-            os.replace(os.path.join(self.staging_dir, name), os.path.join(self.out_dir, name))
-        self._remove_stale()          # 4. what the new index could be confused with
-        _fsync_dir(self.out_dir)      #    (all durable before the index can appear)
+        self._fsync_both()            #    (durable before any old file is displaced)
+        self._move_in()               # 3. new files in, displaced old ones set aside
+        self._fsync_both()            #    (all durable before the index can appear)
         index_path = os.path.join(self.out_dir, self.index_name)
-        os.replace(staged_index, index_path)  # 5. the commit point
+        os.replace(staged_index, index_path)  # 4. the new index appears ...
         _fsync_dir(self.out_dir)
-        self._state = "committed"
-        _rmtree_quietly(self.staging_dir)     # 6. only the retired index is left in it
+        self._state = "committed"             #    ... durably: the commit point
+        self.not_removed = self._clean_up()   # 5. best-effort: the commit has succeeded
         return index_path
 
     def _check_index(self, index):
@@ -154,31 +179,77 @@ class CheckpointWriter:
 
     def _check_targets(self):
         for name in sorted(self._names) + [self.index_name]:
-            path = os.path.join(self.out_dir, name)
-            if os.path.isdir(path) and not os.path.islink(path):
-                raise IsADirectoryError("CheckpointWriter.commit: %r is a directory" % path)
+            if _is_real_dir(os.path.join(self.out_dir, name)):
+                raise IsADirectoryError("CheckpointWriter.commit: %r is a directory"
+                                        % os.path.join(self.out_dir, name))
 
     def _retire_old_index(self):
         """Moves the old index (if any) into staging: a rename, so at every instant out_dir
-        holds it whole or not at all; kept there so a crash does not lose what it named."""
+        holds it whole or not at all; kept there to be put back, or to name the old files."""
         try:
             os.replace(os.path.join(self.out_dir, self.index_name),
                        os.path.join(self.staging_dir, _RETIRED_INDEX))
         except FileNotFoundError:
             pass
 
-    def _remove_stale(self):
-        """Deletes the files of step 4 (module docstring) and other writers' staging dirs."""
-        stale = set(_names_in_index(os.path.join(self.staging_dir, _RETIRED_INDEX)))
-        entries = list(os.scandir(self.out_dir))
-        for entry in entries:  # first: leftover staging dirs, and the indexes they retired
-            if entry.name.startswith(STAGING_PREFIX) and entry.path != self.staging_dir:
-                stale.update(_names_in_index(os.path.join(entry.path, _RETIRED_INDEX)))
-                _remove_entry(entry)
-        for entry in entries:
-            if not entry.name.startswith(STAGING_PREFIX) and self._is_stale(entry.name, stale):
-                if not entry.is_dir(follow_symlinks=False):
-                    _remove_entry(entry)
+    def _move_in(self):
+        """Step 3. There is no index meanwhile, so out_dir's shard files may mix; only a
+        single-file checkpoint is loaded without one, and it is whole old or whole new."""
+        for name in sorted(self._names):
+            self._set_aside(name)  # not deleted: abort() puts it back
+            os.replace(os.path.join(self.staging_dir, name), os.path.join(self.out_dir, name))
+        if self._single_name not in self._names:
+            # It must be gone before the new index appears, or it would shadow it.
+            self._set_aside(self._single_name)
+
+    def _set_aside(self, name):
+        path = os.path.join(self.out_dir, name)
+        if os.path.lexists(path) and not _is_real_dir(path):
+            os.replace(path, os.path.join(self.staging_dir, _SET_ASIDE + name))
+
+    def _fsync_both(self):
+        # A rename between the two directories: both entries durable, in whichever order.
+        _fsync_dir(self.out_dir)
+        _fsync_dir(self.staging_dir)
+
+    # ---- cleaning up, after the commit point ----------------------------------------------
+
+    def _clean_up(self):
+        """Step 5: removes what the new index could be confused with, best-effort (the new
+        checkpoint is complete and indexed, so a failure here must not fail the commit).
+        Returns the paths not removed, and warns of them."""
+        failed, stale_failed = [], []
+        try:
+            leftovers = self._leftover_staging()
+            old_names = self._old_names(leftovers)
+            # Files before staging dirs: the retired indexes in these name some of the files.
+            for entry in os.scandir(self.out_dir):
+                if self._is_stale_entry(entry, old_names) and not _remove(entry.path, failed):
+                    stale_failed.append(entry.name)
+            for path in leftovers:
+                _remove(path, failed)
+            self._finish_staging(stale_failed, failed)
+        except OSError as e:  # out_dir unreadable: all our staging dir stays, for the next one
+            failed.append("%s (%s)" % (self.out_dir, e))
+        if failed:
+            warnings.warn("CheckpointWriter.commit: the new checkpoint is in place in %s, but "
+                          "its clean-up could not remove %s; the next commit retries"
+                          % (self.out_dir, ", ".join(failed)), RuntimeWarning, stacklevel=3)
+        return failed
+
+    def _leftover_staging(self):
+        return [e.path for e in os.scandir(self.out_dir)
+                if e.name.startswith(STAGING_PREFIX) and e.path != self.staging_dir]
+
+    def _old_names(self, leftovers):
+        names = set()
+        for staging in [self.staging_dir] + leftovers:
+            names |= _names_in_index(os.path.join(staging, _RETIRED_INDEX))
+        return names
+
+    def _is_stale_entry(self, entry, old_names):
+        return (not entry.name.startswith(STAGING_PREFIX) and not entry.is_dir(
+            follow_symlinks=False) and self._is_stale(entry.name, old_names))
 
     def _is_stale(self, name, old_names):
         if name in self._names or name == self.index_name:
@@ -191,23 +262,62 @@ class CheckpointWriter:
             return False  # an old index naming config.json or *.bin does not get it deleted
         return name in old_names or name == self._single_name or bool(self._shard_re.match(name))
 
+    def _finish_staging(self, stale_failed, failed):
+        """Removes this writer's staging dir (the retired index, the old files set aside), or,
+        if stale files stayed, keeps it holding just an index naming them: the next commit
+        reads it as a retired index, so it retries names that only an old index knew."""
+        if not stale_failed:
+            _remove(self.staging_dir, failed)
+            return
+        # Of a stale "x.tmp", "x": it was new, stale or the index, so is safe to name.
+        names = sorted({n[:-len(".tmp")] if n.endswith(".tmp") else n for n in stale_failed})
+        for entry in os.scandir(self.staging_dir):
+            if entry.name.startswith(_SET_ASIDE):
+                _remove(entry.path, failed)
+        path = os.path.join(self.staging_dir, _RETIRED_INDEX)
+        _write_json(path + ".tmp", {"weight_map": {n: n for n in names}})
+        os.replace(path + ".tmp", path)  # whole: the old retired index, or this one
+
     # ---- aborting -------------------------------------------------------------------------
 
     def abort(self):
-        """Discards the new checkpoint: removes the staging directory. Before commit the old
-        checkpoint is untouched; after a failed commit, see the module docstring. Idempotent."""
+        """Discards the new checkpoint: restores the old one after a failed commit (see the
+        module; it warns if it cannot), then removes the staging directory. Idempotent."""
         if self._state in ("committed", "aborted"):
             return
-        retired = os.path.join(self.staging_dir, _RETIRED_INDEX)
-        keep_retired = self._state == "committing" and os.path.lexists(retired)
+        restore = self._state == "committing"
         self._state = "aborted"
-        if not keep_retired:
-            _rmtree_quietly(self.staging_dir)
-            return
-        # The old index is gone from out_dir; what it named is still to clean up next time.
+        if restore:
+            try:
+                self._roll_back()
+            except OSError as e:  # keep what the next commit needs: see the module
+                warnings.warn("CheckpointWriter.abort: could not restore the old checkpoint in"
+                              " %s (%s); %s keeps the retired index and the old files not put"
+                              " back" % (self.out_dir, e, self.staging_dir), RuntimeWarning,
+                              stacklevel=2)
+                return
+        _rmtree_quietly(self.staging_dir)
+
+    def _roll_back(self):
+        """Undoes steps 2-4 in the reverse order: from the new index (if it appeared) to no
+        index, to the old files back, to the old index. Raises the first OSError."""
+        index_path = os.path.join(self.out_dir, self.index_name)
+        if not os.path.lexists(os.path.join(self.staging_dir, self.index_name)):
+            _unlink_if_present(index_path)  # step 4 ran (its fsync failed): the index first
+        for name in self._names:
+            staged = os.path.join(self.staging_dir, name)
+            set_aside = os.path.join(self.staging_dir, _SET_ASIDE + name)
+            # Moved in, over no old file: not the old checkpoint's, so it goes.
+            if not os.path.lexists(staged) and not os.path.lexists(set_aside):
+                _unlink_if_present(os.path.join(self.out_dir, name))
         for entry in os.scandir(self.staging_dir):
-            if entry.name != _RETIRED_INDEX:
-                _remove_entry(entry)
+            if entry.name.startswith(_SET_ASIDE):  # back, over a new file of its name if any
+                os.replace(entry.path, os.path.join(self.out_dir, entry.name[len(_SET_ASIDE):]))
+        _fsync_dir(self.out_dir)  # every old file back, durably, before the index
+        retired = os.path.join(self.staging_dir, _RETIRED_INDEX)
+        if os.path.lexists(retired):
+            os.replace(retired, index_path)
+            _fsync_dir(self.out_dir)
 
     def _check_state(self, what):
         if self._state != "open":
@@ -220,6 +330,10 @@ class CheckpointWriter:
 def _is_plain_name(name):
     return (bool(name) and name not in (".", "..") and os.path.basename(name) == name
             and "/" not in name and (os.altsep is None or os.altsep not in name))
+
+
+def _is_real_dir(path):
+    return os.path.isdir(path) and not os.path.islink(path)
 
 
 def _names_in_index(path):
@@ -258,11 +372,27 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def _remove_entry(entry):
-    if entry.is_dir(follow_symlinks=False):
-        shutil.rmtree(entry.path)
-    else:
-        os.unlink(entry.path)
+def _remove(path, failed):
+    """Removes a file or a whole directory tree; on failure appends "path (error)" to
+    ``failed`` and returns False."""
+    try:
+        if _is_real_dir(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError as e:
+        failed.append("%s (%s)" % (path, e))
+        return False
+
+
+def _unlink_if_present(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _remove_quietly(path):

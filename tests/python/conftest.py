@@ -136,6 +136,32 @@ def run_ranks(world, fn):
     return results, errors
 
 
+def check_on_threads(world, check):
+    """check(rank, world, comm) on every rank of a ThreadGroup; raises naming the first rank
+    whose check failed."""
+    _, errors = run_ranks(world, lambda r, comm: check(r, world, comm))
+    for r, e in enumerate(errors):
+        if e is not None:
+            raise AssertionError("rank %d: %r" % (r, e)) from e
+
+
+def run_mpi_checks(module_name, np_, timeout):
+    """Every check of ``module_name``.CHECKS, (rank, world, comm) on an MPI communicator over
+    np_ ranks (see run_mpi_script)."""
+    script = "\n".join([
+        "import sys",
+        "from mpi4py import MPI",
+        "import shardgather",
+        "sys.path.insert(0, sys.argv[1])",
+        "import %s as cases" % module_name,
+        "comm = shardgather.mpi_communicator(MPI.COMM_WORLD)",
+        "for check in cases.CHECKS:",
+        "    check(comm.rank, comm.size, comm)",
+        "print('MPI-OK', comm.rank)",
+    ])
+    run_mpi_script(script, np_, timeout)
+
+
 def run_mpi_script(script, np_, timeout):
     """Runs `script` (python -c, this directory as sys.argv[1]) on np_ MPI ranks and checks that
     every rank printed MPI-OK. Skips without mpi4py or mpirun."""

@@ -425,9 +425,9 @@ def check_export_replaces_atomically(rank, world, group):
                 f.write("{}")
         before = _listing(out) if rank == 0 else None
         # A write failure on dst in the middle of the export.
-        import safetensors.torch as st
+        import shardgather.export as export
 
-        real, calls = st.save_file, []
+        real, calls = export.save_file, []
 
         def failing(tensors, path, metadata=None):
             calls.append(path)
@@ -435,7 +435,7 @@ def check_export_replaces_atomically(rank, world, group):
                 raise OSError(28, "No space left on device (injected)")
             return real(tensors, path, metadata=metadata)
 
-        st.save_file = failing
+        export.save_file = failing
         try:
             _export(group, state, specs, out, bucket_bytes=64)
         except shardgather.ShardgatherError as e:
@@ -443,7 +443,7 @@ def check_export_replaces_atomically(rank, world, group):
         else:
             raise AssertionError("the failed export succeeded on rank %d" % rank)
         finally:
-            st.save_file = real
+            export.save_file = real
         if rank == 0:
             assert _listing(out) == before, "a failed export changed the older checkpoint"
         _export(group, state, specs, out, bucket_bytes=1 << 20)

@@ -5,9 +5,12 @@ built extension is needed. Every fake shard holds "<checkpoint tag>:<file name>"
 index names its tag in its metadata, so a mix of two checkpoints is detectable.
 """
 
+import errno
 import importlib.util
 import json
 import os
+import shutil
+import warnings
 
 import pytest
 
@@ -66,8 +69,11 @@ def export(d, tag, names):
 
 
 def snapshot(d):
+    """Every file's bytes and every directory (None), by relative path."""
     out = {}
-    for root, _, files in os.walk(d):
+    for root, dirs, files in os.walk(d):
+        for name in dirs:
+            out[os.path.relpath(os.path.join(root, name), d) + "/"] = None
         for f in files:
             path = os.path.join(root, f)
             with open(path, "rb") as fh:
@@ -177,56 +183,236 @@ SCENARIOS = {  # old files -> new files
 }
 
 
+LEFTOVER = cd.STAGING_PREFIX + "1-dead"
+STALE_TMP = "model-00002-of-00005.safetensors.tmp"
+
+
+def old_state(d, old_names, extras=False):
+    """The old checkpoint (None: a single-file model.safetensors) with the other files; with
+    ``extras``, also a stale .tmp and a dead writer's staging dir, which the next commit's
+    clean-up removes (after its commit point only)."""
+    if old_names is not None:
+        old_checkpoint(d, names=old_names)
+    else:
+        os.makedirs(d)
+        write_bytes(os.path.join(d, "model.safetensors"), content("old", "model.safetensors"))
+        for name, data in OTHERS.items():
+            write_bytes(os.path.join(d, name), data)
+        os.mkdir(os.path.join(d, "subdir"))
+    if extras:
+        write_bytes(os.path.join(d, STALE_TMP), b"partial")
+        os.mkdir(os.path.join(d, LEFTOVER))
+        write_bytes(os.path.join(d, LEFTOVER, "model-00001-of-00009.safetensors"), b"x")
+
+
+def writer_with(d, tag, names):
+    w = cd.CheckpointWriter(d)
+    for name in names:
+        w.write(name, lambda p, name=name: write_bytes(p, content(tag, name)))
+    return w
+
+
+SPIED = ("replace", "unlink", "rmdir", "fsync")
+
+
+def spy_on(monkeypatch, d, k, make_exc, spied=SPIED):
+    """Patches the os calls ``spied`` (those that change ``d``, and fsync) to check, before
+    each, that a loader finds one whole checkpoint or none, and to raise ``make_exc()``
+    instead of the (k+1)-th. Returns the call counter and a function that unpatches."""
+    monkeypatch.setattr(os, "fsync", lambda fd: None)  # durability is not under test here
+    real = {f: getattr(os, f) for f in spied}
+    calls = [0]
+
+    def spy(f):
+        def op(*args, **kwargs):
+            assert consistent_tag(d) in ("old", "new", None)  # at every instant
+            calls[0] += 1
+            if calls[0] == k + 1:
+                raise make_exc()
+            return real[f](*args, **kwargs)
+        return op
+
+    for f in spied:
+        monkeypatch.setattr(os, f, spy(f))
+    return calls, lambda: [monkeypatch.setattr(os, f, real[f]) for f in spied]
+
+
 @pytest.mark.parametrize("abort_after", [False, True], ids=["killed", "aborted"])
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_crash_at_every_commit_step(tmp_path, monkeypatch, scenario, abort_after):
     old_names, new_names = SCENARIOS[scenario]
-    # A simulated crash is a process death, which fsync does not affect: skip its cost here.
-    monkeypatch.setattr(os, "fsync", lambda fd: None)
-    real = {f: getattr(os, f) for f in ("replace", "unlink", "rmdir")}
     k = 0
     while True:
         d = str(tmp_path / ("k%d" % k))
-        if old_names is None:  # an old single-file checkpoint
-            os.makedirs(d)
-            write_bytes(os.path.join(d, "model.safetensors"), content("old", "model.safetensors"))
-        else:
-            old_checkpoint(d, names=old_names)
-        w = cd.CheckpointWriter(d)
-        for name in new_names:
-            w.write(name, lambda p, name=name: write_bytes(p, content("new", name)))
-        calls = [0]
-
-        def spy(f):
-            def op(*args, **kwargs):
-                assert consistent_tag(d) in ("old", "new", None)  # at every instant
-                calls[0] += 1
-                if calls[0] == k + 1:
-                    raise Crash()
-                return real[f](*args, **kwargs)
-            return op
-
-        for f in real:
-            monkeypatch.setattr(os, f, spy(f))
+        old_state(d, old_names)
+        before = snapshot(d)
+        w = writer_with(d, "new", new_names)
+        # A death at an fsync is one at the next call: fsync is not counted here.
+        _, unpatch = spy_on(monkeypatch, d, k, Crash, spied=SPIED[:-1])
         try:
             w.commit(index_for("new", new_names))
             crashed = False
         except Crash:
             crashed = True
-        for f in real:
-            monkeypatch.setattr(os, f, real[f])
+        if crashed and abort_after:  # a BaseException in commit, then abort: it restores
+            w.abort()
+        unpatch()
         assert consistent_tag(d) in ("old", "new", None)
         if not crashed:
-            assert_exactly(d, "new", new_names, others=old_names is not None)
+            assert_exactly(d, "new", new_names)
             break
-        if abort_after:
-            w.abort()
+        if abort_after and consistent_tag(d) != "new":  # the crash came before the commit point
+            assert snapshot(d) == before
         # A later export over whatever was left cleans it all up.
         export(d, "third", shard_names(4))
-        assert_exactly(d, "third", shard_names(4), others=old_names is not None)
+        assert_exactly(d, "third", shard_names(4))
         assert not staging_dirs(d)
         k += 1
     assert k >= 3  # retire, move, index at least
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_oserror_at_every_commit_step_then_abort_restores_old(tmp_path, monkeypatch, scenario):
+    """An OSError from the k-th rename/unlink/rmdir/fsync, for every k: before the commit
+    point, commit raises and abort restores out_dir byte-identical (the stale .tmp and the
+    dead writer's staging dir included, as clean-up waits for the commit point); after it,
+    commit succeeds and warns of what its clean-up left. A fresh export then succeeds."""
+    old_names, new_names = SCENARIOS[scenario]
+    k = raised = warned = 0
+    while True:
+        d = str(tmp_path / ("k%d" % k))
+        old_state(d, old_names, extras=True)
+        before = snapshot(d)
+        w = writer_with(d, "new", new_names)
+        calls, unpatch = spy_on(monkeypatch, d, k, lambda: OSError(errno.EIO, "injected EIO"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                w.commit(index_for("new", new_names))
+                failed = False
+            except OSError:
+                failed = True
+                w.abort()
+        unpatch()
+        if failed:
+            raised += 1
+            assert not caught  # the restore itself succeeded
+            assert snapshot(d) == before and staging_dirs(d) == [LEFTOVER]
+        elif calls[0] > k:  # the OSError hit the clean-up, after the commit point
+            warned += 1
+            assert consistent_tag(d) == "new" and w.not_removed
+            assert [str(c.message) for c in caught if "injected EIO" in str(c.message)]
+        else:
+            assert_exactly(d, "new", new_names)
+            break
+        export(d, "third", shard_names(4))
+        assert_exactly(d, "third", shard_names(4))
+        assert not staging_dirs(d)
+        k += 1
+    assert raised >= 4 and warned >= 2
+
+
+@pytest.mark.parametrize("fail_on", ["old_file", "retired_index"])
+def test_failed_restore_leaves_what_the_next_commit_needs(tmp_path, monkeypatch, fail_on):
+    """The commit fails at the index rename and putting back an old file (or the old index)
+    fails for good: abort warns, out_dir has no index (never a mix), and the staging dir keeps
+    the retired index, so the next export still removes custom.safetensors, which only the
+    old index named."""
+    d = str(tmp_path)
+    old_checkpoint(d, names=shard_names(3) + ["custom.safetensors"])
+    monkeypatch.setattr(os, "fsync", lambda fd: None)
+    real_replace = os.replace
+
+    def replace(src, dst):
+        src_name = os.path.basename(src)
+        if ((src_name == INDEX and os.path.dirname(src) != d)  # the new index's rename
+                or (fail_on == "old_file" and src_name.startswith(".old."))
+                or (fail_on == "retired_index" and src_name == ".retired.index.json"
+                    and os.path.basename(dst) == INDEX)):
+            raise OSError(errno.ESTALE, "injected ESTALE")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    w = writer_with(d, "new", shard_names(3))
+    with pytest.raises(OSError):
+        w.commit(index_for("new", shard_names(3)))
+    with pytest.warns(RuntimeWarning, match="could not restore"):
+        w.abort()
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert consistent_tag(d) is None
+    assert staging_dirs(d) == [os.path.basename(w.staging_dir)]
+    assert os.path.exists(os.path.join(w.staging_dir, ".retired.index.json"))
+    # The next writer's commit is as safe: failing too, it restores what it found.
+    left = snapshot(d)
+    w = writer_with(d, "next", shard_names(2))
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError):
+        w.commit(index_for("next", shard_names(2)))
+    monkeypatch.setattr(os, "replace", real_replace)
+    w.abort()
+    assert snapshot(d) == left
+    export(d, "third", shard_names(2))
+    assert_exactly(d, "third", shard_names(2))
+    assert not staging_dirs(d)
+
+
+def test_undeletable_leftover_staging_does_not_fail_the_commit(tmp_path, monkeypatch):
+    """Another user's leftover staging dir that cannot be deleted: every commit succeeds,
+    warns naming it, and removes the files its retired index names; once it can be deleted,
+    the next commit does."""
+    d = str(tmp_path)
+    old_checkpoint(d)
+    leftover = os.path.join(d, LEFTOVER)
+    os.mkdir(leftover)
+    with open(os.path.join(leftover, ".retired.index.json"), "w") as f:
+        json.dump(index_for("older", ["custom.safetensors"]), f)
+    write_bytes(os.path.join(d, "custom.safetensors"), b"older")
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if os.path.abspath(path) == leftover:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(cd.shutil, "rmtree", rmtree)
+    for tag in ("new", "newer"):
+        w = writer_with(d, tag, shard_names(3))
+        with pytest.warns(RuntimeWarning, match=LEFTOVER):
+            w.commit(index_for(tag, shard_names(3)))
+        assert w.not_removed and LEFTOVER in w.not_removed[0]
+        assert set(os.listdir(d)) == (set(shard_names(3)) | {INDEX, LEFTOVER, "subdir"}
+                                      | set(OTHERS))
+        assert consistent_tag(d) == tag
+    monkeypatch.setattr(cd.shutil, "rmtree", real_rmtree)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        export(d, "third", shard_names(2))
+    assert_exactly(d, "third", shard_names(2))
+
+
+def test_undeletable_stale_file_is_retried_by_the_next_commit(tmp_path, monkeypatch):
+    """custom.safetensors, named only by the old index, cannot be deleted: the commit warns,
+    keeps its name for the next commit, which deletes it."""
+    d = str(tmp_path)
+    old_checkpoint(d, names=shard_names(2) + ["custom.safetensors"])
+    custom = os.path.join(d, "custom.safetensors")
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        if path == custom:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    w = writer_with(d, "new", shard_names(3))
+    with pytest.warns(RuntimeWarning, match="custom.safetensors"):
+        w.commit(index_for("new", shard_names(3)))
+    assert consistent_tag(d) == "new" and os.path.exists(custom)
+    assert staging_dirs(d) == [os.path.basename(w.staging_dir)]  # kept: it names custom
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    export(d, "third", shard_names(1))
+    assert_exactly(d, "third", shard_names(1))
+    assert not staging_dirs(d)
 
 
 def test_crash_while_writing_leaves_old_intact_and_next_export_cleans(tmp_path):
