@@ -446,6 +446,25 @@ def check_export_replaces_atomically(rank, world, group):
             export.save_file = real
         if rank == 0:
             assert _listing(out) == before, "a failed export changed the older checkpoint"
+        # A commit that fails on dst, after every bucket arrived: every rank raises.
+        from shardgather.checkpoint_dir import CheckpointWriter
+
+        real_commit = CheckpointWriter.commit
+
+        def failing_commit(self, index):
+            raise OSError(5, "Input/output error (injected)")
+
+        CheckpointWriter.commit = failing_commit
+        try:
+            _export(group, state, specs, out, bucket_bytes=64)
+        except shardgather.InvalidArgumentError as e:
+            assert "committing the checkpoint" in str(e) and "injected" in str(e), str(e)
+        else:
+            raise AssertionError("the failed commit succeeded on rank %d" % rank)
+        finally:
+            CheckpointWriter.commit = real_commit
+        if rank == 0:
+            assert _listing(out) == before, "a failed commit changed the older checkpoint"
         _export(group, state, specs, out, bucket_bytes=1 << 20)
         if rank == 0:
             names = sorted(os.listdir(out))
