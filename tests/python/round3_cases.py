@@ -207,6 +207,17 @@ PLAN_ROWS = [
      "async_op must be a bool", 2),
     ("plan_started_bad_dst", "unshard_plan_started", lambda kw, w: dict(kw, dst=w),
      "InvalidArgumentError", "dst", 2),
+    ("plan_outputs_wrong_shape", "unshard_plan",
+     lambda kw, w: dict(kw, outputs=[torch.empty(1) for _ in kw["specs"]]),
+     "InvalidArgumentError", "output", 2),
+    ("allgather_create_strategy_int", "allgather_create", dict(strategy=1), "InvalidTypeError",
+     "strategy must be a str", 2),
+    ("allgather_create_preflight_str", "allgather_create", dict(preflight="x"),
+     "InvalidTypeError", "preflight must be a bool", 2),
+    ("allgather_create_timeout_negative", "allgather_create", dict(timeout=-3.0),
+     "InvalidArgumentError", "timeout", 2),
+    ("allgather_execute_out_small", "allgather_plan", dict(plan_out=torch.empty(1)),
+     "InvalidArgumentError", "out", 2),
     ("allgather_plan_rank_str", "allgather_plan", dict(rank="0"), "InvalidTypeError",
      "rank must be an int", 2),
     ("allgather_plan_strategy", "allgather_plan", dict(strategy="bogus"), "InvalidArgumentError",
@@ -265,20 +276,26 @@ def _run(entry, kw, group, rank, world):
     spec_list = [specs[k] for k in names] if isinstance(specs, dict) else specs
     if entry in ("unshard_plan", "unshard_plan_started"):
         async_op = kw.pop("async_op", entry.endswith("_started"))
+        outputs = kw.pop("outputs", None)
         kw.setdefault("world_size", world)
         kw.setdefault("rank", rank)
         kw.setdefault("timeout", T)
         plan = shardgather.UnshardPlan(spec_list, **kw)
-        return _wait(plan.execute(shards, group, async_op=async_op))
+        return _wait(plan.execute(shards, group, outputs, async_op=async_op))
     if entry in ("unshard", "unshard_started"):
         kw.setdefault("async_op", entry.endswith("_started"))
         kw.setdefault("timeout", T)
         return _wait(shardgather.unshard(shards, spec_list, group, **kw))
     if entry == "allgather_plan":
+        plan_out = kw.pop("plan_out", None)
         kw.setdefault("rank", rank)
         plan = shardgather.AllGatherPlan([t.dtype for t in shards], _rows(world), timeout=T,
                                          **kw)
-        return plan.execute(shards, group)
+        return plan.execute(shards, group, plan_out)
+    if entry == "allgather_create":
+        kw.setdefault("timeout", T)
+        return shardgather.AllGatherPlan.create(shards, group, _rows(world), **kw).execute(
+            shards, group)
     kw.setdefault("timeout", T)
     return _wait(shardgather.foreach_all_gather(shards, group, _rows(world), **kw))
 
