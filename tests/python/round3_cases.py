@@ -12,6 +12,7 @@ with group=None, the threads backend, MPI); the case_* wrappers are the Gloo ent
 the DTensor rows, which need torch.distributed.
 """
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -441,8 +442,9 @@ def check_export_replaces_atomically(rank, world, group):
             with open(os.path.join(out, "config.json"), "w") as f:
                 f.write("{}")
         before = _listing(out) if rank == 0 else None
-        # A write failure on dst in the middle of the export.
+        # A write failure on dst in the middle of the export (its second file).
         import shardgather.export as export
+        from shardgather.checkpoint_dir import CheckpointWriter
 
         real, calls = export.save_file, []
 
@@ -452,36 +454,25 @@ def check_export_replaces_atomically(rank, world, group):
                 raise OSError(28, "No space left on device (injected)")
             return real(tensors, path, metadata=metadata)
 
-        export.save_file = failing
-        try:
-            _export(group, state, specs, out, bucket_bytes=64)
-        except shardgather.ShardgatherError as e:
-            assert "No space left" in str(e) or rank != 0, str(e)
-        else:
-            raise AssertionError("the failed export succeeded on rank %d" % rank)
-        finally:
-            export.save_file = real
-        if rank == 0:
-            assert _listing(out) == before, "a failed export changed the older checkpoint"
-        # A commit that fails on dst, after every bucket arrived: every rank raises.
-        from shardgather.checkpoint_dir import CheckpointWriter
-
-        real_commit = CheckpointWriter.commit
-
         def failing_commit(self, index):
             raise OSError(5, "Input/output error (injected)")
 
-        CheckpointWriter.commit = failing_commit
-        try:
-            _export(group, state, specs, out, bucket_bytes=64)
-        except shardgather.InvalidArgumentError as e:
-            assert "committing the checkpoint" in str(e) and "injected" in str(e), str(e)
-        else:
-            raise AssertionError("the failed commit succeeded on rank %d" % rank)
-        finally:
-            CheckpointWriter.commit = real_commit
-        if rank == 0:
-            assert _listing(out) == before, "a failed commit changed the older checkpoint"
+        # (what fails, the class every rank raises, what the message names, on which ranks)
+        for target, name, fake, cls, needles, named_on in (
+                (export, "save_file", failing, shardgather.ShardgatherError, ["No space left"],
+                 rank == 0),
+                # A commit that fails on dst, after every bucket arrived: every rank is told.
+                (CheckpointWriter, "commit", failing_commit, shardgather.InvalidArgumentError,
+                 ["committing the checkpoint", "injected"], True)):
+            with _patched(target, name, fake):
+                try:
+                    _export(group, state, specs, out, bucket_bytes=64)
+                except cls as e:
+                    assert not named_on or all(n in str(e) for n in needles), str(e)
+                else:
+                    raise AssertionError("the failed %s succeeded on rank %d" % (name, rank))
+            if rank == 0:
+                assert _listing(out) == before, "a failed %s changed the older checkpoint" % name
         _export(group, state, specs, out, bucket_bytes=1 << 20)
         if rank == 0:
             names = sorted(os.listdir(out))
@@ -492,6 +483,17 @@ def check_export_replaces_atomically(rank, world, group):
     finally:
         if rank == 0:
             shutil.rmtree(out, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _patched(obj, name, value):
+    """``obj.name`` is ``value`` inside the block."""
+    real = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, real)
 
 
 def _listing(path):

@@ -140,22 +140,13 @@ def timeout_case_ctrl_c_in_gloo_waits(rank, world):
         time.sleep(8.0)  # alive, never calling
         return
     for started, comm in zip((True, False), comms):
-        timer = _interrupt_after(0.5)
-        start = time.monotonic()
-        try:
-            if started:
-                shardgather.foreach_all_gather([torch.ones(4)], comm, timeout=30.0,
-                                               async_op=True).wait()
-            else:
-                shardgather.foreach_all_gather([torch.ones(4)], comm, timeout=30.0)
-        except KeyboardInterrupt:
-            pass
+        if started:
+            call = lambda: shardgather.foreach_all_gather(  # noqa: E731
+                [torch.ones(4)], comm, timeout=30.0, async_op=True).wait()
         else:
-            raise AssertionError("no KeyboardInterrupt (started=%s)" % started)
-        finally:
-            timer.join()
-        waited = time.monotonic() - start
-        assert waited < 2.0, "KeyboardInterrupt after %.1f s (started=%s)" % (waited, started)
+            call = lambda: shardgather.foreach_all_gather(  # noqa: E731
+                [torch.ones(4)], comm, timeout=30.0)
+        _interrupted(call, "started=%s" % started)
         assert comm.is_poisoned
 
 
@@ -204,10 +195,9 @@ def _wedge_in_header(seconds, then_raise=True):
     return timer
 
 
-def _interrupted_in_payload(call, what):
-    """Rank 0's side: `call()` once the wedged peer's header is there, SIGINT 0.5 s in;
-    KeyboardInterrupt within about a second of it."""
-    time.sleep(0.6)  # the peer has posted its header and hangs in its check
+def _interrupted(call, what):
+    """`call()` with SIGINT 0.5 s in: KeyboardInterrupt within about a second of it, not at the
+    call's deadline."""
     timer = _interrupt_after(0.5)
     start = time.monotonic()
     try:
@@ -220,6 +210,12 @@ def _interrupted_in_payload(call, what):
         timer.join()
     waited = time.monotonic() - start
     assert waited < 2.0, "KeyboardInterrupt after %.1f s (%s)" % (waited, what)
+
+
+def _interrupted_in_payload(call, what):
+    """Rank 0's side: `call()` once the wedged peer's header is there, interrupted."""
+    time.sleep(0.6)  # the peer has posted its header and hangs in its check
+    _interrupted(call, what)
 
 
 def _ctrl_c_in_payload(rank, world, call, what, peer_call=None):
