@@ -26,7 +26,7 @@ from ._shardgather import foreach_all_gather as _gather
 _MESSAGE_BYTES = 480
 _CLASSES = {1: InvalidArgumentError, 2: InvalidTypeError, 3: MismatchError}
 _CODES = {cls: code for code, cls in _CLASSES.items()}
-_NAMES, _SPECS = 1, 2  # positions in the record: [error code, names hash, specs hash, options...]
+_NAMES, _SPECS, _OPTIONS = 1, 2, 3  # record: [error, names hash, specs hash, options...]
 
 
 class Agreement:
@@ -66,17 +66,17 @@ class Agreement:
         records = [r.tolist() for r in got[0]]
         for r, rec in enumerate(records):
             if rec[0]:
-                text = bytes(got[1][r].tolist()).rstrip(b"\0").decode("utf-8", "replace")
+                text = got[1][r].numpy().tobytes().rstrip(b"\0").decode("utf-8", "replace")
                 raise _CLASSES[rec[0]]("%s: rank %d: %s" % (self.what, r, text))
         for r, rec in enumerate(records):
             if rec[_NAMES] != records[0][_NAMES] or rec[_SPECS] != records[0][_SPECS]:
                 self._explain(comm, r, timeout)
         for k, (name, _) in enumerate(self.options):
             for r, rec in enumerate(records):
-                if rec[3 + k] != records[0][3 + k]:
+                if rec[_OPTIONS + k] != records[0][_OPTIONS + k]:
                     raise MismatchError("%s: %s differs: rank 0 has %s, rank %d has %s"
-                                        % (self.what, name, _show(name, records[0][3 + k]), r,
-                                           _show(name, rec[3 + k])))
+                                        % (self.what, name, _show(name, records[0][_OPTIONS + k]),
+                                           r, _show(name, rec[_OPTIONS + k])))
 
     def _record(self, world):
         code, text = 0, ""
@@ -176,6 +176,12 @@ def check_int(name, value, low, high=None, domain=None):
             domain = ">= %d" % low if high is None else "in [%d, %d]" % (low, high)
         raise InvalidArgumentError("%s must be %s, got %d" % (name, domain, value))
     return int(value)
+
+
+def check_str(name, value):
+    """``value`` is a str (a strategy name: which names exist, the call itself checks)."""
+    if not isinstance(value, str):
+        raise InvalidTypeError("%s must be a str, got %s" % (name, type(value).__name__))
 
 
 def _digest(value):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from . import (_C, InvalidArgumentError, InvalidTypeError, ShardSpec, _setup_timeout,
                communicator, unshard)
-from ._agree import Agreement
+from ._agree import Agreement, check_str
 
 __all__ = ["full_tensors"]
 
@@ -71,9 +71,7 @@ def _agreed_layouts(comm, dtensors, mesh, mesh_group, names, strategy, timeout):
     agree on its keys, in order (one small collective): the same layouts under other keys would
     gather one parameter's rows into another's."""
     agreement = Agreement("full_tensors")
-    if not isinstance(strategy, str):
-        agreement.fail(InvalidTypeError, "strategy must be a str, got %s"
-                       % type(strategy).__name__)
+    agreement.capture(lambda: check_str("strategy", strategy))
     sharded = agreement.capture(lambda: _layouts(dtensors, mesh, mesh_group))
     if names is not None:
         agreement.names = names

@@ -27,12 +27,11 @@ Without ``with``, a consumer that raises on one rank leaves its peers waiting fo
 """
 
 import math
-from numbers import Integral
 
 import torch
 
 from . import _C, InvalidArgumentError, InvalidTypeError, ShardSpec, _setup_timeout, communicator
-from ._agree import Agreement, check_int
+from ._agree import Agreement, check_int, check_str
 
 __all__ = ["UnshardStream", "unshard_stream"]
 
@@ -65,8 +64,8 @@ class UnshardStream:
         agreement = Agreement("unshard_stream")
         group = _stream_group(shards, specs, group)
         self._comm = communicator(group, _setup_timeout(timeout))
-        got = agreement.capture(lambda: _inputs(shards, specs, group))
-        names, tensors, specs = got[:3] if got else (None, None, None)
+        names, tensors, specs = agreement.capture(lambda: _inputs(shards, specs, group)) or (
+            None, None, None)
         for check in _checks:  # the export's own arguments (its dst domain is narrower)
             agreement.capture(lambda: check(names))
         agreement.capture(lambda: _check_options(bucket_bytes, prefetch, dst, copy, strategy,
@@ -162,8 +161,7 @@ def _check_options(bucket_bytes, prefetch, dst, copy, strategy, world):
         check_int("dst", dst, 0, world - 1, "a rank of the group's %d, or None" % world)
     if not isinstance(copy, bool):
         raise InvalidTypeError("copy must be a bool, got %s" % type(copy).__name__)
-    if not isinstance(strategy, str):
-        raise InvalidTypeError("strategy must be a str, got %s" % type(strategy).__name__)
+    check_str("strategy", strategy)
 
 
 def _stream_group(shards, specs, group):
@@ -188,7 +186,7 @@ def _stream_group(shards, specs, group):
 
 
 def _inputs(shards, specs, group):
-    """(names, shard tensors, specs, group) from any accepted form of the inputs."""
+    """(names, shard tensors, specs) from any accepted form of the inputs."""
     if not isinstance(shards, (dict, list, tuple)):
         raise InvalidTypeError("shards must be a dict or a list of tensors, got %s"
                                % type(shards).__name__)
@@ -216,7 +214,7 @@ def _inputs(shards, specs, group):
         if not isinstance(sp, ShardSpec):
             raise InvalidTypeError("the spec of %r is a %s, not a shardgather.ShardSpec"
                                    % (names[i], type(sp).__name__))
-    return names, tensors, specs, group
+    return names, tensors, specs
 
 
 def _from_dtensors(names, tensors, group):
@@ -252,4 +250,4 @@ def _from_dtensors(names, tensors, group):
             spec = ShardSpec(t.dtype, tuple(t.shape), 0, sizes)
         shards.append(shard)
         specs.append(spec)
-    return names, shards, specs, mesh_group
+    return names, shards, specs
