@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string_view>
 
@@ -30,6 +31,9 @@ enum class Operation : std::uint8_t {
   kUnshard = 4,         // the one-shot unshard()
   kUnshardExecute = 5,  // UnshardPlan::execute (also each bucket of an UnshardStream)
   kUnshardStream = 6,   // UnshardStream's agreements: before its first bucket, after its last
+  // Not an operation: one past the last. A new operation goes above it, so the header check
+  // (which refuses codes outside [kForeachAllGather, kEnd)) knows it without being told.
+  kEnd,
 };
 
 SHARDGATHER_API std::string_view operation_name(Operation op) noexcept;
@@ -49,5 +53,25 @@ struct CallShape {
 // exchanged: the peers wait for this rank's header). Blocks like the call's pre-flight.
 [[noreturn]] SHARDGATHER_API void fail_call(Communicator& comm, const CallShape& call,
                                             ErrorCode code, std::string_view message);
+
+// Runs `fn` as a blocking operation of `comm`: after every operation started before it on the
+// communicator, and with this thread its only driver while it runs (an embedder's own
+// collective, a barrier, keeps its place in the communicator's order this way).
+SHARDGATHER_API void run_in_order(Communicator& comm, const std::function<void()>& fn);
+
+// While one lives, `comm`'s transport is told that a thread is waiting for its started
+// operations (Work::wait, a binding's polling loop), so it may stop slicing its waits.
+class SHARDGATHER_API AwaitingStarted {
+ public:
+  explicit AwaitingStarted(Communicator& comm) noexcept;
+  AwaitingStarted(const AwaitingStarted&) = delete;
+  AwaitingStarted& operator=(const AwaitingStarted&) = delete;
+  AwaitingStarted(AwaitingStarted&&) = delete;
+  AwaitingStarted& operator=(AwaitingStarted&&) = delete;
+  ~AwaitingStarted();
+
+ private:
+  Communicator& comm_;
+};
 
 }  // namespace shardgather

@@ -17,10 +17,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
-#include "ops/start.h"
 #include "params.h"
 #include "plans.h"
-#include "process_group.h"
 #include "stream.h"
 #include "torch_tensors.h"
 #include "work.h"
@@ -30,6 +28,7 @@
 #include "shardgather/foreach_all_gather.h"
 #include "shardgather/plan.h"
 #include "shardgather/threads.h"
+#include "shardgather/torch.h"
 #include "shardgather/unshard.h"
 #include "shardgather/version.h"
 
@@ -74,7 +73,7 @@ py::list result_lists(std::unique_ptr<GatherResult> result) {
 // The operation operation_name() calls `name` (an unknown name is this binding's own bug).
 Operation operation_named(const std::string& name) {
   for (auto code = static_cast<std::uint8_t>(Operation::kForeachAllGather);
-       code <= static_cast<std::uint8_t>(Operation::kUnshardStream); ++code) {
+       code < static_cast<std::uint8_t>(Operation::kEnd); ++code) {
     if (operation_name(static_cast<Operation>(code)) == name) {
       return static_cast<Operation>(code);
     }
@@ -189,10 +188,12 @@ CommPtr process_group_communicator(const c10::intrusive_ptr<c10d::ProcessGroup>&
                                    std::optional<double> timeout) {
   const std::chrono::milliseconds setup = to_timeout(timeout).value_or(kDefaultTimeout);
   const c10::Device dev(device);
-  ProcessGroupCommunicator* comm = nullptr;
-  call_interruptible(
-      [&] { comm = new ProcessGroupCommunicator(group, dev, p2p, host_mailbox, setup); });
-  return {comm, &delete_without_gil};
+  std::unique_ptr<Communicator> comm;
+  call_interruptible([&] {
+    comm = make_torch_communicator(
+        group, dev, {.p2p = p2p, .host_mailbox = host_mailbox, .setup_timeout = setup});
+  });
+  return {comm.release(), &delete_without_gil};
 }
 
 #ifdef SHARDGATHER_PYTHON_WITH_MPI
@@ -310,10 +311,7 @@ PYBIND11_MODULE(_shardgather, m) {
           "where the backend cannot tell)")
       .def_property_readonly(
           "uses_host_mailbox",
-          [](const Communicator& c) {
-            const auto* pg = dynamic_cast<const ProcessGroupCommunicator*>(&c);
-            return pg != nullptr && pg->uses_host_mailbox();
-          },
+          [](const Communicator& c) { return torch_uses_host_mailbox(c); },
           "Whether small exchanges (the pre-flight header) go through shared memory on this "
           "host instead of the backend")
       .def(
@@ -322,7 +320,7 @@ PYBIND11_MODULE(_shardgather, m) {
             const auto deadline = c.deadline_after(to_timeout(timeout).value_or(c.timeout()));
             // In the communicator's operation order: after every started call, never beside one.
             call_interruptible(
-                [&] { shardgather::detail::run_blocking(c, [&] { c.barrier(deadline); }); });
+                [&] { run_in_order(c, [&] { c.barrier(deadline); }); });
           },
           py::arg("timeout") = py::none())
       .def("abort", &Communicator::abort)
@@ -510,20 +508,8 @@ PYBIND11_MODULE(_shardgather, m) {
       py::arg("preflight") = true, py::arg("timeout") = py::none());
   m.def("_make_thread_group", &make_thread_group_py, py::arg("world_size"));
   // For tests: how a torch group's communicator moves uneven device gathers, as agreed.
-  m.def("_device_gather", [](const std::shared_ptr<Communicator>& comm) -> std::string {
-    const auto* pg = dynamic_cast<const ProcessGroupCommunicator*>(comm.get());
-    if (pg == nullptr) {
-      return "";
-    }
-    switch (pg->device_gather()) {
-      case ProcessGroupCommunicator::DeviceGather::kBroadcast:
-        return "broadcast";
-      case ProcessGroupCommunicator::DeviceGather::kPadded:
-        return "padded";
-      case ProcessGroupCommunicator::DeviceGather::kAuto:
-        break;
-    }
-    return "auto";
+  m.def("_device_gather", [](const std::shared_ptr<Communicator>& comm) {
+    return std::string(torch_device_gather(*comm));
   });
   m.def("_process_group_communicator", &process_group_communicator, py::arg("group"),
         py::arg("device") = "cpu", py::arg("p2p") = true, py::arg("host_mailbox") = true,

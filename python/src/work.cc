@@ -1,6 +1,6 @@
 #include "work.h"
 
-#include "detail/op_queue.h"
+#include "shardgather/embedding.h"
 
 namespace py = pybind11;
 
@@ -16,7 +16,7 @@ PyWork::~PyWork() {
 
 void PyWork::block() {
   constexpr std::chrono::milliseconds kSlice{100};
-  const detail::OpQueue::Awaiting awaiting(comm_->operations());  // the transport may hurry
+  const AwaitingStarted awaiting(*comm_);  // the transport may hurry
   for (;;) {
     bool completed = false;
     {

@@ -3,8 +3,8 @@
 #include <cstring>
 #include <string>
 
-#include "detail/graveyard.h"
-#include "detail/op_queue.h"
+#include "transport/graveyard.h"
+#include "transport/op_queue.h"
 #include "ops/exec_scratch.h"
 #include "ops/start.h"
 
@@ -26,6 +26,8 @@ std::string_view operation_name(Operation op) noexcept {
       return "UnshardPlan::execute";
     case Operation::kUnshardStream:
       return "UnshardStream";
+    case Operation::kEnd:
+      break;
   }
   return "unknown operation";
 }
@@ -105,19 +107,16 @@ std::span<const PreflightHeader> Call::agree() {
 }
 
 void Call::park_guarded() noexcept {
-  for (std::size_t k = 0; k < aligned_n_; ++k) {
-    park(*aligned_[k]);
-  }
-  for (std::size_t k = 0; k < vectors_n_; ++k) {
-    park(*vectors_[k]);
-  }
+  aligned_.each([](AlignedBuffer& b) { park(b); });
+  vectors_.each([](std::vector<std::byte>& v) { park(v); });
   if (scratch_ != nullptr) {
     scratch_->leak();
   }
   if (strategy_ != nullptr) {
     park(*strategy_);  // moves its buffers and window out; the emptied scratch is freed as usual
   }
-  aligned_n_ = vectors_n_ = 0;
+  aligned_.clear();
+  vectors_.clear();
   scratch_ = nullptr;
   strategy_ = nullptr;
 }

@@ -94,8 +94,10 @@ class Call {
 
   // Buffers a collective of this call may still touch after a CommunicationError: transfer()
   // parks them instead of letting them be freed. Guarded objects must outlive the transfer.
-  void guard(AlignedBuffer& buffer) noexcept { add(aligned_, aligned_n_, &buffer); }
-  void guard(std::vector<std::byte>& buffer) noexcept { add(vectors_, vectors_n_, &buffer); }
+  // Any number may be guarded: the first few take no allocation, more spill to the heap (a
+  // bad_alloc there is raised before the transfer, never a buffer left unguarded).
+  void guard(AlignedBuffer& buffer) { aligned_.add(&buffer); }
+  void guard(std::vector<std::byte>& buffer) { vectors_.add(&buffer); }
   void guard(ScratchHolder& scratch) noexcept { scratch_ = &scratch; }
   // A one-shot job's strategy scratch, whole: its staging (packed, padded, gathered) and the
   // node-shared window an explicit strategy makes during the transfer.
@@ -114,12 +116,34 @@ class Call {
   }
 
  private:
+  // Pointers to what a call guards: N inline (enough for every operation so far, so a steady
+  // state allocates nothing), the rest in `more`.
   template <typename T, std::size_t N>
-  static void add(std::array<T*, N>& slots, std::size_t& n, T* p) noexcept {
-    if (n < N) {  // N is the most any operation guards
-      slots[n++] = p;
+  struct Guarded {
+    std::array<T*, N> first{};
+    std::size_t n = 0;
+    std::vector<T*> more;
+    void add(T* p) {
+      if (n < N) {
+        first[n++] = p;
+      } else {
+        more.push_back(p);
+      }
     }
-  }
+    template <typename Fn>
+    void each(Fn&& fn) const noexcept {
+      for (std::size_t k = 0; k < n; ++k) {
+        fn(*first[k]);
+      }
+      for (T* p : more) {
+        fn(*p);
+      }
+    }
+    void clear() noexcept {
+      n = 0;
+      more.clear();
+    }
+  };
   void park_guarded() noexcept;
   [[noreturn]] void raise_local() const;
 
@@ -130,10 +154,8 @@ class Call {
   HeaderBuffers own_;
   HeaderBuffers* buffers_;
   PreflightHeader header_;
-  std::array<AlignedBuffer*, 2> aligned_{};
-  std::size_t aligned_n_ = 0;
-  std::array<std::vector<std::byte>*, 8> vectors_{};
-  std::size_t vectors_n_ = 0;
+  Guarded<AlignedBuffer, 2> aligned_;
+  Guarded<std::vector<std::byte>, 8> vectors_;
   ScratchHolder* scratch_ = nullptr;
   StrategyScratch* strategy_ = nullptr;
 };

@@ -7,7 +7,7 @@
 #include <optional>
 #include <vector>
 
-#include "detail/local_input.h"
+#include "copies/local_input.h"
 #include "ops/call.h"
 #include "strategies/strategy.h"
 

@@ -4,8 +4,8 @@
 // through one call (one header) and the strategy layer.
 #include <string>
 
-#include "detail/local_input.h"
-#include "detail/send_stream.h"
+#include "copies/local_input.h"
+#include "copies/send_stream.h"
 #include "ops/call.h"
 #include "ops/payload.h"
 #include "ops/plan_access.h"

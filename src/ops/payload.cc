@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <string>
 
-#include "detail/graveyard.h"
-#include "detail/parallel.h"
+#include "transport/graveyard.h"
+#include "copies/parallel.h"
 
 #include "shardgather/copy.h"
 #include "shardgather/errors.h"

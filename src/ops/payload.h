@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <vector>
 
-#include "detail/send_stream.h"
+#include "copies/send_stream.h"
 #include "ops/call.h"
 #include "ops/exec_scratch.h"
 #include "strategies/strategy.h"

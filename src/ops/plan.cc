@@ -6,8 +6,8 @@
 #include <string>
 
 #include "copies/device_runtime.h"
-#include "detail/local_input.h"
-#include "detail/send_stream.h"
+#include "copies/local_input.h"
+#include "copies/send_stream.h"
 #include "ops/call.h"
 #include "ops/payload.h"
 #include "ops/plan_access.h"

@@ -4,7 +4,7 @@
 #include <optional>
 #include <string>
 
-#include "detail/local_input.h"
+#include "copies/local_input.h"
 #include "ops/call.h"
 #include "ops/payload.h"
 #include "ops/records.h"

@@ -4,7 +4,7 @@
 #include <cstring>
 #include <string>
 
-#include "detail/hash.h"
+#include "vocabulary/hash.h"
 
 namespace shardgather::detail {
 
@@ -18,7 +18,7 @@ std::string op_prefix(int me, const PreflightHeader& h) {
 
 bool known_operation(std::uint8_t op) noexcept {
   return op >= static_cast<std::uint8_t>(Operation::kForeachAllGather) &&
-         op <= static_cast<std::uint8_t>(Operation::kUnshardStream);
+         op < static_cast<std::uint8_t>(Operation::kEnd);
 }
 
 std::string op_str(std::uint8_t op) {

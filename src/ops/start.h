@@ -6,7 +6,7 @@
 #include <memory>
 #include <utility>
 
-#include "detail/op_queue.h"
+#include "transport/op_queue.h"
 
 #include "shardgather/communicator.h"
 #include "shardgather/work.h"

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <string>
 
-#include "detail/local_input.h"
+#include "copies/local_input.h"
 #include "ops/call.h"
 #include "ops/payload.h"
 #include "ops/plan_access.h"

@@ -10,10 +10,10 @@
 #include <string>
 
 #include "copies/device_runtime.h"
-#include "detail/checked_math.h"
-#include "detail/hash.h"
-#include "detail/local_input.h"
-#include "detail/send_stream.h"
+#include "vocabulary/checked_math.h"
+#include "vocabulary/hash.h"
+#include "copies/local_input.h"
+#include "copies/send_stream.h"
 #include "ops/call.h"
 #include "ops/payload.h"
 #include "ops/plan_access.h"

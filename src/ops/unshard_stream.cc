@@ -10,11 +10,11 @@
 #include <functional>
 #include <string>
 
-#include "detail/checked_math.h"
-#include "detail/graveyard.h"
-#include "detail/hash.h"
-#include "detail/local_input.h"
-#include "detail/op_queue.h"
+#include "vocabulary/checked_math.h"
+#include "transport/graveyard.h"
+#include "vocabulary/hash.h"
+#include "copies/local_input.h"
+#include "transport/op_queue.h"
 #include "ops/call.h"
 #include "ops/payload.h"
 #include "ops/plan_access.h"

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <functional>
 
-#include "detail/parallel_copy.h"
+#include "copies/parallel_copy.h"
 #include "strategies/strategy.h"
 
 #include "shardgather/copy.h"

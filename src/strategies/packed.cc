@@ -1,6 +1,6 @@
 // kPacked: copy-in to one contiguous buffer, one collective, copy-out when the final layout is
 // not the gathered one. The classic foreach (the seed's algorithm); copies use the copy pool.
-#include "detail/parallel_copy.h"
+#include "copies/parallel_copy.h"
 #include "strategies/strategy.h"
 
 namespace shardgather::detail {

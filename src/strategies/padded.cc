@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "detail/parallel_copy.h"
+#include "copies/parallel_copy.h"
 #include "strategies/strategy.h"
 
 #include "shardgather/copy.h"

@@ -6,7 +6,7 @@
 // pre-flight header already proves that; without it, one extra barrier does.
 #include <cstring>
 
-#include "detail/parallel_copy.h"
+#include "copies/parallel_copy.h"
 #include "strategies/strategy.h"
 
 #include "shardgather/copy.h"

@@ -16,7 +16,7 @@
 
 #include "copies/copy_table.h"
 #include "copies/device_runtime.h"
-#include "detail/shared_buffer.h"
+#include "transport/shared_buffer.h"
 
 #include "shardgather/communicator.h"
 #include "shardgather/strategy.h"

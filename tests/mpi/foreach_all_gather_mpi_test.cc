@@ -17,8 +17,8 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
-#include "detail/host_mailbox.h"
-#include "detail/shared_buffer.h"
+#include "transport/host_mailbox.h"
+#include "transport/shared_buffer.h"
 #include "support/cases.h"
 #include "support/plan_cases.h"
 #include "support/testing.h"

@@ -131,7 +131,7 @@ def timeout_case_ctrl_c_in_gloo_waits(rank, world):
     communicator without the host mailbox; its peer never comes), in a started call and in a
     blocking one: KeyboardInterrupt within about a second, not at the 30 s deadline. (Gloo's
     send/recv works can neither be waited on in slices nor polled: the blocking call waits on a
-    helper thread; see python/src/process_group.h.) A group each: an interrupted call closes
+    helper thread; see src/transport/backends/torch/process_group.h.) A group each: an interrupted call closes
     its group's Gloo context."""
     comms = [shardgather._C._process_group_communicator(dist.new_group(list(range(world))), "cpu",
                                                         True, False)

@@ -1,7 +1,7 @@
-// The host mailbox (src/detail/host_mailbox.h) on thread ranks: every rank maps the shared
+// The host mailbox (src/transport/host_mailbox.h) on thread ranks: every rank maps the shared
 // object itself, so the slots, the futex and the parity reuse are the ones processes use
 // (tests/mpi runs it across processes, tests/python through Gloo groups, with a peer that exits).
-#include "detail/host_mailbox.h"
+#include "transport/host_mailbox.h"
 
 #include <algorithm>
 #include <array>

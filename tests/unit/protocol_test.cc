@@ -8,7 +8,8 @@
 
 #include <gtest/gtest.h>
 
-#include "detail/graveyard.h"
+#include "transport/graveyard.h"
+#include "ops/call.h"
 #include "support/testing.h"
 
 #include "shardgather/shardgather.h"
@@ -186,6 +187,35 @@ TEST(FailedCalls, ParkWhatTheirCollectivesMayTouch) {
         EXPECT_THROW((void)foreach_all_gather(testing::views_of(t), comm, rows(2), options),
                      Timeout);
         EXPECT_GE(detail::parked_count(), before + 3) << "output, header buffers, plan scratch";
+      },
+      test_name());
+}
+
+// Call::guard keeps every buffer it is given, however many: a failed transfer parks all of them
+// (it used to drop a third aligned buffer and a ninth vector without a word).
+TEST(FailedCalls, ParkEveryGuardedBufferHoweverMany) {
+  run_ranks(
+      1,
+      [](int, Communicator& comm) {
+        constexpr std::size_t kAligned = 5;
+        constexpr std::size_t kVectors = 12;
+        std::vector<AlignedBuffer> aligned(kAligned);
+        std::vector<std::vector<std::byte>> vectors(kVectors);
+        detail::Call call(comm, Operation::kForeachAllGather, std::nullopt, false);
+        for (auto& b : aligned) {
+          call.guard(b);
+        }
+        for (auto& v : vectors) {
+          v.resize(64);
+          call.guard(v);
+        }
+        const std::size_t before = detail::parked_count();
+        EXPECT_THROW(call.transfer([] { throw CommunicationError("a peer went away"); }),
+                     CommunicationError);
+        EXPECT_EQ(detail::parked_count(), before + kAligned + kVectors);
+        for (const auto& v : vectors) {
+          EXPECT_TRUE(v.empty()) << "a guarded vector was moved to the graveyard";
+        }
       },
       test_name());
 }

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <string>
 
-#include "detail/checked_math.h"
+#include "vocabulary/checked_math.h"
 
 #include "shardgather/errors.h"
 

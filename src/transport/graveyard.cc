@@ -1,4 +1,4 @@
-#include "detail/graveyard.h"
+#include "transport/graveyard.h"
 
 #include <mutex>
 

@@ -1,4 +1,4 @@
-#include "detail/host_mailbox.h"
+#include "transport/host_mailbox.h"
 
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -15,7 +15,7 @@
 #include <string_view>
 #include <vector>
 
-#include "detail/graveyard.h"
+#include "transport/graveyard.h"
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <unistd.h>

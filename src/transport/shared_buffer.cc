@@ -1,4 +1,4 @@
-#include "detail/shared_buffer.h"
+#include "transport/shared_buffer.h"
 
 #include <sys/mman.h>
 
@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "detail/graveyard.h"
+#include "transport/graveyard.h"
 #include <fcntl.h>
 #include <unistd.h>
 

@@ -9,7 +9,7 @@
 #include <c10/core/DeviceType.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-namespace shardgather::python {
+namespace shardgather::detail {
 
 // One equal-size gather into a flat output: all_gather_single (torch >= 2.15), _allgather_base
 // before.
@@ -41,4 +41,4 @@ std::string backend_name_for(Group& group, c10::DeviceType device) {
   }
 }
 
-}  // namespace shardgather::python
+}  // namespace shardgather::detail

@@ -1,4 +1,4 @@
-#include "process_group.h"
+#include "transport/backends/torch/process_group.h"
 
 #include <algorithm>
 #include <array>
@@ -18,14 +18,15 @@
 #include <c10/util/Exception.h>
 
 #include "copies/device_runtime.h"
-#include "detail/graveyard.h"
-#include "torch_compat.h"
+#include "transport/graveyard.h"
+#include "transport/backends/torch/torch_compat.h"
 #include <unistd.h>
 
 #include "shardgather/copy.h"
 #include "shardgather/errors.h"
+#include "shardgather/torch.h"
 
-namespace shardgather::python {
+namespace shardgather::detail {
 
 namespace {
 
@@ -804,4 +805,36 @@ void ProcessGroupCommunicator::abort_works_locked() noexcept {
   }
 }
 
-}  // namespace shardgather::python
+}  // namespace shardgather::detail
+
+namespace shardgather {
+
+std::unique_ptr<Communicator> make_torch_communicator(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device,
+    const TorchGroupOptions& options) {
+  return std::make_unique<detail::ProcessGroupCommunicator>(
+      group, device, options.p2p, options.host_mailbox, options.setup_timeout);
+}
+
+bool torch_uses_host_mailbox(const Communicator& comm) noexcept {
+  const auto* pg = dynamic_cast<const detail::ProcessGroupCommunicator*>(&comm);
+  return pg != nullptr && pg->uses_host_mailbox();
+}
+
+std::string_view torch_device_gather(const Communicator& comm) noexcept {
+  const auto* pg = dynamic_cast<const detail::ProcessGroupCommunicator*>(&comm);
+  if (pg == nullptr) {
+    return "";
+  }
+  switch (pg->device_gather()) {
+    case detail::ProcessGroupCommunicator::DeviceGather::kBroadcast:
+      return "broadcast";
+    case detail::ProcessGroupCommunicator::DeviceGather::kPadded:
+      return "padded";
+    case detail::ProcessGroupCommunicator::DeviceGather::kAuto:
+      break;
+  }
+  return "auto";
+}
+
+}  // namespace shardgather

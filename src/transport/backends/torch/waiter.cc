@@ -1,8 +1,8 @@
-#include "waiter.h"
+#include "transport/backends/torch/waiter.h"
 
 #include <utility>
 
-namespace shardgather::python {
+namespace shardgather::detail {
 
 Waiter::~Waiter() {
   {
@@ -73,4 +73,4 @@ void Waiter::loop() {
   }
 }
 
-}  // namespace shardgather::python
+}  // namespace shardgather::detail

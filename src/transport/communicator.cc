@@ -3,7 +3,7 @@
 #include <numeric>
 #include <string>
 
-#include "detail/op_queue.h"
+#include "transport/op_queue.h"
 
 #include "shardgather/errors.h"
 

@@ -1,4 +1,4 @@
-#include "detail/op_queue.h"
+#include "transport/op_queue.h"
 
 #include <chrono>
 #include <utility>

@@ -1,4 +1,4 @@
-#include "backends/mpi/mpi_communicator.h"
+#include "transport/backends/mpi/mpi_communicator.h"
 
 #include <algorithm>
 #include <chrono>
@@ -6,8 +6,8 @@
 #include <string>
 #include <thread>
 
-#include "detail/check_mpi.h"
-#include "detail/op_queue.h"
+#include "transport/backends/mpi/check_mpi.h"
+#include "transport/op_queue.h"
 #include <sched.h>
 
 #include "shardgather/copy.h"

@@ -1,4 +1,4 @@
-#include "detail/local_input.h"
+#include "copies/local_input.h"
 
 #include <algorithm>
 

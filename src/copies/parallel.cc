@@ -1,4 +1,4 @@
-#include "detail/parallel.h"
+#include "copies/parallel.h"
 
 #include <algorithm>
 #include <atomic>

@@ -75,19 +75,19 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include "detail/host_mailbox.h"
-#include "waiter.h"
+#include "transport/host_mailbox.h"
+#include "transport/backends/torch/waiter.h"
 
 #include "shardgather/communicator.h"
 
-namespace shardgather::python {
+namespace shardgather::detail {
 
 class ProcessGroupCommunicator final : public Communicator {
  public:
   // `p2p`: use the point-to-point gather where the group supports it (Gloo, host memory).
   // `host_mailbox`: when every rank is on this host, exchange the pre-flight header (and any
   // all_gather of at most 1 KiB per rank, and barriers) through shared memory (the host
-  // mailbox, src/detail/host_mailbox.h); otherwise, or when false, they go over the group like
+  // mailbox, src/transport/host_mailbox.h); otherwise, or when false, they go over the group like
   // the payload.
   // Construction is collective (the host count, the mailbox) and bounded by `setup_timeout`.
   ProcessGroupCommunicator(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device,
@@ -235,4 +235,4 @@ class ProcessGroupCommunicator final : public Communicator {
   Waiter waiter_;  // idle between calls; last, so it is joined before the rest goes
 };
 
-}  // namespace shardgather::python
+}  // namespace shardgather::detail

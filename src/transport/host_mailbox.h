@@ -27,7 +27,7 @@
 #include <memory>
 #include <span>
 
-#include "detail/shared_buffer.h"
+#include "transport/shared_buffer.h"
 
 #include "shardgather/communicator.h"
 #include "shardgather/errors.h"

@@ -64,15 +64,18 @@ class OpQueue {
   [[nodiscard]] bool awaited() const noexcept {
     return awaited_.load(std::memory_order_relaxed) > 0;
   }
+  // +1 when a thread starts waiting for the started operations, -1 when it stops (Awaiting, or
+  // the embedding interface's AwaitingStarted, pair them).
+  void awaiting(int delta) noexcept { awaited_.fetch_add(delta); }
   // Marks this thread as waiting for the queue's started operations while it lives.
   class Awaiting {
    public:
-    explicit Awaiting(OpQueue& ops) noexcept : ops_(ops) { ops_.awaited_.fetch_add(1); }
+    explicit Awaiting(OpQueue& ops) noexcept : ops_(ops) { ops_.awaiting(1); }
     Awaiting(const Awaiting&) = delete;
     Awaiting& operator=(const Awaiting&) = delete;
     Awaiting(Awaiting&&) = delete;
     Awaiting& operator=(Awaiting&&) = delete;
-    ~Awaiting() { ops_.awaited_.fetch_sub(1); }
+    ~Awaiting() { ops_.awaiting(-1); }
 
    private:
     OpQueue& ops_;

@@ -17,7 +17,7 @@
 #include <mutex>
 #include <thread>
 
-namespace shardgather::python {
+namespace shardgather::detail {
 
 class Waiter {
  public:
@@ -46,4 +46,4 @@ class Waiter {
   std::thread thread_;                          // started by the first run()
 };
 
-}  // namespace shardgather::python
+}  // namespace shardgather::detail

@@ -2,7 +2,7 @@
 #include <cstring>
 #include <vector>
 
-#include "detail/parallel_copy.h"
+#include "copies/parallel_copy.h"
 
 #include "shardgather/copy.h"
 

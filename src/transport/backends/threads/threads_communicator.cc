@@ -1,4 +1,4 @@
-#include "backends/threads/threads_communicator.h"
+#include "transport/backends/threads/threads_communicator.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,9 +1,9 @@
-#include "detail/parallel_copy.h"
+#include "copies/parallel_copy.h"
 
 #include <algorithm>
 #include <cstring>
 
-#include "detail/parallel.h"
+#include "copies/parallel.h"
 
 namespace shardgather::detail {
 

@@ -1,0 +1,44 @@
+// The torch backend: a Communicator over a torch.distributed ProcessGroup (c10d's C++ API), so
+// that a whole call runs in C++ with the GIL released. It needs torch's headers and libraries,
+// so it is compiled into the Python extension, not into libshardgather; the transport's contract
+// (ordering, abort, memory, deadlines, Gloo point to point) is stated in
+// src/transport/backends/torch/process_group.h.
+//
+// Threading: as for every communicator, one driving thread at a time; abort() from any.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string_view>
+
+#include <c10/core/Device.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "shardgather/communicator.h"
+
+namespace shardgather {
+
+struct TorchGroupOptions {
+  // Use the point-to-point gather where the group supports it (Gloo, host memory).
+  bool p2p = true;
+  // When every rank is on this host, exchange headers, small all_gathers and barriers through
+  // shared memory (the host mailbox) instead of the group.
+  bool host_mailbox = true;
+  // Construction is collective over the group (the host count, the mailbox) and bounded by this.
+  std::chrono::milliseconds setup_timeout = kDefaultTimeout;
+};
+
+// Collective over `group`. `device`: where host bytes are staged on a group without a host
+// backend (NCCL), and the device of the group's device collectives.
+std::unique_ptr<Communicator> make_torch_communicator(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device,
+    const TorchGroupOptions& options = {});
+
+// Facts about a communicator this backend made (false, "" for any other):
+// whether small exchanges go through the host mailbox;
+bool torch_uses_host_mailbox(const Communicator& comm) noexcept;
+// how uneven device gathers move, as the ranks agreed: "broadcast", "padded" or "auto".
+std::string_view torch_device_gather(const Communicator& comm) noexcept;
+
+}  // namespace shardgather
