@@ -61,7 +61,7 @@ struct ExecStats {
 
 namespace detail {
 struct ExecScratch;
-struct GatherJob;
+struct ExchangeJob;
 struct Stager;
 class Call;
 struct PlanAccess;
@@ -135,16 +135,19 @@ class SHARDGATHER_API AllGatherPlan {
   friend struct detail::PlanAccess;
   ExecStats execute_now(std::span<const TensorView> params, Communicator& comm,
                         std::span<std::byte> out);
-  // This plan's part of `call` up to the payload: its local checks and header fields (moving
-  // with `strategy`), the agreement, then this rank's send stream and the destinations in `out`
-  // (none when out is null) in the scratch. Returns the job.
-  detail::GatherJob prepare(detail::Call& call, std::span<const TensorView> params, std::byte* out,
-                            std::uint64_t out_size, Strategy strategy, ExecStats& stats);
+  // This plan's part of `call` up to the payload (detail::prepare_execution with its facts, its
+  // checks and its regions), moving with `forced` or the strategy the plan resolves. Returns the
+  // job (over the scratch).
+  detail::ExchangeJob prepare(detail::Call& call, std::span<const TensorView> params,
+                              std::byte* out, std::uint64_t out_size,
+                              std::optional<Strategy> forced, ExecStats& stats);
   // The local checks: world, count, output size, each tensor, aliasing; sizes the staging.
   void check_params(const Communicator& comm, std::span<const TensorView> params,
                     const std::byte* out, std::uint64_t out_size, ExecStats& stats);
-  // This execution's strategy (detail::plan_strategy over this plan's scratch) and why.
-  [[nodiscard]] Strategy resolve(const Communicator& comm, const char*& why);
+  // This rank's send stream and the destinations in `out` (none when out is null), in the
+  // scratch: the plan's region arithmetic.
+  detail::ExchangeJob bind_job(std::span<const TensorView> params, std::byte* out,
+                               detail::Stager& stager);
 
   LayoutPlan layout_;
   int rank_ = 0;

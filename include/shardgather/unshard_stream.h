@@ -29,6 +29,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -41,6 +42,7 @@
 
 #include "shardgather/buffer.h"
 #include "shardgather/communicator.h"
+#include "shardgather/embedding.h"
 #include "shardgather/errors.h"
 #include "shardgather/export.h"
 #include "shardgather/unshard.h"
@@ -69,7 +71,102 @@ struct StreamBucket {
   ExecStats stats;
 };
 
-class SHARDGATHER_API UnshardStream {
+namespace detail {
+
+// What a bucketed stream needs of its plans, one per bucket. UnshardStream's are UnshardPlans; a
+// stream over another plan (a reshard's buckets) implements this and reuses BucketStream whole.
+class SHARDGATHER_API BucketedPlans {
+ public:
+  BucketedPlans() = default;
+  BucketedPlans(const BucketedPlans&) = delete;
+  BucketedPlans& operator=(const BucketedPlans&) = delete;
+  BucketedPlans(BucketedPlans&&) = delete;
+  BucketedPlans& operator=(BucketedPlans&&) = delete;
+  virtual ~BucketedPlans() = default;
+
+  [[nodiscard]] virtual std::size_t num_buckets() const noexcept = 0;
+  // Bucket b's inputs are the stream's [bucket_first(b), bucket_first(b + 1)); b may be
+  // num_buckets() (the end).
+  [[nodiscard]] virtual std::size_t bucket_first(std::size_t b) const = 0;
+  // begin()'s local check of this rank's inputs against the plans (InvalidArgument naming the
+  // input); the count and the communicator were checked before.
+  virtual void check_inputs(std::span<const TensorView> inputs) const = 0;
+  // Bucket b into `out` (empty where nothing arrives), on a thread that drives the communicator
+  // (the progress thread): one plan execution, with its own header.
+  virtual ExecStats execute_bucket(std::size_t b, Communicator& comm,
+                                   std::span<const TensorView> inputs,
+                                   std::span<std::byte> out) = 0;
+  // Bucket b's outputs over `buffer` (the bucket's views; their device is set by the stream).
+  [[nodiscard]] virtual std::vector<TensorView> bucket_views(std::size_t b,
+                                                             std::byte* buffer) const = 0;
+  // The operation each bucket's call names (fail() fails that call on its peers).
+  [[nodiscard]] virtual Operation bucket_operation() const noexcept = 0;
+};
+
+// What a BucketStream is, fixed when its plans were built.
+struct BucketStreamFacts {
+  const char* name = "UnshardStream";  // the user's class, as its messages name it (static)
+  int world = 1;
+  int rank = 0;
+  int prefetch = 1;
+  std::optional<std::chrono::milliseconds> timeout;
+  std::uint64_t fingerprint = 1;   // of everything the ranks must agree on (never 0)
+  std::uint64_t buffer_bytes = 0;  // each ring buffer's; 0 where nothing arrives
+};
+
+// The bucketed stream over any plans: the ring of prefetch + 1 buffers, the buckets started on
+// the progress thread, the agreements before the first bucket and after the last
+// (Operation::kUnshardStream), and the failure rules of UnshardStream's header comment.
+// `plans` must outlive it. Threading: one thread drives it.
+class SHARDGATHER_API BucketStream {
+ public:
+  BucketStream(BucketedPlans& plans, const BucketStreamFacts& facts);
+  BucketStream(const BucketStream&) = delete;
+  BucketStream& operator=(const BucketStream&) = delete;
+  BucketStream(BucketStream&&) = delete;
+  BucketStream& operator=(BucketStream&&) = delete;
+  ~BucketStream();
+
+  [[nodiscard]] const BucketStreamFacts& facts() const noexcept { return facts_; }
+  void begin(std::span<const TensorView> inputs, Communicator& comm);
+  std::optional<StreamBucket> next();
+  [[noreturn]] void fail(ErrorCode code, std::string_view message);
+  [[nodiscard]] bool running() const noexcept { return state_ == State::kRunning; }
+  void settle() noexcept;
+
+ private:
+  struct Shared {
+    // Set by the first bucket that raises: the later ones skip, alike on every rank.
+    std::atomic<bool> broken{false};
+  };
+  [[nodiscard]] std::size_t num_inputs() const { return plans_.bucket_first(plans_.num_buckets()); }
+  void start_bucket(std::size_t b);
+  // Waits for the oldest started bucket, running the interrupt check.
+  ExecStats wait_oldest();
+  // Ends the stream after a failure: waits for the rest, parks the buffers a failed collective
+  // may still write, and raises `error`.
+  [[noreturn]] void broke(const std::exception_ptr& error);
+  // The stream's header exchange (begin() and the end), after this rank's local `check`.
+  void agree_stream(const std::function<void()>& check);
+  // begin()'s local step: the inputs against the plans, and the ring made on their device.
+  void check_and_ready(std::span<const TensorView> inputs, Communicator& comm);
+
+  BucketedPlans& plans_;
+  BucketStreamFacts facts_;
+  std::vector<AlignedBuffer> buffers_;
+  std::vector<TensorView> inputs_;
+  Communicator* comm_ = nullptr;
+  std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
+  std::deque<Work<ExecStats>> inflight_;  // buckets started_ - size() .. started_ - 1
+  std::size_t started_ = 0;
+  std::size_t yielded_ = 0;
+  enum class State : std::uint8_t { kNew, kRunning, kEnded, kFailed } state_ = State::kNew;
+};
+
+}  // namespace detail
+
+// The buckets of a whole model's unshard: a BucketStream over UnshardPlans.
+class SHARDGATHER_API UnshardStream final : private detail::BucketedPlans {
  public:
   // Pure: cuts the buckets and builds their plans (InvalidArgument as UnshardPlan, or for a
   // bucket_bytes of 0 or a negative prefetch).
@@ -80,15 +177,17 @@ class SHARDGATHER_API UnshardStream {
   UnshardStream(UnshardStream&&) = delete;
   UnshardStream& operator=(UnshardStream&&) = delete;
   // Waits for the buckets still gathering (each bounded by its deadline); see settle().
-  ~UnshardStream();
+  ~UnshardStream() override;
 
-  [[nodiscard]] std::size_t num_buckets() const noexcept { return plans_.size(); }
+  [[nodiscard]] std::size_t num_buckets() const noexcept override { return plans_.size(); }
   [[nodiscard]] std::size_t num_params() const noexcept { return firsts_.back(); }
   [[nodiscard]] const UnshardPlan& bucket_plan(std::size_t b) const { return plans_.at(b); }
-  [[nodiscard]] std::size_t bucket_first(std::size_t b) const { return firsts_.at(b); }
+  [[nodiscard]] std::size_t bucket_first(std::size_t b) const override { return firsts_.at(b); }
   // Bytes of each of the prefetch + 1 buffers (the largest bucket, at least 64 so that a bucket
   // of empty parameters has views too); 0 where nothing arrives.
-  [[nodiscard]] std::uint64_t buffer_bytes() const noexcept { return buffer_bytes_; }
+  [[nodiscard]] std::uint64_t buffer_bytes() const noexcept {
+    return stream_->facts().buffer_bytes;
+  }
   [[nodiscard]] const StreamOptions& options() const noexcept { return options_; }
 
   // Collective: one header exchange that checks the stream agrees on every rank, then starts the
@@ -96,51 +195,40 @@ class SHARDGATHER_API UnshardStream {
   // ended may begin again (every step of a weight sync): it reuses its buffers, so only its
   // first run allocates them. A stream that failed raises InvalidArgument from begin() on every
   // rank of the call (through its header, so a peer whose stream did not fail is told too).
-  void begin(std::span<const TensorView> shards, Communicator& comm);
+  void begin(std::span<const TensorView> shards, Communicator& comm) {
+    stream_->begin(shards, comm);
+  }
   // The next bucket, once its gather completed (the interrupt check runs while it waits), or
   // nullopt after the last one. Starts the bucket that reuses the previous one's buffer first.
-  std::optional<StreamBucket> next();
+  std::optional<StreamBucket> next() { return stream_->next(); }
   // This rank cannot go on (its consumer failed): waits for its started buckets, then fails
   // the call its peers make next, so every rank raises `code`'s class with `message`, naming
   // this rank. Raises that error (or the stream's own, if it broke first).
-  [[noreturn]] void fail(ErrorCode code, std::string_view message);
+  [[noreturn]] void fail(ErrorCode code, std::string_view message) { stream_->fail(code, message); }
 
   // Whether the stream is between begin() and its end (next() returned nullopt or raised).
-  [[nodiscard]] bool running() const noexcept { return state_ == State::kRunning; }
+  [[nodiscard]] bool running() const noexcept { return stream_->running(); }
   // Waits for the buckets started so far (each bounded by its deadline), without yielding
   // them, and parks the buffers if the communicator broke: for an owner about to let go of the
   // shards (the destructor does the same). The stream cannot go on afterwards.
-  void settle() noexcept;
+  void settle() noexcept { stream_->settle(); }
 
  private:
-  struct Shared {
-    // Set by the first bucket that raises: the later ones skip, alike on every rank.
-    std::atomic<bool> broken{false};
-  };
-  void start_bucket(std::size_t b);
-  // Waits for the oldest started bucket, running the interrupt check.
-  ExecStats wait_oldest();
-  // Ends the stream after a failure: waits for the rest, parks the buffers a failed collective
-  // may still write, and raises `error`.
-  [[noreturn]] void broke(const std::exception_ptr& error);
-  // The stream's header exchange (begin() and the end), after this rank's local `check`.
-  void agree_stream(const std::function<void()>& check);
+  // BucketedPlans: the stream's view of the bucket plans.
+  void check_inputs(std::span<const TensorView> inputs) const override;
+  ExecStats execute_bucket(std::size_t b, Communicator& comm, std::span<const TensorView> inputs,
+                           std::span<std::byte> out) override;
+  [[nodiscard]] std::vector<TensorView> bucket_views(std::size_t b,
+                                                     std::byte* buffer) const override;
+  [[nodiscard]] Operation bucket_operation() const noexcept override {
+    return Operation::kUnshardExecute;
+  }
 
   std::vector<UnshardPlan> plans_;
   std::vector<std::size_t> firsts_;  // num_buckets() + 1
   StreamOptions options_;
-  int world_ = 1;
   int rank_ = 0;
-  std::uint64_t fingerprint_ = 0;
-  std::uint64_t buffer_bytes_ = 0;
-  std::vector<AlignedBuffer> buffers_;
-  std::vector<TensorView> shards_;
-  Communicator* comm_ = nullptr;
-  std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
-  std::deque<Work<ExecStats>> inflight_;  // buckets started_ - size() .. started_ - 1
-  std::size_t started_ = 0;
-  std::size_t yielded_ = 0;
-  enum class State : std::uint8_t { kNew, kRunning, kEnded, kFailed } state_ = State::kNew;
+  std::unique_ptr<detail::BucketStream> stream_;  // last: destroyed (settled) first
 };
 
 }  // namespace shardgather

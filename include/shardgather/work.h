@@ -5,10 +5,18 @@
 //   ExecStats stats = work.wait();                          // the result, or the error
 //
 // Semantics, as equivalent code:
+//   bool is_completed()     { return test(0); }  // the poll: c10d's name, and the binding's
 //   bool test(timeout = 0)  { wait up to `timeout` for completion; return whether complete }
 //   T wait()                { test(forever); if (failed) rethrow(error); return move(result); }
 //   ~Work()                 { test(forever); }  // an incomplete operation is waited for; its
 //                                              // error, if any, is dropped
+//
+// WARNING: destroying a Work whose operation has not completed BLOCKS until it completes (up to
+// the call's deadline) and DROPS its error. c10d's Work does neither (its destructor returns at
+// once). Here the operation reads the caller's tensors and writes its outputs, so letting it run
+// on after its handle is gone would write memory the caller may already have freed. Call wait()
+// on every handle you start, or keep it while you do other work.
+//
 // wait() returns (or rethrows) once: the handle is empty afterwards, and wait() on an empty
 // handle (default-constructed, moved from, waited) raises InvalidArgument; test() on one
 // returns true.
@@ -89,6 +97,9 @@ class Work {
   [[nodiscard]] std::shared_ptr<detail::WorkResult<T>> shared_state() const noexcept {
     return state_;
   }
+
+  // Whether the operation completed, without waiting (the poll). Never throws.
+  [[nodiscard]] bool is_completed() const noexcept { return test(); }
 
   // Whether the operation completed, waiting up to `timeout` for it. Never throws.
   [[nodiscard]] bool test(

@@ -3,10 +3,10 @@
 #include <cstring>
 #include <string>
 
-#include "transport/graveyard.h"
-#include "transport/op_queue.h"
 #include "ops/exec_scratch.h"
 #include "ops/start.h"
+#include "transport/graveyard.h"
+#include "transport/op_queue.h"
 
 #include "shardgather/plan.h"
 

@@ -1,10 +1,10 @@
 // The embedding interface's helpers that are not a call (fail_call lives with the protocol).
+#include "shardgather/embedding.h"
+
 #include <functional>
 
 #include "ops/start.h"
 #include "transport/op_queue.h"
-
-#include "shardgather/embedding.h"
 
 namespace shardgather {
 

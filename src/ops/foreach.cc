@@ -77,7 +77,8 @@ GatherResult gather_without_hint(std::span<const TensorView> params, Communicato
   detail::Call call(comm, Operation::kForeachAllGather, options.timeout, true);
   // Known before the counts are: an explicit strategy, or its fallback on this communicator.
   const Strategy requested = detail::one_shot_strategy(options.strategy);
-  const Strategy strategy = detail::select_strategy(requested, {}, comm, false);
+  const Strategy strategy =
+      detail::select_strategy(requested, detail::ExchangeShape::kAllGather, {}, comm, false);
   detail::set_strategy(call.header(), strategy);
   detail::LocalInput in;
   BlockLayout block;

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <string>
 
-#include "transport/graveyard.h"
 #include "copies/parallel.h"
+#include "transport/graveyard.h"
 
 #include "shardgather/copy.h"
 #include "shardgather/errors.h"
@@ -89,7 +89,7 @@ Strategy one_shot_strategy(Strategy requested) noexcept {
   return requested == Strategy::kAuto ? Strategy::kDirect : requested;
 }
 
-void run_payload(Call& call, Strategy requested, Strategy strategy, const GatherJob& job,
+void run_payload(Call& call, Strategy requested, Strategy strategy, const ExchangeJob& job,
                  StrategyScratch& scratch, ExecStats& stats) {
   Communicator& comm = call.comm();
   stats.strategy = strategy;
@@ -131,7 +131,7 @@ void run_payload(Call& call, Strategy requested, Strategy strategy, const Gather
       throw;
     }
     scratch.shared_unavailable = true;
-    stats.strategy = select_strategy(requested, job.counts, comm, true);
+    stats.strategy = select_strategy(requested, job.shape, job.counts, comm, true);
     run();
   }
   if (requested == Strategy::kAuto) {
@@ -152,17 +152,14 @@ BlockJob::BlockJob(std::span<const ConstSegment> send, std::byte* base,
     pieces[r] = RecvPiece{base + displs[r], counts[r], 1, 0};
     first[r] = r;
   }
-  job = GatherJob{.send = send,
-                  .pieces = pieces,
-                  .first = first,
-                  .counts = counts,
-                  .num_tensors = 1,
-                  .part_bytes = counts,
-                  .part_first = first,
-                  .send_first = whole,
-                  .copy_threads = 1,
-                  .stream_displs = {},
-                  .entry_synchronized = entry_synchronized};
+  job = ExchangeJob{.send = send,
+                    .pieces = pieces,
+                    .first = first,
+                    .counts = counts,
+                    .parts = {.count = 1, .bytes = counts, .first = first, .send_first = whole},
+                    .copy_threads = 1,
+                    .stream_displs = {},
+                    .entry_synchronized = entry_synchronized};
 }
 
 AlignedBuffer output_buffer(std::uint64_t bytes, const Device& device) {

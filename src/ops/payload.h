@@ -1,4 +1,4 @@
-// What every operation does once its call agreed: move a GatherJob through the strategy layer.
+// What every operation does once its call agreed: move a ExchangeJob through the strategy layer.
 // Shared by the operations in src/ops/ (foreach, plans, unshard).
 #pragma once
 
@@ -46,7 +46,7 @@ Strategy one_shot_strategy(Strategy requested) noexcept;
 // as kPacked), a local copy at world size 1, nothing when no rank sends a byte, else the strategy,
 // inside call.transfer (the caller guards what the collective may touch). Fills stats.strategy and
 // the collective counts.
-void run_payload(Call& call, Strategy requested, Strategy strategy, const GatherJob& job,
+void run_payload(Call& call, Strategy requested, Strategy strategy, const ExchangeJob& job,
                  StrategyScratch& scratch, ExecStats& stats);
 
 // A payload whose every rank's stream lands as one contiguous block at base + displs[r] (the
@@ -66,7 +66,7 @@ struct BlockJob {
   std::vector<std::size_t> first;
   std::vector<std::size_t> whole;  // this rank's stream is one part
   StrategyScratch scratch;         // a padded or rank-major move stages here
-  GatherJob job;
+  ExchangeJob job;
 };
 
 // Views of a layout's tensors over `buffer` (on `device`): element i * world + r is rank r's

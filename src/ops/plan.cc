@@ -11,6 +11,7 @@
 #include "ops/call.h"
 #include "ops/payload.h"
 #include "ops/plan_access.h"
+#include "ops/plan_execution.h"
 #include "ops/start.h"
 
 #include "shardgather/copy.h"
@@ -96,45 +97,40 @@ void AllGatherPlan::check_params(const Communicator& comm, std::span<const Tenso
   stats.staged_bytes = staged;
 }
 
-Strategy AllGatherPlan::resolve(const Communicator& comm, const char*& why) {
-  return detail::plan_strategy(options_.strategy, layout_.counts, comm, scratch_.get().strategy,
-                               why);
-}
-
-detail::GatherJob AllGatherPlan::prepare(detail::Call& call, std::span<const TensorView> params,
-                                         std::byte* out, std::uint64_t out_size, Strategy strategy,
-                                         ExecStats& stats) {
-  ExecScratch& x = scratch_.get();
-  const int world = layout_.world_size;
-  const std::size_t n = layout_.num_tensors;
-  const auto me = static_cast<std::size_t>(rank_);
-  detail::size_scratch(x, world, n);
-  call.guard(scratch_);
-  detail::PreflightHeader& header = call.header();
-  header.flags |= detail::kHasHint;
-  header.hint_hash = fingerprint_;
-  detail::set_dtypes(header, layout_.dtypes, dtype_hash_);
-  detail::set_strategy(header, strategy);
-  void* stream = current_cuda_stream();
-  call.check([&] {
-    check_params(call.comm(), params, out, out_size, stats);
-    detail::check_call_device(call, x.device);
-    detail::reserve_device_scratch(x, x.device, stats.staged_bytes, stream);
-    if (out == nullptr && x.device.type != DeviceType::kCpu) {
+detail::ExchangeJob AllGatherPlan::prepare(detail::Call& call, std::span<const TensorView> params,
+                                           std::byte* out, std::uint64_t out_size,
+                                           std::optional<Strategy> forced, ExecStats& stats) {
+  const detail::PlanFacts facts{.options = options_,
+                                .shape = detail::ExchangeShape::kAllGather,
+                                .world = layout_.world_size,
+                                .rank = rank_,
+                                .tensors = layout_.num_tensors,
+                                .counts = layout_.counts,
+                                .fingerprint = fingerprint_,
+                                .dtypes = layout_.dtypes,
+                                .dtype_hash = dtype_hash_};
+  const auto check = [&](ExecStats& st) {
+    check_params(call.comm(), params, out, out_size, st);
+    if (out == nullptr && scratch_.get().device.type != DeviceType::kCpu) {
       throw InvalidArgument(
           "execute_shared gathers host memory; execute CUDA tensors into an "
           "output on their device");
     }
-    header.payload_bytes = layout_.counts[me];
-  });
-  call.agree();
-  stats.preflight_collectives = call.exchanges() ? 1 : 0;
+  };
+  const auto bind = [&](detail::Stager& stager) { return bind_job(params, out, stager); };
+  return detail::prepare_execution(call, scratch_, facts, forced, stats, check, bind);
+}
 
+detail::ExchangeJob AllGatherPlan::bind_job(std::span<const TensorView> params, std::byte* out,
+                                            detail::Stager& stager) {
+  ExecScratch& x = scratch_.get();
+  const int world = layout_.world_size;
+  const std::size_t n = layout_.num_tensors;
+  const auto me = static_cast<std::size_t>(rank_);
   // This rank's stream: gaps and tensors, in place or staged.
   const auto in_place = [&](std::size_t i) {
     return out != nullptr && params[i].data == out + layout_.offsets[me * n + i];
   };
-  detail::Stager stager = detail::stager_for(x, x.device);
   detail::append_block(params, std::span(layout_.offsets).subspan(me * n, n), layout_.displs[me],
                        std::span(layout_.sizes).subspan(me * n, n), {}, stager, in_place,
                        x.segments, x.send_first);
@@ -154,20 +150,15 @@ detail::GatherJob AllGatherPlan::prepare(detail::Call& call, std::span<const Ten
   }
   x.first[static_cast<std::size_t>(world)] = static_cast<std::size_t>(world) * n;
   x.part_first[static_cast<std::size_t>(world) * n] = static_cast<std::size_t>(world) * n;
-  return detail::GatherJob{
+  return detail::ExchangeJob{
       .send = x.segments,
       .pieces = x.pieces,
       .first = x.first,
-      .counts = layout_.counts,
-      .num_tensors = n,
-      .part_bytes = x.part_bytes,
-      .part_first = x.part_first,
-      .send_first = x.send_first,
-      .copy_threads = detail::copy_threads(options_, call.comm()),
+      .parts = {.count = n,
+                .bytes = x.part_bytes,
+                .first = x.part_first,
+                .send_first = x.send_first},
       .stream_displs = layout_.displs,
-      .entry_synchronized = call.exchanges(),
-      .device = x.device,
-      .stream = stream,
   };
 }
 
@@ -205,9 +196,8 @@ std::span<const std::byte> AllGatherPlan::execute_shared(std::span<const TensorV
     }
     detail::Call call(comm, Operation::kPlanExecute, options_.timeout, options_.preflight,
                       &x.headers);
-    const detail::GatherJob job =
+    const detail::ExchangeJob job =
         prepare(call, params, nullptr, layout_.total_bytes, Strategy::kShared, st);
-    st.strategy = Strategy::kShared;
     const std::uint64_t before = comm.collectives_issued();
     const std::uint64_t setup_before = x.strategy.setup_collectives;
     const std::byte* base = call.transfer(
@@ -223,9 +213,9 @@ namespace detail {
 ExecStats PlanAccess::run(AllGatherPlan& plan, Call& call, std::span<const TensorView> params,
                           std::byte* out, std::uint64_t out_size) {
   ExecStats stats;
-  const Strategy strategy = plan.resolve(call.comm(), stats.why);
-  const GatherJob job = plan.prepare(call, params, out, out_size, strategy, stats);
-  run_payload(call, plan.options_.strategy, strategy, job, plan.scratch_.get().strategy, stats);
+  const ExchangeJob job = plan.prepare(call, params, out, out_size, std::nullopt, stats);
+  run_payload(call, plan.options_.strategy, stats.strategy, job, plan.scratch_.get().strategy,
+              stats);
   return stats;
 }
 

@@ -37,7 +37,8 @@ std::vector<std::vector<Shape>> gather_shapes(detail::Call& call,
   detail::BlockJob blocks(send, all.data(), counts, displs, true);
   call.guard(blocks.scratch);
   ExecStats stats;
-  const Strategy strategy = detail::select_strategy(Strategy::kDirect, counts, comm, false);
+  const Strategy strategy = detail::select_strategy(
+      Strategy::kDirect, detail::ExchangeShape::kAllGather, counts, comm, false);
   detail::run_payload(call, Strategy::kDirect, strategy, blocks.job, blocks.scratch, stats);
   std::vector<std::vector<Shape>> shapes;
   for (std::size_t r = 0; r < counts.size(); ++r) {

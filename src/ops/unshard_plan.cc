@@ -10,14 +10,15 @@
 #include <string>
 
 #include "copies/device_runtime.h"
-#include "vocabulary/checked_math.h"
-#include "vocabulary/hash.h"
 #include "copies/local_input.h"
 #include "copies/send_stream.h"
 #include "ops/call.h"
 #include "ops/payload.h"
 #include "ops/plan_access.h"
+#include "ops/plan_execution.h"
 #include "ops/start.h"
+#include "vocabulary/checked_math.h"
+#include "vocabulary/hash.h"
 
 #include "shardgather/copy.h"
 #include "shardgather/errors.h"
@@ -435,22 +436,19 @@ void UnshardPlan::build_job(std::span<const TensorView> shards, detail::Stager& 
 
 ExecStats UnshardPlan::run(detail::Call& call, std::span<const TensorView> shards,
                            const std::optional<std::string>& output_error, bool one_buffer) {
-  detail::ExecScratch& x = scratch_.get();
-  detail::size_scratch(x, world_, specs_.size());
-  call.guard(scratch_);
-  ExecStats stats;
-  // A gather to one rank is kDirect's (the constructor refused any other request).
-  stats.why = "a gather to one rank moves direct";
-  const Strategy strategy = dst_ >= 0 ? Strategy::kDirect
-                                      : detail::plan_strategy(options_.strategy, counts_,
-                                                              call.comm(), x.strategy, stats.why);
-  detail::PreflightHeader& header = call.header();
-  header.flags |= detail::kHasHint;
-  header.hint_hash = fingerprint_;
-  detail::set_dtypes(header, dtypes_, dtype_hash_);
-  detail::set_strategy(header, strategy);
-  void* stream = current_cuda_stream();
-  call.check([&] {
+  const detail::PlanFacts facts{
+      .options = options_,
+      // A gather to one rank is kDirect's (the constructor refused any other request).
+      .shape = dst_ >= 0 ? detail::ExchangeShape::kGather : detail::ExchangeShape::kAllGather,
+      .world = world_,
+      .rank = rank_,
+      .root = dst_,
+      .tensors = specs_.size(),
+      .counts = counts_,
+      .fingerprint = fingerprint_,
+      .dtypes = dtypes_,
+      .dtype_hash = dtype_hash_};
+  const auto check = [&](ExecStats& stats) {
     if (output_error) {
       throw InvalidArgument(*output_error);
     }
@@ -460,31 +458,22 @@ ExecStats UnshardPlan::run(detail::Call& call, std::span<const TensorView> shard
                             " transport lacks");
     }
     check_shards(call.comm(), shards, one_buffer, stats);
-    detail::check_call_device(call, x.device);
-    detail::reserve_device_scratch(x, x.device, stats.staged_bytes, stream);
-    header.payload_bytes = counts_[static_cast<std::size_t>(rank_)];
-  });
-  call.agree();
-  stats.preflight_collectives = call.exchanges() ? 1 : 0;
-  detail::Stager stager = detail::stager_for(x, x.device);
-  build_job(shards, stager);
-  const detail::GatherJob job{
-      .send = x.segments,
-      .pieces = x.pieces,
-      .first = x.first,
-      .counts = counts_,
-      .num_tensors = specs_.size(),
-      .part_bytes = x.part_bytes,
-      .part_first = x.part_first,
-      .send_first = x.send_first,
-      .copy_threads = detail::copy_threads(options_, call.comm()),
-      .stream_displs = {},
-      .entry_synchronized = call.exchanges(),
-      .root = dst_,
-      .device = x.device,
-      .stream = stream,
   };
-  detail::run_payload(call, options_.strategy, strategy, job, x.strategy, stats);
+  const auto bind = [&](detail::Stager& stager) {
+    build_job(shards, stager);
+    const detail::ExecScratch& x = scratch_.get();
+    return detail::ExchangeJob{.send = x.segments,
+                               .pieces = x.pieces,
+                               .first = x.first,
+                               .parts = {.count = specs_.size(),
+                                         .bytes = x.part_bytes,
+                                         .first = x.part_first,
+                                         .send_first = x.send_first}};
+  };
+  ExecStats stats;
+  const detail::ExchangeJob job =
+      detail::prepare_execution(call, scratch_, facts, std::nullopt, stats, check, bind);
+  detail::run_execution(call, scratch_, facts, job, stats);
   return stats;
 }
 

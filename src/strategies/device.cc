@@ -10,6 +10,7 @@
 #include "strategies/strategy.h"
 
 #include "shardgather/copy.h"
+#include "shardgather/errors.h"
 
 namespace shardgather::detail {
 
@@ -55,10 +56,11 @@ void launch(const CopyTable& table, const CopyDesc* on_device, void* stream) {
 
 // Where the gather lands: in place where every rank's pieces are one run (and this rank keeps
 // what it receives), else rank-major in the gathered buffer, with the copy-out recorded.
-std::byte* gather_target(const GatherJob& job, int me, StrategyScratch& s) {
+std::byte* gather_target(const ExchangeJob& job, int me, StrategyScratch& s) {
   std::byte* base = nullptr;
-  const bool receives = job.root < 0 || job.root == me;
-  if (job.root < 0 && contiguous_per_rank(job.pieces, job.first, job.counts, base, s.displs)) {
+  const bool receives = job.shape != ExchangeShape::kGather || job.root == me;
+  if (job.shape == ExchangeShape::kAllGather &&
+      contiguous_per_rank(job.pieces, job.first, job.counts, base, s.displs)) {
     return base;
   }
   const std::size_t world = job.counts.size();
@@ -81,7 +83,10 @@ std::byte* gather_target(const GatherJob& job, int me, StrategyScratch& s) {
 
 }  // namespace
 
-void run_device(const GatherJob& job, Communicator& comm, Deadline deadline, StrategyScratch& s) {
+void run_device(const ExchangeJob& job, Communicator& comm, Deadline deadline, StrategyScratch& s) {
+  if (job.shape == ExchangeShape::kPersonal || job.combine.op != Combine::Op::kNone) {
+    throw InvalidArgument("the device path runs gathers only (all-gather and gather shapes)");
+  }
   const int me = comm.rank();
   const std::uint64_t mine = job.counts[static_cast<std::size_t>(me)];
   const CurrentDevice on(job.device.index);

@@ -80,14 +80,20 @@ void gather_into_pieces(std::span<const ConstSegment> send, std::span<const Recv
   }
 }
 
-void run_direct(const GatherJob& job, Communicator& comm, Deadline deadline,
+void run_direct(const ExchangeJob& job, Communicator& comm, Deadline deadline,
                 StrategyScratch& scratch) {
-  if (job.root >= 0) {
-    comm.gather_scatter(job.send, job.pieces, job.first, job.counts, job.root, deadline);
-    return;
+  switch (job.shape) {
+    case ExchangeShape::kGather:
+      comm.gather_scatter(job.send, job.pieces, job.first, job.counts, job.root, deadline);
+      return;
+    case ExchangeShape::kPersonal:
+      comm.all_to_all_scatter(job.send, job.send_first, job.pieces, job.first, deadline);
+      return;
+    case ExchangeShape::kAllGather:
+      gather_into_pieces(job.send, job.pieces, job.first, job.counts, true, job.copy_threads, comm,
+                         deadline, scratch);
+      return;
   }
-  gather_into_pieces(job.send, job.pieces, job.first, job.counts, true, job.copy_threads, comm,
-                     deadline, scratch);
 }
 
 }  // namespace shardgather::detail

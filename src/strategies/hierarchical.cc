@@ -1,7 +1,8 @@
 // kHierarchical: ranks on several hosts. The node-shared window of kShared, one per host, and
 // between the hosts each stream crosses the network once per receiving host:
 //   1. every rank copies its stream into its host's window (for the ranks of its host);
-//   2. one all_to_all_scatter: every rank sends its stream, from its region of the window, to
+//   2. one personal exchange (an ExchangeJob of shape kPersonal, run by kDirect): every rank sends
+//   its stream, from its region of the window, to
 //      one rank of every other host (the one whose local index is the sender's, modulo that
 //      host's rank count, so all ranks of a host share the receiving), which lands it in that
 //      host's window;
@@ -22,7 +23,7 @@ namespace {
 // Fills scratch's exchange lists: this rank's stream to its receiver on every other host, and,
 // into the window, every stream this rank receives for its host. O(world), and allocation-free
 // once the vectors have their sizes.
-void plan_exchange(const GatherJob& job, std::span<const int> hosts, std::size_t me,
+void plan_exchange(const ExchangeJob& job, std::span<const int> hosts, std::size_t me,
                    std::byte* base, std::span<const std::uint64_t> displs,
                    StrategyScratch& scratch) {
   const std::size_t world = hosts.size();
@@ -53,6 +54,7 @@ void plan_exchange(const GatherJob& job, std::span<const int> hosts, std::size_t
   scratch.a2a_send_first.resize(world + 1);
   scratch.a2a_pieces.clear();
   scratch.a2a_first.resize(world + 1);
+  scratch.a2a_counts.assign(world, 0);
   for (std::size_t p = 0; p < world; ++p) {
     const auto theirs = static_cast<std::size_t>(hosts[p]);
     scratch.a2a_send_first[p] = scratch.a2a_send.size();
@@ -64,6 +66,7 @@ void plan_exchange(const GatherJob& job, std::span<const int> hosts, std::size_t
     scratch.a2a_first[p] = scratch.a2a_pieces.size();
     if (theirs != mine && job.counts[p] != 0 && receiver(mine, local[p]) == me) {
       scratch.a2a_pieces.push_back(RecvPiece{base + displs[p], job.counts[p], 1, 0});
+      scratch.a2a_counts[p] = job.counts[p];
     }
   }
   scratch.a2a_send_first[world] = scratch.a2a_send.size();
@@ -82,13 +85,18 @@ bool hierarchical_available(const Communicator& comm) noexcept {
   return num_hosts > 1 && comm.size() > num_hosts;
 }
 
-void run_hierarchical(const GatherJob& job, Communicator& comm, Deadline deadline,
+void run_hierarchical(const ExchangeJob& job, Communicator& comm, Deadline deadline,
                       StrategyScratch& scratch) {
   const std::span<const std::uint64_t> displs = window_displs(job, scratch);
   std::byte* base = window_round(job, displs, comm, deadline, scratch);
   plan_exchange(job, comm.hosts(), static_cast<std::size_t>(comm.rank()), base, displs, scratch);
-  comm.all_to_all_scatter(scratch.a2a_send, scratch.a2a_send_first, scratch.a2a_pieces,
-                          scratch.a2a_first, deadline);
+  const ExchangeJob between_hosts{.shape = ExchangeShape::kPersonal,
+                                  .send = scratch.a2a_send,
+                                  .send_first = scratch.a2a_send_first,
+                                  .pieces = scratch.a2a_pieces,
+                                  .first = scratch.a2a_first,
+                                  .counts = scratch.a2a_counts};
+  run_direct(between_hosts, comm, deadline, scratch);
   comm.barrier(deadline);
   copy_out_window(job, base, displs);
 }

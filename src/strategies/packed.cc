@@ -5,7 +5,7 @@
 
 namespace shardgather::detail {
 
-void run_packed(const GatherJob& job, Communicator& comm, Deadline deadline,
+void run_packed(const ExchangeJob& job, Communicator& comm, Deadline deadline,
                 StrategyScratch& scratch) {
   const auto me = static_cast<std::size_t>(comm.rank());
   const std::uint64_t mine = job.counts[me];

@@ -3,10 +3,10 @@
 
 namespace shardgather::detail {
 
-void run_per_tensor(const GatherJob& job, Communicator& comm, Deadline deadline,
+void run_per_tensor(const ExchangeJob& job, Communicator& comm, Deadline deadline,
                     StrategyScratch& scratch) {
   const std::size_t world = job.counts.size();
-  const std::size_t n = job.num_tensors;
+  const std::size_t n = job.parts.count;
   scratch.counts.resize(world);
   scratch.first.resize(world + 1);
   for (std::size_t i = 0; i < n; ++i) {
@@ -15,9 +15,9 @@ void run_per_tensor(const GatherJob& job, Communicator& comm, Deadline deadline,
     bool any = false;
     for (std::size_t r = 0; r < world; ++r) {
       const std::size_t part = r * n + i;
-      scratch.counts[r] = job.part_bytes[part];
+      scratch.counts[r] = job.parts.bytes[part];
       any = any || scratch.counts[r] != 0;
-      for (std::size_t k = job.part_first[part]; k < job.part_first[part + 1]; ++k) {
+      for (std::size_t k = job.parts.first[part]; k < job.parts.first[part + 1]; ++k) {
         scratch.pieces.push_back(job.pieces[k]);
       }
       scratch.first[r + 1] = scratch.pieces.size();
@@ -25,8 +25,8 @@ void run_per_tensor(const GatherJob& job, Communicator& comm, Deadline deadline,
     if (!any) {
       continue;
     }
-    const auto send =
-        job.send.subspan(job.send_first[i], job.send_first[i + 1] - job.send_first[i]);
+    const auto send = job.send.subspan(job.parts.send_first[i],
+                                       job.parts.send_first[i + 1] - job.parts.send_first[i]);
     gather_into_pieces(send, scratch.pieces, scratch.first, scratch.counts, true, job.copy_threads,
                        comm, deadline, scratch);
   }

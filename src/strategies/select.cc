@@ -43,8 +43,16 @@ Strategy parse_strategy(std::string_view name) {
 
 namespace detail {
 
-Strategy select_strategy(Strategy requested, std::span<const std::uint64_t> counts,
-                         const Communicator& comm, bool shared_unavailable) {
+bool runs_shape(Strategy strategy, ExchangeShape shape) noexcept {
+  return shape == ExchangeShape::kAllGather || strategy == Strategy::kDirect;
+}
+
+Strategy select_strategy(Strategy requested, ExchangeShape shape,
+                         std::span<const std::uint64_t> counts, const Communicator& comm,
+                         bool shared_unavailable) {
+  if (shape != ExchangeShape::kAllGather) {
+    return Strategy::kDirect;  // the one strategy that runs every shape (runs_shape)
+  }
   const Capabilities caps = comm.capabilities();
   // kDirect needs an exact gather-v; without one the same job moves padded.
   const auto direct = [&caps] { return caps.gather_v ? Strategy::kDirect : Strategy::kPadded; };
@@ -78,10 +86,16 @@ Strategy select_strategy(Strategy requested, std::span<const std::uint64_t> coun
   return direct();
 }
 
-Strategy plan_strategy(Strategy requested, std::span<const std::uint64_t> counts,
-                       const Communicator& comm, StrategyScratch& scratch, const char*& why) {
-  const Strategy rule = select_strategy(requested, counts, comm, scratch.shared_unavailable);
+Strategy plan_strategy(Strategy requested, ExchangeShape shape,
+                       std::span<const std::uint64_t> counts, const Communicator& comm,
+                       StrategyScratch& scratch, const char*& why) {
+  const Strategy rule = select_strategy(requested, shape, counts, comm, scratch.shared_unavailable);
   AutoTrial& t = scratch.trial;
+  if (shape != ExchangeShape::kAllGather) {
+    why = shape == ExchangeShape::kGather ? "a gather to one rank moves direct"
+                                          : "a personal exchange moves direct";
+    return rule;
+  }
   if (requested != Strategy::kAuto) {
     why = "requested";
     return rule;
@@ -146,8 +160,15 @@ void record_auto(Strategy ran, double seconds, Communicator& comm, Deadline dead
   }
 }
 
-void run_strategy(Strategy strategy, const GatherJob& job, Communicator& comm, Deadline deadline,
+void run_strategy(Strategy strategy, const ExchangeJob& job, Communicator& comm, Deadline deadline,
                   StrategyScratch& scratch) {
+  if (job.combine.op != Combine::Op::kNone) {
+    throw InvalidArgument("no strategy combines what it receives yet");
+  }
+  if (!runs_shape(strategy, job.shape)) {
+    throw InvalidArgument(std::string(strategy_name(strategy)) +
+                          " runs all-gather-shaped exchanges only");
+  }
   switch (strategy) {
     case Strategy::kPacked:
       run_packed(job, comm, deadline, scratch);

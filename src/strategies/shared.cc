@@ -18,7 +18,7 @@ bool shared_available(const Communicator& comm) noexcept {
   return comm.size() > 1 && comm.ranks_on_host() == comm.size();
 }
 
-std::span<const std::uint64_t> window_displs(const GatherJob& job, StrategyScratch& scratch) {
+std::span<const std::uint64_t> window_displs(const ExchangeJob& job, StrategyScratch& scratch) {
   if (!job.stream_displs.empty()) {
     return job.stream_displs;
   }
@@ -27,7 +27,7 @@ std::span<const std::uint64_t> window_displs(const GatherJob& job, StrategyScrat
   return scratch.displs;
 }
 
-std::byte* window_round(const GatherJob& job, std::span<const std::uint64_t> displs,
+std::byte* window_round(const ExchangeJob& job, std::span<const std::uint64_t> displs,
                         Communicator& comm, Deadline deadline, StrategyScratch& scratch) {
   const std::size_t world = job.counts.size();
   const std::uint64_t round_bytes = displs[world - 1] + job.counts[world - 1];
@@ -55,7 +55,7 @@ std::byte* window_round(const GatherJob& job, std::span<const std::uint64_t> dis
   return base;
 }
 
-void copy_out_window(const GatherJob& job, const std::byte* base,
+void copy_out_window(const ExchangeJob& job, const std::byte* base,
                      std::span<const std::uint64_t> displs) {
   for (std::size_t r = 0; r < job.counts.size(); ++r) {
     const ConstSegment stream{base + displs[r], job.counts[r]};
@@ -64,14 +64,14 @@ void copy_out_window(const GatherJob& job, const std::byte* base,
   }
 }
 
-std::byte* shared_copy_in(const GatherJob& job, Communicator& comm, Deadline deadline,
+std::byte* shared_copy_in(const ExchangeJob& job, Communicator& comm, Deadline deadline,
                           StrategyScratch& scratch) {
   std::byte* base = window_round(job, window_displs(job, scratch), comm, deadline, scratch);
   comm.barrier(deadline);
   return base;
 }
 
-void run_shared(const GatherJob& job, Communicator& comm, Deadline deadline,
+void run_shared(const ExchangeJob& job, Communicator& comm, Deadline deadline,
                 StrategyScratch& scratch) {
   const std::byte* base = shared_copy_in(job, comm, deadline, scratch);
   copy_out_window(job, base, window_displs(job, scratch));

@@ -1,9 +1,18 @@
-// Strategies: how one gather's bytes move. Each is one file (after Gloo and UCC); plans build a
-// GatherJob, which says *what* moves, and select() picks *how*.
+// Strategies: how one exchange's bytes move. Each is one file (after Gloo and UCC); operations
+// build an ExchangeJob, which says *what* moves, and select_strategy() picks *how*, among the
+// strategies that run the job's shape.
 //
-// A job is this rank's wire stream (segments, in order) and, for every rank r, the destination
-// pieces that rank r's stream fills, in order. The stream of each rank is split into
-// `num_tensors` parts (one per tensor), which only kPerTensor looks at.
+// An exchange job is, for each peer, what this rank sends it and where what it receives from it
+// lands (the shape Communicator::all_to_all_scatter takes). Three shapes cover the operations
+// (docs/design.md, "The exchange job"):
+//   kAllGather  every rank sends one stream, the same to every peer (foreach_all_gather, the
+//               plans, unshard): every strategy runs it;
+//   kGather     every rank sends one stream to `root` only (unshard's dst): kDirect;
+//   kPersonal   each pair its own bytes (a reshard between two layouts; the exchange of a
+//               reduce-scatter): kDirect.
+// A combine step (what a reduction does with what arrives) has its place in the job; no operation
+// builds one yet, and every strategy refuses one it does not run.
+
 #pragma once
 
 #include <array>
@@ -23,33 +32,58 @@
 
 namespace shardgather::detail {
 
-struct GatherJob {
-  std::span<const ConstSegment> send;     // this rank's stream
-  std::span<const RecvPiece> pieces;      // destinations, rank by rank
-  std::span<const std::size_t> first;     // size()+1: rank r owns pieces [first[r], first[r+1])
-  std::span<const std::uint64_t> counts;  // size(): bytes of each rank's stream
-  // Per part: rank r's part i has part_bytes[r * n + i] bytes and owns the pieces
-  // [part_first[r * n + i], part_first[r * n + i + 1]); this rank's part i is the send
-  // segments [send_first[i], send_first[i + 1]).
-  std::size_t num_tensors = 0;
-  std::span<const std::uint64_t> part_bytes;
-  std::span<const std::size_t> part_first;
-  std::span<const std::size_t> send_first;
+enum class ExchangeShape : std::uint8_t { kAllGather, kGather, kPersonal };
+
+// What a receiver does with the bytes it receives. kNone: they land in the pieces as they arrive.
+// A reduce-scatter will add an operator (sum, ...) applied in `dtype` over what several peers send
+// to one piece.
+struct Combine {
+  enum class Op : std::uint8_t { kNone };
+  Op op = Op::kNone;
+  DType dtype = DType::kUInt8;
+};
+
+// A stream's split into tensors (kAllGather, kGather), which only kPerTensor reads: rank r's part
+// i has bytes[r * n + i] bytes and owns the pieces [first[r * n + i], first[r * n + i + 1]); this
+// rank's part i is the send segments [send_first[i], send_first[i + 1]).
+struct StreamParts {
+  std::size_t count = 0;  // n, the tensors
+  std::span<const std::uint64_t> bytes{};
+  std::span<const std::size_t> first{};
+  std::span<const std::size_t> send_first{};
+};
+
+struct ExchangeJob {
+  ExchangeShape shape = ExchangeShape::kAllGather;
+  // What this rank sends. kAllGather, kGather: its one stream, for every receiver. kPersonal: to
+  // peer p the segments [send_first[p], send_first[p + 1]) (send_first has size() + 1 entries).
+  std::span<const ConstSegment> send{};
+  std::span<const std::size_t> send_first{};
+  // Where what arrives from peer q lands: pieces [first[q], first[q + 1]) (size() + 1 entries).
+  // kGather: read on the root only.
+  std::span<const RecvPiece> pieces{};
+  std::span<const std::size_t> first{};
+  // size(). kAllGather, kGather: every rank's stream bytes (the same on every rank). kPersonal: the
+  // bytes this rank receives from each peer.
+  std::span<const std::uint64_t> counts{};
+  int root = -1;  // kGather: the one receiver
+  Combine combine{};
+  StreamParts parts{};
   int copy_threads = 1;
   // kShared: where each rank's stream sits in the shared window (empty: back to back, 8-byte
   // aligned), and the window's size per round.
-  std::span<const std::uint64_t> stream_displs;
+  std::span<const std::uint64_t> stream_displs{};
   // Every rank has entered this call (the pre-flight header was exchanged): kShared may then
   // overwrite the window without another barrier.
   bool entry_synchronized = false;
-  // >= 0: a gather to this one rank (unshard's dst): only it receives, and `pieces` are read on
-  // it only. kDirect alone runs it (Communicator::gather_scatter).
-  int root = -1;
   // kCuda: every byte the job names (segments and pieces) is memory on this device, and the
   // payload moves through run_device on `stream`, whatever strategy was asked for.
   Device device{};
   void* stream = nullptr;
 };
+
+// Whether `strategy` runs jobs of `shape` (kDirect: every shape; the others: kAllGather).
+bool runs_shape(Strategy strategy, ExchangeShape shape) noexcept;
 
 // kAuto measuring its two candidates on a plan's first executions (select.cc, plan_strategy).
 struct AutoTrial {
@@ -87,7 +121,8 @@ struct StrategyScratch {
   std::vector<ConstSegment> a2a_send;
   std::vector<std::size_t> a2a_send_first;  // size() + 1
   std::vector<RecvPiece> a2a_pieces;
-  std::vector<std::size_t> a2a_first;  // size() + 1
+  std::vector<std::size_t> a2a_first;     // size() + 1
+  std::vector<std::uint64_t> a2a_counts;  // size(): bytes from each peer
   AutoTrial trial;
   // The device path (device.cc): staging for strided inputs and the zero bytes gaps are sent
   // from (filled by the operation, send_stream.h's Stager), the contiguous send and gather
@@ -127,42 +162,44 @@ void gather_padded(std::span<const ConstSegment> send, std::span<const RecvPiece
                    int copy_threads, Communicator& comm, Deadline deadline,
                    StrategyScratch& scratch);
 
-void run_direct(const GatherJob& job, Communicator& comm, Deadline deadline,
+void run_direct(const ExchangeJob& job, Communicator& comm, Deadline deadline,
                 StrategyScratch& scratch);
-void run_packed(const GatherJob& job, Communicator& comm, Deadline deadline,
+void run_packed(const ExchangeJob& job, Communicator& comm, Deadline deadline,
                 StrategyScratch& scratch);
-void run_per_tensor(const GatherJob& job, Communicator& comm, Deadline deadline,
+void run_per_tensor(const ExchangeJob& job, Communicator& comm, Deadline deadline,
                     StrategyScratch& scratch);
 // Where each rank's stream sits in the window: job.stream_displs, or back to back in scratch.
-std::span<const std::uint64_t> window_displs(const GatherJob& job, StrategyScratch& scratch);
+std::span<const std::uint64_t> window_displs(const ExchangeJob& job, StrategyScratch& scratch);
 // Makes the window on a first execution (collective; the barrier of the reuse rule otherwise)
 // and copies this rank's stream into its region; returns the window's base.
-std::byte* window_round(const GatherJob& job, std::span<const std::uint64_t> displs,
+std::byte* window_round(const ExchangeJob& job, std::span<const std::uint64_t> displs,
                         Communicator& comm, Deadline deadline, StrategyScratch& scratch);
 // Every rank's stream from the window into this rank's pieces.
-void copy_out_window(const GatherJob& job, const std::byte* base,
+void copy_out_window(const ExchangeJob& job, const std::byte* base,
                      std::span<const std::uint64_t> displs);
 // window_round, then meets the others; returns the round's base (every rank's stream at its
 // stream_displs).
-std::byte* shared_copy_in(const GatherJob& job, Communicator& comm, Deadline deadline,
+std::byte* shared_copy_in(const ExchangeJob& job, Communicator& comm, Deadline deadline,
                           StrategyScratch& scratch);
-void run_shared(const GatherJob& job, Communicator& comm, Deadline deadline,
+void run_shared(const ExchangeJob& job, Communicator& comm, Deadline deadline,
                 StrategyScratch& scratch);
 // Whether kShared can run here: every rank on this host, more than one rank.
 bool shared_available(const Communicator& comm) noexcept;
-void run_hierarchical(const GatherJob& job, Communicator& comm, Deadline deadline,
+void run_hierarchical(const ExchangeJob& job, Communicator& comm, Deadline deadline,
                       StrategyScratch& scratch);
 // Whether kHierarchical can run here: hosts known, more than one, some with several ranks, and
 // a transport with all_to_all_scatter.
 bool hierarchical_available(const Communicator& comm) noexcept;
 
-// `requested` resolved for a payload of `counts` bytes per rank on this backend: kAuto from the
+// `requested` resolved for a job of `shape` moving `counts` bytes per rank on this backend: a
+// strategy that does not run the shape (runs_shape) resolves to kDirect; kAuto from the
 // backend's facts (a window wherever one can exist; plans then measure it, plan_strategy), kShared
 // and kHierarchical to kDirect where they cannot run. `shared_unavailable`: the plan's window could
 // not be reserved, so kAuto never picks kShared. Every input is the same on every rank, and so is
 // the answer (the pre-flight header compares it).
-Strategy select_strategy(Strategy requested, std::span<const std::uint64_t> counts,
-                         const Communicator& comm, bool shared_unavailable);
+Strategy select_strategy(Strategy requested, ExchangeShape shape,
+                         std::span<const std::uint64_t> counts, const Communicator& comm,
+                         bool shared_unavailable);
 
 // The strategy for one execution of a plan: select_strategy's, except where kAuto chose a
 // node-shared window (kShared, kHierarchical): that choice is measured against kDirect. The
@@ -170,8 +207,9 @@ Strategy select_strategy(Strategy requested, std::span<const std::uint64_t> coun
 // rank settles, in record_auto, on the one that was faster for the slowest rank, and later
 // executions run it. `why` says which of these decided (a static string). Every input is the
 // same on every rank and so is the answer, execution by execution.
-Strategy plan_strategy(Strategy requested, std::span<const std::uint64_t> counts,
-                       const Communicator& comm, StrategyScratch& scratch, const char*& why);
+Strategy plan_strategy(Strategy requested, ExchangeShape shape,
+                       std::span<const std::uint64_t> counts, const Communicator& comm,
+                       StrategyScratch& scratch, const char*& why);
 // After an execution's payload ran with `ran` in `seconds` (this rank's time): records a trial,
 // and after the last one agrees with every rank on the choice (one all_gather, which the caller
 // counts as setup). Collective while measuring; does nothing otherwise.
@@ -184,11 +222,12 @@ void record_auto(Strategy ran, double seconds, Communicator& comm, Deadline dead
 // (skipped when every rank's pieces are one run: the gather lands in place); then waits for the
 // stream. Launches at most three kernels, and after the first execution of a plan allocates
 // nothing and uploads nothing while the tensors stay where they were.
-void run_device(const GatherJob& job, Communicator& comm, Deadline deadline,
+void run_device(const ExchangeJob& job, Communicator& comm, Deadline deadline,
                 StrategyScratch& scratch);
 
-// Runs the job with `strategy` (already resolved).
-void run_strategy(Strategy strategy, const GatherJob& job, Communicator& comm, Deadline deadline,
+// Runs the job with `strategy` (already resolved; InvalidArgument where it does not run the job's
+// shape or combine step).
+void run_strategy(Strategy strategy, const ExchangeJob& job, Communicator& comm, Deadline deadline,
                   StrategyScratch& scratch);
 
 }  // namespace shardgather::detail

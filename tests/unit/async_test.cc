@@ -100,7 +100,9 @@ TEST_P(AsyncWorld, StartedPlanExecutionsCompleteInOrderAndOverlapTheCaller) {
         const GatherResult after = foreach_all_gather(testing::views_of(extra), comm);
         for (auto& w : works) {
           EXPECT_TRUE(w.test(0ms));  // every started one completed before the blocking call ran
+          EXPECT_TRUE(w.is_completed());  // the poll says the same
           (void)w.wait();
+          EXPECT_TRUE(w.is_completed()) << "an empty handle has nothing left to complete";
         }
         EXPECT_EQ(testing::verify_gather(after, shapes_for(world), kDTypes, 999), "");
         for (int k = 0; k < kSteps; ++k) {
