@@ -25,6 +25,7 @@
 #include "compute.h"
 #include "presets.h"
 #include "support/alloc_counter.h"
+#include <CLI/CLI.hpp>
 #include <unistd.h>
 
 #include "shardgather/shardgather.h"
@@ -739,6 +740,8 @@ void write_json(const Config& cfg, int world, const std::vector<Result>& results
   std::fclose(f);
 }
 
+// --ops and --strategies take comma-separated lists. An empty item is kept, so that "a,,b" is
+// refused by name like any other unknown item rather than skipped.
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> out;
   std::size_t begin = 0;
@@ -750,83 +753,92 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
-void usage() {
-  std::printf(
-      "usage: shardgather-bench [options]\n"
-      "  -p, --preset NAME      llama-layer (default), tiny-1000, single-64m, llama-model;\n"
-      "                         single-<N>m: one tensor of N MiB per rank\n"
-      "  -d, --dtype NAME       bf16 (default), f16, f32, f64, ...\n"
-      "  -b, --backend NAME     threads (default, in-process) or mpi (under mpirun)\n"
-      "  -r, --ranks N          ranks of the threads backend (default 4)\n"
-      "  -n, --iters N          timed iterations per case (default 20)\n"
-      "  -w, --warmup N         untimed iterations first (default 3)\n"
-      "  -o, --ops LIST         limit,foreach_all_gather,unshard,per_tensor (default: these),\n"
-      "                         limit_v (MPI_Allgatherv of each rank's exact bytes),\n"
-      "                         overlap (a started gather while this thread computes),\n"
-      "                         stream (a whole UnshardStream per call: serial, prefetch 1,\n"
-      "                         to rank 0)\n"
-      "      --bucket-mib N     the stream op's bucket size (default 256)\n"
-      "  -s, --strategies LIST  auto,direct,packed,shared (default: all four), hierarchical;\n"
-      "                         a case that ran another shows requested:ran\n"
-      "      --no-in-place      skip the execute_shared case (views into the window)\n"
-      "      --no-preflight     skip the pre-flight header check\n"
-      "      --copy-threads N   threads for copy-in/out (default: cores / ranks on host)\n"
-      "      --mpi-yield        MPI waits yield the core between tests (MpiOptions::Wait::kYield:\n"
-      "                         ranks of several simulated hosts share one machine's cores)\n"
-      "  -J, --json FILE        also write the results as JSON (schema_version 1)\n");
+// A CLI11 transform for the integer options. CLI11 2.1 reads integers with base 0, as C's
+// strtoll does ("010" is 8, "0x10" is 16); the bench has always read them in decimal. So a value
+// must be decimal digits after an optional sign, and its leading zeros are dropped before CLI11
+// converts it.
+std::string as_decimal(std::string& value) {
+  const std::size_t sign = !value.empty() && (value[0] == '-' || value[0] == '+') ? 1 : 0;
+  if (value.size() == sign || value.find_first_not_of("0123456789", sign) != std::string::npos) {
+    return "not a decimal integer: " + value;
+  }
+  const std::size_t first_digit = std::min(value.find_first_not_of('0', sign), value.size() - 1);
+  value.erase(sign, first_digit - sign);
+  return {};
 }
 
-Config parse(int argc, char** argv) {
-  Config cfg;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const auto value = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        throw sg::InvalidArgument("missing value after " + a);
-      }
-      return argv[++i];
-    };
-    if (a == "-p" || a == "--preset") {
-      cfg.preset = value();
-    } else if (a == "-d" || a == "--dtype") {
-      cfg.dtype = sg::bench::parse_dtype(value());
-    } else if (a == "-b" || a == "--backend") {
-      cfg.backend = value();
-    } else if (a == "-r" || a == "--ranks") {
-      cfg.ranks = std::stoi(value());
-    } else if (a == "-n" || a == "--iters") {
-      cfg.iters = std::stoi(value());
-    } else if (a == "-w" || a == "--warmup") {
-      cfg.warmup = std::stoi(value());
-    } else if (a == "-o" || a == "--ops") {
-      cfg.ops = split(value());
-    } else if (a == "-s" || a == "--strategies") {
-      cfg.strategies.clear();
-      for (const std::string& s : split(value())) {
-        cfg.strategies.push_back(sg::parse_strategy(s));
-      }
-    } else if (a == "--no-in-place") {
-      cfg.in_place = false;
-    } else if (a == "--no-preflight") {
-      cfg.preflight = false;
-    } else if (a == "--bucket-mib") {
-      cfg.bucket_mib = std::stoull(value());
-    } else if (a == "--copy-threads") {
-      cfg.copy_threads = std::stoi(value());
-    } else if (a == "--mpi-yield") {
-      cfg.mpi_yield = true;
-    } else if (a == "-J" || a == "--json") {
-      cfg.json = value();
-    } else if (a == "-h" || a == "--help") {
-      usage();
-      std::exit(0);
-    } else {
-      throw sg::InvalidArgument("unknown option " + a + " (--help lists them)");
-    }
-  }
+// The options that choose what is measured. Names (--dtype, --strategies) go through the
+// library's own parsers, so that a bad one gets the message it gets everywhere else.
+void add_case_options(CLI::App& app, Config& cfg) {
+  app.add_option("-p,--preset", cfg.preset,
+                 "llama-layer (default), tiny-1000, single-64m, llama-model;\n"
+                 "single-<N>m: one tensor of N MiB per rank")
+      ->option_text("NAME");
+  app.add_option_function<std::string>(
+         "-d,--dtype",
+         [&cfg](const std::string& name) { cfg.dtype = sg::bench::parse_dtype(name); },
+         "bf16 (default), f16, f32, f64, ...")
+      ->option_text("NAME");
+  app.add_option("-b,--backend", cfg.backend, "threads (default, in-process) or mpi (under mpirun)")
+      ->option_text("NAME");
+  app.add_option("-r,--ranks", cfg.ranks, "ranks of the threads backend (default 4)")
+      ->transform(CLI::Validator(as_decimal, ""))
+      ->option_text("N");
+  app.add_option("-n,--iters", cfg.iters, "timed iterations per case (default 20)")
+      ->transform(CLI::Validator(as_decimal, ""))
+      ->option_text("N");
+  app.add_option("-w,--warmup", cfg.warmup, "untimed iterations first (default 3)")
+      ->transform(CLI::Validator(as_decimal, ""))
+      ->option_text("N");
+  app.add_option_function<std::string>(
+         "-o,--ops", [&cfg](const std::string& list) { cfg.ops = split(list); },
+         "limit,foreach_all_gather,unshard,per_tensor (default: these),\n"
+         "limit_v (MPI_Allgatherv of each rank's exact bytes),\n"
+         "overlap (a started gather while this thread computes),\n"
+         "stream (a whole UnshardStream per call: serial, prefetch 1,\n"
+         "to rank 0)")
+      ->option_text("LIST");
+  app.add_option("--bucket-mib", cfg.bucket_mib, "the stream op's bucket size (default 256)")
+      ->transform(CLI::Validator(as_decimal, ""))
+      ->option_text("N");
+  app.add_option_function<std::string>(
+         "-s,--strategies",
+         [&cfg](const std::string& list) {
+           cfg.strategies.clear();
+           for (const std::string& name : split(list)) {
+             cfg.strategies.push_back(sg::parse_strategy(name));
+           }
+         },
+         "auto,direct,packed,shared (default: all four), hierarchical;\n"
+         "a case that ran another shows requested:ran")
+      ->option_text("LIST");
+}
+
+// The options that change how the cases run, and the output.
+void add_run_options(CLI::App& app, Config& cfg) {
+  app.add_flag_callback(
+      "--no-in-place", [&cfg] { cfg.in_place = false; },
+      "skip the execute_shared case (views into the window)");
+  app.add_flag_callback(
+      "--no-preflight", [&cfg] { cfg.preflight = false; }, "skip the pre-flight header check");
+  app.add_option("--copy-threads", cfg.copy_threads,
+                 "threads for copy-in/out (default: cores / ranks on host)")
+      ->transform(CLI::Validator(as_decimal, ""))
+      ->option_text("N");
+  app.add_flag_callback(
+      "--mpi-yield", [&cfg] { cfg.mpi_yield = true; },
+      "MPI waits yield the core between tests (MpiOptions::Wait::kYield:\n"
+      "ranks of several simulated hosts share one machine's cores)");
+  app.add_option("-J,--json", cfg.json, "also write the results as JSON (schema_version 1)")
+      ->option_text("FILE");
+}
+
+// What the option types cannot check, with the messages the bench has always printed.
+void validate(const Config& cfg) {
+  static const std::vector<std::string> known_ops = {
+      "limit", "limit_v", "foreach_all_gather", "unshard", "per_tensor", "overlap", "stream"};
   for (const std::string& op : cfg.ops) {
-    if (op != "limit" && op != "limit_v" && op != "foreach_all_gather" && op != "unshard" &&
-        op != "per_tensor" && op != "overlap" && op != "stream") {
+    if (std::find(known_ops.begin(), known_ops.end(), op) == known_ops.end()) {
       throw sg::InvalidArgument("unknown op " + op);
     }
   }
@@ -834,6 +846,33 @@ Config parse(int argc, char** argv) {
     throw sg::InvalidArgument("iters >= 1, warmup >= 0 and ranks >= 1 please");
   }
   sg::bench::make_preset(cfg.preset, cfg.dtype, 1);  // validates the name
+}
+
+// The command line, or nullopt once --help has been printed. Every mistake throws
+// InvalidArgument, so that main reports it the one way (exit 2, one line on stderr).
+std::optional<Config> parse(int argc, char** argv) {
+  Config cfg;
+  CLI::App app("", "shardgather-bench");
+  // Repeating an option overrides it, as it always has (CLI11 refuses repeats by default).
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  // The description column where the hand-written --help had it.
+  app.get_formatter()->column_width(25);
+  // Unknown arguments are collected rather than thrown, to name the first one as before.
+  app.allow_extras();
+  add_case_options(app, cfg);
+  add_run_options(app, cfg);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {  // --help
+    app.exit(e);
+    return std::nullopt;
+  } catch (const CLI::ParseError& e) {
+    throw sg::InvalidArgument(e.what());
+  }
+  if (!app.remaining().empty()) {
+    throw sg::InvalidArgument("unknown option " + app.remaining().front() + " (--help lists them)");
+  }
+  validate(cfg);
   return cfg;
 }
 
@@ -957,7 +996,11 @@ int run_mpi(const Config& cfg, int argc, char** argv) {
 
 int main(int argc, char** argv) {
   try {
-    const Config cfg = parse(argc, argv);
+    const std::optional<Config> parsed = parse(argc, argv);
+    if (!parsed) {
+      return 0;  // --help
+    }
+    const Config& cfg = *parsed;
     if (cfg.backend == "threads") {
       return run_threads(cfg);
     }
