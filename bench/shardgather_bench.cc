@@ -11,9 +11,11 @@
 //   mpirun -np 2 shardgather-bench --backend mpi --preset tiny-1000 --json out.json
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -26,6 +28,7 @@
 #include "presets.h"
 #include "support/alloc_counter.h"
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <unistd.h>
 
 #include "shardgather/shardgather.h"
@@ -619,17 +622,6 @@ void add_overlap_ratio(std::vector<Result>& results) {
   }
 }
 
-std::string json_escape(const std::string& s) {
-  std::string out;
-  for (const char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-    }
-    out += c;
-  }
-  return out;
-}
-
 void print_table(const Config& cfg, int world, const Setup& setup,
                  const std::vector<Result>& results, const std::string& mpi_library) {
   std::printf("# shardgather-bench %s\n", SHARDGATHER_VERSION_STRING);
@@ -682,62 +674,85 @@ void print_table(const Config& cfg, int world, const Setup& setup,
       "meta = metadata collectives per call; allocs = heap allocations per call\n");
 }
 
-std::string join_times(const std::vector<double>& times) {
-  std::string out;
-  char buf[32];
-  for (std::size_t i = 0; i < times.size(); ++i) {
-    std::snprintf(buf, sizeof buf, "%s%.1f", i == 0 ? "" : ", ", times[i]);
-    out += buf;
-  }
-  return out;
+// The --json document: nlohmann's ordered_json keeps the keys in the order they are written,
+// the order the file has always had.
+using Json = nlohmann::ordered_json;
+
+// `x` with `decimals` digits after the point, as the file has always shown it: more digits of a
+// timing would be noise, and the writer prints the shortest form that reads back as this value.
+double rounded(double x, int decimals) {
+  const double scale = std::pow(10.0, decimals);
+  return std::round(x * scale) / scale;
 }
 
-void write_json(const Config& cfg, int world, const std::vector<Result>& results,
-                const std::string& mpi_library) {
-  std::FILE* f = std::fopen(cfg.json.c_str(), "w");
-  if (f == nullptr) {
-    throw sg::InvalidArgument("cannot write " + cfg.json);
-  }
+// Where and when the run was made, what was built, and how the run was set up.
+Json json_context(const Config& cfg, int world, const std::string& mpi_library) {
   char host[256] = {};
   gethostname(host, sizeof host - 1);
   const std::time_t now = std::time(nullptr);
   char date[64] = {};
   std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  std::fprintf(f,
-               "{\n  \"schema_version\": 1,\n  \"context\": {\"host\": \"%s\", \"date\": \"%s\", "
-               "\"num_cpus\": %u, \"library_version\": \"%s\", \"build_type\": \"%s\", "
-               "\"backend\": \"%s\", \"mpi_library\": \"%s\", \"preset\": \"%s\", "
-               "\"world_size\": %d, \"iters\": %d, \"warmup\": %d, \"preflight\": %s},\n"
-               "  \"results\": [\n",
-               json_escape(host).c_str(), date, std::thread::hardware_concurrency(),
-               SHARDGATHER_VERSION_STRING, SHARDGATHER_BENCH_BUILD_TYPE, cfg.backend.c_str(),
-               json_escape(mpi_library).c_str(), cfg.preset.c_str(), world, cfg.iters, cfg.warmup,
-               cfg.preflight ? "true" : "false");
-  for (std::size_t k = 0; k < results.size(); ++k) {
-    const Result& r = results[k];
-    std::fprintf(f,
-                 "    {\"preset\": \"%s\", \"backend\": \"%s\", \"world_size\": %d, \"dtype\": "
-                 "\"%s\", \"tensors\": %zu, \"bytes_per_rank\": %llu, \"gathered_bytes\": %llu, "
-                 "\"op\": \"%s\", \"strategy\": \"%s\", \"why\": \"%s\", \"time_us\": %.3f, "
-                 "\"min_us\": %.3f, "
-                 "\"algbw_gbps\": %.4f, \"busbw_gbps\": %.4f, \"wrong\": %llu, "
-                 "\"metadata_collectives\": %llu, \"preflight_collectives\": %llu, "
-                 "\"payload_collectives\": %llu, \"allocations\": %.2f, "
-                 "\"overlap_ratio\": %.4f, \"times_us\": [%s]}%s\n",
-                 cfg.preset.c_str(), cfg.backend.c_str(), world,
-                 std::string(sg::dtype_name(cfg.dtype)).c_str(), r.tensors,
-                 static_cast<unsigned long long>(r.bytes_per_rank),
-                 static_cast<unsigned long long>(r.gathered_bytes), r.op.c_str(),
-                 r.strategy.c_str(), json_escape(r.why).c_str(), r.time_us, r.min_us, r.algbw,
-                 r.busbw, static_cast<unsigned long long>(r.wrong),
-                 static_cast<unsigned long long>(r.metadata_collectives),
-                 static_cast<unsigned long long>(r.preflight_collectives),
-                 static_cast<unsigned long long>(r.payload_collectives), r.allocations,
-                 r.overlap_ratio, join_times(r.times_us).c_str(),
-                 k + 1 == results.size() ? "" : ",");
+  return {{"host", host},
+          {"date", date},
+          {"num_cpus", std::thread::hardware_concurrency()},
+          {"library_version", SHARDGATHER_VERSION_STRING},
+          {"build_type", SHARDGATHER_BENCH_BUILD_TYPE},
+          {"backend", cfg.backend},
+          {"mpi_library", mpi_library},
+          {"preset", cfg.preset},
+          {"world_size", world},
+          {"iters", cfg.iters},
+          {"warmup", cfg.warmup},
+          {"preflight", cfg.preflight}};
+}
+
+// One case's row; each row repeats the run's set-up so that rows of several files can be pooled.
+Json json_result(const Config& cfg, int world, const Result& r) {
+  Json times = Json::array();
+  for (const double t : r.times_us) {
+    times.push_back(rounded(t, 1));
   }
-  std::fprintf(f, "  ]\n}\n");
-  std::fclose(f);
+  return {{"preset", cfg.preset},
+          {"backend", cfg.backend},
+          {"world_size", world},
+          {"dtype", std::string(sg::dtype_name(cfg.dtype))},
+          {"tensors", r.tensors},
+          {"bytes_per_rank", r.bytes_per_rank},
+          {"gathered_bytes", r.gathered_bytes},
+          {"op", r.op},
+          {"strategy", r.strategy},
+          {"why", r.why},
+          {"time_us", rounded(r.time_us, 3)},
+          {"min_us", rounded(r.min_us, 3)},
+          {"algbw_gbps", rounded(r.algbw, 4)},
+          {"busbw_gbps", rounded(r.busbw, 4)},
+          {"wrong", r.wrong},
+          {"metadata_collectives", r.metadata_collectives},
+          {"preflight_collectives", r.preflight_collectives},
+          {"payload_collectives", r.payload_collectives},
+          {"allocations", rounded(r.allocations, 2)},
+          {"overlap_ratio", rounded(r.overlap_ratio, 4)},
+          {"times_us", std::move(times)}};
+}
+
+// Writes the results as JSON (schema_version 1, docs/benchmarking.md "Definitions").
+void write_json(const Config& cfg, int world, const std::vector<Result>& results,
+                const std::string& mpi_library) {
+  Json rows = Json::array();
+  for (const Result& r : results) {
+    rows.push_back(json_result(cfg, world, r));
+  }
+  const Json doc = {{"schema_version", 1},
+                    {"context", json_context(cfg, world, mpi_library)},
+                    {"results", std::move(rows)}};
+  std::ofstream out(cfg.json);
+  // Bytes that are not UTF-8 (in a host name, or the MPI library's string) are replaced: the
+  // run's results are worth more than those bytes.
+  out << doc.dump(2, ' ', false, Json::error_handler_t::replace) << '\n';
+  out.close();
+  if (!out) {
+    throw sg::InvalidArgument("cannot write " + cfg.json);
+  }
 }
 
 // --ops and --strategies take comma-separated lists. An empty item is kept, so that "a,,b" is
