@@ -20,6 +20,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -43,9 +44,14 @@ using sg::bench::Param;
 
 namespace {
 
+// The inputs are a pattern of each full tensor's byte positions from this seed: every rank can
+// make its own shards and check every other rank's bytes without holding the full tensors.
 constexpr std::uint64_t kSeed = 20261130;
+// Cases that gather at most this many bytes per rank get an untimed call before each timed one
+// (see RankBench::time_case).
 constexpr std::uint64_t kWarmCallBytes = std::uint64_t{16} << 20;
 
+// What the command line asks for (parse(), --help).
 struct Config {
   std::string preset = "llama-layer";
   sg::DType dtype = sg::DType::kBFloat16;
@@ -148,12 +154,6 @@ std::uint64_t count_wrong(const std::byte* got, std::uint64_t size, std::size_t 
   return wrong;
 }
 
-// The benchmark body every rank runs. Cases are interleaved: each iteration runs every case
-// once, so slow drift of the machine (page collapsing, neighbours) hits all cases alike and
-// the ratios stay side by side. Cases that gather at most 16 MiB per rank get one untimed call
-// right before the timed one (cache-warm, as in a loop of their own). Cases of one op share one
-// output buffer; each case's result is verified right after its last timed call, before another
-// case overwrites it.
 // The backend's own collectives that the cases are measured against: an equal-size all-gather
 // (padded to the largest rank) and a variable-size one (exact bytes, back to back).
 struct Limits {
@@ -172,6 +172,8 @@ bool is_strategy_name(const std::string& name) {
   }
 }
 
+// The benchmark body every rank runs: it builds the cases, times them, verifies them and
+// returns every case's result.
 class RankBench {
  public:
   RankBench(sg::Communicator& comm, const Config& cfg, Limits limits)
@@ -182,99 +184,8 @@ class RankBench {
 
   std::vector<Result> run() {
     build_cases();
-    // kAuto measures its candidates on a plan's first executions: run those untimed, so that the
-    // timed iterations see what it settled on (the same number of calls on every rank: `why`
-    // is the same everywhere).
-    for (Case& k : cases_) {
-      for (int n = 0; n < 16 && k.result.strategy == "auto" && k.stats != nullptr &&
-                      (n == 0 || std::strcmp(k.stats->why, "measuring") == 0);
-           ++n) {
-        comm_.barrier(deadline());
-        k.call();
-      }
-    }
-    const int total = cfg_.warmup + cfg_.iters;
-    std::vector<double> mine(cases_.size() * (static_cast<std::size_t>(cfg_.iters) + 2), 0.0);
-    const std::size_t stride = static_cast<std::size_t>(cfg_.iters) + 2;
-    const auto start = std::chrono::steady_clock::now();
-    auto last_note = start;
-    for (int it = 0; it < total; ++it) {
-      for (std::size_t c = 0; c < cases_.size(); ++c) {
-        Case& k = cases_[c];
-        // A small case runs once untimed first, so its buffers are as warm as they would be in
-        // a loop of its own: otherwise the previous case's bytes decide its cache state.
-        if (k.result.gathered_bytes <= kWarmCallBytes) {
-          comm_.barrier(deadline());
-          k.call();
-        }
-        comm_.barrier(deadline());
-        const std::uint64_t a0 = sg::testing::thread_allocations();
-        const std::uint64_t c0 = comm_.collectives_issued();
-        const auto t0 = std::chrono::steady_clock::now();
-        k.call();
-        const auto t1 = std::chrono::steady_clock::now();
-        const std::uint64_t a1 = sg::testing::thread_allocations();
-        k.issued = comm_.collectives_issued() - c0;
-        if (it >= cfg_.warmup) {
-          const auto timed = static_cast<std::size_t>(it - cfg_.warmup);
-          mine[c * stride + timed] = std::chrono::duration<double, std::micro>(t1 - t0).count();
-          mine[c * stride + stride - 2] += static_cast<double>(a1 - a0) / cfg_.iters;
-        }
-        if (it == total - 1) {
-          mine[c * stride + stride - 1] = static_cast<double>(k.verify());
-        }
-      }
-      const auto now = std::chrono::steady_clock::now();
-      if (comm_.rank() == 0 && now - start > std::chrono::seconds(3) &&
-          now - last_note > std::chrono::seconds(2)) {
-        std::fprintf(stderr, "# ... iteration %d of %d (%zu cases each)\n", it + 1, total,
-                     cases_.size());
-        last_note = now;
-      }
-    }
-    const auto world = static_cast<std::size_t>(comm_.size());
-    std::vector<double> all(mine.size() * world);
-    comm_.all_gather(std::as_bytes(std::span(mine)), std::as_writable_bytes(std::span(all)),
-                     deadline());
-    std::vector<Result> results;
-    for (std::size_t c = 0; c < cases_.size(); ++c) {
-      Result r = cases_[c].result;
-      std::vector<double> slowest(static_cast<std::size_t>(cfg_.iters), 0.0);
-      double wrong = 0;
-      for (std::size_t q = 0; q < world; ++q) {
-        const double* row = all.data() + q * mine.size() + c * stride;
-        for (std::size_t it = 0; it < slowest.size(); ++it) {
-          slowest[it] = std::max(slowest[it], row[it]);
-        }
-        r.allocations = std::max(r.allocations, row[stride - 2]);
-        wrong += row[stride - 1];
-      }
-      r.times_us = slowest;  // in iteration order, for the variance (the JSON's times_us)
-      std::sort(slowest.begin(), slowest.end());
-      r.time_us = slowest[slowest.size() / 2];
-      r.min_us = slowest.front();
-      r.wrong = static_cast<std::uint64_t>(wrong);
-      r.tensors = setup_.params.size();
-      r.bytes_per_rank = setup_.max_bytes_per_rank;
-      const double w = comm_.size();
-      r.algbw = static_cast<double>(r.gathered_bytes) / (r.time_us * 1e3);
-      r.busbw = r.algbw * (w - 1) / w;
-      if (cases_[c].stats != nullptr) {
-        const sg::ExecStats& st = *cases_[c].stats;
-        // What the call issued beyond its header, payload and one-time setup: metadata.
-        r.metadata_collectives = cases_[c].issued - st.preflight_collectives -
-                                 st.payload_collectives - st.setup_collectives;
-        r.preflight_collectives = st.preflight_collectives;
-        r.payload_collectives = st.payload_collectives;
-        r.why = st.why;
-        // What ran, where it is not the strategy asked for (auto's choice, or a fallback).
-        if (is_strategy_name(r.strategy) && r.strategy != sg::strategy_name(st.strategy)) {
-          r.strategy += ":" + std::string(sg::strategy_name(st.strategy));
-        }
-      }
-      results.push_back(r);
-    }
-    return results;
+    settle_auto();
+    return summarize(time_cases());
   }
 
   const Setup& setup() const { return setup_; }
@@ -287,6 +198,141 @@ class RankBench {
     const sg::ExecStats* stats = nullptr;
     std::uint64_t issued = 0;  // collectives of the last timed call on this rank
   };
+
+  // kAuto measures its candidates on a plan's first executions: run those untimed, so that the
+  // timed iterations see what it settled on (the same number of calls on every rank: `why`
+  // is the same everywhere).
+  void settle_auto() {
+    for (Case& k : cases_) {
+      for (int n = 0; n < 16 && k.result.strategy == "auto" && k.stats != nullptr &&
+                      (n == 0 || std::strcmp(k.stats->why, "measuring") == 0);
+           ++n) {
+        comm_.barrier(deadline());
+        k.call();
+      }
+    }
+  }
+
+  // This rank's measurements are one row per case: the timed iterations' times (us), then the
+  // heap allocations per timed call, then the wrong elements its verification found. Rows of
+  // doubles, so that one all_gather brings every rank's to every rank.
+  std::size_t row_size() const { return static_cast<std::size_t>(cfg_.iters) + 2; }
+
+  // Cases are interleaved: each iteration runs every case once, so slow drift of the machine
+  // (page collapsing, neighbours) hits all cases alike and the ratios stay side by side.
+  std::vector<double> time_cases() {
+    const int total = cfg_.warmup + cfg_.iters;
+    std::vector<double> mine(cases_.size() * row_size(), 0.0);
+    const auto start = std::chrono::steady_clock::now();
+    auto last_note = start;
+    for (int it = 0; it < total; ++it) {
+      for (std::size_t c = 0; c < cases_.size(); ++c) {
+        time_case(cases_[c], it, std::span(mine).subspan(c * row_size(), row_size()));
+      }
+      note_progress(it + 1, total, start, last_note);
+    }
+    return mine;
+  }
+
+  // Iteration `it` of one case: a barrier (not timed), then one timed call. Cases of one op
+  // share one output buffer, so each case's result is verified right after its last timed
+  // call, before another case overwrites it.
+  void time_case(Case& k, int it, std::span<double> row) {
+    // A small case runs once untimed first, so its buffers are as warm as they would be in
+    // a loop of its own: otherwise the previous case's bytes decide its cache state.
+    if (k.result.gathered_bytes <= kWarmCallBytes) {
+      comm_.barrier(deadline());
+      k.call();
+    }
+    comm_.barrier(deadline());
+    const std::uint64_t a0 = sg::testing::thread_allocations();
+    const std::uint64_t c0 = comm_.collectives_issued();
+    const auto t0 = std::chrono::steady_clock::now();
+    k.call();
+    const auto t1 = std::chrono::steady_clock::now();
+    const std::uint64_t a1 = sg::testing::thread_allocations();
+    k.issued = comm_.collectives_issued() - c0;
+    if (it >= cfg_.warmup) {
+      const auto timed = static_cast<std::size_t>(it - cfg_.warmup);
+      row[timed] = std::chrono::duration<double, std::micro>(t1 - t0).count();
+      row[row.size() - 2] += static_cast<double>(a1 - a0) / cfg_.iters;
+    }
+    if (it == cfg_.warmup + cfg_.iters - 1) {
+      row[row.size() - 1] = static_cast<double>(k.verify());
+    }
+  }
+
+  // A long run says how far it is (rank 0, on stderr), so that it is not taken for a hang;
+  // short runs stay quiet.
+  void note_progress(int done, int total, std::chrono::steady_clock::time_point start,
+                     std::chrono::steady_clock::time_point& last_note) const {
+    const auto now = std::chrono::steady_clock::now();
+    if (comm_.rank() == 0 && now - start > std::chrono::seconds(3) &&
+        now - last_note > std::chrono::seconds(2)) {
+      std::fprintf(stderr, "# ... iteration %d of %d (%zu cases each)\n", done, total,
+                   cases_.size());
+      last_note = now;
+    }
+  }
+
+  // Every rank's rows to every rank, then one Result per case.
+  std::vector<Result> summarize(const std::vector<double>& mine) {
+    const auto world = static_cast<std::size_t>(comm_.size());
+    std::vector<double> all(mine.size() * world);
+    comm_.all_gather(std::as_bytes(std::span(mine)), std::as_writable_bytes(std::span(all)),
+                     deadline());
+    std::vector<Result> results;
+    for (std::size_t c = 0; c < cases_.size(); ++c) {
+      results.push_back(summarize_case(c, all, mine.size()));
+    }
+    return results;
+  }
+
+  // Case c's result from every rank's rows (rank q's start at all[q * per_rank]). An
+  // iteration's time is the slowest rank's: a collective is done when its last rank is.
+  Result summarize_case(std::size_t c, const std::vector<double>& all, std::size_t per_rank) const {
+    Result r = cases_[c].result;
+    const std::size_t n = row_size();
+    std::vector<double> slowest(static_cast<std::size_t>(cfg_.iters), 0.0);
+    double wrong = 0;
+    for (std::size_t q = 0; q < static_cast<std::size_t>(comm_.size()); ++q) {
+      const double* row = all.data() + q * per_rank + c * n;
+      for (std::size_t it = 0; it < slowest.size(); ++it) {
+        slowest[it] = std::max(slowest[it], row[it]);
+      }
+      r.allocations = std::max(r.allocations, row[n - 2]);
+      wrong += row[n - 1];
+    }
+    r.times_us = slowest;  // in iteration order, for the variance (the JSON's times_us)
+    std::sort(slowest.begin(), slowest.end());
+    r.time_us = slowest[slowest.size() / 2];
+    r.min_us = slowest.front();
+    r.wrong = static_cast<std::uint64_t>(wrong);
+    r.tensors = setup_.params.size();
+    r.bytes_per_rank = setup_.max_bytes_per_rank;
+    const double w = comm_.size();
+    r.algbw = static_cast<double>(r.gathered_bytes) / (r.time_us * 1e3);
+    r.busbw = r.algbw * (w - 1) / w;
+    if (cases_[c].stats != nullptr) {
+      add_exec_stats(r, cases_[c]);
+    }
+    return r;
+  }
+
+  // What the library reported about the case's last timed call on this rank.
+  static void add_exec_stats(Result& r, const Case& k) {
+    const sg::ExecStats& st = *k.stats;
+    // What the call issued beyond its header, payload and one-time setup: metadata.
+    r.metadata_collectives =
+        k.issued - st.preflight_collectives - st.payload_collectives - st.setup_collectives;
+    r.preflight_collectives = st.preflight_collectives;
+    r.payload_collectives = st.payload_collectives;
+    r.why = st.why;
+    // What ran, where it is not the strategy asked for (auto's choice, or a fallback).
+    if (is_strategy_name(r.strategy) && r.strategy != sg::strategy_name(st.strategy)) {
+      r.strategy += ":" + std::string(sg::strategy_name(st.strategy));
+    }
+  }
 
   sg::Deadline deadline() const { return comm_.deadline_after(std::chrono::minutes(5)); }
 
