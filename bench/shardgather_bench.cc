@@ -668,8 +668,9 @@ void add_overlap_ratio(std::vector<Result>& results) {
   }
 }
 
-void print_table(const Config& cfg, int world, const Setup& setup,
-                 const std::vector<Result>& results, const std::string& mpi_library) {
+// The lines above the table: what ran, how it was measured, and the column names.
+void print_header(const Config& cfg, int world, const Setup& setup,
+                  const std::string& mpi_library) {
   std::printf("# shardgather-bench %s\n", SHARDGATHER_VERSION_STRING);
   std::printf("# preset %s, dtype %s, backend %s%s, world %d, iters %d (+%d warmup), seed %llu\n",
               cfg.preset.c_str(), std::string(sg::dtype_name(cfg.dtype)).c_str(),
@@ -686,20 +687,31 @@ void print_table(const Config& cfg, int world, const Setup& setup,
   std::printf("# %18s %20s %13s %8s %11s %11s %11s %11s %7s %8s %6s %6s\n", "op", "strategy",
               "bytes/rank", "tensors", "time(us)", "min(us)", "algbw(GB/s)", "busbw(GB/s)",
               "#wrong", "vs_limit", "meta", "allocs");
+}
+
+// One line per case; vs_limit compares each case with the limit measured in the same run.
+void print_rows(const std::vector<Result>& results) {
   double limit_us = 0;
   for (const Result& r : results) {
     if (r.op == "limit") {
       limit_us = r.time_us;
     }
   }
-  std::uint64_t wrong = 0;
-  double busbw_sum = 0;
   for (const Result& r : results) {
     std::printf("  %18s %20s %13llu %8zu %11.1f %11.1f %11.3f %11.3f %7llu %8.3f %6llu %6.1f\n",
                 r.op.c_str(), r.strategy.c_str(), static_cast<unsigned long long>(r.bytes_per_rank),
                 r.tensors, r.time_us, r.min_us, r.algbw, r.busbw,
                 static_cast<unsigned long long>(r.wrong), limit_us > 0 ? limit_us / r.time_us : 0.0,
                 static_cast<unsigned long long>(r.metadata_collectives), r.allocations);
+  }
+}
+
+// The lines under the table: the overlap ratio, the verification's verdict, the average bus
+// bandwidth (as nccl-tests ends its output) and what the columns mean.
+void print_summary(const std::vector<Result>& results) {
+  std::uint64_t wrong = 0;
+  double busbw_sum = 0;
+  for (const Result& r : results) {
     wrong += r.wrong;
     busbw_sum += r.busbw;
   }
@@ -718,6 +730,13 @@ void print_table(const Config& cfg, int world, const Setup& setup,
   std::printf(
       "# vs_limit = limit time / this time (1.0 = as fast as one contiguous all-gather); "
       "meta = metadata collectives per call; allocs = heap allocations per call\n");
+}
+
+void print_table(const Config& cfg, int world, const Setup& setup,
+                 const std::vector<Result>& results, const std::string& mpi_library) {
+  print_header(cfg, world, setup, mpi_library);
+  print_rows(results);
+  print_summary(results);
 }
 
 // The --json document: nlohmann's ordered_json keeps the keys in the order they are written,
@@ -828,6 +847,12 @@ std::string as_decimal(std::string& value) {
   return {};
 }
 
+// An integer option, read in decimal and shown as N in the help.
+template <typename T>
+void add_number(CLI::App& app, const std::string& names, T& value, const std::string& help) {
+  app.add_option(names, value, help)->transform(CLI::Validator(as_decimal, ""))->option_text("N");
+}
+
 // The options that choose what is measured. Names (--dtype, --strategies) go through the
 // library's own parsers, so that a bad one gets the message it gets everywhere else.
 void add_case_options(CLI::App& app, Config& cfg) {
@@ -842,15 +867,9 @@ void add_case_options(CLI::App& app, Config& cfg) {
       ->option_text("NAME");
   app.add_option("-b,--backend", cfg.backend, "threads (default, in-process) or mpi (under mpirun)")
       ->option_text("NAME");
-  app.add_option("-r,--ranks", cfg.ranks, "ranks of the threads backend (default 4)")
-      ->transform(CLI::Validator(as_decimal, ""))
-      ->option_text("N");
-  app.add_option("-n,--iters", cfg.iters, "timed iterations per case (default 20)")
-      ->transform(CLI::Validator(as_decimal, ""))
-      ->option_text("N");
-  app.add_option("-w,--warmup", cfg.warmup, "untimed iterations first (default 3)")
-      ->transform(CLI::Validator(as_decimal, ""))
-      ->option_text("N");
+  add_number(app, "-r,--ranks", cfg.ranks, "ranks of the threads backend (default 4)");
+  add_number(app, "-n,--iters", cfg.iters, "timed iterations per case (default 20)");
+  add_number(app, "-w,--warmup", cfg.warmup, "untimed iterations first (default 3)");
   app.add_option_function<std::string>(
          "-o,--ops", [&cfg](const std::string& list) { cfg.ops = split(list); },
          "limit,foreach_all_gather,unshard,per_tensor (default: these),\n"
@@ -859,9 +878,7 @@ void add_case_options(CLI::App& app, Config& cfg) {
          "stream (a whole UnshardStream per call: serial, prefetch 1,\n"
          "to rank 0)")
       ->option_text("LIST");
-  app.add_option("--bucket-mib", cfg.bucket_mib, "the stream op's bucket size (default 256)")
-      ->transform(CLI::Validator(as_decimal, ""))
-      ->option_text("N");
+  add_number(app, "--bucket-mib", cfg.bucket_mib, "the stream op's bucket size (default 256)");
   app.add_option_function<std::string>(
          "-s,--strategies",
          [&cfg](const std::string& list) {
@@ -882,10 +899,8 @@ void add_run_options(CLI::App& app, Config& cfg) {
       "skip the execute_shared case (views into the window)");
   app.add_flag_callback(
       "--no-preflight", [&cfg] { cfg.preflight = false; }, "skip the pre-flight header check");
-  app.add_option("--copy-threads", cfg.copy_threads,
-                 "threads for copy-in/out (default: cores / ranks on host)")
-      ->transform(CLI::Validator(as_decimal, ""))
-      ->option_text("N");
+  add_number(app, "--copy-threads", cfg.copy_threads,
+             "threads for copy-in/out (default: cores / ranks on host)");
   app.add_flag_callback(
       "--mpi-yield", [&cfg] { cfg.mpi_yield = true; },
       "MPI waits yield the core between tests (MpiOptions::Wait::kYield:\n"
@@ -952,6 +967,25 @@ int report(const Config& cfg, int world, const Setup& setup, std::vector<Result>
   return 0;
 }
 
+// The threads backend's limits: its own all_gather and all_gather_v on the rank's communicator.
+Limits thread_limits(sg::Communicator& comm) {
+  const auto deadline = [&comm] { return comm.deadline_after(std::chrono::minutes(5)); };
+  Limits limits;
+  limits.all_gather = [&comm, deadline](std::span<const std::byte> send,
+                                        std::span<std::byte> recv) {
+    comm.all_gather(send, recv, deadline());
+  };
+  limits.all_gather_v = [&comm, deadline](std::span<const std::byte> send, std::byte* recv,
+                                          std::span<const std::uint64_t> counts,
+                                          std::span<const std::uint64_t> displs) {
+    const sg::ConstSegment segment{send.data(), send.size()};
+    comm.all_gather_v(std::span(&segment, 1), recv, counts, displs, deadline());
+  };
+  return limits;
+}
+
+// Every rank on a thread of this process. A rank that fails aborts the group, so that the
+// others leave their collectives instead of waiting for it.
 int run_threads(const Config& cfg) {
   auto comms = sg::make_thread_group(cfg.ranks);
   std::vector<std::vector<Result>> results(static_cast<std::size_t>(cfg.ranks));
@@ -963,19 +997,7 @@ int run_threads(const Config& cfg) {
     threads.emplace_back([&, r] {
       sg::Communicator& comm = *comms[static_cast<std::size_t>(r)];
       try {
-        const auto deadline = [&comm] { return comm.deadline_after(std::chrono::minutes(5)); };
-        Limits limits{
-            .all_gather =
-                [&](std::span<const std::byte> send, std::span<std::byte> recv) {
-                  comm.all_gather(send, recv, deadline());
-                },
-            .all_gather_v =
-                [&](std::span<const std::byte> send, std::byte* recv,
-                    std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs) {
-                  const sg::ConstSegment segment{send.data(), send.size()};
-                  comm.all_gather_v(std::span(&segment, 1), recv, counts, displs, deadline());
-                }};
-        RankBench bench(comm, cfg, std::move(limits));
+        RankBench bench(comm, cfg, thread_limits(comm));
         results[static_cast<std::size_t>(r)] = bench.run();
         if (r == 0) {
           const std::lock_guard<std::mutex> lock(mu);
@@ -1000,6 +1022,38 @@ int run_threads(const Config& cfg) {
 }
 
 #ifdef SHARDGATHER_BENCH_WITH_MPI
+// The MPI library's name and version for the table and the JSON: its string up to the first
+// comma or line break (Open MPI's goes on with its repository and release date).
+std::string mpi_library_version() {
+  char library[MPI_MAX_LIBRARY_VERSION_STRING] = {};
+  int len = 0;
+  MPI_Get_library_version(library, &len);
+  std::string lib(library, static_cast<std::size_t>(len));
+  return lib.substr(0, lib.find_first_of(",\n"));
+}
+
+// MPI's own collectives as the limits. MPI_Allgatherv takes int arrays: `counts` and `displs`
+// belong to the caller and are reused, so that the limit allocates nothing per call, like the
+// cases.
+Limits mpi_limits(std::vector<int>& counts, std::vector<int>& displs) {
+  Limits limits;
+  limits.all_gather = [](std::span<const std::byte> send, std::span<std::byte> recv) {
+    MPI_Allgather(send.data(), static_cast<int>(send.size()), MPI_BYTE, recv.data(),
+                  static_cast<int>(send.size()), MPI_BYTE, MPI_COMM_WORLD);
+  };
+  limits.all_gather_v = [&counts, &displs](std::span<const std::byte> send, std::byte* recv,
+                                           std::span<const std::uint64_t> c,
+                                           std::span<const std::uint64_t> d) {
+    counts.assign(c.begin(), c.end());
+    displs.assign(d.begin(), d.end());
+    MPI_Allgatherv(send.data(), static_cast<int>(send.size()), MPI_BYTE, recv, counts.data(),
+                   displs.data(), MPI_BYTE, MPI_COMM_WORLD);
+  };
+  return limits;
+}
+
+// One rank per process, under mpirun. Rank 0 reports; its exit code is broadcast, so that every
+// rank, and so mpirun, exits with it.
 int run_mpi(const Config& cfg, int argc, char** argv) {
   int provided = 0;
   // SERIALIZED: started operations (the overlap op) call MPI from the progress thread.
@@ -1008,11 +1062,7 @@ int run_mpi(const Config& cfg, int argc, char** argv) {
   int world = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);
-  char library[MPI_MAX_LIBRARY_VERSION_STRING] = {};
-  int len = 0;
-  MPI_Get_library_version(library, &len);
-  std::string lib(library, static_cast<std::size_t>(len));
-  lib = lib.substr(0, lib.find_first_of(",\n"));
+  const std::string lib = mpi_library_version();
   int rc = 0;
   {
     auto comm = sg::make_mpi_communicator(
@@ -1022,22 +1072,7 @@ int run_mpi(const Config& cfg, int argc, char** argv) {
     try {
       std::vector<int> counts;
       std::vector<int> displs;
-      Limits limits{.all_gather =
-                        [](std::span<const std::byte> send, std::span<std::byte> recv) {
-                          MPI_Allgather(send.data(), static_cast<int>(send.size()), MPI_BYTE,
-                                        recv.data(), static_cast<int>(send.size()), MPI_BYTE,
-                                        MPI_COMM_WORLD);
-                        },
-                    .all_gather_v =
-                        [&](std::span<const std::byte> send, std::byte* recv,
-                            std::span<const std::uint64_t> c, std::span<const std::uint64_t> d) {
-                          // Reused vectors: the limit allocates nothing per call, like the cases.
-                          counts.assign(c.begin(), c.end());
-                          displs.assign(d.begin(), d.end());
-                          MPI_Allgatherv(send.data(), static_cast<int>(send.size()), MPI_BYTE, recv,
-                                         counts.data(), displs.data(), MPI_BYTE, MPI_COMM_WORLD);
-                        }};
-      RankBench bench(*comm, cfg, std::move(limits));
+      RankBench bench(*comm, cfg, mpi_limits(counts, displs));
       const std::vector<Result> results = bench.run();
       if (rank == 0) {
         rc = report(cfg, world, bench.setup(), results, lib);
