@@ -11,13 +11,16 @@
 //   mpirun -np 2 shardgather-bench --backend mpi --preset tiny-1000 --json out.json
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -25,6 +28,8 @@
 #include "compute.h"
 #include "presets.h"
 #include "support/alloc_counter.h"
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <unistd.h>
 
 #include "shardgather/shardgather.h"
@@ -39,9 +44,14 @@ using sg::bench::Param;
 
 namespace {
 
+// The inputs are a pattern of each full tensor's byte positions from this seed: every rank can
+// make its own shards and check every other rank's bytes without holding the full tensors.
 constexpr std::uint64_t kSeed = 20261130;
+// Cases that gather at most this many bytes per rank get an untimed call before each timed one
+// (see RankBench::time_case).
 constexpr std::uint64_t kWarmCallBytes = std::uint64_t{16} << 20;
 
+// What the command line asks for (parse(), --help).
 struct Config {
   std::string preset = "llama-layer";
   sg::DType dtype = sg::DType::kBFloat16;
@@ -144,12 +154,6 @@ std::uint64_t count_wrong(const std::byte* got, std::uint64_t size, std::size_t 
   return wrong;
 }
 
-// The benchmark body every rank runs. Cases are interleaved: each iteration runs every case
-// once, so slow drift of the machine (page collapsing, neighbours) hits all cases alike and
-// the ratios stay side by side. Cases that gather at most 16 MiB per rank get one untimed call
-// right before the timed one (cache-warm, as in a loop of their own). Cases of one op share one
-// output buffer; each case's result is verified right after its last timed call, before another
-// case overwrites it.
 // The backend's own collectives that the cases are measured against: an equal-size all-gather
 // (padded to the largest rank) and a variable-size one (exact bytes, back to back).
 struct Limits {
@@ -168,6 +172,8 @@ bool is_strategy_name(const std::string& name) {
   }
 }
 
+// The benchmark body every rank runs: it builds the cases, times them, verifies them and
+// returns every case's result.
 class RankBench {
  public:
   RankBench(sg::Communicator& comm, const Config& cfg, Limits limits)
@@ -178,99 +184,8 @@ class RankBench {
 
   std::vector<Result> run() {
     build_cases();
-    // kAuto measures its candidates on a plan's first executions: run those untimed, so that the
-    // timed iterations see what it settled on (the same number of calls on every rank: `why`
-    // is the same everywhere).
-    for (Case& k : cases_) {
-      for (int n = 0; n < 16 && k.result.strategy == "auto" && k.stats != nullptr &&
-                      (n == 0 || std::strcmp(k.stats->why, "measuring") == 0);
-           ++n) {
-        comm_.barrier(deadline());
-        k.call();
-      }
-    }
-    const int total = cfg_.warmup + cfg_.iters;
-    std::vector<double> mine(cases_.size() * (static_cast<std::size_t>(cfg_.iters) + 2), 0.0);
-    const std::size_t stride = static_cast<std::size_t>(cfg_.iters) + 2;
-    const auto start = std::chrono::steady_clock::now();
-    auto last_note = start;
-    for (int it = 0; it < total; ++it) {
-      for (std::size_t c = 0; c < cases_.size(); ++c) {
-        Case& k = cases_[c];
-        // A small case runs once untimed first, so its buffers are as warm as they would be in
-        // a loop of its own: otherwise the previous case's bytes decide its cache state.
-        if (k.result.gathered_bytes <= kWarmCallBytes) {
-          comm_.barrier(deadline());
-          k.call();
-        }
-        comm_.barrier(deadline());
-        const std::uint64_t a0 = sg::testing::thread_allocations();
-        const std::uint64_t c0 = comm_.collectives_issued();
-        const auto t0 = std::chrono::steady_clock::now();
-        k.call();
-        const auto t1 = std::chrono::steady_clock::now();
-        const std::uint64_t a1 = sg::testing::thread_allocations();
-        k.issued = comm_.collectives_issued() - c0;
-        if (it >= cfg_.warmup) {
-          const auto timed = static_cast<std::size_t>(it - cfg_.warmup);
-          mine[c * stride + timed] = std::chrono::duration<double, std::micro>(t1 - t0).count();
-          mine[c * stride + stride - 2] += static_cast<double>(a1 - a0) / cfg_.iters;
-        }
-        if (it == total - 1) {
-          mine[c * stride + stride - 1] = static_cast<double>(k.verify());
-        }
-      }
-      const auto now = std::chrono::steady_clock::now();
-      if (comm_.rank() == 0 && now - start > std::chrono::seconds(3) &&
-          now - last_note > std::chrono::seconds(2)) {
-        std::fprintf(stderr, "# ... iteration %d of %d (%zu cases each)\n", it + 1, total,
-                     cases_.size());
-        last_note = now;
-      }
-    }
-    const auto world = static_cast<std::size_t>(comm_.size());
-    std::vector<double> all(mine.size() * world);
-    comm_.all_gather(std::as_bytes(std::span(mine)), std::as_writable_bytes(std::span(all)),
-                     deadline());
-    std::vector<Result> results;
-    for (std::size_t c = 0; c < cases_.size(); ++c) {
-      Result r = cases_[c].result;
-      std::vector<double> slowest(static_cast<std::size_t>(cfg_.iters), 0.0);
-      double wrong = 0;
-      for (std::size_t q = 0; q < world; ++q) {
-        const double* row = all.data() + q * mine.size() + c * stride;
-        for (std::size_t it = 0; it < slowest.size(); ++it) {
-          slowest[it] = std::max(slowest[it], row[it]);
-        }
-        r.allocations = std::max(r.allocations, row[stride - 2]);
-        wrong += row[stride - 1];
-      }
-      r.times_us = slowest;  // in iteration order, for the variance (the JSON's times_us)
-      std::sort(slowest.begin(), slowest.end());
-      r.time_us = slowest[slowest.size() / 2];
-      r.min_us = slowest.front();
-      r.wrong = static_cast<std::uint64_t>(wrong);
-      r.tensors = setup_.params.size();
-      r.bytes_per_rank = setup_.max_bytes_per_rank;
-      const double w = comm_.size();
-      r.algbw = static_cast<double>(r.gathered_bytes) / (r.time_us * 1e3);
-      r.busbw = r.algbw * (w - 1) / w;
-      if (cases_[c].stats != nullptr) {
-        const sg::ExecStats& st = *cases_[c].stats;
-        // What the call issued beyond its header, payload and one-time setup: metadata.
-        r.metadata_collectives = cases_[c].issued - st.preflight_collectives -
-                                 st.payload_collectives - st.setup_collectives;
-        r.preflight_collectives = st.preflight_collectives;
-        r.payload_collectives = st.payload_collectives;
-        r.why = st.why;
-        // What ran, where it is not the strategy asked for (auto's choice, or a fallback).
-        if (is_strategy_name(r.strategy) && r.strategy != sg::strategy_name(st.strategy)) {
-          r.strategy += ":" + std::string(sg::strategy_name(st.strategy));
-        }
-      }
-      results.push_back(r);
-    }
-    return results;
+    settle_auto();
+    return summarize(time_cases());
   }
 
   const Setup& setup() const { return setup_; }
@@ -283,6 +198,141 @@ class RankBench {
     const sg::ExecStats* stats = nullptr;
     std::uint64_t issued = 0;  // collectives of the last timed call on this rank
   };
+
+  // kAuto measures its candidates on a plan's first executions: run those untimed, so that the
+  // timed iterations see what it settled on (the same number of calls on every rank: `why`
+  // is the same everywhere).
+  void settle_auto() {
+    for (Case& k : cases_) {
+      for (int n = 0; n < 16 && k.result.strategy == "auto" && k.stats != nullptr &&
+                      (n == 0 || std::strcmp(k.stats->why, "measuring") == 0);
+           ++n) {
+        comm_.barrier(deadline());
+        k.call();
+      }
+    }
+  }
+
+  // This rank's measurements are one row per case: the timed iterations' times (us), then the
+  // heap allocations per timed call, then the wrong elements its verification found. Rows of
+  // doubles, so that one all_gather brings every rank's to every rank.
+  std::size_t row_size() const { return static_cast<std::size_t>(cfg_.iters) + 2; }
+
+  // Cases are interleaved: each iteration runs every case once, so slow drift of the machine
+  // (page collapsing, neighbours) hits all cases alike and the ratios stay side by side.
+  std::vector<double> time_cases() {
+    const int total = cfg_.warmup + cfg_.iters;
+    std::vector<double> mine(cases_.size() * row_size(), 0.0);
+    const auto start = std::chrono::steady_clock::now();
+    auto last_note = start;
+    for (int it = 0; it < total; ++it) {
+      for (std::size_t c = 0; c < cases_.size(); ++c) {
+        time_case(cases_[c], it, std::span(mine).subspan(c * row_size(), row_size()));
+      }
+      note_progress(it + 1, total, start, last_note);
+    }
+    return mine;
+  }
+
+  // Iteration `it` of one case: a barrier (not timed), then one timed call. Cases of one op
+  // share one output buffer, so each case's result is verified right after its last timed
+  // call, before another case overwrites it.
+  void time_case(Case& k, int it, std::span<double> row) {
+    // A small case runs once untimed first, so its buffers are as warm as they would be in
+    // a loop of its own: otherwise the previous case's bytes decide its cache state.
+    if (k.result.gathered_bytes <= kWarmCallBytes) {
+      comm_.barrier(deadline());
+      k.call();
+    }
+    comm_.barrier(deadline());
+    const std::uint64_t a0 = sg::testing::thread_allocations();
+    const std::uint64_t c0 = comm_.collectives_issued();
+    const auto t0 = std::chrono::steady_clock::now();
+    k.call();
+    const auto t1 = std::chrono::steady_clock::now();
+    const std::uint64_t a1 = sg::testing::thread_allocations();
+    k.issued = comm_.collectives_issued() - c0;
+    if (it >= cfg_.warmup) {
+      const auto timed = static_cast<std::size_t>(it - cfg_.warmup);
+      row[timed] = std::chrono::duration<double, std::micro>(t1 - t0).count();
+      row[row.size() - 2] += static_cast<double>(a1 - a0) / cfg_.iters;
+    }
+    if (it == cfg_.warmup + cfg_.iters - 1) {
+      row[row.size() - 1] = static_cast<double>(k.verify());
+    }
+  }
+
+  // A long run says how far it is (rank 0, on stderr), so that it is not taken for a hang;
+  // short runs stay quiet.
+  void note_progress(int done, int total, std::chrono::steady_clock::time_point start,
+                     std::chrono::steady_clock::time_point& last_note) const {
+    const auto now = std::chrono::steady_clock::now();
+    if (comm_.rank() == 0 && now - start > std::chrono::seconds(3) &&
+        now - last_note > std::chrono::seconds(2)) {
+      std::fprintf(stderr, "# ... iteration %d of %d (%zu cases each)\n", done, total,
+                   cases_.size());
+      last_note = now;
+    }
+  }
+
+  // Every rank's rows to every rank, then one Result per case.
+  std::vector<Result> summarize(const std::vector<double>& mine) {
+    const auto world = static_cast<std::size_t>(comm_.size());
+    std::vector<double> all(mine.size() * world);
+    comm_.all_gather(std::as_bytes(std::span(mine)), std::as_writable_bytes(std::span(all)),
+                     deadline());
+    std::vector<Result> results;
+    for (std::size_t c = 0; c < cases_.size(); ++c) {
+      results.push_back(summarize_case(c, all, mine.size()));
+    }
+    return results;
+  }
+
+  // Case c's result from every rank's rows (rank q's start at all[q * per_rank]). An
+  // iteration's time is the slowest rank's: a collective is done when its last rank is.
+  Result summarize_case(std::size_t c, const std::vector<double>& all, std::size_t per_rank) const {
+    Result r = cases_[c].result;
+    const std::size_t n = row_size();
+    std::vector<double> slowest(static_cast<std::size_t>(cfg_.iters), 0.0);
+    double wrong = 0;
+    for (std::size_t q = 0; q < static_cast<std::size_t>(comm_.size()); ++q) {
+      const double* row = all.data() + q * per_rank + c * n;
+      for (std::size_t it = 0; it < slowest.size(); ++it) {
+        slowest[it] = std::max(slowest[it], row[it]);
+      }
+      r.allocations = std::max(r.allocations, row[n - 2]);
+      wrong += row[n - 1];
+    }
+    r.times_us = slowest;  // in iteration order, for the variance (the JSON's times_us)
+    std::sort(slowest.begin(), slowest.end());
+    r.time_us = slowest[slowest.size() / 2];
+    r.min_us = slowest.front();
+    r.wrong = static_cast<std::uint64_t>(wrong);
+    r.tensors = setup_.params.size();
+    r.bytes_per_rank = setup_.max_bytes_per_rank;
+    const double w = comm_.size();
+    r.algbw = static_cast<double>(r.gathered_bytes) / (r.time_us * 1e3);
+    r.busbw = r.algbw * (w - 1) / w;
+    if (cases_[c].stats != nullptr) {
+      add_exec_stats(r, cases_[c]);
+    }
+    return r;
+  }
+
+  // What the library reported about the case's last timed call on this rank.
+  static void add_exec_stats(Result& r, const Case& k) {
+    const sg::ExecStats& st = *k.stats;
+    // What the call issued beyond its header, payload and one-time setup: metadata.
+    r.metadata_collectives =
+        k.issued - st.preflight_collectives - st.payload_collectives - st.setup_collectives;
+    r.preflight_collectives = st.preflight_collectives;
+    r.payload_collectives = st.payload_collectives;
+    r.why = st.why;
+    // What ran, where it is not the strategy asked for (auto's choice, or a fallback).
+    if (is_strategy_name(r.strategy) && r.strategy != sg::strategy_name(st.strategy)) {
+      r.strategy += ":" + std::string(sg::strategy_name(st.strategy));
+    }
+  }
 
   sg::Deadline deadline() const { return comm_.deadline_after(std::chrono::minutes(5)); }
 
@@ -618,19 +668,9 @@ void add_overlap_ratio(std::vector<Result>& results) {
   }
 }
 
-std::string json_escape(const std::string& s) {
-  std::string out;
-  for (const char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-    }
-    out += c;
-  }
-  return out;
-}
-
-void print_table(const Config& cfg, int world, const Setup& setup,
-                 const std::vector<Result>& results, const std::string& mpi_library) {
+// The lines above the table: what ran, how it was measured, and the column names.
+void print_header(const Config& cfg, int world, const Setup& setup,
+                  const std::string& mpi_library) {
   std::printf("# shardgather-bench %s\n", SHARDGATHER_VERSION_STRING);
   std::printf("# preset %s, dtype %s, backend %s%s, world %d, iters %d (+%d warmup), seed %llu\n",
               cfg.preset.c_str(), std::string(sg::dtype_name(cfg.dtype)).c_str(),
@@ -647,20 +687,31 @@ void print_table(const Config& cfg, int world, const Setup& setup,
   std::printf("# %18s %20s %13s %8s %11s %11s %11s %11s %7s %8s %6s %6s\n", "op", "strategy",
               "bytes/rank", "tensors", "time(us)", "min(us)", "algbw(GB/s)", "busbw(GB/s)",
               "#wrong", "vs_limit", "meta", "allocs");
+}
+
+// One line per case; vs_limit compares each case with the limit measured in the same run.
+void print_rows(const std::vector<Result>& results) {
   double limit_us = 0;
   for (const Result& r : results) {
     if (r.op == "limit") {
       limit_us = r.time_us;
     }
   }
-  std::uint64_t wrong = 0;
-  double busbw_sum = 0;
   for (const Result& r : results) {
     std::printf("  %18s %20s %13llu %8zu %11.1f %11.1f %11.3f %11.3f %7llu %8.3f %6llu %6.1f\n",
                 r.op.c_str(), r.strategy.c_str(), static_cast<unsigned long long>(r.bytes_per_rank),
                 r.tensors, r.time_us, r.min_us, r.algbw, r.busbw,
                 static_cast<unsigned long long>(r.wrong), limit_us > 0 ? limit_us / r.time_us : 0.0,
                 static_cast<unsigned long long>(r.metadata_collectives), r.allocations);
+  }
+}
+
+// The lines under the table: the overlap ratio, the verification's verdict, the average bus
+// bandwidth (as nccl-tests ends its output) and what the columns mean.
+void print_summary(const std::vector<Result>& results) {
+  std::uint64_t wrong = 0;
+  double busbw_sum = 0;
+  for (const Result& r : results) {
     wrong += r.wrong;
     busbw_sum += r.busbw;
   }
@@ -681,64 +732,96 @@ void print_table(const Config& cfg, int world, const Setup& setup,
       "meta = metadata collectives per call; allocs = heap allocations per call\n");
 }
 
-std::string join_times(const std::vector<double>& times) {
-  std::string out;
-  char buf[32];
-  for (std::size_t i = 0; i < times.size(); ++i) {
-    std::snprintf(buf, sizeof buf, "%s%.1f", i == 0 ? "" : ", ", times[i]);
-    out += buf;
-  }
-  return out;
+void print_table(const Config& cfg, int world, const Setup& setup,
+                 const std::vector<Result>& results, const std::string& mpi_library) {
+  print_header(cfg, world, setup, mpi_library);
+  print_rows(results);
+  print_summary(results);
 }
 
-void write_json(const Config& cfg, int world, const std::vector<Result>& results,
-                const std::string& mpi_library) {
-  std::FILE* f = std::fopen(cfg.json.c_str(), "w");
-  if (f == nullptr) {
-    throw sg::InvalidArgument("cannot write " + cfg.json);
-  }
+// The --json document: nlohmann's ordered_json keeps the keys in the order they are written,
+// the order the file has always had.
+using Json = nlohmann::ordered_json;
+
+// `x` with `decimals` digits after the point, as the file has always shown it: more digits of a
+// timing would be noise, and the writer prints the shortest form that reads back as this value.
+double rounded(double x, int decimals) {
+  const double scale = std::pow(10.0, decimals);
+  return std::round(x * scale) / scale;
+}
+
+// Where and when the run was made, what was built, and how the run was set up.
+Json json_context(const Config& cfg, int world, const std::string& mpi_library) {
   char host[256] = {};
   gethostname(host, sizeof host - 1);
   const std::time_t now = std::time(nullptr);
   char date[64] = {};
   std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  std::fprintf(f,
-               "{\n  \"schema_version\": 1,\n  \"context\": {\"host\": \"%s\", \"date\": \"%s\", "
-               "\"num_cpus\": %u, \"library_version\": \"%s\", \"build_type\": \"%s\", "
-               "\"backend\": \"%s\", \"mpi_library\": \"%s\", \"preset\": \"%s\", "
-               "\"world_size\": %d, \"iters\": %d, \"warmup\": %d, \"preflight\": %s},\n"
-               "  \"results\": [\n",
-               json_escape(host).c_str(), date, std::thread::hardware_concurrency(),
-               SHARDGATHER_VERSION_STRING, SHARDGATHER_BENCH_BUILD_TYPE, cfg.backend.c_str(),
-               json_escape(mpi_library).c_str(), cfg.preset.c_str(), world, cfg.iters, cfg.warmup,
-               cfg.preflight ? "true" : "false");
-  for (std::size_t k = 0; k < results.size(); ++k) {
-    const Result& r = results[k];
-    std::fprintf(f,
-                 "    {\"preset\": \"%s\", \"backend\": \"%s\", \"world_size\": %d, \"dtype\": "
-                 "\"%s\", \"tensors\": %zu, \"bytes_per_rank\": %llu, \"gathered_bytes\": %llu, "
-                 "\"op\": \"%s\", \"strategy\": \"%s\", \"why\": \"%s\", \"time_us\": %.3f, "
-                 "\"min_us\": %.3f, "
-                 "\"algbw_gbps\": %.4f, \"busbw_gbps\": %.4f, \"wrong\": %llu, "
-                 "\"metadata_collectives\": %llu, \"preflight_collectives\": %llu, "
-                 "\"payload_collectives\": %llu, \"allocations\": %.2f, "
-                 "\"overlap_ratio\": %.4f, \"times_us\": [%s]}%s\n",
-                 cfg.preset.c_str(), cfg.backend.c_str(), world,
-                 std::string(sg::dtype_name(cfg.dtype)).c_str(), r.tensors,
-                 static_cast<unsigned long long>(r.bytes_per_rank),
-                 static_cast<unsigned long long>(r.gathered_bytes), r.op.c_str(),
-                 r.strategy.c_str(), json_escape(r.why).c_str(), r.time_us, r.min_us, r.algbw,
-                 r.busbw, static_cast<unsigned long long>(r.wrong),
-                 static_cast<unsigned long long>(r.metadata_collectives),
-                 static_cast<unsigned long long>(r.preflight_collectives),
-                 static_cast<unsigned long long>(r.payload_collectives), r.allocations,
-                 r.overlap_ratio, join_times(r.times_us).c_str(),
-                 k + 1 == results.size() ? "" : ",");
-  }
-  std::fprintf(f, "  ]\n}\n");
-  std::fclose(f);
+  return {{"host", host},
+          {"date", date},
+          {"num_cpus", std::thread::hardware_concurrency()},
+          {"library_version", SHARDGATHER_VERSION_STRING},
+          {"build_type", SHARDGATHER_BENCH_BUILD_TYPE},
+          {"backend", cfg.backend},
+          {"mpi_library", mpi_library},
+          {"preset", cfg.preset},
+          {"world_size", world},
+          {"iters", cfg.iters},
+          {"warmup", cfg.warmup},
+          {"preflight", cfg.preflight}};
 }
 
+// One case's row; each row repeats the run's set-up so that rows of several files can be pooled.
+Json json_result(const Config& cfg, int world, const Result& r) {
+  Json times = Json::array();
+  for (const double t : r.times_us) {
+    times.push_back(rounded(t, 1));
+  }
+  return {{"preset", cfg.preset},
+          {"backend", cfg.backend},
+          {"world_size", world},
+          {"dtype", std::string(sg::dtype_name(cfg.dtype))},
+          {"tensors", r.tensors},
+          {"bytes_per_rank", r.bytes_per_rank},
+          {"gathered_bytes", r.gathered_bytes},
+          {"op", r.op},
+          {"strategy", r.strategy},
+          {"why", r.why},
+          {"time_us", rounded(r.time_us, 3)},
+          {"min_us", rounded(r.min_us, 3)},
+          {"algbw_gbps", rounded(r.algbw, 4)},
+          {"busbw_gbps", rounded(r.busbw, 4)},
+          {"wrong", r.wrong},
+          {"metadata_collectives", r.metadata_collectives},
+          {"preflight_collectives", r.preflight_collectives},
+          {"payload_collectives", r.payload_collectives},
+          {"allocations", rounded(r.allocations, 2)},
+          {"overlap_ratio", rounded(r.overlap_ratio, 4)},
+          {"times_us", std::move(times)}};
+}
+
+// Writes the results as JSON (schema_version 1, docs/benchmarking.md "Definitions").
+void write_json(const Config& cfg, int world, const std::vector<Result>& results,
+                const std::string& mpi_library) {
+  Json rows = Json::array();
+  for (const Result& r : results) {
+    rows.push_back(json_result(cfg, world, r));
+  }
+  const Json doc = {{"schema_version", 1},
+                    {"context", json_context(cfg, world, mpi_library)},
+                    {"results", std::move(rows)}};
+  std::ofstream out(cfg.json);
+  // Bytes that are not UTF-8 (in a host name, or the MPI library's string) are replaced: the
+  // run's results are worth more than those bytes.
+  out << doc.dump(2, ' ', false, Json::error_handler_t::replace) << '\n';
+  out.close();
+  if (!out) {
+    throw sg::InvalidArgument("cannot write " + cfg.json);
+  }
+}
+
+// --ops and --strategies take comma-separated lists. An empty item is kept, so that "a,,b" is
+// refused by name like any other unknown item rather than skipped.
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> out;
   std::size_t begin = 0;
@@ -750,83 +833,88 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
-void usage() {
-  std::printf(
-      "usage: shardgather-bench [options]\n"
-      "  -p, --preset NAME      llama-layer (default), tiny-1000, single-64m, llama-model;\n"
-      "                         single-<N>m: one tensor of N MiB per rank\n"
-      "  -d, --dtype NAME       bf16 (default), f16, f32, f64, ...\n"
-      "  -b, --backend NAME     threads (default, in-process) or mpi (under mpirun)\n"
-      "  -r, --ranks N          ranks of the threads backend (default 4)\n"
-      "  -n, --iters N          timed iterations per case (default 20)\n"
-      "  -w, --warmup N         untimed iterations first (default 3)\n"
-      "  -o, --ops LIST         limit,foreach_all_gather,unshard,per_tensor (default: these),\n"
-      "                         limit_v (MPI_Allgatherv of each rank's exact bytes),\n"
-      "                         overlap (a started gather while this thread computes),\n"
-      "                         stream (a whole UnshardStream per call: serial, prefetch 1,\n"
-      "                         to rank 0)\n"
-      "      --bucket-mib N     the stream op's bucket size (default 256)\n"
-      "  -s, --strategies LIST  auto,direct,packed,shared (default: all four), hierarchical;\n"
-      "                         a case that ran another shows requested:ran\n"
-      "      --no-in-place      skip the execute_shared case (views into the window)\n"
-      "      --no-preflight     skip the pre-flight header check\n"
-      "      --copy-threads N   threads for copy-in/out (default: cores / ranks on host)\n"
-      "      --mpi-yield        MPI waits yield the core between tests (MpiOptions::Wait::kYield:\n"
-      "                         ranks of several simulated hosts share one machine's cores)\n"
-      "  -J, --json FILE        also write the results as JSON (schema_version 1)\n");
+// A CLI11 transform for the integer options. CLI11 2.1 reads integers with base 0, as C's
+// strtoll does ("010" is 8, "0x10" is 16); the bench has always read them in decimal. So a value
+// must be decimal digits after an optional sign, and its leading zeros are dropped before CLI11
+// converts it.
+std::string as_decimal(std::string& value) {
+  const std::size_t sign = !value.empty() && (value[0] == '-' || value[0] == '+') ? 1 : 0;
+  if (value.size() == sign || value.find_first_not_of("0123456789", sign) != std::string::npos) {
+    return "not a decimal integer: " + value;
+  }
+  const std::size_t first_digit = std::min(value.find_first_not_of('0', sign), value.size() - 1);
+  value.erase(sign, first_digit - sign);
+  return {};
 }
 
-Config parse(int argc, char** argv) {
-  Config cfg;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const auto value = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        throw sg::InvalidArgument("missing value after " + a);
-      }
-      return argv[++i];
-    };
-    if (a == "-p" || a == "--preset") {
-      cfg.preset = value();
-    } else if (a == "-d" || a == "--dtype") {
-      cfg.dtype = sg::bench::parse_dtype(value());
-    } else if (a == "-b" || a == "--backend") {
-      cfg.backend = value();
-    } else if (a == "-r" || a == "--ranks") {
-      cfg.ranks = std::stoi(value());
-    } else if (a == "-n" || a == "--iters") {
-      cfg.iters = std::stoi(value());
-    } else if (a == "-w" || a == "--warmup") {
-      cfg.warmup = std::stoi(value());
-    } else if (a == "-o" || a == "--ops") {
-      cfg.ops = split(value());
-    } else if (a == "-s" || a == "--strategies") {
-      cfg.strategies.clear();
-      for (const std::string& s : split(value())) {
-        cfg.strategies.push_back(sg::parse_strategy(s));
-      }
-    } else if (a == "--no-in-place") {
-      cfg.in_place = false;
-    } else if (a == "--no-preflight") {
-      cfg.preflight = false;
-    } else if (a == "--bucket-mib") {
-      cfg.bucket_mib = std::stoull(value());
-    } else if (a == "--copy-threads") {
-      cfg.copy_threads = std::stoi(value());
-    } else if (a == "--mpi-yield") {
-      cfg.mpi_yield = true;
-    } else if (a == "-J" || a == "--json") {
-      cfg.json = value();
-    } else if (a == "-h" || a == "--help") {
-      usage();
-      std::exit(0);
-    } else {
-      throw sg::InvalidArgument("unknown option " + a + " (--help lists them)");
-    }
-  }
+// An integer option, read in decimal and shown as N in the help.
+template <typename T>
+void add_number(CLI::App& app, const std::string& names, T& value, const std::string& help) {
+  app.add_option(names, value, help)->transform(CLI::Validator(as_decimal, ""))->option_text("N");
+}
+
+// The options that choose what is measured. Names (--dtype, --strategies) go through the
+// library's own parsers, so that a bad one gets the message it gets everywhere else.
+void add_case_options(CLI::App& app, Config& cfg) {
+  app.add_option("-p,--preset", cfg.preset,
+                 "llama-layer (default), tiny-1000, single-64m, llama-model;\n"
+                 "single-<N>m: one tensor of N MiB per rank")
+      ->option_text("NAME");
+  app.add_option_function<std::string>(
+         "-d,--dtype",
+         [&cfg](const std::string& name) { cfg.dtype = sg::bench::parse_dtype(name); },
+         "bf16 (default), f16, f32, f64, ...")
+      ->option_text("NAME");
+  app.add_option("-b,--backend", cfg.backend, "threads (default, in-process) or mpi (under mpirun)")
+      ->option_text("NAME");
+  add_number(app, "-r,--ranks", cfg.ranks, "ranks of the threads backend (default 4)");
+  add_number(app, "-n,--iters", cfg.iters, "timed iterations per case (default 20)");
+  add_number(app, "-w,--warmup", cfg.warmup, "untimed iterations first (default 3)");
+  app.add_option_function<std::string>(
+         "-o,--ops", [&cfg](const std::string& list) { cfg.ops = split(list); },
+         "limit,foreach_all_gather,unshard,per_tensor (default: these),\n"
+         "limit_v (MPI_Allgatherv of each rank's exact bytes),\n"
+         "overlap (a started gather while this thread computes),\n"
+         "stream (a whole UnshardStream per call: serial, prefetch 1,\n"
+         "to rank 0)")
+      ->option_text("LIST");
+  add_number(app, "--bucket-mib", cfg.bucket_mib, "the stream op's bucket size (default 256)");
+  app.add_option_function<std::string>(
+         "-s,--strategies",
+         [&cfg](const std::string& list) {
+           cfg.strategies.clear();
+           for (const std::string& name : split(list)) {
+             cfg.strategies.push_back(sg::parse_strategy(name));
+           }
+         },
+         "auto,direct,packed,shared (default: all four), hierarchical;\n"
+         "a case that ran another shows requested:ran")
+      ->option_text("LIST");
+}
+
+// The options that change how the cases run, and the output.
+void add_run_options(CLI::App& app, Config& cfg) {
+  app.add_flag_callback(
+      "--no-in-place", [&cfg] { cfg.in_place = false; },
+      "skip the execute_shared case (views into the window)");
+  app.add_flag_callback(
+      "--no-preflight", [&cfg] { cfg.preflight = false; }, "skip the pre-flight header check");
+  add_number(app, "--copy-threads", cfg.copy_threads,
+             "threads for copy-in/out (default: cores / ranks on host)");
+  app.add_flag_callback(
+      "--mpi-yield", [&cfg] { cfg.mpi_yield = true; },
+      "MPI waits yield the core between tests (MpiOptions::Wait::kYield:\n"
+      "ranks of several simulated hosts share one machine's cores)");
+  app.add_option("-J,--json", cfg.json, "also write the results as JSON (schema_version 1)")
+      ->option_text("FILE");
+}
+
+// What the option types cannot check, with the messages the bench has always printed.
+void validate(const Config& cfg) {
+  static const std::vector<std::string> known_ops = {
+      "limit", "limit_v", "foreach_all_gather", "unshard", "per_tensor", "overlap", "stream"};
   for (const std::string& op : cfg.ops) {
-    if (op != "limit" && op != "limit_v" && op != "foreach_all_gather" && op != "unshard" &&
-        op != "per_tensor" && op != "overlap" && op != "stream") {
+    if (std::find(known_ops.begin(), known_ops.end(), op) == known_ops.end()) {
       throw sg::InvalidArgument("unknown op " + op);
     }
   }
@@ -834,6 +922,33 @@ Config parse(int argc, char** argv) {
     throw sg::InvalidArgument("iters >= 1, warmup >= 0 and ranks >= 1 please");
   }
   sg::bench::make_preset(cfg.preset, cfg.dtype, 1);  // validates the name
+}
+
+// The command line, or nullopt once --help has been printed. Every mistake throws
+// InvalidArgument, so that main reports it the one way (exit 2, one line on stderr).
+std::optional<Config> parse(int argc, char** argv) {
+  Config cfg;
+  CLI::App app("", "shardgather-bench");
+  // Repeating an option overrides it, as it always has (CLI11 refuses repeats by default).
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  // The description column where the hand-written --help had it.
+  app.get_formatter()->column_width(25);
+  // Unknown arguments are collected rather than thrown, to name the first one as before.
+  app.allow_extras();
+  add_case_options(app, cfg);
+  add_run_options(app, cfg);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {  // --help
+    app.exit(e);
+    return std::nullopt;
+  } catch (const CLI::ParseError& e) {
+    throw sg::InvalidArgument(e.what());
+  }
+  if (!app.remaining().empty()) {
+    throw sg::InvalidArgument("unknown option " + app.remaining().front() + " (--help lists them)");
+  }
+  validate(cfg);
   return cfg;
 }
 
@@ -852,6 +967,25 @@ int report(const Config& cfg, int world, const Setup& setup, std::vector<Result>
   return 0;
 }
 
+// The threads backend's limits: its own all_gather and all_gather_v on the rank's communicator.
+Limits thread_limits(sg::Communicator& comm) {
+  const auto deadline = [&comm] { return comm.deadline_after(std::chrono::minutes(5)); };
+  Limits limits;
+  limits.all_gather = [&comm, deadline](std::span<const std::byte> send,
+                                        std::span<std::byte> recv) {
+    comm.all_gather(send, recv, deadline());
+  };
+  limits.all_gather_v = [&comm, deadline](std::span<const std::byte> send, std::byte* recv,
+                                          std::span<const std::uint64_t> counts,
+                                          std::span<const std::uint64_t> displs) {
+    const sg::ConstSegment segment{send.data(), send.size()};
+    comm.all_gather_v(std::span(&segment, 1), recv, counts, displs, deadline());
+  };
+  return limits;
+}
+
+// Every rank on a thread of this process. A rank that fails aborts the group, so that the
+// others leave their collectives instead of waiting for it.
 int run_threads(const Config& cfg) {
   auto comms = sg::make_thread_group(cfg.ranks);
   std::vector<std::vector<Result>> results(static_cast<std::size_t>(cfg.ranks));
@@ -863,19 +997,7 @@ int run_threads(const Config& cfg) {
     threads.emplace_back([&, r] {
       sg::Communicator& comm = *comms[static_cast<std::size_t>(r)];
       try {
-        const auto deadline = [&comm] { return comm.deadline_after(std::chrono::minutes(5)); };
-        Limits limits{
-            .all_gather =
-                [&](std::span<const std::byte> send, std::span<std::byte> recv) {
-                  comm.all_gather(send, recv, deadline());
-                },
-            .all_gather_v =
-                [&](std::span<const std::byte> send, std::byte* recv,
-                    std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs) {
-                  const sg::ConstSegment segment{send.data(), send.size()};
-                  comm.all_gather_v(std::span(&segment, 1), recv, counts, displs, deadline());
-                }};
-        RankBench bench(comm, cfg, std::move(limits));
+        RankBench bench(comm, cfg, thread_limits(comm));
         results[static_cast<std::size_t>(r)] = bench.run();
         if (r == 0) {
           const std::lock_guard<std::mutex> lock(mu);
@@ -900,6 +1022,38 @@ int run_threads(const Config& cfg) {
 }
 
 #ifdef SHARDGATHER_BENCH_WITH_MPI
+// The MPI library's name and version for the table and the JSON: its string up to the first
+// comma or line break (Open MPI's goes on with its repository and release date).
+std::string mpi_library_version() {
+  char library[MPI_MAX_LIBRARY_VERSION_STRING] = {};
+  int len = 0;
+  MPI_Get_library_version(library, &len);
+  std::string lib(library, static_cast<std::size_t>(len));
+  return lib.substr(0, lib.find_first_of(",\n"));
+}
+
+// MPI's own collectives as the limits. MPI_Allgatherv takes int arrays: `counts` and `displs`
+// belong to the caller and are reused, so that the limit allocates nothing per call, like the
+// cases.
+Limits mpi_limits(std::vector<int>& counts, std::vector<int>& displs) {
+  Limits limits;
+  limits.all_gather = [](std::span<const std::byte> send, std::span<std::byte> recv) {
+    MPI_Allgather(send.data(), static_cast<int>(send.size()), MPI_BYTE, recv.data(),
+                  static_cast<int>(send.size()), MPI_BYTE, MPI_COMM_WORLD);
+  };
+  limits.all_gather_v = [&counts, &displs](std::span<const std::byte> send, std::byte* recv,
+                                           std::span<const std::uint64_t> c,
+                                           std::span<const std::uint64_t> d) {
+    counts.assign(c.begin(), c.end());
+    displs.assign(d.begin(), d.end());
+    MPI_Allgatherv(send.data(), static_cast<int>(send.size()), MPI_BYTE, recv, counts.data(),
+                   displs.data(), MPI_BYTE, MPI_COMM_WORLD);
+  };
+  return limits;
+}
+
+// One rank per process, under mpirun. Rank 0 reports; its exit code is broadcast, so that every
+// rank, and so mpirun, exits with it.
 int run_mpi(const Config& cfg, int argc, char** argv) {
   int provided = 0;
   // SERIALIZED: started operations (the overlap op) call MPI from the progress thread.
@@ -908,11 +1062,7 @@ int run_mpi(const Config& cfg, int argc, char** argv) {
   int world = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);
-  char library[MPI_MAX_LIBRARY_VERSION_STRING] = {};
-  int len = 0;
-  MPI_Get_library_version(library, &len);
-  std::string lib(library, static_cast<std::size_t>(len));
-  lib = lib.substr(0, lib.find_first_of(",\n"));
+  const std::string lib = mpi_library_version();
   int rc = 0;
   {
     auto comm = sg::make_mpi_communicator(
@@ -922,22 +1072,7 @@ int run_mpi(const Config& cfg, int argc, char** argv) {
     try {
       std::vector<int> counts;
       std::vector<int> displs;
-      Limits limits{.all_gather =
-                        [](std::span<const std::byte> send, std::span<std::byte> recv) {
-                          MPI_Allgather(send.data(), static_cast<int>(send.size()), MPI_BYTE,
-                                        recv.data(), static_cast<int>(send.size()), MPI_BYTE,
-                                        MPI_COMM_WORLD);
-                        },
-                    .all_gather_v =
-                        [&](std::span<const std::byte> send, std::byte* recv,
-                            std::span<const std::uint64_t> c, std::span<const std::uint64_t> d) {
-                          // Reused vectors: the limit allocates nothing per call, like the cases.
-                          counts.assign(c.begin(), c.end());
-                          displs.assign(d.begin(), d.end());
-                          MPI_Allgatherv(send.data(), static_cast<int>(send.size()), MPI_BYTE, recv,
-                                         counts.data(), displs.data(), MPI_BYTE, MPI_COMM_WORLD);
-                        }};
-      RankBench bench(*comm, cfg, std::move(limits));
+      RankBench bench(*comm, cfg, mpi_limits(counts, displs));
       const std::vector<Result> results = bench.run();
       if (rank == 0) {
         rc = report(cfg, world, bench.setup(), results, lib);
@@ -957,7 +1092,11 @@ int run_mpi(const Config& cfg, int argc, char** argv) {
 
 int main(int argc, char** argv) {
   try {
-    const Config cfg = parse(argc, argv);
+    const std::optional<Config> parsed = parse(argc, argv);
+    if (!parsed) {
+      return 0;  // --help
+    }
+    const Config& cfg = *parsed;
     if (cfg.backend == "threads") {
       return run_threads(cfg);
     }
