@@ -21,9 +21,9 @@
 
 namespace shardgather::fuzz {
 
-// RELIABILITY.md 2.5: world 1-64, n 0-256, dims 0-4 with sizes up to 2^40, any dtype code
-// (invalid ones included), the records flag. Sizes favour small and boundary values so that
-// many plans are valid; negative dims appear too.
+// the fuzzing plan (docs/reliability.md): world 1-64, n 0-256, dims 0-4 with sizes up to 2^40, any
+// dtype code (invalid ones included), the records flag. Sizes favour small and boundary values so
+// that many plans are valid; negative dims appear too.
 struct Input {
   int world = 1;
   bool with_records = false;

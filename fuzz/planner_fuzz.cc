@@ -1,5 +1,5 @@
 // Z1: the layout planner on arbitrary inputs. It either raises InvalidArgument/CountOverflow or
-// returns a plan whose invariants hold (RELIABILITY.md 2.5); small plans are materialised:
+// returns a plan whose invariants hold (docs/reliability.md, fuzzing); small plans are materialised:
 // every rank's send stream (records, zero gaps, tensors) placed at its displacement must put
 // every tensor at the offset the plan gives it.
 #include <cstdint>

@@ -42,6 +42,10 @@ struct PlanOptions {
   Strategy strategy = Strategy::kAuto;
   // Threads for copy-in and copy-out; 0: this host's cores divided by the ranks on it.
   int copy_threads = 0;
+  // >= 0: a gather to one rank: only rank `dst` receives (unshard, UnshardPlan, UnshardStream:
+  // the one place every operation reads it from). -1: every rank receives. The all-gathers
+  // (AllGatherPlan, and so foreach_all_gather's plan) refuse it: every rank gets every tensor.
+  int dst = -1;
 };
 
 struct ExecStats {

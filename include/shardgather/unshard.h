@@ -42,10 +42,11 @@ class SHARDGATHER_API UnshardPlan {
  public:
   UnshardPlan() = default;
   // Pure: checks every spec (InvalidArgument names the parameter and the values).
-  // `dst` >= 0: only rank dst receives the full parameters (a gather to one rank, as for a
+  // options.dst >= 0: only rank dst receives the full parameters (a gather to one rank, as for a
   // checkpoint export); the others only send, and their executions take no outputs (pass an
-  // empty buffer or list; whatever is passed is not touched). -1: every rank receives. Only
-  // kAuto and kDirect can gather to one rank.
+  // empty buffer or list; whatever is passed is not touched). Only kAuto and kDirect can gather
+  // to one rank. The trailing `dst` is the same setting given apart (kept for existing callers):
+  // InvalidArgument when both are set and differ.
   UnshardPlan(std::span<const ShardSpec> specs, int world_size, int rank,
               const PlanOptions& options = {}, int dst = -1);
 
@@ -141,6 +142,7 @@ class SHARDGATHER_API UnshardResult {
 };
 
 // One-shot: plan, allocate, execute. Shard shapes are checked against the specs on every rank.
+// With options.dst >= 0 only rank dst gets the full parameters; the others get an empty result.
 SHARDGATHER_API UnshardResult unshard(std::span<const TensorView> shards, Communicator& comm,
                                       std::span<const ShardSpec> specs,
                                       const PlanOptions& options = {});

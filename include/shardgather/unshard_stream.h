@@ -56,7 +56,9 @@ struct StreamOptions {
   // Buckets gathering while the caller holds one (>= 0; 0: one bucket at a time, nothing
   // overlapped).
   int prefetch = 1;
-  // >= 0: only this rank receives the full parameters (UnshardPlan's dst); -1: every rank.
+  // >= 0: only this rank receives the full parameters; -1: every rank. The same setting as
+  // plan.dst (PlanOptions::dst), given here for existing callers: either may be set, and
+  // InvalidArgument when both are and differ.
   int dst = -1;
   PlanOptions plan{};
 };

@@ -1,4 +1,4 @@
-// What every operation does once its call agreed: move a ExchangeJob through the strategy layer.
+// What every operation does once its call agreed: move an ExchangeJob through the strategy layer.
 // Shared by the operations in src/ops/ (foreach, plans, unshard).
 #pragma once
 

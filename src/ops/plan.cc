@@ -25,6 +25,11 @@ AllGatherPlan::AllGatherPlan(std::span<const DType> dtypes,
                              std::span<const std::vector<Shape>> shapes_across_group, int rank,
                              const PlanOptions& options)
     : rank_(rank), options_(options) {
+  if (options.dst != -1) {
+    throw InvalidArgument("AllGatherPlan: dst " + std::to_string(options.dst) +
+                          ": an all-gather gives every rank every tensor (a gather to one rank "
+                          "is unshard's)");
+  }
   const auto world = static_cast<int>(shapes_across_group.size());
   if (world < 1 || rank < 0 || rank >= world) {
     throw InvalidArgument("AllGatherPlan: rank " + std::to_string(rank) + " of " +

@@ -26,11 +26,16 @@ UnshardResult unshard_now(std::span<const TensorView> shards, Communicator& comm
   AlignedBuffer buffer;
   call.check([&] {
     plan = UnshardPlan(specs, comm.size(), comm.rank(), one_shot);
-    buffer = detail::output_buffer(plan.output_bytes(), detail::call_device(shards));
+    // A gather to one rank (options.dst): the others only send, and get no tensors back.
+    buffer = detail::output_buffer(plan.receives() ? plan.output_bytes() : 0,
+                                   detail::call_device(shards));
   });
   call.guard(buffer);
   const ExecStats stats = detail::PlanAccess::run(plan, call, shards, buffer.data(), buffer.size());
-  std::vector<TensorView> views = plan.views(buffer.data());
+  std::vector<TensorView> views;
+  if (plan.receives()) {
+    views = plan.views(buffer.data());
+  }
   for (TensorView& view : views) {
     view.device = buffer.device();
   }

@@ -116,12 +116,18 @@ UnshardPlan::UnshardPlan(std::span<const ShardSpec> specs, int world_size, int r
     : specs_(specs.begin(), specs.end()),
       world_(world_size),
       rank_(rank),
-      dst_(dst),
+      dst_(dst != -1 ? dst : options.dst),
       options_(options) {
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     throw InvalidArgument("UnshardPlan: rank " + std::to_string(rank) + " of " +
                           std::to_string(world_size));
   }
+  if (dst != -1 && options.dst != -1 && dst != options.dst) {
+    throw InvalidArgument("UnshardPlan: dst " + std::to_string(dst) + " and options.dst " +
+                          std::to_string(options.dst) + " differ (give it once)");
+  }
+  dst = dst_;
+  options_.dst = dst_;
   if (dst < -1 || dst >= world_size) {
     throw InvalidArgument("UnshardPlan: dst " + std::to_string(dst) + " is not a rank of " +
                           std::to_string(world_size) + " (or -1: every rank)");

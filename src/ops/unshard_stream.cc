@@ -59,6 +59,13 @@ UnshardStream::UnshardStream(std::span<const ShardSpec> specs, int world_size, i
     throw InvalidArgument("UnshardStream: prefetch must be >= 0, got " +
                           std::to_string(options.prefetch));
   }
+  if (options.dst != -1 && options.plan.dst != -1 && options.dst != options.plan.dst) {
+    throw InvalidArgument("UnshardStream: dst " + std::to_string(options.dst) +
+                          " and plan.dst " + std::to_string(options.plan.dst) +
+                          " differ (give it once)");
+  }
+  options_.dst = options.dst != -1 ? options.dst : options.plan.dst;
+  options_.plan.dst = options_.dst;
   options_.plan.preflight = true;  // a failure on one rank travels in the next header
   // A node-shared window is per plan, so one per bucket would hold the whole model; kDirect
   // lands every bucket in place with no memory of its own.
@@ -68,14 +75,14 @@ UnshardStream::UnshardStream(std::span<const ShardSpec> specs, int world_size, i
   detail::Hasher hasher;
   hasher.add(options.bucket_bytes);
   hasher.add(static_cast<std::uint64_t>(options.prefetch));
-  hasher.add(static_cast<std::uint64_t>(static_cast<std::int64_t>(options.dst) + 1));
+  hasher.add(static_cast<std::uint64_t>(static_cast<std::int64_t>(options_.dst) + 1));
   hasher.add(static_cast<std::uint64_t>(options.plan.strategy));
   for (std::size_t b = 0; b + 1 < firsts_.size(); ++b) {
     const auto from = static_cast<std::ptrdiff_t>(firsts_[b]);
     const auto to = static_cast<std::ptrdiff_t>(firsts_[b + 1]);
     std::vector<ShardSpec> bucket(specs.begin() + from, specs.begin() + to);
     try {
-      plans_.emplace_back(bucket, world_size, rank, options_.plan, options.dst);
+      plans_.emplace_back(bucket, world_size, rank, options_.plan);
     } catch (const InvalidArgument& e) {
       // The plan numbers parameters within its bucket; the caller's index is what helps.
       throw InvalidArgument("UnshardStream: bucket " + std::to_string(b) + " (parameters " +

@@ -17,11 +17,11 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
-#include "transport/host_mailbox.h"
-#include "transport/shared_buffer.h"
 #include "support/cases.h"
 #include "support/plan_cases.h"
 #include "support/testing.h"
+#include "transport/host_mailbox.h"
+#include "transport/shared_buffer.h"
 
 #include "shardgather/mpi.h"
 #include "shardgather/shardgather.h"
@@ -100,6 +100,7 @@ TEST_P(MpiTeams, UnshardDims) { testing::case_unshard_dims(team_.comm()); }
 TEST_P(MpiTeams, UnshardSingleDim0) { testing::case_unshard_single_dim0(team_.comm()); }
 TEST_P(MpiTeams, UnshardAliasing) { testing::case_unshard_aliasing(team_.comm()); }
 TEST_P(MpiTeams, UnshardToDst) { testing::case_unshard_to_dst(team_.comm()); }
+TEST_P(MpiTeams, DstInPlanOptions) { testing::case_dst_in_plan_options(team_.comm()); }
 TEST_P(MpiTeams, UnshardStream) { testing::case_unshard_stream(team_.comm()); }
 TEST_P(MpiTeams, UnshardStreamErrors) { testing::case_unshard_stream_errors(team_.comm()); }
 TEST_P(MpiTeams, AllToAllScatter) { testing::case_all_to_all_scatter(team_.comm()); }

@@ -1,4 +1,4 @@
-"""Reliability round 3 (RELIABILITY.md 2.8b, extended to the Python entry points): every
+"""Reliability round 3 (docs/reliability.md, "Round 3"; the disagreement cases extended to the Python entry points): every
 parameter of the stream, the export, full_tensors, the plans' constructors and started calls.
 
 The generated family: every rank but the last makes the reference call, the last rank the same

@@ -1,4 +1,4 @@
-// Reliability cases of RELIABILITY.md section 2 that run unchanged on any backend: bad inputs
+// Reliability cases (docs/reliability.md) that run unchanged on any backend: bad inputs
 // (B) and cross-rank mismatches (M). A case runs on one rank's communicator and returns that
 // rank's Outcome; the threads suite (one thread per rank) and the MPI case binary (one process
 // per rank) join the outcomes of all ranks and judge them with check_case().

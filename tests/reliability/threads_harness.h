@@ -15,7 +15,7 @@
 
 namespace shardgather::reliability {
 
-// T: the per-call deadline of the suites (RELIABILITY.md 2.0: 2 s); the watchdog fires at 5 T.
+// T: the per-call deadline of the suites (docs/reliability.md: 2 s); the watchdog fires at 5 T.
 inline std::chrono::milliseconds suite_timeout() {
   const char* env = std::getenv("SHARDGATHER_REL_TIMEOUT_MS");
   return std::chrono::milliseconds(env != nullptr ? std::atoi(env) : 2000);

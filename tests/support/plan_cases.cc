@@ -430,6 +430,56 @@ void case_unshard_to_dst(Communicator& comm) {
   EXPECT_THROW(UnshardPlan(specs, world, rank, {}, world), InvalidArgument);
 }
 
+// PlanOptions::dst is the one place a gather to one rank is asked for: the one-shot unshard, a
+// plan and a stream read it; the plan's trailing dst agrees with it or is refused; an all-gather
+// plan refuses it.
+void case_dst_in_plan_options(Communicator& comm) {
+  const int world = comm.size();
+  const int rank = comm.rank();
+  const std::vector<ShardSpec> specs = unshard_specs(world);
+  for (int dst = 0; dst < world; ++dst) {
+    PlanOptions options;
+    options.dst = dst;
+    const UnshardPlan plan(specs, world, rank, options);
+    EXPECT_EQ(plan.dst(), dst);
+    EXPECT_EQ(plan.receives(), rank == dst);
+    const ShardSet set = make_shards(plan, rank);
+    const UnshardResult result = unshard(set.views, comm, specs, options);
+    if (rank == dst) {
+      std::vector<TensorView> views;
+      for (std::size_t i = 0; i < result.size(); ++i) {
+        views.push_back(result[i]);
+      }
+      EXPECT_EQ(check_fulls(views, set), "") << "dst " << dst;
+    } else {
+      EXPECT_EQ(result.size(), 0U) << "a rank that only sends gets no tensors";
+      EXPECT_EQ(result.buffer().size(), 0U);
+    }
+    EXPECT_EQ(UnshardPlan(specs, world, rank, options, dst).dst(), dst);
+    UnshardStream stream(specs, world, rank, {.bucket_bytes = 256, .plan = options});
+    stream.begin(set.views, comm);
+    std::size_t buckets = 0;
+    while (const auto bucket = stream.next()) {
+      EXPECT_EQ(bucket->full.empty(), rank != dst) << "bucket " << bucket->index;
+      ++buckets;
+    }
+    EXPECT_EQ(buckets, stream.num_buckets());
+    if (world > 1) {  // given twice, differently
+      const int other = (dst + 1) % world;
+      EXPECT_THROW((void)UnshardPlan(specs, world, rank, options, other), InvalidArgument);
+      EXPECT_THROW((void)UnshardStream(specs, world, rank, {.dst = other, .plan = options}),
+                   InvalidArgument);
+    }
+  }
+  PlanOptions to_one;
+  to_one.dst = 0;
+  EXPECT_THROW(AllGatherPlan(std::vector<DType>{DType::kFloat32},
+                             std::vector<std::vector<Shape>>(static_cast<std::size_t>(world),
+                                                             std::vector<Shape>{{2}}),
+                             rank, to_one),
+               InvalidArgument);
+}
+
 namespace {
 
 // The stream's cases: unshard_specs three times over, so buckets hold several parameters.

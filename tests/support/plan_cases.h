@@ -24,6 +24,7 @@ void case_unshard_aliasing(Communicator& comm);
 
 // A gather to one rank (UnshardPlan's dst) for every dst: bit-exact there, nothing elsewhere.
 void case_unshard_to_dst(Communicator& comm);
+void case_dst_in_plan_options(Communicator& comm);
 // UnshardStream over many buckets, every prefetch depth, to every rank and to one: bucket by
 // bucket bit-exact, in order, over at most prefetch + 1 buffers.
 void case_unshard_stream(Communicator& comm);
@@ -43,7 +44,7 @@ void case_hierarchical(Communicator& comm);
 // strategies raise Mismatch on every rank.
 void case_foreach_strategies(Communicator& comm);
 // Ranks spanning hosts whose plans disagree (hierarchical on some, direct on one): Mismatch
-// ("strategy differs") on every rank from the header, no hang (RELIABILITY.md 2.8b).
+// ("strategy differs") on every rank from the header, no hang (docs/reliability.md, D).
 void case_hierarchical_disagreement(Communicator& comm);
 // kAuto past the window's threshold: the first kAutoTrialRuns executions alternate the window
 // (kShared on one host, kHierarchical across hosts) and kDirect, then one choice stays and why

@@ -1,5 +1,5 @@
 // The one call protocol on the threads backend: disagreements that shape the wire pattern are
-// caught from the header on every rank, before any payload moves (RELIABILITY.md, round 2).
+// caught from the header on every rank, before any payload moves (docs/reliability.md, D).
 #include <chrono>
 #include <cstring>
 #include <limits>
@@ -8,9 +8,9 @@
 
 #include <gtest/gtest.h>
 
-#include "transport/graveyard.h"
 #include "ops/call.h"
 #include "support/testing.h"
+#include "transport/graveyard.h"
 
 #include "shardgather/shardgather.h"
 

@@ -67,6 +67,7 @@ TEST_P(ThreadsWorld, UnshardDims) { run(testing::case_unshard_dims); }
 TEST_P(ThreadsWorld, UnshardSingleDim0) { run(testing::case_unshard_single_dim0); }
 TEST_P(ThreadsWorld, UnshardAliasing) { run(testing::case_unshard_aliasing); }
 TEST_P(ThreadsWorld, UnshardToDst) { run(testing::case_unshard_to_dst); }
+TEST_P(ThreadsWorld, DstInPlanOptions) { run(testing::case_dst_in_plan_options); }
 TEST_P(ThreadsWorld, UnshardStream) { run(testing::case_unshard_stream); }
 TEST_P(ThreadsWorld, UnshardStreamErrors) { run(testing::case_unshard_stream_errors); }
 TEST_P(ThreadsWorld, UnshardStreamTimeout) { run(testing::case_unshard_stream_timeout); }
