@@ -155,8 +155,9 @@ std::unique_ptr<PyAllGatherPlan> make_all_gather_plan(
   for (std::size_t i = 0; i < dtypes.size(); ++i) {
     wire.push_back(dtype_from_py(dtypes[i], "dtypes[" + std::to_string(i) + "]"));
   }
-  return std::make_unique<PyAllGatherPlan>(
-      AllGatherPlan(wire, shapes_across_group, rank, plan_options(strategy, preflight, timeout)));
+  const PlanOptions options = plan_options(strategy, preflight, timeout);
+  return std::make_unique<PyAllGatherPlan>(AllGatherPlan(wire, shapes_across_group, rank, options),
+                                           options);
 }
 
 py::list make_thread_group_py(int world_size) {
