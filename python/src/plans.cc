@@ -83,6 +83,17 @@ py::list list_of(const py::object* items, std::size_t count) {
   return list;
 }
 
+// A new list of the first `count` items of the sequence `seq` (whatever sequence the caller
+// passed its outputs in, execute returns them as a list).
+py::list first_items(py::handle seq, std::size_t count) {
+  const auto items = py::reinterpret_borrow<py::sequence>(seq);
+  py::list list(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    list[i] = items[i];
+  }
+  return list;
+}
+
 // Whether `list` is a list of exactly items[0 .. count), by identity.
 bool list_holds(PyObject* list, const py::object* items, std::size_t count) {
   if (!PyList_CheckExact(list) || static_cast<std::size_t>(PyList_GET_SIZE(list)) != count) {
@@ -314,11 +325,7 @@ py::object PyUnshardPlan::execute(py::handle shards, const std::shared_ptr<Commu
       cached_.clear();
     } else if (given) {
       parse_or_fail(*outputs, "outputs", parsed.outputs, c);
-      const auto seq = py::reinterpret_borrow<py::sequence>(*outputs);
-      result = py::list(parsed.outputs.views.size());
-      for (std::size_t i = 0; i < parsed.outputs.views.size(); ++i) {
-        result[i] = seq[i];
-      }
+      result = first_items(*outputs, parsed.outputs.views.size());
     } else if (!buffer_.defined()) {
       build_buffer();
     }
