@@ -278,7 +278,8 @@ void register_exceptions(py::module_& m) {
 void register_attributes(py::module_& m) {
   m.doc() = "shardgather's C++ core; use the shardgather package, not this module";
   m.attr("__version__") = SHARDGATHER_VERSION_STRING;
-  // An "auto" plan's first executions that measure the window against direct (strategy.h).
+  // An "auto" plan's first executions that measure the window against direct
+  // (shardgather/strategy.h).
   m.attr("AUTO_TRIAL_RUNS") = kAutoTrialRuns;
   m.attr("_torch_version") = SHARDGATHER_TORCH_VERSION;
 #ifdef SHARDGATHER_PYTHON_WITH_MPI
