@@ -57,7 +57,8 @@ class ResultLists {
 // What an execution hands the core plan and what it returns, as the per-plan part of PyPlan::run
 // builds them: `into(method)` calls method(destination) once, `method` being the plan's execute
 // or start bound to the inputs, and `results()` builds the return value (with the GIL, once the
-// execution succeeded). Both are copied into a started execution's Work, so they hold values.
+// execution succeeded). A started execution's Work keeps `results` until wait(), so it must
+// hold values (the output tensor, the caller's list), never references to this call's locals.
 template <typename Into, typename Results>
 struct PlanOutput {
   Into into;
