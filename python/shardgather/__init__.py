@@ -316,7 +316,8 @@ class _PlanState:
 
 
 class AllGatherPlan(_PlanState):
-    """A foreach all-gather built once and executed every step (SPEC section 3).
+    """A foreach all-gather built once and executed every step (docs/python.md, "Plans and
+    unshard").
 
     ``AllGatherPlan(dtypes, shapes_across_group, rank)`` is pure (no communication): one
     torch dtype per tensor index and every rank's shapes, ``shapes_across_group[r][i]``.
@@ -331,8 +332,10 @@ class AllGatherPlan(_PlanState):
     too, holding the same tensors over the same bytes, unless the caller edited them (then new
     lists are built and the edited ones left alone).
 
-    ``strategy``: "auto", "direct", "packed" or "per_tensor". ``preflight=False`` skips the
-    fixed-size header that makes mismatches raise on every rank. ``timeout`` in seconds.
+    ``strategy``: "auto", "direct", "packed", "per_tensor", "shared", "padded" or
+    "hierarchical" (how each moves the bytes: docs/design.md, "Strategies"; what "auto" picks:
+    docs/benchmarking.md, "Strategies"). ``preflight=False`` skips the fixed-size header that
+    makes mismatches raise on every rank. ``timeout`` in seconds.
     A plan is executed by one thread at a time (another thread gets a RuntimeError).
     """
 
@@ -368,7 +371,8 @@ class AllGatherPlan(_PlanState):
 
 
 class UnshardPlan(_PlanState):
-    """Shards to full parameters, built once and executed every step (SPEC sections 2, 3).
+    """Shards to full parameters, built once and executed every step (docs/python.md, "Plans
+    and unshard").
 
     ``specs`` is a list of :class:`ShardSpec` (one per parameter): dtype, full shape, shard dim
     (any, negative allowed), per-rank sizes (None: torch.chunk) and the padded local size (as

@@ -122,6 +122,10 @@ py::object seconds_or_none(std::optional<std::chrono::milliseconds> timeout) {
   return timeout ? py::cast(std::chrono::duration<double>(*timeout).count()) : py::none();
 }
 
+py::object buffer_or_none(const at::Tensor& buffer) {
+  return buffer.defined() ? py::cast(buffer) : py::none();
+}
+
 // torch.dtype <-> wire dtype, for ShardSpec and the AllGatherPlan constructor.
 DType dtype_from_py(py::handle dtype, const std::string& what) {
   if (!THPDtype_Check(dtype.ptr())) {
@@ -155,8 +159,9 @@ std::unique_ptr<PyAllGatherPlan> make_all_gather_plan(
   for (std::size_t i = 0; i < dtypes.size(); ++i) {
     wire.push_back(dtype_from_py(dtypes[i], "dtypes[" + std::to_string(i) + "]"));
   }
-  return std::make_unique<PyAllGatherPlan>(
-      AllGatherPlan(wire, shapes_across_group, rank, plan_options(strategy, preflight, timeout)));
+  const PlanOptions options = plan_options(strategy, preflight, timeout);
+  return std::make_unique<PyAllGatherPlan>(AllGatherPlan(wire, shapes_across_group, rank, options),
+                                           options);
 }
 
 py::list make_thread_group_py(int world_size) {
@@ -270,20 +275,32 @@ void register_exceptions(py::module_& m) {
   py::register_exception<CommAborted>(m, "CommAbortedError", comm);
 }
 
-}  // namespace
-
-}  // namespace shardgather::python
-
-PYBIND11_MODULE(_shardgather, m) {
-  using namespace shardgather;          // NOLINT(google-build-using-namespace)
-  using namespace shardgather::python;  // NOLINT(google-build-using-namespace)
+void register_attributes(py::module_& m) {
   m.doc() = "shardgather's C++ core; use the shardgather package, not this module";
-  register_exceptions(m);
   m.attr("__version__") = SHARDGATHER_VERSION_STRING;
-  // An "auto" plan's first executions that measure the window against direct (strategy.h).
+  // An "auto" plan's first executions that measure the window against direct
+  // (shardgather/strategy.h).
   m.attr("AUTO_TRIAL_RUNS") = kAutoTrialRuns;
   m.attr("_torch_version") = SHARDGATHER_TORCH_VERSION;
+#ifdef SHARDGATHER_PYTHON_WITH_MPI
+  m.attr("_has_mpi") = true;
+#else
+  m.attr("_has_mpi") = false;
+#endif
+}
 
+void barrier(Communicator& c, std::optional<double> timeout) {
+  const auto deadline = c.deadline_after(to_timeout(timeout).value_or(c.timeout()));
+  // In the communicator's operation order: after every started call, never beside one.
+  call_interruptible([&] { run_in_order(c, [&] { c.barrier(deadline); }); });
+}
+
+std::string communicator_repr(const Communicator& c) {
+  return "<shardgather.Communicator " + std::string(c.backend_name()) + " rank " +
+         std::to_string(c.rank()) + " of " + std::to_string(c.size()) + ">";
+}
+
+void register_communicator(py::module_& m) {
   py::class_<Communicator, CommPtr>(m, "Communicator",
                                     "One rank's end of a group (threads, MPI or a torch group). "
                                     "One thread drives it at a time; abort() from any.")
@@ -310,33 +327,31 @@ PYBIND11_MODULE(_shardgather, m) {
           "hosts[r]: rank r's host, numbered in the order of each host's lowest rank (empty "
           "where the backend cannot tell)")
       .def_property_readonly(
-          "uses_host_mailbox",
-          [](const Communicator& c) { return torch_uses_host_mailbox(c); },
+          "uses_host_mailbox", [](const Communicator& c) { return torch_uses_host_mailbox(c); },
           "Whether small exchanges (the pre-flight header) go through shared memory on this "
           "host instead of the backend")
-      .def(
-          "barrier",
-          [](Communicator& c, std::optional<double> timeout) {
-            const auto deadline = c.deadline_after(to_timeout(timeout).value_or(c.timeout()));
-            // In the communicator's operation order: after every started call, never beside one.
-            call_interruptible(
-                [&] { run_in_order(c, [&] { c.barrier(deadline); }); });
-          },
-          py::arg("timeout") = py::none())
+      .def("barrier", &barrier, py::arg("timeout") = py::none())
       .def("abort", &Communicator::abort)
-      .def("__repr__", [](const Communicator& c) {
-        return "<shardgather.Communicator " + std::string(c.backend_name()) + " rank " +
-               std::to_string(c.rank()) + " of " + std::to_string(c.size()) + ">";
-      });
+      .def("__repr__", &communicator_repr);
+}
 
-  m.def("foreach_all_gather", &foreach_all_gather_py, py::arg("params"), py::arg("comm"),
-        py::arg("params_shapes_across_group") = py::none(), py::arg("timeout") = py::none(),
-        py::arg("preflight") = true, py::arg("strategy") = "auto", py::arg("async_op") = false);
+void register_work(py::module_& m) {
   py::class_<PyWork>(m, "Work",
                      "The handle of an async_op=True call: wait() returns what the blocking call "
                      "returns (or raises its error, on every rank); is_completed() polls.")
       .def("wait", &PyWork::wait)
       .def("is_completed", &PyWork::is_completed);
+}
+
+std::string shard_spec_repr(const ShardSpec& s) {
+  return "ShardSpec(dtype=" + std::string(py::str(dtype_to_py(s.dtype))) +
+         ", full_shape=" + std::string(py::str(py::tuple(py::cast(s.full_shape)))) +
+         ", shard_dim=" + std::to_string(s.shard_dim) +
+         ", sizes=" + std::string(py::str(py::cast(s.sizes))) +
+         ", padded_size=" + std::to_string(s.padded_size) + ")";
+}
+
+void register_shard_spec(py::module_& m) {
   py::class_<ShardSpec>(m, "ShardSpec",
                         "How one parameter is sharded: full shape, shard dim (negative allowed), "
                         "per-rank sizes (None: torch.chunk) and the padded local size (0: none)")
@@ -348,164 +363,166 @@ PYBIND11_MODULE(_shardgather, m) {
       .def_readonly("shard_dim", &ShardSpec::shard_dim)
       .def_readonly("sizes", &ShardSpec::sizes)
       .def_readonly("padded_size", &ShardSpec::padded_size)
-      .def("__repr__", [](const ShardSpec& s) {
-        return "ShardSpec(dtype=" + std::string(py::str(dtype_to_py(s.dtype))) +
-               ", full_shape=" + std::string(py::str(py::tuple(py::cast(s.full_shape)))) +
-               ", shard_dim=" + std::to_string(s.shard_dim) +
-               ", sizes=" + std::string(py::str(py::cast(s.sizes))) +
-               ", padded_size=" + std::to_string(s.padded_size) + ")";
-      });
+      .def("__repr__", &shard_spec_repr);
   m.def("chunk_sizes", &chunk_sizes, py::arg("full"), py::arg("world_size"));
+}
 
-  py::class_<PyAllGatherPlan>(m, "AllGatherPlan")
+py::object unshard_call(py::handle shards, const CommPtr& comm, const std::vector<ShardSpec>& specs,
+                        const std::string& strategy, bool preflight, std::optional<double> timeout,
+                        bool async_op) {
+  return unshard_py(shards, comm, specs,
+                    collective_plan_options(*comm, strategy, preflight, timeout,
+                                            {Operation::kUnshard, preflight, {}}),
+                    async_op);
+}
+
+// After ShardSpec: a signature names the Python class only of a type registered before it.
+void register_one_shot_calls(py::module_& m) {
+  m.def("foreach_all_gather", &foreach_all_gather_py, py::arg("params"), py::arg("comm"),
+        py::arg("params_shapes_across_group") = py::none(), py::arg("timeout") = py::none(),
+        py::arg("preflight") = true, py::arg("strategy") = "auto", py::arg("async_op") = false);
+  m.def("unshard", &unshard_call, py::arg("shards"), py::arg("comm"), py::arg("specs"),
+        py::arg("strategy") = "auto", py::arg("preflight") = true, py::arg("timeout") = py::none(),
+        py::arg("async_op") = false);
+}
+
+std::unique_ptr<PyAllGatherPlan> create_all_gather_plan(py::handle params, Communicator& comm,
+                                                        py::handle hint,
+                                                        const std::string& strategy, bool preflight,
+                                                        std::optional<double> timeout) {
+  const CallShape call{Operation::kPlanCreate, header_exchanged(!hint.is_none(), preflight), {}};
+  return PyAllGatherPlan::create(params, comm, hint,
+                                 collective_plan_options(comm, strategy, preflight, timeout, call));
+}
+
+// `self` travels with the call: a started execution keeps its plan alive until waited for.
+py::object execute_all_gather_plan(const py::object& self, py::handle params, const CommPtr& comm,
+                                   std::optional<at::Tensor> out, bool async_op) {
+  return self.cast<PyAllGatherPlan&>().execute(params, comm, std::move(out), async_op, self);
+}
+
+void register_all_gather_plan(py::module_& m) {
+  using P = PyAllGatherPlan;
+  py::class_<P>(m, "AllGatherPlan")
       .def(py::init(&make_all_gather_plan), py::arg("dtypes"), py::arg("shapes_across_group"),
            py::arg("rank"), py::arg("strategy") = "auto", py::arg("preflight") = true,
            py::arg("timeout") = py::none())
-      .def_static(
-          "create",
-          [](py::handle params, Communicator& comm, py::handle hint, const std::string& strategy,
-             bool preflight, std::optional<double> timeout) {
-            return PyAllGatherPlan::create(
-                params, comm, hint,
-                collective_plan_options(
-                    comm, strategy, preflight, timeout,
-                    {Operation::kPlanCreate, header_exchanged(!hint.is_none(), preflight), {}}));
-          },
-          py::arg("params"), py::arg("comm"), py::arg("params_shapes_across_group") = py::none(),
-          py::arg("strategy") = "auto", py::arg("preflight") = true,
-          py::arg("timeout") = py::none())
-      .def(
-          "execute",
-          [](const py::object& self, py::handle params, const CommPtr& comm,
-             std::optional<at::Tensor> out, bool async_op) {
-            return self.cast<PyAllGatherPlan&>().execute(params, comm, std::move(out), async_op,
-                                                         self);
-          },
-          py::arg("params"), py::arg("comm"), py::arg("out") = py::none(),
-          py::arg("async_op") = false)
-      .def_property_readonly("output_bytes",
-                             [](const PyAllGatherPlan& p) { return p.plan().output_bytes(); })
-      .def_property_readonly("world_size",
-                             [](const PyAllGatherPlan& p) { return p.plan().layout().world_size; })
-      .def_property_readonly("rank", [](const PyAllGatherPlan& p) { return p.plan().rank(); })
-      .def_property_readonly(
-          "timeout",
-          [](const PyAllGatherPlan& p) { return seconds_or_none(p.plan().options().timeout); })
+      .def_static("create", &create_all_gather_plan, py::arg("params"), py::arg("comm"),
+                  py::arg("params_shapes_across_group") = py::none(), py::arg("strategy") = "auto",
+                  py::arg("preflight") = true, py::arg("timeout") = py::none())
+      .def("execute", &execute_all_gather_plan, py::arg("params"), py::arg("comm"),
+           py::arg("out") = py::none(), py::arg("async_op") = false)
+      .def_property_readonly("output_bytes", [](const P& p) { return p.plan().output_bytes(); })
+      .def_property_readonly("world_size", [](const P& p) { return p.plan().layout().world_size; })
+      .def_property_readonly("rank", [](const P& p) { return p.plan().rank(); })
+      .def_property_readonly("timeout",
+                             [](const P& p) { return seconds_or_none(p.plan().options().timeout); })
       .def_property_readonly("num_tensors",
-                             [](const PyAllGatherPlan& p) { return p.plan().layout().num_tensors; })
-      .def_property_readonly("strategy",
-                             [](const PyAllGatherPlan& p) {
-                               return std::string(strategy_name(p.plan().options().strategy));
-                             })
-      .def_property_readonly("last_stats",
-                             [](const PyAllGatherPlan& p) { return stats_dict(p.last_stats()); })
-      .def_property_readonly("buffer", [](const PyAllGatherPlan& p) {
-        return p.buffer().defined() ? py::cast(p.buffer()) : py::none();
-      });
+                             [](const P& p) { return p.plan().layout().num_tensors; })
+      .def_property_readonly(
+          "strategy",
+          [](const P& p) { return std::string(strategy_name(p.plan().options().strategy)); })
+      .def_property_readonly("last_stats", [](const P& p) { return stats_dict(p.last_stats()); })
+      .def_property_readonly("buffer", [](const P& p) { return buffer_or_none(p.buffer()); });
+}
 
-  py::class_<PyUnshardPlan>(m, "UnshardPlan")
-      .def(py::init([](const std::vector<ShardSpec>& specs, int world_size, int rank,
-                       const std::string& strategy, bool preflight, std::optional<double> timeout,
-                       std::optional<int> dst) {
-             const PlanOptions options = plan_options(strategy, preflight, timeout);
-             return std::make_unique<PyUnshardPlan>(
-                 UnshardPlan(specs, world_size, rank, options, dst.value_or(-1)), options);
-           }),
-           py::arg("specs"), py::arg("world_size"), py::arg("rank"), py::arg("strategy") = "auto",
-           py::arg("preflight") = true, py::arg("timeout") = py::none(),
-           py::arg("dst") = py::none())
-      .def(
-          "execute",
-          [](const py::object& self, py::handle shards, const CommPtr& comm,
-             std::optional<py::handle> outputs, bool async_op) {
-            return self.cast<PyUnshardPlan&>().execute(shards, comm, outputs, async_op, self);
-          },
-          py::arg("shards"), py::arg("comm"), py::arg("outputs") = py::none(),
-          py::arg("async_op") = false)
+std::unique_ptr<PyUnshardPlan> make_unshard_plan(const std::vector<ShardSpec>& specs,
+                                                 int world_size, int rank,
+                                                 const std::string& strategy, bool preflight,
+                                                 std::optional<double> timeout,
+                                                 std::optional<int> dst) {
+  const PlanOptions options = plan_options(strategy, preflight, timeout);
+  return std::make_unique<PyUnshardPlan>(
+      UnshardPlan(specs, world_size, rank, options, dst.value_or(-1)), options);
+}
+
+py::object execute_unshard_plan(const py::object& self, py::handle shards, const CommPtr& comm,
+                                std::optional<py::handle> outputs, bool async_op) {
+  return self.cast<PyUnshardPlan&>().execute(shards, comm, outputs, async_op, self);
+}
+
+std::vector<ShardSpec> unshard_plan_specs(const PyUnshardPlan& p) {
+  std::vector<ShardSpec> specs;
+  for (std::size_t i = 0; i < p.plan().size(); ++i) {
+    specs.push_back(p.plan().spec(i));
+  }
+  return specs;
+}
+
+void register_unshard_plan(py::module_& m) {
+  using P = PyUnshardPlan;
+  py::class_<P>(m, "UnshardPlan")
+      .def(py::init(&make_unshard_plan), py::arg("specs"), py::arg("world_size"), py::arg("rank"),
+           py::arg("strategy") = "auto", py::arg("preflight") = true,
+           py::arg("timeout") = py::none(), py::arg("dst") = py::none())
+      .def("execute", &execute_unshard_plan, py::arg("shards"), py::arg("comm"),
+           py::arg("outputs") = py::none(), py::arg("async_op") = false)
       .def(
           "shard_shape",
-          [](const PyUnshardPlan& p, int rank, std::size_t i) {
+          [](const P& p, int rank, std::size_t i) {
             return py::tuple(py::cast(p.plan().shard_shape(rank, i)));
           },
           py::arg("rank"), py::arg("index"))
-      .def_property_readonly("specs",
-                             [](const PyUnshardPlan& p) {
-                               std::vector<ShardSpec> specs;
-                               for (std::size_t i = 0; i < p.plan().size(); ++i) {
-                                 specs.push_back(p.plan().spec(i));
-                               }
-                               return specs;
-                             })
-      .def_property_readonly("output_bytes",
-                             [](const PyUnshardPlan& p) { return p.plan().output_bytes(); })
-      .def_property_readonly("receives", [](const PyUnshardPlan& p) { return p.plan().receives(); })
-      .def_property_readonly("world_size",
-                             [](const PyUnshardPlan& p) { return p.plan().world_size(); })
+      .def_property_readonly("specs", &unshard_plan_specs)
+      .def_property_readonly("output_bytes", [](const P& p) { return p.plan().output_bytes(); })
+      .def_property_readonly("receives", [](const P& p) { return p.plan().receives(); })
+      .def_property_readonly("world_size", [](const P& p) { return p.plan().world_size(); })
+      .def_property_readonly("timeout",
+                             [](const P& p) { return seconds_or_none(p.options().timeout); })
       .def_property_readonly(
-          "timeout", [](const PyUnshardPlan& p) { return seconds_or_none(p.options().timeout); })
-      .def_property_readonly(
-          "strategy",
-          [](const PyUnshardPlan& p) { return std::string(strategy_name(p.options().strategy)); })
-      .def_property_readonly("last_stats",
-                             [](const PyUnshardPlan& p) { return stats_dict(p.last_stats()); })
-      .def_property_readonly("buffer", [](const PyUnshardPlan& p) {
-        return p.buffer().defined() ? py::cast(p.buffer()) : py::none();
-      });
+          "strategy", [](const P& p) { return std::string(strategy_name(p.options().strategy)); })
+      .def_property_readonly("last_stats", [](const P& p) { return stats_dict(p.last_stats()); })
+      .def_property_readonly("buffer", [](const P& p) { return buffer_or_none(p.buffer()); });
+}
 
-  py::class_<PyUnshardStream>(m, "UnshardStream")
-      .def(py::init([](const std::vector<ShardSpec>& specs, int world_size, int rank,
-                       std::uint64_t bucket_bytes, int prefetch, std::optional<int> dst,
-                       const std::string& strategy, std::optional<double> timeout) {
-             StreamOptions options;
-             options.bucket_bytes = bucket_bytes;
-             options.prefetch = prefetch;
-             options.dst = dst.value_or(-1);
-             options.plan = plan_options(strategy, true, timeout);
-             return std::make_unique<PyUnshardStream>(specs, world_size, rank, options);
-           }),
-           py::arg("specs"), py::arg("world_size"), py::arg("rank"), py::arg("bucket_bytes"),
-           py::arg("prefetch") = 1, py::arg("dst") = py::none(), py::arg("strategy") = "auto",
-           py::arg("timeout") = py::none())
-      .def("begin", &PyUnshardStream::begin, py::arg("shards"), py::arg("comm"))
-      .def("next", &PyUnshardStream::next)
-      .def("fail", &PyUnshardStream::fail, py::arg("message"), py::arg("is_type_error") = false)
-      .def_property_readonly("running", &PyUnshardStream::running)
-      .def_property_readonly("num_buckets",
-                             [](const PyUnshardStream& s) { return s.stream().num_buckets(); })
-      .def_property_readonly("buffer_bytes",
-                             [](const PyUnshardStream& s) { return s.stream().buffer_bytes(); })
-      .def("bucket_params", [](const PyUnshardStream& s, std::size_t b) {
+std::unique_ptr<PyUnshardStream> make_unshard_stream(const std::vector<ShardSpec>& specs,
+                                                     int world_size, int rank,
+                                                     std::uint64_t bucket_bytes, int prefetch,
+                                                     std::optional<int> dst,
+                                                     const std::string& strategy,
+                                                     std::optional<double> timeout) {
+  StreamOptions options;
+  options.bucket_bytes = bucket_bytes;
+  options.prefetch = prefetch;
+  options.dst = dst.value_or(-1);
+  options.plan = plan_options(strategy, true, timeout);
+  return std::make_unique<PyUnshardStream>(specs, world_size, rank, options);
+}
+
+void register_unshard_stream(py::module_& m) {
+  using S = PyUnshardStream;
+  py::class_<S>(m, "UnshardStream")
+      .def(py::init(&make_unshard_stream), py::arg("specs"), py::arg("world_size"), py::arg("rank"),
+           py::arg("bucket_bytes"), py::arg("prefetch") = 1, py::arg("dst") = py::none(),
+           py::arg("strategy") = "auto", py::arg("timeout") = py::none())
+      .def("begin", &S::begin, py::arg("shards"), py::arg("comm"))
+      .def("next", &S::next)
+      .def("fail", &S::fail, py::arg("message"), py::arg("is_type_error") = false)
+      .def_property_readonly("running", &S::running)
+      .def_property_readonly("num_buckets", [](const S& s) { return s.stream().num_buckets(); })
+      .def_property_readonly("buffer_bytes", [](const S& s) { return s.stream().buffer_bytes(); })
+      .def("bucket_params", [](const S& s, std::size_t b) {
         const std::size_t first = s.stream().bucket_first(b);
         return py::make_tuple(first, first + s.stream().bucket_plan(b).size());
       });
+}
 
-  m.def(
-      "unshard",
-      [](py::handle shards, const CommPtr& comm, const std::vector<ShardSpec>& specs,
-         const std::string& strategy, bool preflight, std::optional<double> timeout,
-         bool async_op) {
-        return unshard_py(shards, comm, specs,
-                          collective_plan_options(*comm, strategy, preflight, timeout,
-                                                  {Operation::kUnshard, preflight, {}}),
-                          async_op);
-      },
-      py::arg("shards"), py::arg("comm"), py::arg("specs"), py::arg("strategy") = "auto",
-      py::arg("preflight") = true, py::arg("timeout") = py::none(), py::arg("async_op") = false);
-  // For Python-level wrappers (full_tensors, streams, the export): a local error fails the call
-  // the peers are making (`op`, as operation_name() spells it) with this message, instead of
-  // leaving them waiting for their deadline.
-  m.def(
-      "_fail_call",
-      [](const CommPtr& comm, const std::string& op, const std::string& message, bool is_type_error,
-         bool preflight, std::optional<double> timeout) {
-        const Operation operation = operation_named(op);
-        const LocalError error{is_type_error ? LocalError::kType : LocalError::kValue, 0, message};
-        fail_call(
-            *comm, error,
+// A local error in a Python-level wrapper (full_tensors, streams, the export) fails the call
+// the peers are making (`op`, as operation_name() spells it) with this message, instead of
+// leaving them waiting for their deadline.
+void fail_call_py(const CommPtr& comm, const std::string& op, const std::string& message,
+                  bool is_type_error, bool preflight, std::optional<double> timeout) {
+  const Operation operation = operation_named(op);
+  const LocalError error{is_type_error ? LocalError::kType : LocalError::kValue, 0, message};
+  fail_call(*comm, error,
             {operation, preflight, timeout_or_fail(*comm, timeout, {operation, preflight, {}})});
-      },
-      py::arg("comm"), py::arg("op"), py::arg("message"), py::arg("is_type_error") = false,
-      py::arg("preflight") = true, py::arg("timeout") = py::none());
+}
+
+// Entry points of the Python package's own plumbing and of the tests, not of its users.
+void register_hooks(py::module_& m) {
+  m.def("_fail_call", &fail_call_py, py::arg("comm"), py::arg("op"), py::arg("message"),
+        py::arg("is_type_error") = false, py::arg("preflight") = true,
+        py::arg("timeout") = py::none());
   m.def("_make_thread_group", &make_thread_group_py, py::arg("world_size"));
   // For tests: how a torch group's communicator moves uneven device gathers, as agreed.
   m.def("_device_gather", [](const std::shared_ptr<Communicator>& comm) {
@@ -515,12 +532,28 @@ PYBIND11_MODULE(_shardgather, m) {
         py::arg("device") = "cpu", py::arg("p2p") = true, py::arg("host_mailbox") = true,
         py::arg("timeout") = py::none());
 #ifdef SHARDGATHER_PYTHON_WITH_MPI
-  m.attr("_has_mpi") = true;
   m.def("_mpi_init", &mpi_init);
   m.def("_mpi_finalize", &mpi_finalize);
   m.def("_mpi_is_initialized", &mpi_is_initialized);
   m.def("_mpi_communicator", &mpi_communicator, py::arg("handle") = py::none());
-#else
-  m.attr("_has_mpi") = false;
 #endif
+}
+
+}  // namespace
+
+}  // namespace shardgather::python
+
+// The order matters only where a signature names a class: that class is registered first.
+PYBIND11_MODULE(_shardgather, m) {
+  using namespace shardgather::python;  // NOLINT(google-build-using-namespace)
+  register_exceptions(m);
+  register_attributes(m);
+  register_communicator(m);
+  register_work(m);
+  register_shard_spec(m);
+  register_one_shot_calls(m);
+  register_all_gather_plan(m);
+  register_unshard_plan(m);
+  register_unshard_stream(m);
+  register_hooks(m);
 }

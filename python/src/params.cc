@@ -98,6 +98,87 @@ bool unpack_subclass(PyObject* item, at::Tensor& t, std::string& error) {
   }
 }
 
+// Messages are built only on failure: the checks below run once per tensor on every call.
+std::string item_name(const char* what, std::size_t i) {
+  return std::string(what) + "[" + std::to_string(i) + "]";
+}
+
+// The tensor `item` stands for: itself, or a DTensor's local shard where `what` takes one.
+LocalError unpack_tensor(PyObject* item, const char* what, std::size_t i, at::Tensor& t) {
+  if (!THPVariable_Check(item)) {
+    return {LocalError::kType, i,
+            item_name(what, i) + " is a " + std::string(Py_TYPE(item)->tp_name) +
+                ", not a torch.Tensor"};
+  }
+  if (THPVariable_CheckExact(item) || !unwraps_dtensors(what)) {
+    t = THPVariable_Unpack(item);
+  } else if (std::string error; !unpack_subclass(item, t, error)) {
+    return {LocalError::kValue, i, item_name(what, i) + ": " + error};
+  }
+  return {};
+}
+
+// One call moves tensors of one device, CPU or CUDA: that of `first` (the list's first
+// tensor; null while `t` is the first).
+LocalError check_device(const at::Tensor& t, const at::Tensor* first, const char* what,
+                        std::size_t i) {
+  if (first != nullptr && t.device() != first->device()) {
+    return {LocalError::kValue, i,
+            item_name(what, i) + " is on " + t.device().str() + " but " + what + "[0] is on " +
+                first->device().str() + ": all tensors must be on one device"};
+  }
+  if (!t.device().is_cpu() && !t.device().is_cuda()) {
+    return {LocalError::kValue, i,
+            item_name(what, i) + " is on " + t.device().str() +
+                ": shardgather gathers CPU and CUDA tensors"};
+  }
+  return {};
+}
+
+// A view needs memory of the tensor's own, laid out by strides, of a type on the wire.
+LocalError check_memory(const at::Tensor& t, PyObject* item, const char* what, std::size_t i) {
+  if (!t.has_storage()) {  // a wrapper subclass (a DTensor among outputs, say)
+    return {LocalError::kValue, i,
+            item_name(what, i) + " is a " + std::string(Py_TYPE(item)->tp_name) +
+                " without storage of its own: pass plain tensors" +
+                (unwraps_dtensors(what) ? "" : " (DTensors are accepted as inputs only)")};
+  }
+  if (t.layout() != c10::kStrided) {
+    return {LocalError::kValue, i, item_name(what, i) + " is not a strided (dense) tensor"};
+  }
+  if (!wire_dtype(t.scalar_type())) {
+    return {LocalError::kValue, i, unsupported_dtype_message(t.scalar_type(), item_name(what, i))};
+  }
+  return {};
+}
+
+bool failed(const LocalError& error) { return error.kind != LocalError::kNone; }
+
+// Appends the tensor `item` stands for to `out` (its view at `i`), or says why it cannot.
+LocalError take_tensor(PyObject* item, const char* what, std::size_t i, Params& out) {
+  at::Tensor t;
+  if (LocalError error = unpack_tensor(item, what, i, t); failed(error)) {
+    return error;
+  }
+  const at::Tensor* first = out.tensors.empty() ? nullptr : &out.tensors.front();
+  if (LocalError error = check_device(t, first, what, i); failed(error)) {
+    return error;
+  }
+  if (t.device().is_cuda() && first == nullptr) {
+    // The call enqueues on torch's current stream of that device, as torch.distributed does.
+    use_torch_stream(t.device().index());
+  }
+  if (LocalError error = check_memory(t, item, what, i); failed(error)) {
+    return error;
+  }
+  if (t.is_neg()) {
+    t = t.resolve_neg();  // a lazily negated view: materialise the values it stands for
+  }
+  set_view(t, *wire_dtype(t.scalar_type()), out.views[i]);
+  out.tensors.push_back(std::move(t));
+  return {};
+}
+
 }  // namespace
 
 void parse_params_into(py::handle params, const char* what, Params& out) {
@@ -115,61 +196,15 @@ void parse_params_into(py::handle params, const char* what, Params& out) {
                                                   : PyTuple_GET_SIZE(params.ptr()));
   out.tensors.reserve(n);
   out.views.resize(n);
-  // Messages are built only on failure: this loop runs once per tensor on every call.
-  const auto name = [what](std::size_t i) {
-    return std::string(what) + "[" + std::to_string(i) + "]";
-  };
-  const auto fail = [&](LocalError::Kind kind, std::size_t i, std::string message) {
-    out.views.resize(i);
-    out.error = {kind, i, std::move(message)};
-  };
   for (std::size_t i = 0; i < n; ++i) {
     const auto at = static_cast<Py_ssize_t>(i);
     PyObject* item =
         is_list ? PyList_GET_ITEM(params.ptr(), at) : PyTuple_GET_ITEM(params.ptr(), at);
-    if (!THPVariable_Check(item)) {
-      return fail(
-          LocalError::kType, i,
-          name(i) + " is a " + std::string(Py_TYPE(item)->tp_name) + ", not a torch.Tensor");
+    if (LocalError error = take_tensor(item, what, i, out); failed(error)) {
+      out.views.resize(i);
+      out.error = std::move(error);
+      return;
     }
-    at::Tensor t;
-    if (THPVariable_CheckExact(item) || !unwraps_dtensors(what)) {
-      t = THPVariable_Unpack(item);
-    } else if (std::string error; !unpack_subclass(item, t, error)) {
-      return fail(LocalError::kValue, i, name(i) + ": " + error);
-    }
-    if (!out.tensors.empty() && t.device() != out.tensors.front().device()) {
-      return fail(LocalError::kValue, i,
-                  name(i) + " is on " + t.device().str() + " but " + what + "[0] is on " +
-                      out.tensors.front().device().str() + ": all tensors must be on one device");
-    }
-    if (!t.device().is_cpu() && !t.device().is_cuda()) {
-      return fail(
-          LocalError::kValue, i,
-          name(i) + " is on " + t.device().str() + ": shardgather gathers CPU and CUDA tensors");
-    }
-    if (t.device().is_cuda() && out.tensors.empty()) {
-      // The call enqueues on torch's current stream of that device, as torch.distributed does.
-      use_torch_stream(t.device().index());
-    }
-    if (!t.has_storage()) {  // a wrapper subclass (a DTensor among outputs, say)
-      return fail(LocalError::kValue, i,
-                  name(i) + " is a " + std::string(Py_TYPE(item)->tp_name) +
-                      " without storage of its own: pass plain tensors" +
-                      (unwraps_dtensors(what) ? "" : " (DTensors are accepted as inputs only)"));
-    }
-    if (t.layout() != c10::kStrided) {
-      return fail(LocalError::kValue, i, name(i) + " is not a strided (dense) tensor");
-    }
-    const std::optional<DType> dtype = wire_dtype(t.scalar_type());
-    if (!dtype) {
-      return fail(LocalError::kValue, i, unsupported_dtype_message(t.scalar_type(), name(i)));
-    }
-    if (t.is_neg()) {
-      t = t.resolve_neg();  // a lazily negated view: materialise the values it stands for
-    }
-    set_view(t, *dtype, out.views[i]);
-    out.tensors.push_back(std::move(t));
   }
 }
 
@@ -196,6 +231,60 @@ py::object fast_sequence(py::handle obj) {
 
 std::string type_name(py::handle obj) { return Py_TYPE(obj.ptr())->tp_name; }
 
+constexpr const char* kHintName = "params_shapes_across_group";
+
+py::handle item_of(const py::object& seq, std::size_t k) {
+  return PySequence_Fast_ITEMS(seq.ptr())[k];
+}
+
+std::size_t size_of(const py::object& seq) {
+  return static_cast<std::size_t>(PySequence_Fast_GET_SIZE(seq.ptr()));
+}
+
+// Dimension d of tensor i in the row named `row_name`: an int or anything with __index__ (a
+// numpy integer), never a float. As for the tensors, messages are built only on failure.
+LocalError parse_dim(py::handle dim, const std::string& row_name, std::size_t i, std::size_t d,
+                     std::int64_t& out) {
+  const py::object index = py::reinterpret_steal<py::object>(
+      PyLong_Check(dim.ptr()) != 0 ? py::handle(dim).inc_ref().ptr() : PyNumber_Index(dim.ptr()));
+  int overflow = 0;
+  const long long value = index ? PyLong_AsLongLongAndOverflow(index.ptr(), &overflow) : -1;
+  if (!index || overflow != 0 || (value == -1 && PyErr_Occurred() != nullptr)) {
+    PyErr_Clear();
+    return {index ? LocalError::kValue : LocalError::kType, i,
+            row_name + "[" + std::to_string(i) + "][" + std::to_string(d) + "] is " +
+                (index ? "out of the int64 range" : "a " + type_name(dim) + ", not an int")};
+  }
+  out = value;
+  return {};
+}
+
+// Rank r's row of the hint: one shape per tensor.
+LocalError parse_hint_row(py::handle obj, std::size_t r, std::vector<Shape>& out) {
+  const std::string row_name = std::string(kHintName) + "[" + std::to_string(r) + "]";
+  const py::object row = fast_sequence(obj);
+  if (!row) {
+    return {LocalError::kType, 0, row_name + " is a " + type_name(obj) + ", not a list of shapes"};
+  }
+  out.resize(size_of(row));
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const py::object dims = fast_sequence(item_of(row, i));
+    if (!dims) {
+      return {LocalError::kType, i,
+              row_name + "[" + std::to_string(i) + "] is a " + type_name(item_of(row, i)) +
+                  ", not a shape (a torch.Size, tuple or list of ints)"};
+    }
+    out[i].resize(size_of(dims));
+    for (std::size_t d = 0; d < out[i].size(); ++d) {
+      if (LocalError error = parse_dim(item_of(dims, d), row_name, i, d, out[i][d]);
+          failed(error)) {
+        return error;
+      }
+    }
+  }
+  return {};
+}
+
 }  // namespace
 
 LocalError parse_hint(py::handle hint, ShapesHint& out) {
@@ -203,54 +292,17 @@ LocalError parse_hint(py::handle hint, ShapesHint& out) {
   if (hint.is_none()) {
     return {};
   }
-  static constexpr const char* kName = "params_shapes_across_group";
   const py::object rows = fast_sequence(hint);
   if (!rows) {
     return {LocalError::kType, 0,
-            std::string(kName) +
+            std::string(kHintName) +
                 " must be a list (per rank) of lists (per tensor) of shapes, got " +
                 type_name(hint)};
   }
-  const auto at = [](const py::object& seq, std::size_t k) {
-    return py::handle(PySequence_Fast_ITEMS(seq.ptr())[k]);
-  };
-  const auto size = [](const py::object& seq) {
-    return static_cast<std::size_t>(PySequence_Fast_GET_SIZE(seq.ptr()));
-  };
-  out.resize(size(rows));
+  out.resize(size_of(rows));
   for (std::size_t r = 0; r < out.size(); ++r) {
-    const std::string row_name = std::string(kName) + "[" + std::to_string(r) + "]";
-    const py::object row = fast_sequence(at(rows, r));
-    if (!row) {
-      return {LocalError::kType, 0,
-              row_name + " is a " + type_name(at(rows, r)) + ", not a list of shapes"};
-    }
-    out[r].resize(size(row));
-    for (std::size_t i = 0; i < out[r].size(); ++i) {
-      const py::object dims = fast_sequence(at(row, i));
-      if (!dims) {
-        return {LocalError::kType, i,
-                row_name + "[" + std::to_string(i) + "] is a " + type_name(at(row, i)) +
-                    ", not a shape (a torch.Size, tuple or list of ints)"};
-      }
-      Shape& shape = out[r][i];
-      shape.resize(size(dims));
-      for (std::size_t d = 0; d < shape.size(); ++d) {
-        const py::handle dim = at(dims, d);
-        // int, or anything with __index__ (a numpy integer); never a float.
-        const py::object index = py::reinterpret_steal<py::object>(
-            PyLong_Check(dim.ptr()) != 0 ? py::handle(dim).inc_ref().ptr()
-                                         : PyNumber_Index(dim.ptr()));
-        int overflow = 0;
-        const long long value = index ? PyLong_AsLongLongAndOverflow(index.ptr(), &overflow) : -1;
-        if (!index || overflow != 0 || (value == -1 && PyErr_Occurred() != nullptr)) {
-          PyErr_Clear();
-          return {index ? LocalError::kValue : LocalError::kType, i,
-                  row_name + "[" + std::to_string(i) + "][" + std::to_string(d) + "] is " +
-                      (index ? "out of the int64 range" : "a " + type_name(dim) + ", not an int")};
-        }
-        shape[d] = value;
-      }
+    if (LocalError error = parse_hint_row(item_of(rows, r), r, out[r]); failed(error)) {
+      return error;
     }
   }
   return {};

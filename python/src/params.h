@@ -44,9 +44,9 @@ class SignalWatch {
   PyObject* traceback_ = nullptr;
 };
 
-// Runs `call` with the GIL released, interruptible by Ctrl-C (F11): a KeyboardInterrupt raised
-// by a signal handler during the call ends it within about 100 ms, poisons the communicator
-// (as abort() does), and is what the caller sees. Call with the GIL held.
+// Runs `call` with the GIL released, interruptible by Ctrl-C: a KeyboardInterrupt raised by a
+// signal handler during the call ends it within about 100 ms, poisons the communicator (as
+// abort() does), and is what the caller sees. Call with the GIL held.
 template <typename Fn>
 decltype(auto) call_interruptible(Fn&& call) {
   SignalWatch watch;

@@ -1,10 +1,12 @@
 #include "plans.h"
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <memory>
+#include <mutex>
+#include <span>
 #include <stdexcept>
+#include <string>
 #include <utility>
 
 #include <ATen/Functions.h>
@@ -25,41 +27,11 @@ namespace {
 // Anything but a multiple of 8 would leave some dtype's views at a fractional element offset.
 constexpr std::uintptr_t kOutAlignment = 8;
 
-// The mutex a plan's execute() holds; a second thread gets an error instead of sharing scratch.
-// `started` (the plan's last started execution, on `started_on`) still running on another
-// communicator is the same conflict: that one's queue does not order this call.
-std::unique_lock<std::mutex> claim(std::mutex& busy, const char* what,
-                                   const std::shared_ptr<detail::WorkState>& started,
-                                   const Communicator* started_on, const Communicator& comm) {
-  std::unique_lock<std::mutex> lock(busy, std::try_to_lock);
-  if (!lock.owns_lock()) {
-    throw std::runtime_error(std::string(what) +
-                             ".execute: the plan is being executed by another thread (a plan "
-                             "holds scratch space: use one plan per thread)");
-  }
-  if (started && started_on != &comm && !started->wait_for(std::chrono::milliseconds(0))) {
-    throw std::runtime_error(std::string(what) +
-                             ".execute: an execution of this plan started on another "
-                             "communicator is still running (a plan runs one at a time)");
-  }
-  return lock;
-}
-
 // A plan's execution (and unshard) carries its shapes as a hint would: peers are told only when
 // they will read a header, i.e. when the pre-flight is on.
 [[noreturn]] void fail_locally(Communicator& comm, const LocalError& error, Operation op,
                                const PlanOptions& options) {
   fail_call(comm, error, {op, options.preflight, options.timeout});
-}
-
-// Parses `args` into `into` (reusing it); a local error fails the call on this rank and, where
-// the plan exchanges a header, on its peers.
-void parse_or_fail(py::handle args, const char* what, Params& into, Communicator& comm,
-                   Operation op, const PlanOptions& options) {
-  parse_params_into(args, what, into);
-  if (into.error.kind != LocalError::kNone) {
-    fail_locally(comm, into.error, op, options);
-  }
 }
 
 py::object wrap(at::Tensor t) {
@@ -111,6 +83,17 @@ py::list list_of(const py::object* items, std::size_t count) {
   return list;
 }
 
+// A new list of the first `count` items of the sequence `seq` (whatever sequence the caller
+// passed its outputs in, execute returns them as a list).
+py::list first_items(py::handle seq, std::size_t count) {
+  const auto items = py::reinterpret_borrow<py::sequence>(seq);
+  py::list list(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    list[i] = items[i];
+  }
+  return list;
+}
+
 // Whether `list` is a list of exactly items[0 .. count), by identity.
 bool list_holds(PyObject* list, const py::object* items, std::size_t count) {
   if (!PyList_CheckExact(list) || static_cast<std::size_t>(PyList_GET_SIZE(list)) != count) {
@@ -125,19 +108,29 @@ bool list_holds(PyObject* list, const py::object* items, std::size_t count) {
 }
 
 // Drops the references parse_params_into took once the call is over (success or not), so a
-// plan never keeps the caller's inputs alive between executions; the vectors stay for reuse.
-class InputsHeld {
+// plan never keeps the caller's arguments alive between executions; the vectors stay for reuse.
+class ArgumentsHeld {
  public:
-  explicit InputsHeld(Params& params) : params_(params) {}
-  InputsHeld(const InputsHeld&) = delete;
-  InputsHeld& operator=(const InputsHeld&) = delete;
-  InputsHeld(InputsHeld&&) = delete;
-  InputsHeld& operator=(InputsHeld&&) = delete;
-  ~InputsHeld() { params_.tensors.clear(); }
+  ArgumentsHeld(Params& inputs, Params& outputs) : inputs_(inputs), outputs_(outputs) {}
+  ArgumentsHeld(const ArgumentsHeld&) = delete;
+  ArgumentsHeld& operator=(const ArgumentsHeld&) = delete;
+  ArgumentsHeld(ArgumentsHeld&&) = delete;
+  ArgumentsHeld& operator=(ArgumentsHeld&&) = delete;
+  ~ArgumentsHeld() {
+    inputs_.tensors.clear();
+    outputs_.tensors.clear();
+  }
 
  private:
-  Params& params_;
+  Params& inputs_;
+  Params& outputs_;
 };
+
+// The bytes of `t`; none for an undefined tensor (a rank that does not receive has no buffer).
+std::span<std::byte> bytes_of(const at::Tensor& t) {
+  return {static_cast<std::byte*>(t.defined() ? t.data_ptr() : nullptr),
+          t.defined() ? t.nbytes() : 0};
+}
 
 }  // namespace
 
@@ -195,6 +188,79 @@ PlanOptions plan_options(const std::string& strategy, bool preflight,
                      .copy_threads = 0};
 }
 
+template <typename Plan>
+std::unique_lock<std::mutex> PyPlan<Plan>::claim(const Communicator& comm) {
+  std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
+  if (!lock.owns_lock()) {
+    throw std::runtime_error(std::string(names_.plan) +
+                             ".execute: the plan is being executed by another thread (a plan "
+                             "holds scratch space: use one plan per thread)");
+  }
+  // The last started execution still running on another communicator is the same conflict:
+  // that one's queue does not order this call.
+  if (started_ && started_on_ != &comm && !started_->wait_for(std::chrono::milliseconds(0))) {
+    throw std::runtime_error(std::string(names_.plan) +
+                             ".execute: an execution of this plan started on another "
+                             "communicator is still running (a plan runs one at a time)");
+  }
+  return lock;
+}
+
+template <typename Plan>
+void PyPlan<Plan>::fail_locally(Communicator& comm, const LocalError& error) const {
+  shardgather::python::fail_locally(comm, error, names_.op, options_);
+}
+
+template <typename Plan>
+void PyPlan<Plan>::parse_or_fail(py::handle args, const char* what, Params& into,
+                                 Communicator& comm) const {
+  parse_params_into(args, what, into);
+  if (into.error.kind != LocalError::kNone) {
+    fail_locally(comm, into.error);
+  }
+}
+
+template <typename Plan>
+template <typename Prepare>
+py::object PyPlan<Plan>::run(py::handle inputs, const std::shared_ptr<Communicator>& comm_ptr,
+                             bool async_op, const py::object& self, Prepare prepare) {
+  Communicator& comm = *comm_ptr;
+  const auto lock = claim(comm);
+  const auto started = async_op ? std::make_shared<Parsed>() : nullptr;
+  Parsed& parsed = async_op ? *started : parsed_;
+  const ArgumentsHeld held(parsed_.inputs, parsed_.outputs);
+  parse_or_fail(inputs, names_.inputs, parsed.inputs, comm);
+  auto output = prepare(parsed, comm);
+  if (async_op) {
+    return start(comm_ptr, started, std::move(output), self);
+  }
+  const std::span<const TensorView> views(parsed.inputs.views);
+  ExecStats stats;
+  call_interruptible(
+      [&] { stats = output.into([&](auto into) { return plan_.execute(views, comm, into); }); });
+  last_ = stats;  // with the GIL, as a started execution's wait() writes it
+  return output.results();
+}
+
+template <typename Plan>
+template <typename Output>
+py::object PyPlan<Plan>::start(const std::shared_ptr<Communicator>& comm,
+                               std::shared_ptr<Parsed> parsed, Output output,
+                               const py::object& self) {
+  const std::span<const TensorView> views(parsed->inputs.views);
+  Work<ExecStats> work = output.into([&](auto into) { return plan_.start(views, *comm, into); });
+  started_ = work.shared_state();
+  started_on_ = comm.get();
+  auto finish = [this, parsed = std::move(parsed),
+                 results = std::move(output.results)](ExecStats stats) -> py::object {
+    last_ = stats;
+    parsed->inputs.tensors.clear();
+    parsed->outputs.tensors.clear();
+    return results();
+  };
+  return py::cast(std::make_unique<PyWork>(comm, std::move(work), std::move(finish), self));
+}
+
 std::unique_ptr<PyAllGatherPlan> PyAllGatherPlan::create(py::handle params, Communicator& comm,
                                                          py::handle hint_obj,
                                                          const PlanOptions& options) {
@@ -205,51 +271,31 @@ std::unique_ptr<PyAllGatherPlan> PyAllGatherPlan::create(py::handle params, Comm
                          {.timeout = options.timeout, .preflight = options.preflight});
   return call_interruptible([&] {
     return std::make_unique<PyAllGatherPlan>(
-        AllGatherPlan::create(in.params.views, comm, in.hint, options));
+        AllGatherPlan::create(in.params.views, comm, in.hint, options), options);
   });
 }
 
-py::object PyAllGatherPlan::execute(py::handle params,
-                                    const std::shared_ptr<Communicator>& comm_ptr,
+py::object PyAllGatherPlan::execute(py::handle params, const std::shared_ptr<Communicator>& comm,
                                     std::optional<at::Tensor> out, bool async_op,
                                     const py::object& self) {
-  Communicator& comm = *comm_ptr;
-  const auto lock = claim(busy_, "AllGatherPlan", started_, started_on_, comm);
-  const PlanOptions& options = plan_.options();
-  // A started execution holds its own parsed inputs until it ends; a blocking one reuses the
-  // plan's (no allocation after the first step).
-  const auto started = async_op ? std::make_shared<Params>() : nullptr;
-  Params& parsed = async_op ? *started : parsed_;
-  const InputsHeld held(parsed_);
-  parse_or_fail(params, "params", parsed, comm, Operation::kPlanExecute, options);
-  at::Tensor target;
+  return run(params, comm, async_op, self, [&](Parsed& /*parsed*/, Communicator& c) {
+    const at::Tensor dest = target(out, c);
+    return PlanOutput{[bytes = bytes_of(dest)](auto method) { return method(bytes); },
+                      [this, dest]() -> py::object { return results_over(dest); }};
+  });
+}
+
+at::Tensor PyAllGatherPlan::target(const std::optional<at::Tensor>& out, Communicator& comm) {
   if (out) {
     if (auto error = check_out(*out)) {
-      fail_locally(comm, *error, Operation::kPlanExecute, options);
+      fail_locally(comm, *error);
     }
-    target = *out;
-  } else {
-    if (!buffer_.defined()) {
-      buffer_ = new_buffer(plan_.output_bytes());  // once: every later execution reuses it
-    }
-    target = buffer_;
+    return *out;
   }
-  const std::span<std::byte> bytes(static_cast<std::byte*>(target.data_ptr()), target.nbytes());
-  if (async_op) {
-    Work<ExecStats> work = plan_.start(parsed.views, comm, bytes);
-    started_ = work.shared_state();
-    started_on_ = &comm;
-    auto result = [this, started, target](ExecStats stats) -> py::object {
-      last_ = stats;
-      started->tensors.clear();
-      return results_over(target);
-    };
-    return py::cast(std::make_unique<PyWork>(comm_ptr, std::move(work), result, self));
+  if (!buffer_.defined()) {
+    buffer_ = new_buffer(plan_.output_bytes());  // once: every later execution reuses it
   }
-  ExecStats stats;
-  call_interruptible([&] { stats = plan_.execute(parsed_.views, comm, bytes); });
-  last_ = stats;  // with the GIL, as a started execution's wait() writes it
-  return results_over(target);
+  return buffer_;
 }
 
 py::list PyAllGatherPlan::results_over(const at::Tensor& target) {
@@ -267,62 +313,36 @@ py::list PyAllGatherPlan::results_over(const at::Tensor& target) {
   return lists_.get(cached_, static_cast<std::size_t>(plan_.layout().world_size));
 }
 
-py::object PyUnshardPlan::execute(py::handle shards, const std::shared_ptr<Communicator>& comm_ptr,
+py::object PyUnshardPlan::execute(py::handle shards, const std::shared_ptr<Communicator>& comm,
                                   std::optional<py::handle> outputs, bool async_op,
                                   const py::object& self) {
-  Communicator& comm = *comm_ptr;
-  const auto lock = claim(busy_, "UnshardPlan", started_, started_on_, comm);
-  const PlanOptions& options = options_;
-  const auto started = async_op ? std::make_shared<std::array<Params, 2>>() : nullptr;
-  Params& parsed = async_op ? (*started)[0] : parsed_;
-  Params& parsed_outputs = async_op ? (*started)[1] : outputs_;
-  const InputsHeld held(parsed_);
-  const InputsHeld held_outputs(outputs_);
-  parse_or_fail(shards, "shards", parsed, comm, Operation::kUnshardExecute, options);
-  // A rank that does not receive (dst set) takes no outputs and returns an empty list.
-  const bool receives = plan_.receives();
-  const bool given = receives && outputs && !outputs->is_none();
-  py::list result;
-  if (!receives) {
-    cached_.clear();
-  } else if (given) {
-    parse_or_fail(*outputs, "outputs", parsed_outputs, comm, Operation::kUnshardExecute, options);
-    const auto seq = py::reinterpret_borrow<py::sequence>(*outputs);
-    result = py::list(parsed_outputs.views.size());
-    for (std::size_t i = 0; i < parsed_outputs.views.size(); ++i) {
-      result[i] = seq[i];
+  return run(shards, comm, async_op, self, [&](Parsed& parsed, Communicator& c) {
+    // A rank that does not receive (dst set) takes no outputs and returns an empty list.
+    const bool receives = plan_.receives();
+    const bool given = receives && outputs && !outputs->is_none();
+    py::list result;
+    if (!receives) {
+      cached_.clear();
+    } else if (given) {
+      parse_or_fail(*outputs, "outputs", parsed.outputs, c);
+      result = first_items(*outputs, parsed.outputs.views.size());
+    } else if (!buffer_.defined()) {
+      build_buffer();
     }
-  } else if (!buffer_.defined()) {
-    // Once: every later execution reuses the buffer and these tensors. Kept only when every
-    // tensor was built, so a failure here is retried by the next call.
-    at::Tensor buffer = new_buffer(plan_.output_bytes());
-    cached_ = wrap_views(buffer.storage(), plan_.views(static_cast<std::byte*>(buffer.data_ptr())));
-    buffer_ = std::move(buffer);
-  }
-  const std::span<std::byte> bytes(
-      static_cast<std::byte*>(buffer_.defined() ? buffer_.data_ptr() : nullptr),
-      buffer_.defined() ? buffer_.nbytes() : 0);
-  if (async_op) {
-    Work<ExecStats> work =
-        given ? plan_.start(parsed.views, comm, std::span<const TensorView>(parsed_outputs.views))
-              : plan_.start(parsed.views, comm, bytes);
-    started_ = work.shared_state();
-    started_on_ = &comm;
-    auto finish = [this, started, given, result](ExecStats stats) -> py::object {
-      last_ = stats;
-      (*started)[0].tensors.clear();
-      (*started)[1].tensors.clear();
-      return given ? result : lists_.get(cached_, 0);
-    };
-    return py::cast(std::make_unique<PyWork>(comm_ptr, std::move(work), finish, self));
-  }
-  ExecStats stats;
-  call_interruptible([&] {
-    stats = given ? plan_.execute(parsed_.views, comm, std::span<const TensorView>(outputs_.views))
-                  : plan_.execute(parsed_.views, comm, bytes);
+    const std::span<const TensorView> views(parsed.outputs.views);
+    return PlanOutput{
+        [given, views, bytes = bytes_of(buffer_)](auto method) {
+          return given ? method(views) : method(bytes);
+        },
+        [this, given, result]() -> py::object { return given ? result : lists_.get(cached_, 0); }};
   });
-  last_ = stats;
-  return given ? result : lists_.get(cached_, 0);
+}
+
+void PyUnshardPlan::build_buffer() {
+  // Kept only when every tensor was built, so a failure here is retried by the next call.
+  at::Tensor buffer = new_buffer(plan_.output_bytes());
+  cached_ = wrap_views(buffer.storage(), plan_.views(static_cast<std::byte*>(buffer.data_ptr())));
+  buffer_ = std::move(buffer);
 }
 
 namespace {

@@ -15,6 +15,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/Tensor.h>
@@ -23,8 +24,10 @@
 #include "params.h"
 
 #include "shardgather/communicator.h"
+#include "shardgather/embedding.h"
 #include "shardgather/plan.h"
 #include "shardgather/unshard.h"
+#include "shardgather/work.h"
 
 namespace shardgather::python {
 
@@ -51,9 +54,81 @@ class ResultLists {
   pybind11::object lists_;
 };
 
-class PyAllGatherPlan {
+// What an execution hands the core plan and what it returns, as the per-plan part of PyPlan::run
+// builds them: `into(method)` calls method(destination) once, `method` being the plan's execute
+// or start bound to the inputs, and `results()` builds the return value (with the GIL, once the
+// execution succeeded). A started execution's Work keeps `results` until wait(), so it must
+// hold values (the output tensor, the caller's list), never references to this call's locals.
+template <typename Into, typename Results>
+struct PlanOutput {
+  Into into;
+  Results results;
+};
+
+// The execution path both plan wrappers share: one thread at a time, the inputs parsed into
+// storage the plan reuses (a local error fails the call on every rank that will hear of it),
+// then the core plan's execute with the GIL released, or its start behind a Work that keeps
+// `self` alive. The wrappers differ only in where an execution writes and what it returns.
+template <typename Plan>
+class PyPlan {
  public:
-  explicit PyAllGatherPlan(AllGatherPlan plan) : plan_(std::move(plan)) {}
+  [[nodiscard]] const Plan& plan() const noexcept { return plan_; }
+  // (UnshardPlan does not expose its options, so every wrapper keeps a copy.)
+  [[nodiscard]] const PlanOptions& options() const noexcept { return options_; }
+  [[nodiscard]] const ExecStats& last_stats() const noexcept { return last_; }
+  // The plan-owned output buffer (undefined until the first execution that needed one).
+  [[nodiscard]] const at::Tensor& buffer() const noexcept { return buffer_; }
+
+ protected:
+  // How the wrapper is named in messages: the class, its inputs argument, the operation.
+  struct Names {
+    const char* plan;
+    const char* inputs;
+    Operation op;
+  };
+  // One execution's parsed arguments: the plan's own for a blocking one (no allocation after
+  // the first step), a started one's own, which it holds until it ends.
+  struct Parsed {
+    Params inputs;
+    Params outputs;  // the caller's output tensors, where the plan takes them
+  };
+
+  PyPlan(Plan plan, const PlanOptions& options, Names names)
+      : plan_(std::move(plan)), options_(options), names_(names) {}
+
+  // `prepare(parsed, comm)` runs once the inputs are parsed: it checks the outputs (failing
+  // like a bad input) and returns a PlanOutput.
+  template <typename Prepare>
+  pybind11::object run(pybind11::handle inputs, const std::shared_ptr<Communicator>& comm,
+                       bool async_op, const pybind11::object& self, Prepare prepare);
+
+  [[noreturn]] void fail_locally(Communicator& comm, const LocalError& error) const;
+  void parse_or_fail(pybind11::handle args, const char* what, Params& into,
+                     Communicator& comm) const;
+
+  Plan plan_;
+  at::Tensor buffer_;
+
+ private:
+  std::unique_lock<std::mutex> claim(const Communicator& comm);
+  template <typename Output>
+  pybind11::object start(const std::shared_ptr<Communicator>& comm, std::shared_ptr<Parsed> parsed,
+                         Output output, const pybind11::object& self);
+
+  PlanOptions options_;
+  Names names_;
+  std::mutex busy_;
+  Parsed parsed_;
+  ExecStats last_;
+  std::shared_ptr<detail::WorkState> started_;  // the last started execution
+  const Communicator* started_on_ = nullptr;
+};
+
+class PyAllGatherPlan : public PyPlan<AllGatherPlan> {
+ public:
+  // `options`: those `plan` was built with.
+  PyAllGatherPlan(AllGatherPlan plan, const PlanOptions& options)
+      : PyPlan(std::move(plan), options, {"AllGatherPlan", "params", Operation::kPlanExecute}) {}
 
   // shapes_across_group None: gather the shapes (collective). Errors raise on every rank.
   static std::unique_ptr<PyAllGatherPlan> create(pybind11::handle params, Communicator& comm,
@@ -67,32 +142,21 @@ class PyAllGatherPlan {
                            std::optional<at::Tensor> out, bool async_op,
                            const pybind11::object& self);
 
-  [[nodiscard]] const AllGatherPlan& plan() const noexcept { return plan_; }
-  [[nodiscard]] const ExecStats& last_stats() const noexcept { return last_; }
-  // The plan-owned output buffer (undefined until the first execution without `out`).
-  [[nodiscard]] const at::Tensor& buffer() const noexcept { return buffer_; }
-
  private:
+  // `out` once checked, else the plan's buffer (allocated by the first execution).
+  at::Tensor target(const std::optional<at::Tensor>& out, Communicator& comm);
   // The result lists over `target` (cached per buffer: rebuilt only when the buffer changes).
   pybind11::list results_over(const at::Tensor& target);
 
-  AllGatherPlan plan_;
-  std::mutex busy_;
-  Params parsed_;  // reused by every execution (no per-tensor allocation after the first)
-  at::Tensor buffer_;
   at::Tensor cached_for_;                 // the buffer `cached_` views
   std::vector<pybind11::object> cached_;  // [i * world + r]
   ResultLists lists_;                     // what execute() returns
-  ExecStats last_;
-  std::shared_ptr<detail::WorkState> started_;  // the last started execution
-  const Communicator* started_on_ = nullptr;
 };
 
-class PyUnshardPlan {
+class PyUnshardPlan : public PyPlan<UnshardPlan> {
  public:
-  // (UnshardPlan does not expose its options; the wrapper keeps a copy.)
   PyUnshardPlan(UnshardPlan plan, const PlanOptions& options)
-      : plan_(std::move(plan)), options_(options) {}
+      : PyPlan(std::move(plan), options, {"UnshardPlan", "shards", Operation::kUnshardExecute}) {}
 
   // The full parameters: `outputs` (contiguous tensors of each full shape and dtype, returned
   // as a new list) or, when none, views of the plan's own buffer.
@@ -100,23 +164,12 @@ class PyUnshardPlan {
                            std::optional<pybind11::handle> outputs, bool async_op,
                            const pybind11::object& self);
 
-  [[nodiscard]] const UnshardPlan& plan() const noexcept { return plan_; }
-  [[nodiscard]] const PlanOptions& options() const noexcept { return options_; }
-  [[nodiscard]] const ExecStats& last_stats() const noexcept { return last_; }
-  [[nodiscard]] const at::Tensor& buffer() const noexcept { return buffer_; }
-
  private:
-  UnshardPlan plan_;
-  PlanOptions options_;
-  std::mutex busy_;
-  Params parsed_;   // the shards, reused by every execution
-  Params outputs_;  // the caller's outputs, when given
-  at::Tensor buffer_;
+  // The buffer and the full tensors over it, built by the first execution without outputs.
+  void build_buffer();
+
   std::vector<pybind11::object> cached_;  // the full tensors over buffer_
   ResultLists lists_;                     // what execute() returns
-  ExecStats last_;
-  std::shared_ptr<detail::WorkState> started_;  // the last started execution
-  const Communicator* started_on_ = nullptr;
 };
 
 // One-shot unshard: plan, allocate (a torch-owned buffer), execute; returns the full tensors.
