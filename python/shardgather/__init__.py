@@ -140,6 +140,7 @@ def foreach_all_gather(
     preflight=True,
     strategy="auto",
     async_op=False,
+    shapes_across_group=None,
 ):
     """Gathers ``params`` from every rank of ``group`` in one collective.
 
@@ -147,9 +148,11 @@ def foreach_all_gather(
     ``out[i][r]`` is rank r's ``params[i]`` with rank r's shape and dtype. Every rank passes the
     same number of tensors with the same dtype per index; shapes may differ across ranks.
 
-    ``params_shapes_across_group[r][i]``, when given, is the shape of tensor i on rank r: then
-    no metadata moves (this rank's row is checked against its tensors). Without it, one
-    fixed-size header is exchanged and the shapes travel inside the payload.
+    ``shapes_across_group[r][i]`` (the shapes hint, named as in :class:`AllGatherPlan` and the
+    C++ API; ``params_shapes_across_group``, the third positional argument, is the same hint
+    under the seed's name: give one), when given, is the shape of tensor i on rank r: then no
+    metadata moves (this rank's row is checked against its tensors). Without it, one fixed-size
+    header is exchanged and the shapes travel inside the payload.
 
     ``timeout`` (seconds) bounds the call: past it, CollectiveTimeout on every rank and the
     communicator is poisoned. ``preflight=False`` (with a hint only) skips the header that makes
@@ -178,6 +181,8 @@ def foreach_all_gather(
     gathered on the host in one small call of their own.
     """
     comm = communicator(group, _setup_timeout(timeout))
+    params_shapes_across_group = _one_hint(comm, "foreach_all_gather", params_shapes_across_group,
+                                           shapes_across_group, preflight, timeout)
     _check_call(comm, "foreach_all_gather", strategy=strategy, preflight=preflight,
                 async_op=async_op, timeout=timeout,
                 hinted=params_shapes_across_group is not None)
@@ -204,6 +209,15 @@ def _check_call(comm, op, *, strategy="auto", preflight=True, async_op=False, ti
         problem = problems[0]
         exchanged = not hinted or preflight is not False
         _C._fail_call(comm, op, problem, True, exchanged, _setup_timeout(timeout))
+
+
+def _one_hint(comm, op, positional, keyword, preflight, timeout):
+    """The shapes hint, given under either name; both at once fails the call on every rank."""
+    if positional is not None and keyword is not None:
+        _C._fail_call(comm, op, "the shapes hint was given twice (shapes_across_group and "
+                      "params_shapes_across_group name the same argument)", False,
+                      preflight is not False, _setup_timeout(timeout))
+    return keyword if keyword is not None else positional
 
 
 def _first_is_cuda(params):
@@ -348,12 +362,17 @@ class AllGatherPlan(_PlanState):
 
     @classmethod
     def create(cls, params, group=None, params_shapes_across_group=None, *, strategy="auto",
-               preflight=True, timeout=None):
-        """A plan for ``params`` (this rank's tensors). With the shapes hint nothing moves (this
-        rank's row is checked); without it, every rank must call create (one header and one
-        exchange of shape records). Errors raise on every rank."""
+               preflight=True, timeout=None, shapes_across_group=None):
+        """A plan for ``params`` (this rank's tensors). With the shapes hint
+        (``shapes_across_group``, or ``params_shapes_across_group`` as for
+        :func:`foreach_all_gather`: give one) nothing moves (this rank's row is checked);
+        without it, every rank must call create (one header and one exchange of shape records).
+        Errors raise on every rank."""
         plan = cls.__new__(cls)
         comm = communicator(group, _setup_timeout(timeout))
+        params_shapes_across_group = _one_hint(comm, "AllGatherPlan::create",
+                                               params_shapes_across_group, shapes_across_group,
+                                               preflight, timeout)
         _check_call(comm, "AllGatherPlan::create", strategy=strategy, preflight=preflight,
                     timeout=timeout, hinted=params_shapes_across_group is not None)
         plan._preflight, plan._given_timeout = preflight, timeout
@@ -406,20 +425,25 @@ class UnshardPlan(_PlanState):
 
 
 def unshard(shards, specs, group=None, *, strategy="auto", preflight=True, timeout=None,
-            async_op=False):
+            async_op=False, dst=None):
     """One-shot unshard: the full parameters (new tensors sharing one fresh buffer) from every
     rank's ``shards`` as described by ``specs`` (a list of :class:`ShardSpec`). Shard shapes are
     checked against the specs; a wrong one raises on every rank. ``async_op=True`` returns a
-    :class:`Work` whose ``wait()`` returns them."""
+    :class:`Work` whose ``wait()`` returns them. ``dst=r``: only rank r receives the full
+    parameters (a gather to one rank, as for :class:`UnshardPlan` and the streams); the others
+    only send and get an empty list."""
     comm = communicator(group, _setup_timeout(timeout))
     _check_call(comm, "unshard", strategy=strategy, preflight=preflight, async_op=async_op,
                 timeout=timeout, hinted=True)
+    if dst is not None and (isinstance(dst, bool) or not isinstance(dst, int)):
+        _C._fail_call(comm, "unshard", "dst must be an int or None, got %s" % type(dst).__name__,
+                      True, preflight is not False, _setup_timeout(timeout))
     try:
         specs = list(specs)
     except TypeError as e:
         _C._fail_call(comm, "unshard", "specs must be a list of ShardSpec: %s" % e, True,
                       preflight is not False, _setup_timeout(timeout))
-    return _C.unshard(shards, comm, specs, strategy, preflight, timeout, async_op)
+    return _C.unshard(shards, comm, specs, strategy, preflight, timeout, async_op, dst)
 
 
 def full_tensors(tensors, group=None, *, strategy="auto", timeout=None):

@@ -369,11 +369,11 @@ void register_shard_spec(py::module_& m) {
 
 py::object unshard_call(py::handle shards, const CommPtr& comm, const std::vector<ShardSpec>& specs,
                         const std::string& strategy, bool preflight, std::optional<double> timeout,
-                        bool async_op) {
-  return unshard_py(shards, comm, specs,
-                    collective_plan_options(*comm, strategy, preflight, timeout,
-                                            {Operation::kUnshard, preflight, {}}),
-                    async_op);
+                        bool async_op, std::optional<int> dst) {
+  PlanOptions options = collective_plan_options(*comm, strategy, preflight, timeout,
+                                                {Operation::kUnshard, preflight, {}});
+  options.dst = dst.value_or(-1);  // a rank outside the group fails the call on every rank
+  return unshard_py(shards, comm, specs, options, async_op);
 }
 
 // After ShardSpec: a signature names the Python class only of a type registered before it.
@@ -383,7 +383,7 @@ void register_one_shot_calls(py::module_& m) {
         py::arg("preflight") = true, py::arg("strategy") = "auto", py::arg("async_op") = false);
   m.def("unshard", &unshard_call, py::arg("shards"), py::arg("comm"), py::arg("specs"),
         py::arg("strategy") = "auto", py::arg("preflight") = true, py::arg("timeout") = py::none(),
-        py::arg("async_op") = false);
+        py::arg("async_op") = false, py::arg("dst") = py::none());
 }
 
 std::unique_ptr<PyAllGatherPlan> create_all_gather_plan(py::handle params, Communicator& comm,

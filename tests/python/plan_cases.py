@@ -90,6 +90,47 @@ def case_unshard_one_shot(rank, world):
     assert shardgather.unshard([], [], timeout=T) == []
 
 
+def case_unshard_one_shot_to_dst(rank, world):
+    """dst on the one-shot unshard: rank dst gets the full parameters, the others an empty list."""
+    specs = _param_specs(world)
+    shards = [_local_shard(s, rank, world, i) for i, s in enumerate(specs)]
+    for dst in range(world):
+        full = shardgather.unshard(shards, specs, dst=dst, timeout=T)
+        if rank != dst:
+            assert full == [], (dst, full)
+            continue
+        for i, s in enumerate(specs):
+            same(full[i], _expected_full(s, world, i), "dst %d param %d" % (dst, i))
+    try:
+        shardgather.unshard(shards, specs, dst=world if rank == 0 else 0, timeout=T)
+    except shardgather.InvalidArgumentError as e:
+        assert "rank 0" in str(e) and "dst" in str(e), e
+    else:
+        raise AssertionError("a dst outside the group on rank 0 must fail on every rank")
+
+
+def case_shapes_hint_named_alike(rank, world):
+    """The hint under its C++ / AllGatherPlan name, under the seed's name, and both (refused)."""
+    params = _gather_params(rank)
+    hint = [[tuple(t.shape) for t in _gather_params(r)] for r in range(world)]
+    _check_gather(shardgather.foreach_all_gather(params, shapes_across_group=hint, timeout=T),
+                  world, 0)
+    _check_gather(shardgather.foreach_all_gather(params, None, hint, timeout=T), world, 0)
+    plan = shardgather.AllGatherPlan.create(params, shapes_across_group=hint, timeout=T)
+    _check_gather(plan.execute(params), world, 0)
+    for call in (lambda: shardgather.foreach_all_gather(params, None, hint,
+                                                        shapes_across_group=hint, timeout=T),
+                 lambda: shardgather.AllGatherPlan.create(params, None, hint,
+                                                          shapes_across_group=hint, timeout=T)):
+        try:
+            call()
+        except shardgather.InvalidArgumentError as e:
+            assert "given twice" in str(e), e
+        else:
+            raise AssertionError("a hint given twice must fail")
+    _check_gather(shardgather.foreach_all_gather(params, timeout=T), world, 0)  # still usable
+
+
 def case_unshard_plan_steady_state(rank, world):
     """Many executions: bit-exact each time, the plan's buffer and full tensors never change."""
     specs = _param_specs(world)
