@@ -34,6 +34,7 @@
 #include "shardgather/communicator.h"
 #include "shardgather/export.h"
 #include "shardgather/layout.h"
+#include "shardgather/stats.h"
 #include "shardgather/strategy.h"
 #include "shardgather/types.h"
 #include "shardgather/work.h"
@@ -58,16 +59,6 @@ struct ForeachAllGatherOptions {
   // same on every rank: with the pre-flight header (always sent without a hint) a difference
   // raises Mismatch on every rank; with the header switched off it is not checked.
   Strategy strategy = Strategy::kAuto;
-};
-
-// How many collectives a call issued, by purpose, and how its payload moved.
-struct CallStats {
-  std::uint64_t preflight_collectives = 0;  // the header, when it served only as a check
-  std::uint64_t metadata_collectives = 0;   // the header, when it carried what the plan needed
-  std::uint64_t payload_collectives = 0;
-  std::uint64_t setup_collectives = 0;  // making a window (an explicit kShared, kHierarchical)
-  std::uint64_t staged_bytes = 0;       // bytes packed before sending (non-contiguous inputs only)
-  Strategy strategy = Strategy::kDirect;  // the one that ran
 };
 
 // The gathered tensors. Owns the gathered buffer; the views stay valid while the result lives.

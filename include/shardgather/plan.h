@@ -28,6 +28,7 @@
 #include "shardgather/communicator.h"
 #include "shardgather/export.h"
 #include "shardgather/layout.h"
+#include "shardgather/stats.h"
 #include "shardgather/strategy.h"
 #include "shardgather/types.h"
 #include "shardgather/work.h"
@@ -46,21 +47,6 @@ struct PlanOptions {
   // the one place every operation reads it from). -1: every rank receives. The all-gathers
   // (AllGatherPlan, and so foreach_all_gather's plan) refuse it: every rank gets every tensor.
   int dst = -1;
-};
-
-struct ExecStats {
-  std::uint64_t preflight_collectives = 0;
-  std::uint64_t payload_collectives = 0;
-  // One-time setup on a first execution (kShared: creating the node-shared window).
-  std::uint64_t setup_collectives = 0;
-  std::uint64_t staged_bytes = 0;       // bytes copied into staging before sending
-  Strategy strategy = Strategy::kAuto;  // the one that ran
-  // What decided it (a static string): "requested"; for kAuto, "rule" (select.cc's facts: no
-  // window applies), "rule: the window could not be reserved", "measuring" (one of the first
-  // executions that time the node-shared window against direct), or "measured: ..." (the one
-  // that was faster for the slowest rank); "a gather to one rank moves direct" (UnshardPlan's
-  // dst). Empty from one-shot calls and execute_shared.
-  const char* why = "";
 };
 
 namespace detail {

@@ -8,6 +8,7 @@
 #include "shardgather/foreach_all_gather.h"
 #include "shardgather/layout.h"
 #include "shardgather/plan.h"
+#include "shardgather/stats.h"
 #include "shardgather/strategy.h"
 #include "shardgather/threads.h"
 #include "shardgather/types.h"
