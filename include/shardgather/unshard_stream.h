@@ -75,6 +75,8 @@ struct StreamBucket {
 
 namespace detail {
 
+class Hasher;
+
 // What a bucketed stream needs of its plans, one per bucket. UnshardStream's are UnshardPlans; a
 // stream over another plan (a reshard's buckets) implements this and reuses BucketStream whole.
 class SHARDGATHER_API BucketedPlans {
@@ -226,10 +228,14 @@ class SHARDGATHER_API UnshardStream final : private detail::BucketedPlans {
     return Operation::kUnshardExecute;
   }
 
-  std::vector<UnshardPlan> plans_;
-  std::vector<std::size_t> firsts_;  // num_buckets() + 1
+  // One plan per bucket, each folded into `hasher`; returns the ring buffers' size.
+  std::uint64_t build_plans(std::span<const ShardSpec> specs, int world_size,
+                            detail::Hasher& hasher);
+
   StreamOptions options_;
   int rank_ = 0;
+  std::vector<std::size_t> firsts_;  // num_buckets() + 1
+  std::vector<UnshardPlan> plans_;
   std::unique_ptr<detail::BucketStream> stream_;  // last: destroyed (settled) first
 };
 

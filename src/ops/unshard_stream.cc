@@ -47,11 +47,9 @@ std::vector<std::size_t> cut_buckets(std::span<const ShardSpec> specs, std::uint
   return firsts;
 }
 
-}  // namespace
-
-UnshardStream::UnshardStream(std::span<const ShardSpec> specs, int world_size, int rank,
-                             const StreamOptions& options)
-    : options_(options), rank_(rank) {
+// The options a stream runs with: its checks, dst given once, and the plan options every bucket
+// shares.
+StreamOptions stream_options(StreamOptions options) {
   if (options.bucket_bytes == 0) {
     throw InvalidArgument("UnshardStream: bucket_bytes must be > 0");
   }
@@ -60,29 +58,50 @@ UnshardStream::UnshardStream(std::span<const ShardSpec> specs, int world_size, i
                           std::to_string(options.prefetch));
   }
   if (options.dst != -1 && options.plan.dst != -1 && options.dst != options.plan.dst) {
-    throw InvalidArgument("UnshardStream: dst " + std::to_string(options.dst) +
-                          " and plan.dst " + std::to_string(options.plan.dst) +
-                          " differ (give it once)");
+    throw InvalidArgument("UnshardStream: dst " + std::to_string(options.dst) + " and plan.dst " +
+                          std::to_string(options.plan.dst) + " differ (give it once)");
   }
-  options_.dst = options.dst != -1 ? options.dst : options.plan.dst;
-  options_.plan.dst = options_.dst;
-  options_.plan.preflight = true;  // a failure on one rank travels in the next header
+  options.dst = options.dst != -1 ? options.dst : options.plan.dst;
+  options.plan.dst = options.dst;
+  options.plan.preflight = true;  // a failure on one rank travels in the next header
   // A node-shared window is per plan, so one per bucket would hold the whole model; kDirect
   // lands every bucket in place with no memory of its own.
-  options_.plan.strategy = detail::one_shot_strategy(options_.plan.strategy);
-  firsts_ = cut_buckets(specs, options.bucket_bytes);
-  std::uint64_t buffer_bytes = 0;
+  options.plan.strategy = detail::one_shot_strategy(options.plan.strategy);
+  return options;
+}
+
+}  // namespace
+
+UnshardStream::UnshardStream(std::span<const ShardSpec> specs, int world_size, int rank,
+                             const StreamOptions& options)
+    : options_(stream_options(options)),
+      rank_(rank),
+      firsts_(cut_buckets(specs, options.bucket_bytes)) {
   detail::Hasher hasher;
   hasher.add(options.bucket_bytes);
   hasher.add(static_cast<std::uint64_t>(options.prefetch));
   hasher.add(static_cast<std::uint64_t>(static_cast<std::int64_t>(options_.dst) + 1));
   hasher.add(static_cast<std::uint64_t>(options.plan.strategy));
+  const std::uint64_t buffer_bytes = build_plans(specs, world_size, hasher);
+  detail::BucketedPlans& plans = *this;  // a private base: converted here, where it is visible
+  stream_ = std::make_unique<detail::BucketStream>(
+      plans, detail::BucketStreamFacts{.world = world_size,
+                                       .rank = rank,
+                                       .prefetch = options_.prefetch,
+                                       .timeout = options_.plan.timeout,
+                                       .fingerprint = hasher.value() == 0 ? 1 : hasher.value(),
+                                       .buffer_bytes = buffer_bytes});
+}
+
+std::uint64_t UnshardStream::build_plans(std::span<const ShardSpec> specs, int world_size,
+                                         detail::Hasher& hasher) {
+  std::uint64_t buffer_bytes = 0;
   for (std::size_t b = 0; b + 1 < firsts_.size(); ++b) {
     const auto from = static_cast<std::ptrdiff_t>(firsts_[b]);
     const auto to = static_cast<std::ptrdiff_t>(firsts_[b + 1]);
     std::vector<ShardSpec> bucket(specs.begin() + from, specs.begin() + to);
     try {
-      plans_.emplace_back(bucket, world_size, rank, options_.plan);
+      plans_.emplace_back(bucket, world_size, rank_, options_.plan);
     } catch (const InvalidArgument& e) {
       // The plan numbers parameters within its bucket; the caller's index is what helps.
       throw InvalidArgument("UnshardStream: bucket " + std::to_string(b) + " (parameters " +
@@ -101,14 +120,7 @@ UnshardStream::UnshardStream(std::span<const ShardSpec> specs, int world_size, i
     // its parameters' shapes (and, in the bindings, their names).
     buffer_bytes = std::max(buffer_bytes, kParamAlignment);
   }
-  detail::BucketedPlans& plans = *this;  // a private base: converted here, where it is visible
-  stream_ = std::make_unique<detail::BucketStream>(
-      plans, detail::BucketStreamFacts{.world = world_size,
-                                       .rank = rank,
-                                       .prefetch = options_.prefetch,
-                                       .timeout = options_.plan.timeout,
-                                       .fingerprint = hasher.value() == 0 ? 1 : hasher.value(),
-                                       .buffer_bytes = buffer_bytes});
+  return buffer_bytes;
 }
 
 UnshardStream::~UnshardStream() = default;
