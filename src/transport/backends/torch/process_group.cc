@@ -18,8 +18,8 @@
 #include <c10/util/Exception.h>
 
 #include "copies/device_runtime.h"
-#include "transport/graveyard.h"
 #include "transport/backends/torch/torch_compat.h"
+#include "transport/graveyard.h"
 #include <unistd.h>
 
 #include "shardgather/copy.h"
@@ -30,9 +30,37 @@ namespace shardgather::detail {
 
 namespace {
 
+// Every number this transport carries, with what it bounds. All but the last are mechanism: how
+// soon the transport notices an event, or how much memory of its own it holds while it moves
+// the bytes it is handed; nothing above the transport sees either. The last is policy (which of
+// two moves of the same bytes is faster), the transport's default until the strategy layer
+// takes that choice over (process_group.h, "Device memory").
+namespace numbers {
+
 // Work::wait is called in slices of this length so that abort() and the deadline are noticed
-// while c10d blocks; a slice that expires costs one c10::Error, cheap at this period.
+// while c10d blocks (and an interrupt while a helper thread waits on Gloo); a slice that expires
+// costs one c10::Error, cheap at this period.
 constexpr std::chrono::milliseconds kWaitSlice{50};
+// How often a device collective's completion is polled against the deadline (wait_polled).
+constexpr std::chrono::microseconds kDevicePoll{100};
+// close_p2p_context's receive on kCloseTag exists only to time out, which closes the context.
+constexpr std::chrono::milliseconds kCloseWait{1};
+
+// The chunked scatter (scatter_chunked): a sender's bytes move in chunks of at most kMaxChunk,
+// smaller in large groups so that a receiver's slots (two chunks per peer) fit in kSlotBudget,
+// but never below kMinChunk: in a group so large that the budget would cut chunks smaller, the
+// slots exceed it instead. The all-to-all's messages are of at most kMaxChunk. They bound the
+// transport's own staging, whatever the bytes moved: where a chunk is cut is the transport's
+// business, and both sides of a pair derive it from facts both hold.
+constexpr std::uint64_t kMaxChunk = std::uint64_t{8} << 20;
+constexpr std::uint64_t kMinChunk = std::uint64_t{256} << 10;
+constexpr std::uint64_t kSlotBudget = std::uint64_t{64} << 20;
+
+// Policy: an uneven device gather under kAuto is one padded all-gather when the padding adds at
+// most 1/kPaddingDivisor of the bytes, else one broadcast per rank (docs/gpu.md).
+constexpr std::uint64_t kPaddingDivisor = 8;
+
+}  // namespace numbers
 
 // c10d rejects a call with c10::Error; Gloo's transport throws its own exceptions (IoException,
 // a std::runtime_error) straight through c10d when a peer's connection is gone. (Newer torch
@@ -120,10 +148,10 @@ void ProcessGroupCommunicator::wait(const c10::intrusive_ptr<c10d::Work>& work, 
                     " passed its deadline waiting for peers (the c10d work cannot be cancelled: "
                     "the communicator is poisoned; rebuild the group or end the process)");
     }
-    auto slice = kWaitSlice;
+    auto slice = numbers::kWaitSlice;
     if (deadline != Deadline::max()) {
       slice = std::clamp(std::chrono::ceil<std::chrono::milliseconds>(deadline - now),
-                         std::chrono::milliseconds(1), kWaitSlice);
+                         std::chrono::milliseconds(1), numbers::kWaitSlice);
     }
     try {
       work->wait(slice);
@@ -221,7 +249,7 @@ void ProcessGroupCommunicator::wait_polled(const c10::intrusive_ptr<c10d::Work>&
                     " passed its deadline waiting for peers (the c10d work cannot be cancelled: "
                     "the communicator is poisoned; rebuild the group or end the process)");
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    std::this_thread::sleep_for(numbers::kDevicePoll);
   }
   try {
     work->wait();
@@ -234,7 +262,6 @@ void ProcessGroupCommunicator::wait_polled(const c10::intrusive_ptr<c10d::Work>&
 void ProcessGroupCommunicator::do_all_gather_v_device(
     std::span<const ConstSegment> send, std::byte* recv, std::span<const std::uint64_t> counts,
     std::span<const std::uint64_t> displs, const Device& device, void* stream, Deadline deadline) {
-  const char* what = "all_gather_v_device";
   const c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(device.index));
   // c10d orders its work after torch's current stream and makes that stream wait for it. A
   // blocking call runs on that stream already (params.cc made it the call's); a started one
@@ -246,83 +273,122 @@ void ProcessGroupCommunicator::do_all_gather_v_device(
   if (other_stream) {
     detail::sync_stream(stream);
   }
-  const auto me = static_cast<std::size_t>(rank_);
-  const auto world = static_cast<std::size_t>(size_);
   const std::byte* mine = send.empty() ? nullptr : send.front().data;  // one segment (device.cc)
-  const std::uint64_t widest = *std::max_element(counts.begin(), counts.end());
-  const std::uint64_t total = std::accumulate(counts.begin(), counts.end(), std::uint64_t{0});
-  // The choice reads the counts only, which every rank shares: every rank issues the same
-  // collectives whatever its own displacements.
-  const bool even =
-      std::all_of(counts.begin(), counts.end(), [widest](std::uint64_t c) { return c == widest; });
-  const bool padded =
-      even || device_gather_ == DeviceGather::kPadded ||
-      (device_gather_ == DeviceGather::kAuto && 8 * (world * widest - total) <= total);
-  if (padded) {
-    bool in_place = even;
-    for (std::size_t r = 0; r < world && in_place; ++r) {
-      in_place = displs[r] == displs[0] + r * widest;
-    }
-    at::Tensor input = device_bytes(mine, widest, dev);
-    if (!even) {
-      input = grown(padded_send_, widest, dev).narrow(0, 0, static_cast<std::int64_t>(widest));
-      if (counts[me] != 0) {
-        input.narrow(0, 0, static_cast<std::int64_t>(counts[me]))
-            .copy_(device_bytes(mine, counts[me], dev));
-      }
-    }
-    at::Tensor output = in_place ? device_bytes(recv + displs[0], world * widest, dev)
-                                 : grown(padded_recv_, world * widest, dev)
-                                       .narrow(0, 0, static_cast<std::int64_t>(world * widest));
-    c10::intrusive_ptr<c10d::Work> work;
-    try {
-      work = all_gather_single(*group_, output, input);
-    } catch (const std::exception& e) {
-      raise_not_issued(e, rank_, what, name_);
-    }
-    wait_polled(work, deadline, what);
-    for (std::size_t r = 0; r < world && !in_place; ++r) {
-      if (counts[r] != 0) {
-        device_bytes(recv + displs[r], counts[r], dev)
-            .copy_(output.narrow(0, static_cast<std::int64_t>(r * widest),
-                                 static_cast<std::int64_t>(counts[r])));
-      }
-    }
+  if (device_gather_pads(counts)) {
+    gather_device_padded(mine, recv, counts, displs, dev, deadline);
   } else {
-    // One broadcast per rank, each straight into its slot; this rank's own bytes by a copy. On
-    // NCCL the broadcasts are one coalesced group (one ncclGroupStart/End), which NCCL >= 2.29
-    // can run as one all-gather-v kernel, and only the group's work is waited for.
-    if (counts[me] != 0) {
-      device_bytes(recv + displs[me], counts[me], dev).copy_(device_bytes(mine, counts[me], dev));
-    }
-    const bool coalesce = backend_name_for(*group_, c10::kCUDA) == "nccl";
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    try {
-      if (coalesce) {
-        group_->startCoalescing(c10::kCUDA);
-      }
-      for (std::size_t r = 0; r < world; ++r) {
-        if (counts[r] == 0) {
-          continue;
-        }
-        std::vector<at::Tensor> tensors{r == me ? device_bytes(mine, counts[r], dev)
-                                                : device_bytes(recv + displs[r], counts[r], dev)};
-        c10d::BroadcastOptions options;
-        options.rootRank = static_cast<std::int64_t>(r);
-        works.push_back(group_->broadcast(tensors, options));
-      }
-      if (coalesce) {
-        works.assign(1, group_->endCoalescing(c10::kCUDA));
-      }
-    } catch (const std::exception& e) {
-      raise_not_issued(e, rank_, what, name_);
-    }
-    for (const auto& work : works) {
-      wait_polled(work, deadline, what);
-    }
+    gather_device_broadcast(mine, recv, counts, displs, dev, deadline);
   }
   if (other_stream) {
     torch_stream.synchronize();
+  }
+}
+
+namespace {
+
+// The widest rank's count, and whether every rank has it.
+struct CountsShape {
+  std::uint64_t widest;
+  bool even;
+};
+
+CountsShape shape_of(std::span<const std::uint64_t> counts) {
+  const std::uint64_t widest = *std::max_element(counts.begin(), counts.end());
+  return {widest, std::all_of(counts.begin(), counts.end(),
+                              [widest](std::uint64_t c) { return c == widest; })};
+}
+
+}  // namespace
+
+bool ProcessGroupCommunicator::device_gather_pads(std::span<const std::uint64_t> counts) const {
+  // The choice reads the counts only, which every rank shares: every rank issues the same
+  // collectives whatever its own displacements.
+  const CountsShape shape = shape_of(counts);
+  if (shape.even || device_gather_ == DeviceGather::kPadded) {
+    return true;
+  }
+  const std::uint64_t total = std::accumulate(counts.begin(), counts.end(), std::uint64_t{0});
+  const std::uint64_t padding = static_cast<std::uint64_t>(size_) * shape.widest - total;
+  return device_gather_ == DeviceGather::kAuto && numbers::kPaddingDivisor * padding <= total;
+}
+
+void ProcessGroupCommunicator::gather_device_padded(const std::byte* mine, std::byte* recv,
+                                                    std::span<const std::uint64_t> counts,
+                                                    std::span<const std::uint64_t> displs,
+                                                    const c10::Device& dev, Deadline deadline) {
+  const char* what = "all_gather_v_device";
+  const auto me = static_cast<std::size_t>(rank_);
+  const auto world = static_cast<std::size_t>(size_);
+  const auto [widest, even] = shape_of(counts);
+  const auto padded_bytes = static_cast<std::int64_t>(world * widest);
+  // Equal blocks already adjacent in `recv` are the padded output itself: no copy out.
+  bool in_place = even;
+  for (std::size_t r = 0; r < world && in_place; ++r) {
+    in_place = displs[r] == displs[0] + r * widest;
+  }
+  at::Tensor input = device_bytes(mine, widest, dev);
+  if (!even) {
+    input = grown(padded_send_, widest, dev).narrow(0, 0, static_cast<std::int64_t>(widest));
+    if (counts[me] != 0) {
+      input.narrow(0, 0, static_cast<std::int64_t>(counts[me]))
+          .copy_(device_bytes(mine, counts[me], dev));
+    }
+  }
+  at::Tensor output = in_place
+                          ? device_bytes(recv + displs[0], world * widest, dev)
+                          : grown(padded_recv_, world * widest, dev).narrow(0, 0, padded_bytes);
+  c10::intrusive_ptr<c10d::Work> work;
+  try {
+    work = all_gather_single(*group_, output, input);
+  } catch (const std::exception& e) {
+    raise_not_issued(e, rank_, what, name_);
+  }
+  wait_polled(work, deadline, what);
+  for (std::size_t r = 0; r < world && !in_place; ++r) {
+    if (counts[r] != 0) {
+      device_bytes(recv + displs[r], counts[r], dev)
+          .copy_(output.narrow(0, static_cast<std::int64_t>(r * widest),
+                               static_cast<std::int64_t>(counts[r])));
+    }
+  }
+}
+
+void ProcessGroupCommunicator::gather_device_broadcast(const std::byte* mine, std::byte* recv,
+                                                       std::span<const std::uint64_t> counts,
+                                                       std::span<const std::uint64_t> displs,
+                                                       const c10::Device& dev, Deadline deadline) {
+  // One broadcast per rank, each straight into its slot; this rank's own bytes by a copy. On
+  // NCCL the broadcasts are one coalesced group (one ncclGroupStart/End), which NCCL >= 2.29
+  // can run as one all-gather-v kernel, and only the group's work is waited for.
+  const char* what = "all_gather_v_device";
+  const auto me = static_cast<std::size_t>(rank_);
+  if (counts[me] != 0) {
+    device_bytes(recv + displs[me], counts[me], dev).copy_(device_bytes(mine, counts[me], dev));
+  }
+  const bool coalesce = backend_name_for(*group_, c10::kCUDA) == "nccl";
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  try {
+    if (coalesce) {
+      group_->startCoalescing(c10::kCUDA);
+    }
+    for (std::size_t r = 0; r < static_cast<std::size_t>(size_); ++r) {
+      if (counts[r] == 0) {
+        continue;
+      }
+      std::vector<at::Tensor> tensors{r == me ? device_bytes(mine, counts[r], dev)
+                                              : device_bytes(recv + displs[r], counts[r], dev)};
+      c10d::BroadcastOptions options;
+      options.rootRank = static_cast<std::int64_t>(r);
+      works.push_back(group_->broadcast(tensors, options));
+    }
+    if (coalesce) {
+      works.assign(1, group_->endCoalescing(c10::kCUDA));
+    }
+  } catch (const std::exception& e) {
+    raise_not_issued(e, rank_, what, name_);
+  }
+  for (const auto& work : works) {
+    wait_polled(work, deadline, what);
   }
 }
 
@@ -334,14 +400,18 @@ void ProcessGroupCommunicator::do_all_gather_v(std::span<const ConstSegment> sen
   gather_p2p(send, recv, counts, displs, deadline, "all_gather_v");
 }
 
+void ProcessGroupCommunicator::check_not_aborted_before(const char* what) const {
+  if (abort_requested_.load()) {
+    throw Aborted("rank " + std::to_string(rank_) + ": abort() before " + what + " on " + name_);
+  }
+}
+
 void ProcessGroupCommunicator::gather_p2p(std::span<const ConstSegment> send, std::byte* recv,
                                           std::span<const std::uint64_t> counts,
                                           std::span<const std::uint64_t> displs, Deadline deadline,
                                           const char* what) {
   const auto me = static_cast<std::size_t>(rank_);
-  if (abort_requested_.load()) {
-    throw Aborted("rank " + std::to_string(rank_) + ": abort() before " + what + " on " + name_);
-  }
+  check_not_aborted_before(what);
   // Receives are posted first (Gloo sends a peer's bytes only once their receive is posted, so
   // each peer can start at once), then this rank's bytes are copied into its own slot while the
   // peers' bytes arrive (the receives write only the other slots), then the slot is the one
@@ -422,9 +492,7 @@ void ProcessGroupCommunicator::scatter_chunked(std::span<const ConstSegment> sen
                                                std::span<const std::size_t> first,
                                                std::span<const std::uint64_t> counts, int root,
                                                Deadline deadline, const char* what) {
-  if (abort_requested_.load()) {
-    throw Aborted("rank " + std::to_string(rank_) + ": abort() before " + what + " on " + name_);
-  }
+  check_not_aborted_before(what);
   const auto world = static_cast<std::size_t>(size_);
   const auto me = static_cast<std::size_t>(rank_);
   const bool receives = root < 0 || root == rank_;
@@ -433,11 +501,12 @@ void ProcessGroupCommunicator::scatter_chunked(std::span<const ConstSegment> sen
   const auto sends_to = [&](std::size_t r) {
     return sends && r != me && (root < 0 || r == static_cast<std::size_t>(root));
   };
-  // The same on every rank (counts are): at most kGatherChunk, less in a large group so that the
+  // The same on every rank (counts are): at most kMaxChunk, less in a large group so that the
   // slots stay within kSlotBudget, and no larger than the largest stream.
   const std::uint64_t largest = *std::max_element(counts.begin(), counts.end());
   const std::uint64_t chunk = std::max<std::uint64_t>(
-      1, std::min({kGatherChunk, std::max(kMinGatherChunk, kSlotBudget / (2 * world)), largest}));
+      1, std::min({numbers::kMaxChunk,
+                   std::max(numbers::kMinChunk, numbers::kSlotBudget / (2 * world)), largest}));
   const auto chunk_of = [&](std::size_t r, std::uint64_t c) {
     const std::uint64_t begin = c * chunk;
     return begin >= counts[r] ? 0 : std::min(chunk, counts[r] - begin);
@@ -535,7 +604,8 @@ void ProcessGroupCommunicator::wait_p2p(Deadline deadline, const char* what) {
     }
     // This thread runs the interrupt check (Python's signal handlers), so the unsliceable wait
     // moves to the helper thread; an interrupt aborts the works, which ends that wait.
-    waiter_.run([&] { wait_p2p_here(deadline, what); }, [this] { check_interrupt(); }, kWaitSlice);
+    waiter_.run([&] { wait_p2p_here(deadline, what); }, [this] { check_interrupt(); },
+                numbers::kWaitSlice);
   } catch (...) {
     // An aborted wait leaves its transfers posted: a peer that came later would still move the
     // caller's bytes after this call returned (into freed memory, or pairing with a call that
@@ -568,7 +638,7 @@ void ProcessGroupCommunicator::close_p2p_context() noexcept {
   try {
     std::vector<at::Tensor> one{at::empty({1}, at::TensorOptions().dtype(at::kByte))};
     const c10::intrusive_ptr<c10d::Work> work = group_->recv(one, (rank_ + 1) % size_, kCloseTag);
-    (void)work->wait(std::chrono::milliseconds(1));
+    (void)work->wait(numbers::kCloseWait);
   } catch (...) {  // NOLINT(bugprone-empty-catch): the expected outcome (closed, or already)
   }
 }
@@ -614,6 +684,25 @@ void ProcessGroupCommunicator::wait_p2p_here(Deadline deadline, const char* what
   }
 }
 
+namespace {
+
+// Each rank's host, hosts numbered in the order of their lowest rank, from every rank's host
+// facts (the name's hash first).
+std::vector<int> hosts_by_name(const std::vector<std::array<std::uint64_t, 3>>& all) {
+  std::vector<int> hosts;
+  std::vector<std::uint64_t> names;
+  for (const auto& r : all) {
+    const auto at = std::find(names.begin(), names.end(), r[0]);
+    hosts.push_back(static_cast<int>(at - names.begin()));
+    if (at == names.end()) {
+      names.push_back(r[0]);
+    }
+  }
+  return hosts;
+}
+
+}  // namespace
+
 int ProcessGroupCommunicator::count_ranks_on_host(Deadline deadline) {
   if (size_ == 1) {
     hosts_ = {0};
@@ -642,30 +731,19 @@ int ProcessGroupCommunicator::count_ranks_on_host(Deadline deadline) {
   if (!std::all_of(all.begin(), all.end(), [&](const auto& r) { return r[2] == all[0][2]; })) {
     device_gather_ = DeviceGather::kAuto;
   }
-  // Hosts numbered in the order of their lowest rank.
-  std::vector<std::uint64_t> names;
-  for (const auto& r : all) {
-    const auto at = std::find(names.begin(), names.end(), r[0]);
-    hosts_.push_back(static_cast<int>(at - names.begin()));
-    if (at == names.end()) {
-      names.push_back(r[0]);
-    }
-  }
-  const auto by_name = static_cast<int>(
-      std::count_if(all.begin(), all.end(), [&](const auto& r) { return r[0] == mine[0]; }));
+  hosts_ = hosts_by_name(all);
   if (env_agrees && all[0][1] != 0) {
     const auto local = static_cast<int>(all[0][1]);
     // Decided from the table every rank holds, so every rank decides alike: where some host's
     // name count differs from the variable, which rank is where is unknown.
-    for (const int h : hosts_) {
-      if (std::count(hosts_.begin(), hosts_.end(), h) != local) {
-        hosts_.clear();
-        break;
-      }
+    if (std::any_of(hosts_.begin(), hosts_.end(),
+                    [&](int h) { return std::count(hosts_.begin(), hosts_.end(), h) != local; })) {
+      hosts_.clear();
     }
     return local;
   }
-  return by_name;
+  return static_cast<int>(
+      std::count_if(all.begin(), all.end(), [&](const auto& r) { return r[0] == mine[0]; }));
 }
 
 void ProcessGroupCommunicator::do_all_to_all_scatter(std::span<const ConstSegment> send,
@@ -675,15 +753,13 @@ void ProcessGroupCommunicator::do_all_to_all_scatter(std::span<const ConstSegmen
                                                      Deadline deadline) {
   // Reached only where capabilities().all_to_all (point to point); the base checks it.
   const char* what = "all_to_all_scatter";
-  if (abort_requested_.load()) {
-    throw Aborted("rank " + std::to_string(rank_) + ": abort() before " + what + " on " + name_);
-  }
+  check_not_aborted_before(what);
   const auto world = static_cast<std::size_t>(size_);
   const auto me = static_cast<std::size_t>(rank_);
   const auto to = [&](std::size_t p) { return rank_part(send, send_first, p); };
   const auto from = [&](std::size_t q) { return rank_part(pieces, first, q); };
   copy_stream(to(me), from(me));
-  // Each pair's bytes go in messages of at most kGatherChunk, cut at the same offsets on both
+  // Each pair's bytes go in messages of at most kMaxChunk, cut at the same offsets on both
   // sides (both know the pair's total), one round per chunk index so that a pair has one
   // message in flight each way. A message goes from, or lands in, the caller's memory where one
   // contiguous run holds it, else through a staging buffer.
@@ -694,15 +770,15 @@ void ProcessGroupCommunicator::do_all_to_all_scatter(std::span<const ConstSegmen
     if (r != me) {
       out_bytes[r] = stream_bytes(to(r));
       in_bytes[r] = stream_bytes(from(r));
-      rounds =
-          std::max(rounds, (std::max(out_bytes[r], in_bytes[r]) + kGatherChunk - 1) / kGatherChunk);
+      rounds = std::max(rounds, (std::max(out_bytes[r], in_bytes[r]) + numbers::kMaxChunk - 1) /
+                                    numbers::kMaxChunk);
     }
   }
   const auto contiguous = [](const std::vector<RecvPiece>& run) {
     return run.size() == 1 && run[0].count == 1;
   };
   for (std::uint64_t c = 0; c < rounds; ++c) {
-    const std::uint64_t begin = c * kGatherChunk;
+    const std::uint64_t begin = c * numbers::kMaxChunk;
     std::vector<at::Tensor> outgoing(world);
     std::vector<at::Tensor> incoming(world);
     std::vector<std::vector<RecvPiece>> land(world);  // staged receives, copied out after
@@ -711,7 +787,7 @@ void ProcessGroupCommunicator::do_all_to_all_scatter(std::span<const ConstSegmen
         continue;
       }
       if (begin < out_bytes[r]) {
-        const std::uint64_t end = std::min(out_bytes[r], begin + kGatherChunk);
+        const std::uint64_t end = std::min(out_bytes[r], begin + numbers::kMaxChunk);
         const std::vector<RecvPiece> run = slice_segments(to(r), begin, end);
         if (contiguous(run)) {
           outgoing[r] = host_bytes(run[0].data, end - begin);
@@ -729,7 +805,7 @@ void ProcessGroupCommunicator::do_all_to_all_scatter(std::span<const ConstSegmen
         }
       }
       if (begin < in_bytes[r]) {
-        const std::uint64_t end = std::min(in_bytes[r], begin + kGatherChunk);
+        const std::uint64_t end = std::min(in_bytes[r], begin + numbers::kMaxChunk);
         std::vector<RecvPiece> run = slice_pieces(from(r), begin, end);
         if (contiguous(run)) {
           incoming[r] = host_bytes(run[0].data, end - begin);

@@ -18,7 +18,10 @@
 //     stream (params.cc). Uneven counts: one broadcast per rank into its slot (coalesced into
 //     one group on NCCL), or one padded
 //     all_gather_into_tensor and a copy out; SHARDGATHER_DEVICE_GATHER=broadcast|padded picks
-//     one, else broadcast unless padding adds at most 1/8 of the bytes (docs/gpu.md).
+//     one, else broadcast unless padding adds at most 1/8 of the bytes (docs/gpu.md). That rule
+//     is policy, not a fact of the transport: it is the transport's default until the strategy
+//     layer takes the choice over (the Communicator interface has no say in it yet). Every
+//     number this transport carries is at the top of process_group.cc, with what it bounds.
 //
 // This transport states facts and holds no strategy: without point to point (NCCL, or
 // `p2p=false`) it has only c10d's equal-size allgather (capabilities().gather_v false), and the
@@ -75,8 +78,8 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include "transport/host_mailbox.h"
 #include "transport/backends/torch/waiter.h"
+#include "transport/host_mailbox.h"
 
 #include "shardgather/communicator.h"
 
@@ -146,8 +149,8 @@ class ProcessGroupCommunicator final : public Communicator {
   void do_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                          std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
                          int root, Deadline deadline) override;
-  // Point to point (Gloo, host memory): each pair's bytes in messages of at most kGatherChunk,
-  // one round per chunk; staged only where a message spans segments or strided pieces.
+  // Point to point (Gloo, host memory): each pair's bytes in messages of at most 8 MiB, one
+  // round per chunk; staged only where a message spans segments or strided pieces.
   void do_all_to_all_scatter(std::span<const ConstSegment> send,
                              std::span<const std::size_t> send_first,
                              std::span<const RecvPiece> pieces, std::span<const std::size_t> first,
@@ -164,23 +167,30 @@ class ProcessGroupCommunicator final : public Communicator {
   // set the same, else kAuto (agreed at construction, count_ranks_on_host).
   enum class DeviceGather { kAuto, kBroadcast, kPadded };
   [[nodiscard]] DeviceGather device_gather() const noexcept { return device_gather_; }
-  // scatter_chunked's chunk: at most kGatherChunk, at least kMinGatherChunk unless the streams
-  // are smaller, and 2 x world chunks within kSlotBudget.
-  static constexpr std::uint64_t kGatherChunk = std::uint64_t{8} << 20;
-  static constexpr std::uint64_t kMinGatherChunk = std::uint64_t{256} << 10;
-  static constexpr std::uint64_t kSlotBudget = std::uint64_t{64} << 20;
 
  private:
   // Posts works under inflight_mu_ (abort() sees them, or its flag is seen right after).
   void post(const std::function<void()>& issue, const char* what);
   // A scatter over point to point, to every rank (root < 0) or to `root`, in rounds of one
-  // chunk per sender (at most kGatherChunk): a sender's chunk goes from its shard (or one of two
+  // chunk per sender (at most 8 MiB): a sender's chunk goes from its shard (or one of two
   // staging slots) to each receiver, which receives it into one of two slots per sender and copies
-  // it out while the next round is on the wire. The extra memory is at most kSlotBudget on a
+  // it out while the next round is on the wire. The extra memory is within the slot budget on a
   // receiver and two chunks on a rank that only sends, never the gathered bytes.
   void scatter_chunked(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                        std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
                        int root, Deadline deadline, const char* what);
+  // The device gather's two forms (do_all_gather_v_device chooses).
+  [[nodiscard]] bool device_gather_pads(std::span<const std::uint64_t> counts) const;
+  void gather_device_padded(const std::byte* mine, std::byte* recv,
+                            std::span<const std::uint64_t> counts,
+                            std::span<const std::uint64_t> displs, const c10::Device& dev,
+                            Deadline deadline);
+  void gather_device_broadcast(const std::byte* mine, std::byte* recv,
+                               std::span<const std::uint64_t> counts,
+                               std::span<const std::uint64_t> displs, const c10::Device& dev,
+                               Deadline deadline);
+  // Raises Aborted when abort() came before a point-to-point call posts anything.
+  void check_not_aborted_before(const char* what) const;
   // Waits for a device collective: polls completion against the deadline, then waits without a
   // timeout (NCCL aborts its communicator when a wait's timeout passes).
   void wait_polled(const c10::intrusive_ptr<c10d::Work>& work, Deadline deadline, const char* what);
