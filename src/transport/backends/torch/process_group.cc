@@ -18,8 +18,8 @@
 #include <c10/util/Exception.h>
 
 #include "copies/device_runtime.h"
-#include "transport/graveyard.h"
 #include "transport/backends/torch/torch_compat.h"
+#include "transport/graveyard.h"
 #include <unistd.h>
 
 #include "shardgather/copy.h"
@@ -30,9 +30,55 @@ namespace shardgather::detail {
 
 namespace {
 
+// Every number this transport carries, with what it bounds. All but the last are mechanism: how
+// soon the transport notices an event, or how much memory of its own it holds while it moves
+// the bytes it is handed; nothing above the transport sees either. The last is policy (which of
+// two moves of the same bytes is faster), the transport's default until the strategy layer
+// takes that choice over (process_group.h, "Device memory").
+namespace numbers {
+
 // Work::wait is called in slices of this length so that abort() and the deadline are noticed
-// while c10d blocks; a slice that expires costs one c10::Error, cheap at this period.
+// while c10d blocks (and an interrupt while a helper thread waits on Gloo); a slice that expires
+// costs one c10::Error, cheap at this period.
 constexpr std::chrono::milliseconds kWaitSlice{50};
+// How often a device collective's completion is polled against the deadline (wait_polled).
+constexpr std::chrono::microseconds kDevicePoll{100};
+// close_p2p_context's receive on kCloseTag exists only to time out, which closes the context.
+constexpr std::chrono::milliseconds kCloseWait{1};
+
+// The chunked exchange (exchange_chunked, both scatters): a pair's bytes move in chunks of at
+// most kMaxChunk, smaller in large groups so that every slot a rank may hold (two chunks per
+// stream) fits in kSlotBudget, but never below kMinChunk: in a group so large that the budget
+// would cut chunks smaller, the slots exceed it instead. They bound the transport's own
+// staging, whatever the bytes moved: where a chunk is cut is the transport's business, and both
+// sides of a pair derive it from facts both hold.
+constexpr std::uint64_t kMaxChunk = std::uint64_t{8} << 20;
+constexpr std::uint64_t kMinChunk = std::uint64_t{256} << 10;
+constexpr std::uint64_t kSlotBudget = std::uint64_t{64} << 20;
+
+// Policy: an uneven device gather under kAuto is one padded all-gather when the padding adds at
+// most 1/kPaddingDivisor of the bytes, else one broadcast per rank (docs/gpu.md).
+constexpr std::uint64_t kPaddingDivisor = 8;
+
+}  // namespace numbers
+
+// The chunk for an exchange in which a rank may hold up to `slots` slots of one chunk each.
+constexpr std::uint64_t chunk_within_budget(std::uint64_t slots) {
+  return std::min(
+      numbers::kMaxChunk,
+      std::max(numbers::kMinChunk, numbers::kSlotBudget / std::max<std::uint64_t>(slots, 1)));
+}
+
+// How many bytes of a stream of `bytes` chunk c holds (0 past its end).
+constexpr std::uint64_t chunk_bytes(std::uint64_t bytes, std::uint64_t chunk, std::uint64_t c) {
+  const std::uint64_t begin = c * chunk;
+  return begin >= bytes ? 0 : std::min(chunk, bytes - begin);
+}
+
+// The one run a sliced chunk is, if it is one (else nullptr): it can move in place.
+std::byte* one_run(const std::vector<RecvPiece>& run) {
+  return run.size() == 1 && run[0].count == 1 ? run[0].data : nullptr;
+}
 
 // c10d rejects a call with c10::Error; Gloo's transport throws its own exceptions (IoException,
 // a std::runtime_error) straight through c10d when a peer's connection is gone. (Newer torch
@@ -120,10 +166,10 @@ void ProcessGroupCommunicator::wait(const c10::intrusive_ptr<c10d::Work>& work, 
                     " passed its deadline waiting for peers (the c10d work cannot be cancelled: "
                     "the communicator is poisoned; rebuild the group or end the process)");
     }
-    auto slice = kWaitSlice;
+    auto slice = numbers::kWaitSlice;
     if (deadline != Deadline::max()) {
       slice = std::clamp(std::chrono::ceil<std::chrono::milliseconds>(deadline - now),
-                         std::chrono::milliseconds(1), kWaitSlice);
+                         std::chrono::milliseconds(1), numbers::kWaitSlice);
     }
     try {
       work->wait(slice);
@@ -221,7 +267,7 @@ void ProcessGroupCommunicator::wait_polled(const c10::intrusive_ptr<c10d::Work>&
                     " passed its deadline waiting for peers (the c10d work cannot be cancelled: "
                     "the communicator is poisoned; rebuild the group or end the process)");
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    std::this_thread::sleep_for(numbers::kDevicePoll);
   }
   try {
     work->wait();
@@ -234,7 +280,6 @@ void ProcessGroupCommunicator::wait_polled(const c10::intrusive_ptr<c10d::Work>&
 void ProcessGroupCommunicator::do_all_gather_v_device(
     std::span<const ConstSegment> send, std::byte* recv, std::span<const std::uint64_t> counts,
     std::span<const std::uint64_t> displs, const Device& device, void* stream, Deadline deadline) {
-  const char* what = "all_gather_v_device";
   const c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(device.index));
   // c10d orders its work after torch's current stream and makes that stream wait for it. A
   // blocking call runs on that stream already (params.cc made it the call's); a started one
@@ -246,83 +291,121 @@ void ProcessGroupCommunicator::do_all_gather_v_device(
   if (other_stream) {
     detail::sync_stream(stream);
   }
-  const auto me = static_cast<std::size_t>(rank_);
-  const auto world = static_cast<std::size_t>(size_);
   const std::byte* mine = send.empty() ? nullptr : send.front().data;  // one segment (device.cc)
-  const std::uint64_t widest = *std::max_element(counts.begin(), counts.end());
-  const std::uint64_t total = std::accumulate(counts.begin(), counts.end(), std::uint64_t{0});
-  // The choice reads the counts only, which every rank shares: every rank issues the same
-  // collectives whatever its own displacements.
-  const bool even =
-      std::all_of(counts.begin(), counts.end(), [widest](std::uint64_t c) { return c == widest; });
-  const bool padded =
-      even || device_gather_ == DeviceGather::kPadded ||
-      (device_gather_ == DeviceGather::kAuto && 8 * (world * widest - total) <= total);
-  if (padded) {
-    bool in_place = even;
-    for (std::size_t r = 0; r < world && in_place; ++r) {
-      in_place = displs[r] == displs[0] + r * widest;
-    }
-    at::Tensor input = device_bytes(mine, widest, dev);
-    if (!even) {
-      input = grown(padded_send_, widest, dev).narrow(0, 0, static_cast<std::int64_t>(widest));
-      if (counts[me] != 0) {
-        input.narrow(0, 0, static_cast<std::int64_t>(counts[me]))
-            .copy_(device_bytes(mine, counts[me], dev));
-      }
-    }
-    at::Tensor output = in_place ? device_bytes(recv + displs[0], world * widest, dev)
-                                 : grown(padded_recv_, world * widest, dev)
-                                       .narrow(0, 0, static_cast<std::int64_t>(world * widest));
-    c10::intrusive_ptr<c10d::Work> work;
-    try {
-      work = all_gather_single(*group_, output, input);
-    } catch (const std::exception& e) {
-      raise_not_issued(e, rank_, what, name_);
-    }
-    wait_polled(work, deadline, what);
-    for (std::size_t r = 0; r < world && !in_place; ++r) {
-      if (counts[r] != 0) {
-        device_bytes(recv + displs[r], counts[r], dev)
-            .copy_(output.narrow(0, static_cast<std::int64_t>(r * widest),
-                                 static_cast<std::int64_t>(counts[r])));
-      }
-    }
+  if (device_gather_pads(counts)) {
+    gather_device_padded(mine, recv, counts, displs, dev, deadline);
   } else {
-    // One broadcast per rank, each straight into its slot; this rank's own bytes by a copy. On
-    // NCCL the broadcasts are one coalesced group (one ncclGroupStart/End), which NCCL >= 2.29
-    // can run as one all-gather-v kernel, and only the group's work is waited for.
-    if (counts[me] != 0) {
-      device_bytes(recv + displs[me], counts[me], dev).copy_(device_bytes(mine, counts[me], dev));
-    }
-    const bool coalesce = backend_name_for(*group_, c10::kCUDA) == "nccl";
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    try {
-      if (coalesce) {
-        group_->startCoalescing(c10::kCUDA);
-      }
-      for (std::size_t r = 0; r < world; ++r) {
-        if (counts[r] == 0) {
-          continue;
-        }
-        std::vector<at::Tensor> tensors{r == me ? device_bytes(mine, counts[r], dev)
-                                                : device_bytes(recv + displs[r], counts[r], dev)};
-        c10d::BroadcastOptions options;
-        options.rootRank = static_cast<std::int64_t>(r);
-        works.push_back(group_->broadcast(tensors, options));
-      }
-      if (coalesce) {
-        works.assign(1, group_->endCoalescing(c10::kCUDA));
-      }
-    } catch (const std::exception& e) {
-      raise_not_issued(e, rank_, what, name_);
-    }
-    for (const auto& work : works) {
-      wait_polled(work, deadline, what);
-    }
+    gather_device_broadcast(mine, recv, counts, displs, dev, deadline);
   }
   if (other_stream) {
     torch_stream.synchronize();
+  }
+}
+
+namespace {
+
+// The widest rank's count, and whether every rank has it.
+struct CountsShape {
+  std::uint64_t widest;
+  bool even;
+};
+
+CountsShape shape_of(std::span<const std::uint64_t> counts) {
+  const std::uint64_t widest = *std::max_element(counts.begin(), counts.end());
+  return {widest, std::all_of(counts.begin(), counts.end(),
+                              [widest](std::uint64_t c) { return c == widest; })};
+}
+
+}  // namespace
+
+bool ProcessGroupCommunicator::device_gather_pads(std::span<const std::uint64_t> counts) const {
+  // The choice reads the counts only, which every rank shares: every rank issues the same
+  // collectives whatever its own displacements.
+  const CountsShape shape = shape_of(counts);
+  if (shape.even || device_gather_ == DeviceGather::kPadded) {
+    return true;
+  }
+  const std::uint64_t total = std::accumulate(counts.begin(), counts.end(), std::uint64_t{0});
+  const std::uint64_t padding = static_cast<std::uint64_t>(size_) * shape.widest - total;
+  return device_gather_ == DeviceGather::kAuto && numbers::kPaddingDivisor * padding <= total;
+}
+
+void ProcessGroupCommunicator::gather_device_padded(const std::byte* mine, std::byte* recv,
+                                                    std::span<const std::uint64_t> counts,
+                                                    std::span<const std::uint64_t> displs,
+                                                    const c10::Device& dev, Deadline deadline) {
+  const char* what = "all_gather_v_device";
+  const auto me = static_cast<std::size_t>(rank_);
+  const auto world = static_cast<std::size_t>(size_);
+  const auto [widest, even] = shape_of(counts);
+  const auto padded_len = static_cast<std::int64_t>(world * widest);
+  // Equal blocks already adjacent in `recv` are the padded output itself: no copy out.
+  bool in_place = even;
+  for (std::size_t r = 0; r < world && in_place; ++r) {
+    in_place = displs[r] == displs[0] + r * widest;
+  }
+  at::Tensor input = device_bytes(mine, widest, dev);
+  if (!even) {
+    input = grown(padded_send_, widest, dev).narrow(0, 0, static_cast<std::int64_t>(widest));
+    if (counts[me] != 0) {
+      input.narrow(0, 0, static_cast<std::int64_t>(counts[me]))
+          .copy_(device_bytes(mine, counts[me], dev));
+    }
+  }
+  at::Tensor output = in_place ? device_bytes(recv + displs[0], world * widest, dev)
+                               : grown(padded_recv_, world * widest, dev).narrow(0, 0, padded_len);
+  c10::intrusive_ptr<c10d::Work> work;
+  try {
+    work = all_gather_single(*group_, output, input);
+  } catch (const std::exception& e) {
+    raise_not_issued(e, rank_, what, name_);
+  }
+  wait_polled(work, deadline, what);
+  for (std::size_t r = 0; r < world && !in_place; ++r) {
+    if (counts[r] != 0) {
+      device_bytes(recv + displs[r], counts[r], dev)
+          .copy_(output.narrow(0, static_cast<std::int64_t>(r * widest),
+                               static_cast<std::int64_t>(counts[r])));
+    }
+  }
+}
+
+void ProcessGroupCommunicator::gather_device_broadcast(const std::byte* mine, std::byte* recv,
+                                                       std::span<const std::uint64_t> counts,
+                                                       std::span<const std::uint64_t> displs,
+                                                       const c10::Device& dev, Deadline deadline) {
+  // One broadcast per rank, each straight into its slot; this rank's own bytes by a copy. On
+  // NCCL the broadcasts are one coalesced group (one ncclGroupStart/End), which NCCL >= 2.29
+  // can run as one all-gather-v kernel, and only the group's work is waited for.
+  const char* what = "all_gather_v_device";
+  const auto me = static_cast<std::size_t>(rank_);
+  if (counts[me] != 0) {
+    device_bytes(recv + displs[me], counts[me], dev).copy_(device_bytes(mine, counts[me], dev));
+  }
+  const bool coalesce = backend_name_for(*group_, c10::kCUDA) == "nccl";
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  try {
+    if (coalesce) {
+      group_->startCoalescing(c10::kCUDA);
+    }
+    for (std::size_t r = 0; r < static_cast<std::size_t>(size_); ++r) {
+      if (counts[r] == 0) {
+        continue;
+      }
+      std::vector<at::Tensor> tensors{r == me ? device_bytes(mine, counts[r], dev)
+                                              : device_bytes(recv + displs[r], counts[r], dev)};
+      c10d::BroadcastOptions options;
+      options.rootRank = static_cast<std::int64_t>(r);
+      works.push_back(group_->broadcast(tensors, options));
+    }
+    if (coalesce) {
+      works.assign(1, group_->endCoalescing(c10::kCUDA));
+    }
+  } catch (const std::exception& e) {
+    raise_not_issued(e, rank_, what, name_);
+  }
+  for (const auto& work : works) {
+    wait_polled(work, deadline, what);
   }
 }
 
@@ -334,14 +417,18 @@ void ProcessGroupCommunicator::do_all_gather_v(std::span<const ConstSegment> sen
   gather_p2p(send, recv, counts, displs, deadline, "all_gather_v");
 }
 
+void ProcessGroupCommunicator::check_not_aborted_before(const char* what) const {
+  if (abort_requested_.load()) {
+    throw Aborted("rank " + std::to_string(rank_) + ": abort() before " + what + " on " + name_);
+  }
+}
+
 void ProcessGroupCommunicator::gather_p2p(std::span<const ConstSegment> send, std::byte* recv,
                                           std::span<const std::uint64_t> counts,
                                           std::span<const std::uint64_t> displs, Deadline deadline,
                                           const char* what) {
   const auto me = static_cast<std::size_t>(rank_);
-  if (abort_requested_.load()) {
-    throw Aborted("rank " + std::to_string(rank_) + ": abort() before " + what + " on " + name_);
-  }
+  check_not_aborted_before(what);
   // Receives are posted first (Gloo sends a peer's bytes only once their receive is posted, so
   // each peer can start at once), then this rank's bytes are copied into its own slot while the
   // peers' bytes arrive (the receives write only the other slots), then the slot is the one
@@ -417,114 +504,261 @@ void ProcessGroupCommunicator::do_gather_scatter(std::span<const ConstSegment> s
   scatter_chunked(send, pieces, first, counts, root, deadline, "gather_scatter");
 }
 
+// What one chunked exchange moves: each stream between this rank and its peers, cut into chunks
+// of `chunk` bytes at the same offsets on both sides of the pair (both sides know its length).
+struct ProcessGroupCommunicator::ChunkedExchange {
+  // A stream this rank sends, the same bytes to each of `peers` (a gather's shard goes to every
+  // receiver, and each of its chunks is packed once).
+  struct Outgoing {
+    std::span<const ConstSegment> segments;
+    std::uint64_t bytes = 0;
+    std::vector<int> peers;      // in posting order
+    std::byte* slots = nullptr;  // two chunks, where a chunk may span segments
+    ConstSegment now;            // this round's chunk: in `segments`, or packed into a slot
+  };
+  // A stream this rank receives from `peer`.
+  struct Incoming {
+    std::span<const RecvPiece> pieces;
+    std::uint64_t bytes = 0;
+    int peer = 0;
+    std::byte* slots = nullptr;  // two chunks, where a chunk may not land in one run
+    std::byte* now = nullptr;    // where this round's chunk lands: in `pieces`, or a slot
+    // For chunk c in slot c % 2: the pieces it is copied to once it has arrived.
+    std::array<std::vector<RecvPiece>, 2> staged;
+  };
+
+  std::uint64_t chunk = 1;
+  bool receive_in_slots = false;  // even a chunk that could land in place
+  std::vector<Outgoing> out;
+  std::vector<Incoming> in;
+
+  // Adds a stream this rank receives from `peer`, or one it sends (to the peers the caller
+  // adds, in posting order).
+  void receive(std::span<const RecvPiece> pieces, std::uint64_t bytes, int peer) {
+    Incoming& i = in.emplace_back();
+    i.pieces = pieces;
+    i.bytes = bytes;
+    i.peer = peer;
+  }
+  Outgoing& send(std::span<const ConstSegment> segments, std::uint64_t bytes) {
+    Outgoing& o = out.emplace_back();
+    o.segments = segments;
+    o.bytes = bytes;
+    return o;
+  }
+
+  [[nodiscard]] std::uint64_t rounds() const;
+  // The bytes the slots of every stream that needs them take in all.
+  [[nodiscard]] std::uint64_t slot_bytes() const;
+  // Lays the slots out from `base`, two chunks (at most the stream) per stream that needs them.
+  void place_slots(std::byte* base);
+  // Chunk c of every stream: where it is sent from and where it lands.
+  void prepare(std::uint64_t c);
+  // Copies round c's chunks that arrived in slots out to their pieces.
+  void land(std::uint64_t c);
+
+ private:
+  // A stream of one run (one segment, one unstrided piece) never does: each chunk of it is one.
+  [[nodiscard]] bool needs_slots(const Outgoing& o) const;
+  [[nodiscard]] bool needs_slots(const Incoming& i) const;
+  // Chunk c's slot: slot c % 2; its last user, chunk c - 2, was sent or copied out before
+  // round c - 1 was waited for, and round c is posted only after that wait.
+  [[nodiscard]] std::byte* slot(std::byte* slots, std::uint64_t bytes, std::uint64_t c) const {
+    return slots + (c % 2) * std::min(chunk, bytes);
+  }
+  void prepare(Outgoing& o, std::uint64_t c);
+  void prepare(Incoming& i, std::uint64_t c);
+};
+
+std::uint64_t ProcessGroupCommunicator::ChunkedExchange::rounds() const {
+  std::uint64_t longest = 0;
+  for (const Outgoing& o : out) {
+    longest = std::max(longest, o.peers.empty() ? 0 : o.bytes);
+  }
+  for (const Incoming& i : in) {
+    longest = std::max(longest, i.bytes);
+  }
+  return (longest + chunk - 1) / chunk;
+}
+
+bool ProcessGroupCommunicator::ChunkedExchange::needs_slots(const Outgoing& o) const {
+  return std::count_if(o.segments.begin(), o.segments.end(),
+                       [](const ConstSegment& s) { return s.size != 0; }) > 1;
+}
+
+bool ProcessGroupCommunicator::ChunkedExchange::needs_slots(const Incoming& i) const {
+  const auto filled = [](const RecvPiece& p) { return p.block * p.count != 0; };
+  const auto at = std::find_if(i.pieces.begin(), i.pieces.end(), filled);
+  return receive_in_slots || at == i.pieces.end() || at->count != 1 ||
+         std::any_of(at + 1, i.pieces.end(), filled);
+}
+
+std::uint64_t ProcessGroupCommunicator::ChunkedExchange::slot_bytes() const {
+  std::uint64_t bytes = 0;
+  for (const Outgoing& o : out) {
+    bytes += needs_slots(o) ? 2 * std::min(chunk, o.bytes) : 0;
+  }
+  for (const Incoming& i : in) {
+    bytes += needs_slots(i) ? 2 * std::min(chunk, i.bytes) : 0;
+  }
+  return bytes;
+}
+
+void ProcessGroupCommunicator::ChunkedExchange::place_slots(std::byte* base) {
+  for (Outgoing& o : out) {
+    if (needs_slots(o)) {
+      o.slots = base;
+      base += 2 * std::min(chunk, o.bytes);
+    }
+  }
+  for (Incoming& i : in) {
+    if (needs_slots(i)) {
+      i.slots = base;
+      base += 2 * std::min(chunk, i.bytes);
+    }
+  }
+}
+
+void ProcessGroupCommunicator::ChunkedExchange::prepare(std::uint64_t c) {
+  for (Outgoing& o : out) {
+    prepare(o, c);
+  }
+  for (Incoming& i : in) {
+    prepare(i, c);
+  }
+}
+
+void ProcessGroupCommunicator::ChunkedExchange::prepare(Outgoing& o, std::uint64_t c) {
+  const std::uint64_t len = chunk_bytes(o.bytes, chunk, c);
+  o.now = {};
+  if (len == 0) {
+    return;
+  }
+  const std::vector<RecvPiece> run = slice_segments(o.segments, c * chunk, c * chunk + len);
+  if (const std::byte* at = one_run(run); at != nullptr) {
+    o.now = {at, len};
+    return;
+  }
+  std::vector<ConstSegment> from;
+  from.reserve(run.size());
+  for (const RecvPiece& p : run) {
+    for (std::uint64_t k = 0; k < p.count; ++k) {
+      from.push_back({p.data + k * p.stride, p.block});
+    }
+  }
+  const RecvPiece into{slot(o.slots, o.bytes, c), len, 1, 0};
+  copy_stream(from, std::span(&into, 1));
+  o.now = {into.data, len};
+}
+
+void ProcessGroupCommunicator::ChunkedExchange::prepare(Incoming& i, std::uint64_t c) {
+  const std::uint64_t len = chunk_bytes(i.bytes, chunk, c);
+  i.now = nullptr;
+  if (len == 0) {
+    return;
+  }
+  std::vector<RecvPiece> run = slice_pieces(i.pieces, c * chunk, c * chunk + len);
+  i.now = receive_in_slots ? nullptr : one_run(run);
+  if (i.now == nullptr) {
+    i.now = slot(i.slots, i.bytes, c);
+    i.staged[c % 2] = std::move(run);
+  }
+}
+
+void ProcessGroupCommunicator::ChunkedExchange::land(std::uint64_t c) {
+  for (Incoming& i : in) {
+    std::vector<RecvPiece>& into = i.staged[c % 2];
+    if (!into.empty()) {
+      const ConstSegment got{slot(i.slots, i.bytes, c), chunk_bytes(i.bytes, chunk, c)};
+      copy_stream(std::span(&got, 1), into);
+      into.clear();
+    }
+  }
+}
+
+void ProcessGroupCommunicator::exchange_chunked(ChunkedExchange& x, Deadline deadline,
+                                                const char* what) {
+  const std::uint64_t rounds = x.rounds();
+  if (rounds == 0) {
+    return;
+  }
+  if (const std::uint64_t bytes = x.slot_bytes(); bytes != 0) {
+    x.place_slots(static_cast<std::byte*>(scratch(chunk_slots_, bytes).data_ptr()));
+  }
+  // Packing runs before posting, outside inflight_mu_: abort() never waits for a copy.
+  const auto post_round = [&](std::uint64_t c) {
+    x.prepare(c);
+    post([&] { issue_round(x, c); }, what);
+  };
+  post_round(0);
+  wait_p2p(deadline, what);
+  for (std::uint64_t c = 0; c < rounds; ++c) {
+    // Round c + 1 is on the wire while round c is copied out.
+    if (c + 1 < rounds) {
+      post_round(c + 1);
+    }
+    x.land(c);
+    if (c + 1 < rounds) {
+      wait_p2p(deadline, what);
+    }
+  }
+}
+
+void ProcessGroupCommunicator::issue_round(const ChunkedExchange& x, std::uint64_t c) {
+  // Receives first: Gloo sends a peer's bytes only once their receive is posted.
+  inflight_.clear();
+  for (const ChunkedExchange::Incoming& i : x.in) {
+    if (i.now != nullptr) {
+      p2p_tensors_.assign(1, host_bytes(i.now, chunk_bytes(i.bytes, x.chunk, c)));
+      inflight_.push_back(group_->recv(p2p_tensors_, i.peer, kP2PTag));
+    }
+  }
+  for (const ChunkedExchange::Outgoing& o : x.out) {
+    for (const int to : o.peers) {
+      if (o.now.size != 0) {
+        p2p_tensors_.assign(1, host_bytes(o.now.data, o.now.size));
+        inflight_.push_back(group_->send(p2p_tensors_, to, kP2PTag));
+      }
+    }
+  }
+}
+
 void ProcessGroupCommunicator::scatter_chunked(std::span<const ConstSegment> send,
                                                std::span<const RecvPiece> pieces,
                                                std::span<const std::size_t> first,
                                                std::span<const std::uint64_t> counts, int root,
                                                Deadline deadline, const char* what) {
-  if (abort_requested_.load()) {
-    throw Aborted("rank " + std::to_string(rank_) + ": abort() before " + what + " on " + name_);
-  }
+  check_not_aborted_before(what);
   const auto world = static_cast<std::size_t>(size_);
   const auto me = static_cast<std::size_t>(rank_);
   const bool receives = root < 0 || root == rank_;
   const bool sends = root != rank_ && counts[me] != 0;
-  const auto receives_from = [&](std::size_t r) { return receives && r != me; };
-  const auto sends_to = [&](std::size_t r) {
-    return sends && r != me && (root < 0 || r == static_cast<std::size_t>(root));
-  };
-  // The same on every rank (counts are): at most kGatherChunk, less in a large group so that the
-  // slots stay within kSlotBudget, and no larger than the largest stream.
+  ChunkedExchange x;
+  // The same on every rank (counts are): a receiver holds 2 x world slots (two for its own
+  // chunks), and no chunk need be larger than the largest stream.
   const std::uint64_t largest = *std::max_element(counts.begin(), counts.end());
-  const std::uint64_t chunk = std::max<std::uint64_t>(
-      1, std::min({kGatherChunk, std::max(kMinGatherChunk, kSlotBudget / (2 * world)), largest}));
-  const auto chunk_of = [&](std::size_t r, std::uint64_t c) {
-    const std::uint64_t begin = c * chunk;
-    return begin >= counts[r] ? 0 : std::min(chunk, counts[r] - begin);
-  };
-  std::uint64_t rounds = 0;
-  for (std::size_t r = 0; r < world; ++r) {
-    if (receives_from(r) || (r == me && sends)) {
-      rounds = std::max(rounds, (counts[r] + chunk - 1) / chunk);
-    }
-  }
+  x.chunk = std::max<std::uint64_t>(1, std::min(chunk_within_budget(2 * world), largest));
+  // Every chunk through a slot, as docs/python.md describes it; landing a contiguous chunk in
+  // place, as the all-to-all does, would save a copy and is a change of its own.
+  x.receive_in_slots = true;
   if (receives) {
     copy_stream(send, rank_part(pieces, first, me));
-  }
-  if (rounds == 0) {
-    return;
-  }
-  // A receiver's slots 2r, 2r + 1 take chunks from rank r, and 2me, 2me + 1 this rank's own
-  // chunks to send; a rank that only sends has just those two.
-  const std::uint64_t nslots = receives ? 2 * world : 2;
-  auto* slots = static_cast<std::byte*>(scratch(chunk_slots_, nslots * chunk).data_ptr());
-  const auto slot = [&](std::size_t r, std::uint64_t c) {
-    return slots + ((receives ? 2 * r : 0) + c % 2) * chunk;
-  };
-  // This rank's chunk c: straight from the shard where one segment holds it whole, else packed
-  // into its slot (whose previous send completed in the wait before).
-  const auto stage = [&](std::uint64_t c) -> ConstSegment {
-    const std::uint64_t len = chunk_of(me, c);
-    const std::vector<RecvPiece> from = slice_segments(send, c * chunk, c * chunk + len);
-    if (from.size() == 1 && from[0].count == 1) {
-      return {from[0].data, len};
-    }
-    std::byte* into = slot(me, c);
-    const RecvPiece whole{into, len, 1, 0};
-    std::vector<ConstSegment> src;
-    src.reserve(from.size());
-    for (const RecvPiece& p : from) {
-      for (std::uint64_t k = 0; k < p.count; ++k) {
-        src.push_back({p.data + k * p.stride, p.block});
-      }
-    }
-    copy_stream(src, std::span(&whole, 1));
-    return {into, len};
-  };
-  // Round c: every receive of chunk c and every send of this rank's chunk c. Round c + 1 is
-  // posted before round c is copied out, so the copies overlap the wire.
-  const auto post_round = [&](std::uint64_t c) {
-    const ConstSegment mine = sends && chunk_of(me, c) != 0 ? stage(c) : ConstSegment{};
-    post(
-        [&] {
-          inflight_.clear();
-          for (std::size_t r = 0; r < world; ++r) {
-            const std::uint64_t len = chunk_of(r, c);
-            if (receives_from(r) && len != 0) {
-              p2p_tensors_.assign(1, host_bytes(slot(r, c), len));
-              inflight_.push_back(group_->recv(p2p_tensors_, static_cast<int>(r), kP2PTag));
-            }
-          }
-          for (std::size_t step = 1; step < world && mine.size != 0; ++step) {
-            const std::size_t to = (me + step) % world;
-            if (sends_to(to)) {
-              p2p_tensors_.assign(1, host_bytes(mine.data, mine.size));
-              inflight_.push_back(group_->send(p2p_tensors_, static_cast<int>(to), kP2PTag));
-            }
-          }
-        },
-        what);
-  };
-  post_round(0);
-  wait_p2p(deadline, what);
-  for (std::uint64_t c = 0; c < rounds; ++c) {
-    if (c + 1 < rounds) {
-      post_round(c + 1);
-    }
     for (std::size_t r = 0; r < world; ++r) {
-      const std::uint64_t len = chunk_of(r, c);
-      if (!receives_from(r) || len == 0) {
-        continue;
+      if (r != me && counts[r] != 0) {
+        x.receive(rank_part(pieces, first, r), counts[r], static_cast<int>(r));
       }
-      const ConstSegment got{slot(r, c), len};
-      const std::vector<RecvPiece> into =
-          slice_pieces(rank_part(pieces, first, r), c * chunk, c * chunk + len);
-      copy_stream(std::span(&got, 1), into);
-    }
-    if (c + 1 < rounds) {
-      wait_p2p(deadline, what);
     }
   }
+  if (sends) {
+    ChunkedExchange::Outgoing& mine = x.send(send, counts[me]);
+    for (std::size_t step = 1; step < world; ++step) {
+      const std::size_t to = (me + step) % world;
+      if (root < 0 || to == static_cast<std::size_t>(root)) {
+        mine.peers.push_back(static_cast<int>(to));
+      }
+    }
+  }
+  exchange_chunked(x, deadline, what);
 }
 
 void ProcessGroupCommunicator::wait_p2p(Deadline deadline, const char* what) {
@@ -535,7 +769,8 @@ void ProcessGroupCommunicator::wait_p2p(Deadline deadline, const char* what) {
     }
     // This thread runs the interrupt check (Python's signal handlers), so the unsliceable wait
     // moves to the helper thread; an interrupt aborts the works, which ends that wait.
-    waiter_.run([&] { wait_p2p_here(deadline, what); }, [this] { check_interrupt(); }, kWaitSlice);
+    waiter_.run([&] { wait_p2p_here(deadline, what); }, [this] { check_interrupt(); },
+                numbers::kWaitSlice);
   } catch (...) {
     // An aborted wait leaves its transfers posted: a peer that came later would still move the
     // caller's bytes after this call returned (into freed memory, or pairing with a call that
@@ -568,7 +803,7 @@ void ProcessGroupCommunicator::close_p2p_context() noexcept {
   try {
     std::vector<at::Tensor> one{at::empty({1}, at::TensorOptions().dtype(at::kByte))};
     const c10::intrusive_ptr<c10d::Work> work = group_->recv(one, (rank_ + 1) % size_, kCloseTag);
-    (void)work->wait(std::chrono::milliseconds(1));
+    (void)work->wait(numbers::kCloseWait);
   } catch (...) {  // NOLINT(bugprone-empty-catch): the expected outcome (closed, or already)
   }
 }
@@ -614,6 +849,25 @@ void ProcessGroupCommunicator::wait_p2p_here(Deadline deadline, const char* what
   }
 }
 
+namespace {
+
+// Each rank's host, hosts numbered in the order of their lowest rank, from every rank's host
+// facts (the name's hash first).
+std::vector<int> hosts_by_name(const std::vector<std::array<std::uint64_t, 3>>& all) {
+  std::vector<int> hosts;
+  std::vector<std::uint64_t> names;
+  for (const auto& r : all) {
+    const auto at = std::find(names.begin(), names.end(), r[0]);
+    hosts.push_back(static_cast<int>(at - names.begin()));
+    if (at == names.end()) {
+      names.push_back(r[0]);
+    }
+  }
+  return hosts;
+}
+
+}  // namespace
+
 int ProcessGroupCommunicator::count_ranks_on_host(Deadline deadline) {
   if (size_ == 1) {
     hosts_ = {0};
@@ -642,30 +896,19 @@ int ProcessGroupCommunicator::count_ranks_on_host(Deadline deadline) {
   if (!std::all_of(all.begin(), all.end(), [&](const auto& r) { return r[2] == all[0][2]; })) {
     device_gather_ = DeviceGather::kAuto;
   }
-  // Hosts numbered in the order of their lowest rank.
-  std::vector<std::uint64_t> names;
-  for (const auto& r : all) {
-    const auto at = std::find(names.begin(), names.end(), r[0]);
-    hosts_.push_back(static_cast<int>(at - names.begin()));
-    if (at == names.end()) {
-      names.push_back(r[0]);
-    }
-  }
-  const auto by_name = static_cast<int>(
-      std::count_if(all.begin(), all.end(), [&](const auto& r) { return r[0] == mine[0]; }));
+  hosts_ = hosts_by_name(all);
   if (env_agrees && all[0][1] != 0) {
     const auto local = static_cast<int>(all[0][1]);
     // Decided from the table every rank holds, so every rank decides alike: where some host's
     // name count differs from the variable, which rank is where is unknown.
-    for (const int h : hosts_) {
-      if (std::count(hosts_.begin(), hosts_.end(), h) != local) {
-        hosts_.clear();
-        break;
-      }
+    if (std::any_of(hosts_.begin(), hosts_.end(),
+                    [&](int h) { return std::count(hosts_.begin(), hosts_.end(), h) != local; })) {
+      hosts_.clear();
     }
     return local;
   }
-  return by_name;
+  return static_cast<int>(
+      std::count_if(all.begin(), all.end(), [&](const auto& r) { return r[0] == mine[0]; }));
 }
 
 void ProcessGroupCommunicator::do_all_to_all_scatter(std::span<const ConstSegment> send,
@@ -675,99 +918,28 @@ void ProcessGroupCommunicator::do_all_to_all_scatter(std::span<const ConstSegmen
                                                      Deadline deadline) {
   // Reached only where capabilities().all_to_all (point to point); the base checks it.
   const char* what = "all_to_all_scatter";
-  if (abort_requested_.load()) {
-    throw Aborted("rank " + std::to_string(rank_) + ": abort() before " + what + " on " + name_);
-  }
+  check_not_aborted_before(what);
   const auto world = static_cast<std::size_t>(size_);
   const auto me = static_cast<std::size_t>(rank_);
-  const auto to = [&](std::size_t p) { return rank_part(send, send_first, p); };
-  const auto from = [&](std::size_t q) { return rank_part(pieces, first, q); };
-  copy_stream(to(me), from(me));
-  // Each pair's bytes go in messages of at most kGatherChunk, cut at the same offsets on both
-  // sides (both know the pair's total), one round per chunk index so that a pair has one
-  // message in flight each way. A message goes from, or lands in, the caller's memory where one
-  // contiguous run holds it, else through a staging buffer.
-  std::vector<std::uint64_t> out_bytes(world);
-  std::vector<std::uint64_t> in_bytes(world);
-  std::uint64_t rounds = 0;
-  for (std::size_t r = 0; r < world; ++r) {
-    if (r != me) {
-      out_bytes[r] = stream_bytes(to(r));
-      in_bytes[r] = stream_bytes(from(r));
-      rounds =
-          std::max(rounds, (std::max(out_bytes[r], in_bytes[r]) + kGatherChunk - 1) / kGatherChunk);
+  copy_stream(rank_part(send, send_first, me), rank_part(pieces, first, me));
+  ChunkedExchange x;
+  // The same on every rank (the group's size is): two slots each way per peer at most.
+  x.chunk = chunk_within_budget(4 * (world - 1));
+  for (std::size_t step = 1; step < world; ++step) {
+    const std::size_t q = (me + world - step) % world;
+    const std::span<const RecvPiece> from = rank_part(pieces, first, q);
+    if (const std::uint64_t bytes = stream_bytes(from); bytes != 0) {
+      x.receive(from, bytes, static_cast<int>(q));
     }
   }
-  const auto contiguous = [](const std::vector<RecvPiece>& run) {
-    return run.size() == 1 && run[0].count == 1;
-  };
-  for (std::uint64_t c = 0; c < rounds; ++c) {
-    const std::uint64_t begin = c * kGatherChunk;
-    std::vector<at::Tensor> outgoing(world);
-    std::vector<at::Tensor> incoming(world);
-    std::vector<std::vector<RecvPiece>> land(world);  // staged receives, copied out after
-    for (std::size_t r = 0; r < world; ++r) {
-      if (r == me) {
-        continue;
-      }
-      if (begin < out_bytes[r]) {
-        const std::uint64_t end = std::min(out_bytes[r], begin + kGatherChunk);
-        const std::vector<RecvPiece> run = slice_segments(to(r), begin, end);
-        if (contiguous(run)) {
-          outgoing[r] = host_bytes(run[0].data, end - begin);
-        } else {
-          outgoing[r] = at::empty({static_cast<std::int64_t>(end - begin)},
-                                  at::TensorOptions().dtype(at::kByte));
-          std::vector<ConstSegment> src;
-          for (const RecvPiece& piece : run) {
-            for (std::uint64_t k = 0; k < piece.count; ++k) {
-              src.push_back({piece.data + k * piece.stride, piece.block});
-            }
-          }
-          const RecvPiece whole{static_cast<std::byte*>(outgoing[r].data_ptr()), end - begin, 1, 0};
-          copy_stream(src, std::span(&whole, 1));
-        }
-      }
-      if (begin < in_bytes[r]) {
-        const std::uint64_t end = std::min(in_bytes[r], begin + kGatherChunk);
-        std::vector<RecvPiece> run = slice_pieces(from(r), begin, end);
-        if (contiguous(run)) {
-          incoming[r] = host_bytes(run[0].data, end - begin);
-        } else {
-          incoming[r] = at::empty({static_cast<std::int64_t>(end - begin)},
-                                  at::TensorOptions().dtype(at::kByte));
-          land[r] = std::move(run);
-        }
-      }
-    }
-    post(
-        [&] {
-          inflight_.clear();
-          for (std::size_t step = 1; step < world; ++step) {
-            const std::size_t q = (me + world - step) % world;
-            if (incoming[q].defined()) {
-              p2p_tensors_.assign(1, incoming[q]);
-              inflight_.push_back(group_->recv(p2p_tensors_, static_cast<int>(q), kP2PTag));
-            }
-          }
-          for (std::size_t step = 1; step < world; ++step) {
-            const std::size_t p = (me + step) % world;
-            if (outgoing[p].defined()) {
-              p2p_tensors_.assign(1, outgoing[p]);
-              inflight_.push_back(group_->send(p2p_tensors_, static_cast<int>(p), kP2PTag));
-            }
-          }
-        },
-        what);
-    wait_p2p(deadline, what);
-    for (std::size_t q = 0; q < world; ++q) {
-      if (!land[q].empty()) {
-        const ConstSegment got{static_cast<const std::byte*>(incoming[q].data_ptr()),
-                               static_cast<std::uint64_t>(incoming[q].numel())};
-        copy_stream(std::span(&got, 1), land[q]);
-      }
+  for (std::size_t step = 1; step < world; ++step) {
+    const std::size_t p = (me + step) % world;
+    const std::span<const ConstSegment> to = rank_part(send, send_first, p);
+    if (const std::uint64_t bytes = stream_bytes(to); bytes != 0) {
+      x.send(to, bytes).peers.push_back(static_cast<int>(p));
     }
   }
+  exchange_chunked(x, deadline, what);
 }
 
 void ProcessGroupCommunicator::do_barrier(Deadline deadline) {

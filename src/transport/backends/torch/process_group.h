@@ -18,7 +18,10 @@
 //     stream (params.cc). Uneven counts: one broadcast per rank into its slot (coalesced into
 //     one group on NCCL), or one padded
 //     all_gather_into_tensor and a copy out; SHARDGATHER_DEVICE_GATHER=broadcast|padded picks
-//     one, else broadcast unless padding adds at most 1/8 of the bytes (docs/gpu.md).
+//     one, else broadcast unless padding adds at most 1/8 of the bytes (docs/gpu.md). That rule
+//     is policy, not a fact of the transport: it is the transport's default until the strategy
+//     layer takes the choice over (the Communicator interface has no say in it yet). Every
+//     number this transport carries is at the top of process_group.cc, with what it bounds.
 //
 // This transport states facts and holds no strategy: without point to point (NCCL, or
 // `p2p=false`) it has only c10d's equal-size allgather (capabilities().gather_v false), and the
@@ -34,10 +37,16 @@
 // per peer straight into that peer's slot of the output, copy this rank's bytes once into its
 // own slot while those arrive, and post one send per peer from the slot: no padding (a true
 // gather-v), no staging, no internal buffer. Scattered destinations (unshard along dim 1, a
-// bucket of several parameters) and gathers to one rank go through scatter_chunked: rounds of
-// chunks of up to 8 MiB through two slots per peer, so the extra memory never grows with the
-// gathered bytes. Without it (`p2p=false`, or NCCL) an equal-size all_gather is one c10d
-// all_gather_single into the flat output.
+// bucket of several parameters), gathers to one rank and the personalised exchange
+// (all_to_all_scatter) go through one chunked exchange (exchange_chunked): each pair's bytes
+// in chunks of up to 8 MiB cut at the same offsets on both sides, one round per chunk index,
+// round c + 1 on the wire while round c is copied out, and a chunk that cannot move in place
+// through one of two slots of its stream, reused round after round; the chunk shrinks in large
+// groups so that the slots stay within 64 MiB. So the extra memory never grows with the
+// gathered bytes. The gathers (scatter_chunked) receive every chunk into a slot; the exchange
+// lands a chunk in place where one contiguous run holds it. Without point to point
+// (`p2p=false`, or NCCL) an equal-size all_gather is one c10d all_gather_single into the flat
+// output.
 // Waits are not sliced there: a Gloo unbound-buffer wait that times out signals the failure on
 // the whole Gloo context, so each work is waited on until the deadline, and abort() aborts the
 // in-flight works (SendWork/RecvWork::abort) to wake the wait. Nor can they be polled: Gloo's
@@ -75,8 +84,8 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include "transport/host_mailbox.h"
 #include "transport/backends/torch/waiter.h"
+#include "transport/host_mailbox.h"
 
 #include "shardgather/communicator.h"
 
@@ -146,8 +155,8 @@ class ProcessGroupCommunicator final : public Communicator {
   void do_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                          std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
                          int root, Deadline deadline) override;
-  // Point to point (Gloo, host memory): each pair's bytes in messages of at most kGatherChunk,
-  // one round per chunk; staged only where a message spans segments or strided pieces.
+  // Point to point (Gloo, host memory), through exchange_chunked; a chunk is staged only where
+  // it spans segments or strided pieces.
   void do_all_to_all_scatter(std::span<const ConstSegment> send,
                              std::span<const std::size_t> send_first,
                              std::span<const RecvPiece> pieces, std::span<const std::size_t> first,
@@ -164,23 +173,37 @@ class ProcessGroupCommunicator final : public Communicator {
   // set the same, else kAuto (agreed at construction, count_ranks_on_host).
   enum class DeviceGather { kAuto, kBroadcast, kPadded };
   [[nodiscard]] DeviceGather device_gather() const noexcept { return device_gather_; }
-  // scatter_chunked's chunk: at most kGatherChunk, at least kMinGatherChunk unless the streams
-  // are smaller, and 2 x world chunks within kSlotBudget.
-  static constexpr std::uint64_t kGatherChunk = std::uint64_t{8} << 20;
-  static constexpr std::uint64_t kMinGatherChunk = std::uint64_t{256} << 10;
-  static constexpr std::uint64_t kSlotBudget = std::uint64_t{64} << 20;
 
  private:
+  // The streams of one chunked exchange and their slots (process_group.cc).
+  struct ChunkedExchange;
+
   // Posts works under inflight_mu_ (abort() sees them, or its flag is seen right after).
   void post(const std::function<void()>& issue, const char* what);
-  // A scatter over point to point, to every rank (root < 0) or to `root`, in rounds of one
-  // chunk per sender (at most kGatherChunk): a sender's chunk goes from its shard (or one of two
-  // staging slots) to each receiver, which receives it into one of two slots per sender and copies
-  // it out while the next round is on the wire. The extra memory is at most kSlotBudget on a
-  // receiver and two chunks on a rank that only sends, never the gathered bytes.
+  // A scatter over point to point, to every rank (root < 0) or to `root`: a sender's shard goes
+  // to each receiver through exchange_chunked, packed once per chunk where it must be, and a
+  // receiver takes every chunk into one of two slots per sender. The extra memory is within
+  // the slot budget on a receiver and two chunks on a rank that only sends.
   void scatter_chunked(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                        std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
                        int root, Deadline deadline, const char* what);
+  // Moves every stream of `x` in rounds of one chunk (see the header comment); the slots live in
+  // chunk_slots_, grown, never shrunk, and reused by every round and call.
+  void exchange_chunked(ChunkedExchange& x, Deadline deadline, const char* what);
+  // Issues round c's works (prepared: every receive and send of chunk c); inflight_mu_ held.
+  void issue_round(const ChunkedExchange& x, std::uint64_t c);
+  // The device gather's two forms (do_all_gather_v_device chooses).
+  [[nodiscard]] bool device_gather_pads(std::span<const std::uint64_t> counts) const;
+  void gather_device_padded(const std::byte* mine, std::byte* recv,
+                            std::span<const std::uint64_t> counts,
+                            std::span<const std::uint64_t> displs, const c10::Device& dev,
+                            Deadline deadline);
+  void gather_device_broadcast(const std::byte* mine, std::byte* recv,
+                               std::span<const std::uint64_t> counts,
+                               std::span<const std::uint64_t> displs, const c10::Device& dev,
+                               Deadline deadline);
+  // Raises Aborted when abort() came before a point-to-point call posts anything.
+  void check_not_aborted_before(const char* what) const;
   // Waits for a device collective: polls completion against the deadline, then waits without a
   // timeout (NCCL aborts its communicator when a wait's timeout passes).
   void wait_polled(const c10::intrusive_ptr<c10d::Work>& work, Deadline deadline, const char* what);
@@ -230,7 +253,7 @@ class ProcessGroupCommunicator final : public Communicator {
   at::Tensor padded_recv_;   // reused: its padded receive
   at::Tensor send_staging_;  // reused: device staging of an all_gather's send
   at::Tensor recv_staging_;  // reused: device staging of an all_gather's receive
-  at::Tensor chunk_slots_;   // reused: gather_scatter's staging slots
+  at::Tensor chunk_slots_;   // reused: exchange_chunked's slots
   std::unique_ptr<detail::HostMailbox> mailbox_;  // set once, by the constructor
   Waiter waiter_;  // idle between calls; last, so it is joined before the rest goes
 };
