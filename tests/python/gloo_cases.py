@@ -90,7 +90,7 @@ def check(params, world, hint_too=True):
         assert_same(out, ref, world)
 
 
-# ---- SPEC section 1 edge cases -------------------------------------------------------------
+# ---- edge cases of the semantics (docs/python.md, "Semantics") -----------------------------
 
 
 def case_uneven_dim0(rank, world):
