@@ -1,7 +1,7 @@
 // Z1: the layout planner on arbitrary inputs. It either raises InvalidArgument/CountOverflow or
-// returns a plan whose invariants hold (docs/reliability.md, fuzzing); small plans are materialised:
-// every rank's send stream (records, zero gaps, tensors) placed at its displacement must put
-// every tensor at the offset the plan gives it.
+// returns a plan whose invariants hold (docs/reliability.md, fuzzing); small plans are
+// materialised: every rank's send stream (records, zero gaps, tensors) placed at its displacement
+// must put every tensor at the offset the plan gives it.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
