@@ -22,7 +22,8 @@ struct ExecStats {
   // What decided it (a static string): "requested"; for kAuto, "rule" (select.cc's facts: no
   // window applies), "rule: the window could not be reserved", "measuring" (one of the first
   // executions that time the node-shared window against direct), or "measured: ..." (the one
-  // that was faster for the slowest rank); "a gather to one rank moves direct" (dst set).
+  // that was faster for the slowest rank); "a gather to one rank moves direct" (dst set), "a
+  // personal exchange moves direct".
   // Empty from one-shot calls and execute_shared.
   const char* why = "";
 };

@@ -93,7 +93,11 @@ void run_payload(Call& call, Strategy requested, Strategy strategy, const Exchan
                  StrategyScratch& scratch, ExecStats& stats) {
   Communicator& comm = call.comm();
   stats.strategy = strategy;
+  // Nothing moves anywhere: the stream shapes' counts are every rank's, the same on every rank,
+  // so every rank skips alike. A personal job's counts are only what this rank receives (it may
+  // still send), so it never skips.
   const bool empty =
+      job.shape != ExchangeShape::kPersonal &&
       std::all_of(job.counts.begin(), job.counts.end(), [](std::uint64_t c) { return c == 0; });
   if (job.device.type != DeviceType::kCpu) {
     stats.strategy = Strategy::kPacked;

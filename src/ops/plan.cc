@@ -114,16 +114,18 @@ detail::ExchangeJob AllGatherPlan::prepare(detail::Call& call, std::span<const T
                                 .fingerprint = fingerprint_,
                                 .dtypes = layout_.dtypes,
                                 .dtype_hash = dtype_hash_};
-  const auto check = [&](ExecStats& st) {
-    check_params(call.comm(), params, out, out_size, st);
+  const auto check = [&](ExecStats& st) { check_params(call.comm(), params, out, out_size, st); };
+  const auto bind = [&](detail::Stager& stager) { return bind_job(params, out, stager); };
+  // After the device checks, as before: a transport without device memory names itself first.
+  const auto shared_is_host = [&](ExecStats& /*st*/) {
     if (out == nullptr && scratch_.get().device.type != DeviceType::kCpu) {
       throw InvalidArgument(
           "execute_shared gathers host memory; execute CUDA tensors into an "
           "output on their device");
     }
   };
-  const auto bind = [&](detail::Stager& stager) { return bind_job(params, out, stager); };
-  return detail::prepare_execution(call, scratch_, facts, forced, stats, check, bind);
+  return detail::prepare_execution(call, scratch_, facts, forced, stats, check, bind,
+                                   shared_is_host);
 }
 
 detail::ExchangeJob AllGatherPlan::bind_job(std::span<const TensorView> params, std::byte* out,

@@ -44,30 +44,38 @@ void finish_job(ExchangeJob& job, const PlanFacts& plan, const Call& call, const
                 void* stream);
 
 // The execution up to the payload: the scratch sized and guarded; the strategy (`forced`, else
-// plan_strategy, which measures where kAuto may pick a window) in stats.strategy; the header;
-// inside call.check the plan's `check(stats)` (its arguments: it sets x.device and
-// stats.staged_bytes), the device checks and the device scratch; the agreement; then
+// plan_strategy, which measures where kAuto may pick a window), in stats.strategy once agreed;
+// the header; inside call.check the plan's `check(stats)` (its arguments: it sets x.device and
+// stats.staged_bytes), the device checks, the device scratch and the plan's `late_check`
+// (checks that need the device checks first); the agreement; then
 // `bind(stager)`, which fills the scratch's segments and pieces for this call's addresses and
 // returns the job over them. Allocates nothing in a steady state (the scratch keeps its capacity).
-template <typename Check, typename Bind>
+// A plan check that does nothing (prepare_execution's `late_check` by default).
+struct NoCheck {
+  void operator()(ExecStats& /*stats*/) const noexcept {}
+};
+
+template <typename Check, typename Bind, typename LateCheck = NoCheck>
 ExchangeJob prepare_execution(Call& call, ScratchHolder& scratch, const PlanFacts& plan,
                               std::optional<Strategy> forced, ExecStats& stats, Check&& check,
-                              Bind&& bind) {
+                              Bind&& bind, LateCheck&& late_check = {}) {
   ExecScratch& x = scratch.get();
   size_scratch(x, plan.world, plan.tensors);
   call.guard(scratch);
-  stats.strategy = forced ? *forced
-                          : plan_strategy(plan.options.strategy, plan.shape, plan.counts,
-                                          call.comm(), x.strategy, stats.why);
-  fill_plan_header(call.header(), plan, stats.strategy);
+  const Strategy strategy = forced ? *forced
+                                   : plan_strategy(plan.options.strategy, plan.shape, plan.counts,
+                                                   call.comm(), x.strategy, stats.why);
+  fill_plan_header(call.header(), plan, strategy);
   void* stream = current_cuda_stream();
   call.check([&] {
     check(stats);
     check_call_device(call, x.device);
     reserve_device_scratch(x, x.device, stats.staged_bytes, stream);
+    late_check(stats);  // what needs the device checks first
     call.header().payload_bytes = plan.counts[static_cast<std::size_t>(plan.rank)];
   });
   call.agree();
+  stats.strategy = strategy;  // only once the call agreed: a failed call reports none
   stats.preflight_collectives = call.exchanges() ? 1 : 0;
   Stager stager = stager_for(x, x.device);
   ExchangeJob job = bind(stager);

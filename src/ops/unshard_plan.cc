@@ -122,16 +122,18 @@ UnshardPlan::UnshardPlan(std::span<const ShardSpec> specs, int world_size, int r
     throw InvalidArgument("UnshardPlan: rank " + std::to_string(rank) + " of " +
                           std::to_string(world_size));
   }
+  for (const int given : {dst, options.dst}) {
+    if (given < -1 || given >= world_size) {
+      throw InvalidArgument("UnshardPlan: dst " + std::to_string(given) + " is not a rank of " +
+                            std::to_string(world_size) + " (or -1: every rank)");
+    }
+  }
   if (dst != -1 && options.dst != -1 && dst != options.dst) {
     throw InvalidArgument("UnshardPlan: dst " + std::to_string(dst) + " and options.dst " +
                           std::to_string(options.dst) + " differ (give it once)");
   }
   dst = dst_;
   options_.dst = dst_;
-  if (dst < -1 || dst >= world_size) {
-    throw InvalidArgument("UnshardPlan: dst " + std::to_string(dst) + " is not a rank of " +
-                          std::to_string(world_size) + " (or -1: every rank)");
-  }
   if (dst >= 0 && options.strategy != Strategy::kAuto && options.strategy != Strategy::kDirect) {
     throw InvalidArgument("UnshardPlan: a gather to one rank (dst " + std::to_string(dst) +
                           ") runs kDirect only, not " +

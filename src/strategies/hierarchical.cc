@@ -1,11 +1,10 @@
 // kHierarchical: ranks on several hosts. The node-shared window of kShared, one per host, and
 // between the hosts each stream crosses the network once per receiving host:
 //   1. every rank copies its stream into its host's window (for the ranks of its host);
-//   2. one personal exchange (an ExchangeJob of shape kPersonal, run by kDirect): every rank sends
-//   its stream, from its region of the window, to
-//      one rank of every other host (the one whose local index is the sender's, modulo that
-//      host's rank count, so all ranks of a host share the receiving), which lands it in that
-//      host's window;
+//   2. one personal exchange (an ExchangeJob of shape kPersonal, run by kDirect): every rank
+//      sends its stream, from its region of the window, to one rank of every other host (the
+//      one whose local index is the sender's, modulo that host's rank count, so all ranks of a
+//      host share the receiving), which lands it in that host's window;
 //   3. a barrier: every window now holds every rank's stream;
 //   4. every rank copies out from its window.
 // Flat kDirect moves each stream once per receiving *rank*: with K ranks on each host, K times

@@ -1,12 +1,15 @@
 // The exchange job (src/strategies/strategy.h): the three shapes through the strategy layer on
 // the threads backend, each byte checked. The personal shape is what a reshard will build; here
 // it is built by hand, with uneven pairs, empty pairs, and pieces that are strided.
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "ops/call.h"
+#include "ops/payload.h"
 #include "strategies/strategy.h"
 #include "support/testing.h"
 
@@ -214,6 +217,53 @@ TEST_P(Exchange, GatherLandsEveryStreamAtTheRootOnly) {
               ASSERT_EQ(out[k], pattern(r, root, j)) << "from rank " << r;
             }
           }
+        }
+      },
+      test_name());
+}
+
+// Through run_payload, as a plan will run it: rank 0 receives nothing but sends to the last
+// rank. Its counts (what it receives) are all zero, yet it must not skip the exchange, or the
+// last rank would wait for it until the deadline.
+TEST_P(Exchange, APersonalJobRunsOnARankThatOnlySends) {
+  run_ranks(
+      GetParam(),
+      [](int me, Communicator& comm) {
+        const int world = comm.size();
+        const int last = world - 1;
+        const std::vector<std::byte> mine(40, std::byte{0x5a});
+        std::vector<ConstSegment> send;
+        std::vector<std::size_t> send_first;
+        std::vector<std::byte> landing(me == last ? mine.size() : 0);
+        std::vector<RecvPiece> pieces;
+        std::vector<std::size_t> first;
+        std::vector<std::uint64_t> counts(static_cast<std::size_t>(world), 0);
+        for (int p = 0; p < world; ++p) {
+          send_first.push_back(send.size());
+          if (me == 0 && p == last) {
+            send.push_back({mine.data(), mine.size()});
+          }
+          first.push_back(pieces.size());
+          if (me == last && p == 0) {
+            pieces.push_back({landing.data(), landing.size(), 1, 0});
+            counts[0] = landing.size();
+          }
+        }
+        send_first.push_back(send.size());
+        first.push_back(pieces.size());
+        const ExchangeJob job{.shape = ExchangeShape::kPersonal,
+                              .send = send,
+                              .send_first = send_first,
+                              .pieces = pieces,
+                              .first = first,
+                              .counts = counts};
+        detail::Call call(comm, Operation::kForeachAllGather, std::chrono::milliseconds(5000),
+                          false);
+        detail::StrategyScratch scratch;
+        ExecStats stats;
+        detail::run_payload(call, Strategy::kAuto, Strategy::kDirect, job, scratch, stats);
+        if (me == last) {
+          EXPECT_EQ(landing, mine);
         }
       },
       test_name());
