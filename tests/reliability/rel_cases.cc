@@ -902,6 +902,13 @@ const DRow kDRows[] = {
      2,
      {.op = DOp::kUnshardExecute},
      {.op = DOp::kUnshardExecute, .dst = 0}},
+    {"D-unshard-oneshot-dst",
+     "a one-shot unshard to rank 0 (PlanOptions::dst) against one to every rank",
+     "Mismatch",
+     "shapes hint / plan differs",
+     2,
+     {.op = DOp::kUnshard},
+     {.op = DOp::kUnshard, .dst = 0}},
     {"D-stream-bucket",
      "a stream cut into buckets of another size",
      "Mismatch",
@@ -1005,9 +1012,12 @@ GatherResult d_call(const DCall& c, Communicator& comm, const CaseContext& ctx, 
       (void)plan.execute(in.views, comm, out);
       return {};
     }
-    case DOp::kUnshard:
-      (void)unshard(in.views, comm, d_specs(c, world), po);
+    case DOp::kUnshard: {
+      PlanOptions to = po;
+      to.dst = c.dst;  // PlanOptions::dst, the one place a gather to one rank is asked for
+      (void)unshard(in.views, comm, d_specs(c, world), to);
       return {};
+    }
     case DOp::kUnshardExecute: {
       UnshardPlan plan(d_specs(c, world), world, comm.rank(), po, c.dst);
       std::vector<std::byte> out(plan.output_bytes());
