@@ -200,6 +200,15 @@ void check_plan_world(const Communicator& comm, int world, int rank) {
   }
 }
 
+int one_dst(int apart, int in_options, const char* who, const char* options_name) {
+  if (apart != -1 && in_options != -1 && apart != in_options) {
+    throw InvalidArgument(std::string(who) + ": dst " + std::to_string(apart) + " and " +
+                          options_name + " " + std::to_string(in_options) +
+                          " differ (give it once)");
+  }
+  return apart != -1 ? apart : in_options;
+}
+
 int copy_threads(const PlanOptions& options, const Communicator& comm) {
   return options.copy_threads > 0 ? options.copy_threads
                                   : default_copy_threads(comm.ranks_on_host());

@@ -83,4 +83,9 @@ void check_plan_world(const Communicator& comm, int world, int rank);
 // The copy kernels' thread count for these options on this communicator.
 int copy_threads(const PlanOptions& options, const Communicator& comm);
 
+// The one dst of a call given `apart` (an older argument) and in PlanOptions::dst (`in_options`,
+// named `options_name` in the message): either may be -1; InvalidArgument, naming `who`, when
+// both are set and differ.
+int one_dst(int apart, int in_options, const char* who, const char* options_name);
+
 }  // namespace shardgather::detail

@@ -113,11 +113,7 @@ void hash_spec(detail::Hasher& hasher, const ShardSpec& s) {
 
 UnshardPlan::UnshardPlan(std::span<const ShardSpec> specs, int world_size, int rank,
                          const PlanOptions& options, int dst)
-    : specs_(specs.begin(), specs.end()),
-      world_(world_size),
-      rank_(rank),
-      dst_(dst != -1 ? dst : options.dst),
-      options_(options) {
+    : specs_(specs.begin(), specs.end()), world_(world_size), rank_(rank), options_(options) {
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     throw InvalidArgument("UnshardPlan: rank " + std::to_string(rank) + " of " +
                           std::to_string(world_size));
@@ -128,10 +124,7 @@ UnshardPlan::UnshardPlan(std::span<const ShardSpec> specs, int world_size, int r
                             std::to_string(world_size) + " (or -1: every rank)");
     }
   }
-  if (dst != -1 && options.dst != -1 && dst != options.dst) {
-    throw InvalidArgument("UnshardPlan: dst " + std::to_string(dst) + " and options.dst " +
-                          std::to_string(options.dst) + " differ (give it once)");
-  }
+  dst_ = detail::one_dst(dst, options.dst, "UnshardPlan", "options.dst");
   dst = dst_;
   options_.dst = dst_;
   if (dst >= 0 && options.strategy != Strategy::kAuto && options.strategy != Strategy::kDirect) {

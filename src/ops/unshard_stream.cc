@@ -57,11 +57,7 @@ StreamOptions stream_options(StreamOptions options) {
     throw InvalidArgument("UnshardStream: prefetch must be >= 0, got " +
                           std::to_string(options.prefetch));
   }
-  if (options.dst != -1 && options.plan.dst != -1 && options.dst != options.plan.dst) {
-    throw InvalidArgument("UnshardStream: dst " + std::to_string(options.dst) + " and plan.dst " +
-                          std::to_string(options.plan.dst) + " differ (give it once)");
-  }
-  options.dst = options.dst != -1 ? options.dst : options.plan.dst;
+  options.dst = detail::one_dst(options.dst, options.plan.dst, "UnshardStream", "plan.dst");
   options.plan.dst = options.dst;
   options.plan.preflight = true;  // a failure on one rank travels in the next header
   // A node-shared window is per plan, so one per bucket would hold the whole model; kDirect
