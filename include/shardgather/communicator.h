@@ -70,6 +70,18 @@ struct Capabilities {
   bool device_memory = false;
 };
 
+// Which collectives all_gather_v_device issues where a transport has a choice (torch groups,
+// whose device collectives are c10d's: an all-gather of equal blocks and broadcasts). The
+// strategy layer chooses (src/strategies/device.cc), the same on every rank; a transport with
+// one way of moving device bytes (threads: copies between the ranks' buffers) ignores it.
+enum class DeviceGatherForm : std::uint8_t {
+  // Every rank's block padded to the widest count, one all-gather of equal blocks, each rank's
+  // real bytes copied out (no copy where the blocks are equal and adjacent in `recv`).
+  kPadded = 0,
+  // One broadcast per rank with bytes, straight into its slot of `recv`.
+  kBroadcast = 1,
+};
+
 // Used when neither the call nor the communicator sets a timeout. Gloo uses 30 s; a large
 // checkpoint gather can legitimately take longer, so the default is generous.
 inline constexpr std::chrono::milliseconds kDefaultTimeout{std::chrono::minutes(10)};
@@ -114,11 +126,12 @@ class SHARDGATHER_API Communicator {
   // device memory on `device`, ordered on `stream` (a cudaStream_t; nullptr the legacy default
   // stream): it reads `send` after the work enqueued there before it, and work enqueued after it
   // sees `recv` filled. It may return before the bytes have landed; the operations synchronise
-  // the stream before they report completion.
+  // the stream before they report completion. `form` says which collectives move the bytes
+  // where the transport has a choice; every rank must pass the same.
   void all_gather_v_device(std::span<const ConstSegment> send, std::byte* recv,
                            std::span<const std::uint64_t> counts,
-                           std::span<const std::uint64_t> displs, const Device& device,
-                           void* stream, Deadline deadline);
+                           std::span<const std::uint64_t> displs, DeviceGatherForm form,
+                           const Device& device, void* stream, Deadline deadline);
 
   // Variable-size gather into scattered destinations (where capabilities().scatter): rank r's
   // counts[r] bytes fill, in order,
@@ -211,8 +224,8 @@ class SHARDGATHER_API Communicator {
   // Default: raises InvalidArgument (no device memory); see Capabilities::device_memory.
   virtual void do_all_gather_v_device(std::span<const ConstSegment> send, std::byte* recv,
                                       std::span<const std::uint64_t> counts,
-                                      std::span<const std::uint64_t> displs, const Device& device,
-                                      void* stream, Deadline deadline);
+                                      std::span<const std::uint64_t> displs, DeviceGatherForm form,
+                                      const Device& device, void* stream, Deadline deadline);
   virtual void do_barrier(Deadline deadline) = 0;
   virtual void do_abort() noexcept = 0;
 

@@ -9,7 +9,6 @@
 
 #include <chrono>
 #include <memory>
-#include <string_view>
 
 #include <c10/core/Device.h>
 #include <c10/util/intrusive_ptr.h>
@@ -35,10 +34,8 @@ std::unique_ptr<Communicator> make_torch_communicator(
     const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device,
     const TorchGroupOptions& options = {});
 
-// Facts about a communicator this backend made (false, "" for any other):
-// whether small exchanges go through the host mailbox;
+// Whether small exchanges of a communicator this backend made go through the host mailbox
+// (false for any other communicator).
 bool torch_uses_host_mailbox(const Communicator& comm) noexcept;
-// how uneven device gathers move, as the ranks agreed: "broadcast", "padded" or "auto".
-std::string_view torch_device_gather(const Communicator& comm) noexcept;
 
 }  // namespace shardgather

@@ -524,10 +524,6 @@ void register_hooks(py::module_& m) {
         py::arg("is_type_error") = false, py::arg("preflight") = true,
         py::arg("timeout") = py::none());
   m.def("_make_thread_group", &make_thread_group_py, py::arg("world_size"));
-  // For tests: how a torch group's communicator moves uneven device gathers, as agreed.
-  m.def("_device_gather", [](const std::shared_ptr<Communicator>& comm) {
-    return std::string(torch_device_gather(*comm));
-  });
   m.def("_process_group_communicator", &process_group_communicator, py::arg("group"),
         py::arg("device") = "cpu", py::arg("p2p") = true, py::arg("host_mailbox") = true,
         py::arg("timeout") = py::none());

@@ -52,7 +52,11 @@ void size_scratch(ExecScratch& x, int world, std::size_t n) {
 
 void check_call_device(Call& call, const Device& device) {
   set_device_type(call.header(), device.type);
-  if (device.type == DeviceType::kCpu || call.comm().capabilities().device_memory) {
+  if (device.type == DeviceType::kCpu) {
+    return;
+  }
+  set_device_gather(call.header(), requested_device_gather());
+  if (call.comm().capabilities().device_memory) {
     return;
   }
   throw InvalidArgument("rank " + std::to_string(call.comm().rank()) + ": tensors on " +
@@ -105,7 +109,8 @@ void run_payload(Call& call, Strategy requested, Strategy strategy, const Exchan
       return;
     }
     const std::uint64_t before = comm.collectives_issued();
-    call.transfer([&] { run_device(job, comm, call.deadline(), scratch); });
+    const DeviceGather request = device_gather_of(call.header());
+    call.transfer([&] { run_device(job, request, comm, call.deadline(), scratch); });
     stats.payload_collectives = comm.collectives_issued() - before;
     return;
   }

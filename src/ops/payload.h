@@ -18,8 +18,8 @@ namespace shardgather::detail {
 
 // The device half of a call's checks, run inside call.check once its tensors are validated:
 // InvalidArgument unless the communicator can move memory of `device` (capabilities()
-// .device_memory); records the device type in the header, where two ranks on different kinds of
-// memory disagree.
+// .device_memory) and unless SHARDGATHER_DEVICE_GATHER is a known request; records the device
+// type and, on a device, the request in the header, where ranks that differ disagree.
 void check_call_device(Call& call, const Device& device);
 
 // A device call's scratch that its checks must size (inside call.check, so that a failed

@@ -12,6 +12,8 @@
 #include <string_view>
 #include <vector>
 
+#include "strategies/strategy.h"
+
 #include "shardgather/communicator.h"
 #include "shardgather/embedding.h"
 #include "shardgather/errors.h"
@@ -34,6 +36,10 @@ inline constexpr unsigned kStrategyShift = 8;
 // Bits 16-23: the DeviceType of the call's tensors, because a rank gathering host memory and one
 // gathering device memory take different transport paths (docs/gpu.md).
 inline constexpr unsigned kDeviceShift = 16;
+
+// Bits 24-31: a device call's DeviceGather request (0, kAuto, on host calls), because two ranks
+// moving one uneven device gather two ways would pair broadcasts with an all-gather.
+inline constexpr unsigned kDeviceGatherShift = 24;
 
 struct PreflightHeader {
   std::uint32_t magic = kHeaderMagic;
@@ -69,6 +75,14 @@ inline DeviceType device_type_of(const PreflightHeader& header) noexcept {
   return static_cast<DeviceType>((header.flags >> kDeviceShift) & 0xffU);
 }
 
+inline void set_device_gather(PreflightHeader& header, DeviceGather request) noexcept {
+  header.flags = (header.flags & ~(0xffU << kDeviceGatherShift)) |
+                 (static_cast<std::uint32_t>(request) << kDeviceGatherShift);
+}
+inline DeviceGather device_gather_of(const PreflightHeader& header) noexcept {
+  return static_cast<DeviceGather>((header.flags >> kDeviceGatherShift) & 0xffU);
+}
+
 // Records a local failure; the text is truncated to fit.
 void set_status(PreflightHeader& header, ErrorCode code, std::string_view text) noexcept;
 
@@ -82,13 +96,13 @@ void set_dtypes(PreflightHeader& header, std::span<const DType> dtypes,
 std::uint64_t hash_hint(std::span<const std::vector<std::int64_t>> flat_hint, int world_size);
 
 // Validates and copies one received header. Mismatch("corrupt ...") on bad magic, version,
-// operation, strategy, status code or an unterminated text.
+// operation, strategy, device type, device gather request, status code or an unterminated text.
 PreflightHeader decode_header(std::span<const std::byte> bytes, int from_rank);
 
 // Decodes every rank's header from an all_gather and raises, identically on every rank, the
 // first failed status or disagreement: operation, world size, sequence number, tensor count,
 // hint presence, dtypes, hint hash (a plan's fingerprint covers its dtypes: the dtype is the
-// cause to name), device type, strategy. `me` only prefixes the message.
+// cause to name), device type, device gather request, strategy. `me` only prefixes the message.
 void check_headers(std::span<const std::byte> gathered, std::span<PreflightHeader> headers, int me);
 
 }  // namespace shardgather::detail

@@ -5,7 +5,9 @@
 // job.stream; the stream is synchronised once, at the end.
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <numeric>
+#include <string>
 
 #include "strategies/strategy.h"
 
@@ -15,6 +17,11 @@
 namespace shardgather::detail {
 
 namespace {
+
+// The one tuning number of the device gather's form (docs/gpu.md). Padding costs its bytes on
+// the wire and a copy out of the padded buffer; one broadcast per rank costs one collective per
+// rank (one coalesced group on NCCL). Unmeasured: no GPU has run this path yet.
+constexpr std::uint64_t kPaddingDivisor = 8;
 
 // The three tables (stage, in, out) in one device buffer, uploaded only when a descriptor
 // changed (a plan over the same tensors uploads once). Returns each table's device copy.
@@ -83,7 +90,51 @@ std::byte* gather_target(const ExchangeJob& job, int me, StrategyScratch& s) {
 
 }  // namespace
 
-void run_device(const ExchangeJob& job, Communicator& comm, Deadline deadline, StrategyScratch& s) {
+DeviceGather requested_device_gather() {
+  const char* env = std::getenv("SHARDGATHER_DEVICE_GATHER");
+  const std::string_view value = env == nullptr ? "" : env;
+  for (const DeviceGather r :
+       {DeviceGather::kAuto, DeviceGather::kPadded, DeviceGather::kBroadcast}) {
+    if (value == device_gather_name(r)) {
+      return r;
+    }
+  }
+  if (value.empty()) {
+    return DeviceGather::kAuto;
+  }
+  throw InvalidArgument("SHARDGATHER_DEVICE_GATHER=" + std::string(value) +
+                        ": expected auto, padded or broadcast");
+}
+
+std::string_view device_gather_name(DeviceGather request) noexcept {
+  switch (request) {
+    case DeviceGather::kAuto:
+      return "auto";
+    case DeviceGather::kPadded:
+      return "padded";
+    case DeviceGather::kBroadcast:
+      return "broadcast";
+  }
+  return "invalid";
+}
+
+DeviceGatherForm device_gather_form(std::span<const std::uint64_t> counts,
+                                    DeviceGather request) noexcept {
+  const std::uint64_t widest = counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
+  const std::uint64_t total = std::accumulate(counts.begin(), counts.end(), std::uint64_t{0});
+  const std::uint64_t padding = widest * counts.size() - total;
+  if (padding == 0 || request == DeviceGather::kPadded) {
+    return DeviceGatherForm::kPadded;
+  }
+  if (request == DeviceGather::kBroadcast) {
+    return DeviceGatherForm::kBroadcast;
+  }
+  return kPaddingDivisor * padding <= total ? DeviceGatherForm::kPadded
+                                            : DeviceGatherForm::kBroadcast;
+}
+
+void run_device(const ExchangeJob& job, DeviceGather request, Communicator& comm, Deadline deadline,
+                StrategyScratch& s) {
   if (job.shape == ExchangeShape::kPersonal || job.combine.op != Combine::Op::kNone) {
     throw InvalidArgument("the device path runs gathers only (all-gather and gather shapes)");
   }
@@ -116,7 +167,8 @@ void run_device(const ExchangeJob& job, Communicator& comm, Deadline deadline, S
   if (comm.size() > 1) {
     const ConstSegment segment{send, mine};
     comm.all_gather_v_device(std::span(&segment, mine == 0 ? 0 : 1), base, job.counts, s.displs,
-                             job.device, job.stream, deadline);
+                             device_gather_form(job.counts, request), job.device, job.stream,
+                             deadline);
   }
   launch(s.copy_out, on_device[2], job.stream);
   sync_stream(job.stream);

@@ -21,6 +21,7 @@
 #include <limits>
 #include <memory>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "copies/copy_table.h"
@@ -216,13 +217,33 @@ Strategy plan_strategy(Strategy requested, ExchangeShape shape,
 void record_auto(Strategy ran, double seconds, Communicator& comm, Deadline deadline,
                  StrategyScratch& scratch);
 
+// How an uneven device gather moves where the transport has a choice (DeviceGatherForm). kAuto
+// applies device_gather_form's rule; the others force a form, so that both can be measured on a
+// cluster. A process asks through SHARDGATHER_DEVICE_GATHER=auto|padded|broadcast, read at each
+// device call; the pre-flight header carries the request, so ranks asking differently raise
+// Mismatch on every rank before a byte moves (not checked with the header switched off).
+enum class DeviceGather : std::uint8_t { kAuto = 0, kPadded = 1, kBroadcast = 2 };
+inline constexpr DeviceGather kLastDeviceGather = DeviceGather::kBroadcast;
+
+// This process's request (unset or empty: kAuto); InvalidArgument naming an unknown value.
+DeviceGather requested_device_gather();
+// "auto", "padded", "broadcast"; "invalid" for any other value.
+std::string_view device_gather_name(DeviceGather request) noexcept;
+// The form for every rank's `counts` (the same on every rank, so every rank issues the same
+// collectives): equal counts pad nothing and are one all-gather whatever was asked; else the
+// request, and under kAuto one padded all-gather when the padding adds at most
+// 1/kPaddingDivisor of the bytes, one broadcast per rank otherwise.
+DeviceGatherForm device_gather_form(std::span<const std::uint64_t> counts,
+                                    DeviceGather request) noexcept;
+
 // The device path: the operation's deferred packs of strided inputs (scratch.copy_stage, filled
 // before this), one fused copy-in into a contiguous device buffer (skipped when the stream is
 // one contiguous run already), one all_gather_v_device, one fused copy-out into the pieces
 // (skipped when every rank's pieces are one run: the gather lands in place); then waits for the
 // stream. Launches at most three kernels, and after the first execution of a plan allocates
 // nothing and uploads nothing while the tensors stay where they were.
-void run_device(const ExchangeJob& job, Communicator& comm, Deadline deadline,
+// `request` is the one every rank agreed on (the header's).
+void run_device(const ExchangeJob& job, DeviceGather request, Communicator& comm, Deadline deadline,
                 StrategyScratch& scratch);
 
 // Runs the job with `strategy` (already resolved; InvalidArgument where it does not run the job's

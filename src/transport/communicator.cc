@@ -110,8 +110,8 @@ void Communicator::all_gather_v(std::span<const ConstSegment> send, std::byte* r
 
 void Communicator::all_gather_v_device(std::span<const ConstSegment> send, std::byte* recv,
                                        std::span<const std::uint64_t> counts,
-                                       std::span<const std::uint64_t> displs, const Device& device,
-                                       void* stream, Deadline deadline) {
+                                       std::span<const std::uint64_t> displs, DeviceGatherForm form,
+                                       const Device& device, void* stream, Deadline deadline) {
   if (!capabilities().device_memory) {
     throw InvalidArgument("rank " + std::to_string(rank()) + ": all_gather_v_device: the " +
                           std::string(backend_name()) +
@@ -120,7 +120,7 @@ void Communicator::all_gather_v_device(std::span<const ConstSegment> send, std::
   }
   check_gather_v("all_gather_v_device", send, counts, displs, recv);
   run_collective("all_gather_v_device", [&] {
-    do_all_gather_v_device(send, recv, counts, displs, device, stream, deadline);
+    do_all_gather_v_device(send, recv, counts, displs, form, device, stream, deadline);
   });
 }
 
@@ -128,8 +128,8 @@ void Communicator::do_all_gather_v_device(std::span<const ConstSegment> /*send*/
                                           std::byte* /*recv*/,
                                           std::span<const std::uint64_t> /*counts*/,
                                           std::span<const std::uint64_t> /*displs*/,
-                                          const Device& /*device*/, void* /*stream*/,
-                                          Deadline /*deadline*/) {
+                                          DeviceGatherForm /*form*/, const Device& /*device*/,
+                                          void* /*stream*/, Deadline /*deadline*/) {
   throw InvalidArgument("all_gather_v_device: the " + std::string(backend_name()) +
                         " backend does not move device memory");
 }

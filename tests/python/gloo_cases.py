@@ -108,21 +108,17 @@ def case_shapes_gathered_for_a_device_call(rank, world):
     assert got == shapes_of(params, world), got
 
 
-def case_device_gather_form_agreed(rank, world):
-    # Reliability 2.8b: SHARDGATHER_DEVICE_GATHER decides which collectives an uneven device
-    # gather issues. Set alike, every rank's communicator takes it; set differently (rank 0
-    # another form), every rank falls back to the same rule, so none pairs broadcasts with an
-    # all-gather. Read when a group's communicator is made: a group of its own for each.
+def case_device_gather_request_is_a_device_calls_business(rank, world):
+    # Reliability 2.8b: SHARDGATHER_DEVICE_GATHER picks how an uneven device gather moves, and a
+    # device call's header carries it, so ranks asking differently raise Mismatch on every rank
+    # (tests/unit/device_test.cc, device_path_test.cc). Host calls carry none: a difference, or
+    # a value no device call would accept, leaves them alone.
     import os
-    ranks = list(range(world))
+    params = [make((rank + 1, 3), torch.float32, rank), make((5,), torch.bfloat16, 2)]
     try:
-        os.environ["SHARDGATHER_DEVICE_GATHER"] = "padded"
-        same = shardgather.communicator(dist.new_group(ranks))
-        assert shardgather._C._device_gather(same) == "padded", rank
-        os.environ["SHARDGATHER_DEVICE_GATHER"] = "broadcast" if rank == 0 else "padded"
-        differ = shardgather.communicator(dist.new_group(ranks))
-        want = "auto" if world > 1 else "broadcast"
-        assert shardgather._C._device_gather(differ) == want, (rank, want)
+        for value in ("broadcast" if rank == 0 else "padded", "pipelined"):
+            os.environ["SHARDGATHER_DEVICE_GATHER"] = value
+            check(params, world)
     finally:
         os.environ.pop("SHARDGATHER_DEVICE_GATHER", None)
 

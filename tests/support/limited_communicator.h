@@ -3,6 +3,8 @@
 // tested on threads. Header-only: the CPU suites link it against either build of the library.
 #pragma once
 
+#include <vector>
+
 #include <gtest/gtest.h>
 
 #include "shardgather/communicator.h"
@@ -25,6 +27,9 @@ class LimitedCommunicator final : public Communicator {
   [[nodiscard]] int ranks_on_host() const noexcept override { return inner_.ranks_on_host(); }
   [[nodiscard]] std::span<const int> hosts() const noexcept override { return inner_.hosts(); }
   [[nodiscard]] Capabilities capabilities() const noexcept override { return caps_; }
+
+  // The form of every all_gather_v_device this rank was asked for, in order.
+  std::vector<DeviceGatherForm> device_forms;
 
  protected:
   void do_all_gather(std::span<const std::byte> send, std::span<std::byte> recv,
@@ -57,10 +62,11 @@ class LimitedCommunicator final : public Communicator {
   }
   void do_all_gather_v_device(std::span<const ConstSegment> send, std::byte* recv,
                               std::span<const std::uint64_t> counts,
-                              std::span<const std::uint64_t> displs, const Device& device,
-                              void* stream, Deadline deadline) override {
+                              std::span<const std::uint64_t> displs, DeviceGatherForm form,
+                              const Device& device, void* stream, Deadline deadline) override {
     EXPECT_TRUE(caps_.device_memory) << "all_gather_v_device reached on a host-only transport";
-    inner_.all_gather_v_device(send, recv, counts, displs, device, stream, deadline);
+    device_forms.push_back(form);
+    inner_.all_gather_v_device(send, recv, counts, displs, form, device, stream, deadline);
   }
   void do_barrier(Deadline deadline) override { inner_.barrier(deadline); }
   void do_abort() noexcept override { inner_.abort(); }

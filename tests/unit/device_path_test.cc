@@ -4,6 +4,7 @@
 // fake device memory must give the bytes of the same call on host memory, touch nothing but
 // device memory from the kernel, and, in a plan's steady state, launch at most three kernels,
 // upload nothing and allocate nothing. (tools/device-check runs the same calls on a real GPU.)
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -406,6 +407,56 @@ TEST_P(DevicePath, AnNcclLikeTransportNeedsOnlyTheDeviceGather) {
     const GatherResult h = foreach_all_gather(hv, comm, hint(world));
     EXPECT_TRUE(same_gathers(d, h));
   });
+}
+
+// The strategy layer tells the transport which collectives move an uneven device gather, the
+// same on every rank: the rule (RankList's uneven streams pad more than 1/8: broadcasts), or
+// SHARDGATHER_DEVICE_GATHER's request; equal streams are one all-gather whatever was asked. An
+// unknown request raises InvalidArgument on every rank. Bytes as on the host every time.
+TEST_P(DevicePath, TheTransportIsToldTheDeviceGathersForm) {
+  const int world = GetParam();
+  const Capabilities nccl_like{
+      .gather_v = false, .scatter = false, .all_to_all = false, .device_memory = true};
+  const auto run = [&](const char* request, bool even, DeviceGatherForm want) {
+    if (request == nullptr) {
+      ::unsetenv("SHARDGATHER_DEVICE_GATHER");
+    } else {
+      ::setenv("SHARDGATHER_DEVICE_GATHER", request, 1);
+    }
+    run_ranks(world, [&](int rank, Communicator& inner) {
+      testing::LimitedCommunicator comm(inner, nccl_like);
+      const RankList list(even ? 0 : rank);
+      const auto h =
+          even ? std::vector<std::vector<Shape>>(static_cast<std::size_t>(world), hint(1)[0])
+               : hint(world);
+      const GatherResult d = foreach_all_gather(list.dv, comm, h);
+      EXPECT_TRUE(same_gathers(d, foreach_all_gather(list.hv, comm, h))) << "rank " << rank;
+      const std::vector<DeviceGatherForm> forms(world == 1 ? 0 : 1, want);
+      EXPECT_EQ(comm.device_forms, forms)
+          << "rank " << rank << " asked " << (request ? request : "-");
+    });
+  };
+  run(nullptr, false, DeviceGatherForm::kBroadcast);
+  run("auto", false, DeviceGatherForm::kBroadcast);
+  run("padded", false, DeviceGatherForm::kPadded);
+  run("broadcast", false, DeviceGatherForm::kBroadcast);
+  run(nullptr, true, DeviceGatherForm::kPadded);
+  run("broadcast", true, DeviceGatherForm::kPadded);
+  ::setenv("SHARDGATHER_DEVICE_GATHER", "pipelined", 1);
+  run_ranks(world, [&](int rank, Communicator& inner) {
+    testing::LimitedCommunicator comm(inner, nccl_like);
+    const RankList list(rank);
+    try {
+      (void)foreach_all_gather(list.dv, comm, hint(world));
+      ADD_FAILURE() << "no error on rank " << rank;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("SHARDGATHER_DEVICE_GATHER=pipelined"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_TRUE(comm.device_forms.empty());
+  });
+  ::unsetenv("SHARDGATHER_DEVICE_GATHER");
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, DevicePath, ::testing::Values(1, 2, 3, 4),

@@ -3,6 +3,7 @@
 // transport that moves host memory only refuses CUDA tensors, and two ranks on different kinds
 // of memory disagree in the header. Every case raises on every rank, and the communicator stays
 // usable. (On a machine without a GPU every CUDA view is over host memory, which is the point.)
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -114,6 +115,63 @@ TEST(DeviceChecks, HeadersOnDifferentKindsOfMemoryDisagree) {
   sent[1].flags |= 0x7fU << detail::kDeviceShift;
   std::memcpy(gathered.data(), sent.data(), gathered.size());
   EXPECT_THROW(detail::check_headers(gathered, decoded, 0), Mismatch);
+}
+
+// SHARDGATHER_DEVICE_GATHER travels in a device call's header: ranks asking for different forms
+// would pair one rank's broadcasts with another's all-gather, so they disagree before a byte
+// moves, naming both requests.
+TEST(DeviceChecks, HeadersAskingForDifferentDeviceGathersDisagree) {
+  std::vector<detail::PreflightHeader> sent(3);
+  for (auto& h : sent) {
+    h.world_size = 3;
+    detail::set_device_type(h, DeviceType::kCuda);
+  }
+  detail::set_device_gather(sent[2], detail::DeviceGather::kBroadcast);
+  std::vector<std::byte> gathered(sizeof(detail::PreflightHeader) * 3);
+  std::memcpy(gathered.data(), sent.data(), gathered.size());
+  std::vector<detail::PreflightHeader> decoded(3);
+  const auto [cls, what] = outcome([&] { detail::check_headers(gathered, decoded, 1); });
+  EXPECT_EQ(cls, "Mismatch") << what;
+  EXPECT_NE(what.find("rank 1"), std::string::npos) << what;
+  EXPECT_NE(what.find("device gather differs: rank 0 asks for auto, rank 2 for broadcast"),
+            std::string::npos)
+      << what;
+  // Alike on every rank: agreed, and each header keeps its request.
+  detail::set_device_gather(sent[0], detail::DeviceGather::kBroadcast);
+  detail::set_device_gather(sent[1], detail::DeviceGather::kBroadcast);
+  std::memcpy(gathered.data(), sent.data(), gathered.size());
+  detail::check_headers(gathered, decoded, 1);
+  EXPECT_EQ(detail::device_gather_of(decoded[1]), detail::DeviceGather::kBroadcast);
+  // An unknown request is a corrupt header.
+  sent[2].flags |= 0x7fU << detail::kDeviceGatherShift;
+  std::memcpy(gathered.data(), sent.data(), gathered.size());
+  const auto [cls2, what2] = outcome([&] { detail::check_headers(gathered, decoded, 1); });
+  EXPECT_EQ(cls2, "Mismatch") << what2;
+  EXPECT_NE(what2.find("corrupt pre-flight header from rank 2: unknown device gather request"),
+            std::string::npos)
+      << what2;
+}
+
+// The rule, on counts every rank shares: equal counts are one all-gather whatever was asked;
+// otherwise a request forces its form, and kAuto pads only where padding adds at most 1/8.
+TEST(DeviceChecks, TheDeviceGatherFormFollowsTheCountsAndTheRequest) {
+  using detail::device_gather_form;
+  using detail::DeviceGather;
+  const std::vector<std::uint64_t> even{64, 64, 64};
+  const std::vector<std::uint64_t> slightly{64, 64, 56};  // padding 8 of 184: 8 * 8 <= 184
+  const std::vector<std::uint64_t> skewed{64, 0, 8};      // padding 120 of 72
+  const std::vector<std::uint64_t> edge{8, 7, 7, 7, 7, 7, 7, 7, 7};  // padding 8 of 64: 8 * 8 = 64
+  for (const DeviceGather r :
+       {DeviceGather::kAuto, DeviceGather::kPadded, DeviceGather::kBroadcast}) {
+    EXPECT_EQ(device_gather_form(even, r), DeviceGatherForm::kPadded);
+  }
+  EXPECT_EQ(device_gather_form(slightly, DeviceGather::kAuto), DeviceGatherForm::kPadded);
+  EXPECT_EQ(device_gather_form(edge, DeviceGather::kAuto), DeviceGatherForm::kPadded);
+  EXPECT_EQ(device_gather_form(skewed, DeviceGather::kAuto), DeviceGatherForm::kBroadcast);
+  EXPECT_EQ(device_gather_form(skewed, DeviceGather::kPadded), DeviceGatherForm::kPadded);
+  EXPECT_EQ(device_gather_form(slightly, DeviceGather::kBroadcast), DeviceGatherForm::kBroadcast);
+  const std::vector<std::uint64_t> past_edge{9, 7, 7, 7, 7, 7, 7, 7, 7};  // padding 16 of 65
+  EXPECT_EQ(device_gather_form(past_edge, DeviceGather::kAuto), DeviceGatherForm::kBroadcast);
 }
 
 TEST(DeviceChecks, AnAdoptedBufferIsGivenBackItsOwnWay) {

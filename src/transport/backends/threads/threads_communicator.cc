@@ -170,7 +170,8 @@ void ThreadsCommunicator::do_all_gather_v(std::span<const ConstSegment> send, st
 
 void ThreadsCommunicator::do_all_gather_v_device(
     std::span<const ConstSegment> send, std::byte* recv, std::span<const std::uint64_t> counts,
-    std::span<const std::uint64_t> displs, const Device& device, void* stream, Deadline deadline) {
+    std::span<const std::uint64_t> displs, DeviceGatherForm /*form: one way here*/,
+    const Device& device, void* stream, Deadline deadline) {
   const char* what = "all_gather_v_device";
   GroupState& g = *group_;
   const auto me = static_cast<std::size_t>(rank_);

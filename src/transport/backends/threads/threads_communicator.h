@@ -82,10 +82,11 @@ class ThreadsCommunicator final : public Communicator {
   // Each rank copies every peer's device bytes with cudaMemcpyAsync on its own stream (peer
   // access or staging is the driver's business); the sender's stream is synchronised before it
   // publishes its segments and the reader's before it leaves, so no buffer is reused early.
+  // That is the one way here: `form` is ignored.
   void do_all_gather_v_device(std::span<const ConstSegment> send, std::byte* recv,
                               std::span<const std::uint64_t> counts,
-                              std::span<const std::uint64_t> displs, const Device& device,
-                              void* stream, Deadline deadline) override;
+                              std::span<const std::uint64_t> displs, DeviceGatherForm form,
+                              const Device& device, void* stream, Deadline deadline) override;
   void do_all_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                              std::span<const std::size_t> first,
                              std::span<const std::uint64_t> counts, Deadline deadline) override;

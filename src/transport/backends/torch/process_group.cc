@@ -56,10 +56,6 @@ constexpr std::uint64_t kMaxChunk = std::uint64_t{8} << 20;
 constexpr std::uint64_t kMinChunk = std::uint64_t{256} << 10;
 constexpr std::uint64_t kSlotBudget = std::uint64_t{64} << 20;
 
-// Policy: an uneven device gather under kAuto is one padded all-gather when the padding adds at
-// most 1/kPaddingDivisor of the bytes, else one broadcast per rank (docs/gpu.md).
-constexpr std::uint64_t kPaddingDivisor = 8;
-
 }  // namespace numbers
 
 // The chunk for an exchange in which a rank may hold up to `slots` slots of one chunk each.
@@ -116,12 +112,6 @@ ProcessGroupCommunicator::ProcessGroupCommunicator(
       device_(device),
       staged_on_device_(!device.is_cpu()),
       p2p_(p2p && device.is_cpu() && name_ == "torch.gloo") {
-  if (const char* how = std::getenv("SHARDGATHER_DEVICE_GATHER"); how != nullptr) {
-    const std::string_view v(how);
-    device_gather_ = v == "broadcast" ? DeviceGather::kBroadcast
-                     : v == "padded"  ? DeviceGather::kPadded
-                                      : DeviceGather::kAuto;
-  }
   const Deadline setup = deadline_after(setup_timeout);
   ranks_on_host_ = count_ranks_on_host(setup);
   if (host_mailbox) {
@@ -277,9 +267,12 @@ void ProcessGroupCommunicator::wait_polled(const c10::intrusive_ptr<c10d::Work>&
   }
 }
 
-void ProcessGroupCommunicator::do_all_gather_v_device(
-    std::span<const ConstSegment> send, std::byte* recv, std::span<const std::uint64_t> counts,
-    std::span<const std::uint64_t> displs, const Device& device, void* stream, Deadline deadline) {
+void ProcessGroupCommunicator::do_all_gather_v_device(std::span<const ConstSegment> send,
+                                                      std::byte* recv,
+                                                      std::span<const std::uint64_t> counts,
+                                                      std::span<const std::uint64_t> displs,
+                                                      DeviceGatherForm form, const Device& device,
+                                                      void* stream, Deadline deadline) {
   const c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(device.index));
   // c10d orders its work after torch's current stream and makes that stream wait for it. A
   // blocking call runs on that stream already (params.cc made it the call's); a started one
@@ -292,7 +285,7 @@ void ProcessGroupCommunicator::do_all_gather_v_device(
     detail::sync_stream(stream);
   }
   const std::byte* mine = send.empty() ? nullptr : send.front().data;  // one segment (device.cc)
-  if (device_gather_pads(counts)) {
+  if (form == DeviceGatherForm::kPadded) {
     gather_device_padded(mine, recv, counts, displs, dev, deadline);
   } else {
     gather_device_broadcast(mine, recv, counts, displs, dev, deadline);
@@ -317,18 +310,6 @@ CountsShape shape_of(std::span<const std::uint64_t> counts) {
 }
 
 }  // namespace
-
-bool ProcessGroupCommunicator::device_gather_pads(std::span<const std::uint64_t> counts) const {
-  // The choice reads the counts only, which every rank shares: every rank issues the same
-  // collectives whatever its own displacements.
-  const CountsShape shape = shape_of(counts);
-  if (shape.even || device_gather_ == DeviceGather::kPadded) {
-    return true;
-  }
-  const std::uint64_t total = std::accumulate(counts.begin(), counts.end(), std::uint64_t{0});
-  const std::uint64_t padding = static_cast<std::uint64_t>(size_) * shape.widest - total;
-  return device_gather_ == DeviceGather::kAuto && numbers::kPaddingDivisor * padding <= total;
-}
 
 void ProcessGroupCommunicator::gather_device_padded(const std::byte* mine, std::byte* recv,
                                                     std::span<const std::uint64_t> counts,
@@ -853,7 +834,7 @@ namespace {
 
 // Each rank's host, hosts numbered in the order of their lowest rank, from every rank's host
 // facts (the name's hash first).
-std::vector<int> hosts_by_name(const std::vector<std::array<std::uint64_t, 3>>& all) {
+std::vector<int> hosts_by_name(const std::vector<std::array<std::uint64_t, 2>>& all) {
   std::vector<int> hosts;
   std::vector<std::uint64_t> names;
   for (const auto& r : all) {
@@ -879,23 +860,16 @@ int ProcessGroupCommunicator::count_ranks_on_host(Deadline deadline) {
   std::array<char, 256> name{};
   (void)::gethostname(name.data(), name.size() - 1);
   const char* env = std::getenv("LOCAL_WORLD_SIZE");
-  // SHARDGATHER_DEVICE_GATHER rides along: two ranks moving one uneven device gather two ways
-  // (broadcasts against an all-gather) would pair mismatched collectives, so it too is believed
-  // only when every rank has the same one, and otherwise every rank uses the rule (kAuto).
-  const std::array<std::uint64_t, 3> mine{
+  const std::array<std::uint64_t, 2> mine{
       std::hash<std::string_view>{}(std::string_view(name.data())),
-      env != nullptr && std::atoi(env) > 0 ? static_cast<std::uint64_t>(std::atoi(env)) : 0,
-      static_cast<std::uint64_t>(device_gather_)};
+      env != nullptr && std::atoi(env) > 0 ? static_cast<std::uint64_t>(std::atoi(env)) : 0};
   // Parked on failure: an interrupted or timed-out receive may still write into it.
   const std::vector<std::byte> bytes =
       detail::gather_or_park(*this, std::as_bytes(std::span(mine)), deadline);
-  std::vector<std::array<std::uint64_t, 3>> all(static_cast<std::size_t>(size_));
+  std::vector<std::array<std::uint64_t, 2>> all(static_cast<std::size_t>(size_));
   std::memcpy(all.data(), bytes.data(), bytes.size());
   const bool env_agrees =
       std::all_of(all.begin(), all.end(), [&](const auto& r) { return r[1] == all[0][1]; });
-  if (!std::all_of(all.begin(), all.end(), [&](const auto& r) { return r[2] == all[0][2]; })) {
-    device_gather_ = DeviceGather::kAuto;
-  }
   hosts_ = hosts_by_name(all);
   if (env_agrees && all[0][1] != 0) {
     const auto local = static_cast<int>(all[0][1]);
@@ -991,22 +965,6 @@ std::unique_ptr<Communicator> make_torch_communicator(
 bool torch_uses_host_mailbox(const Communicator& comm) noexcept {
   const auto* pg = dynamic_cast<const detail::ProcessGroupCommunicator*>(&comm);
   return pg != nullptr && pg->uses_host_mailbox();
-}
-
-std::string_view torch_device_gather(const Communicator& comm) noexcept {
-  const auto* pg = dynamic_cast<const detail::ProcessGroupCommunicator*>(&comm);
-  if (pg == nullptr) {
-    return "";
-  }
-  switch (pg->device_gather()) {
-    case detail::ProcessGroupCommunicator::DeviceGather::kBroadcast:
-      return "broadcast";
-    case detail::ProcessGroupCommunicator::DeviceGather::kPadded:
-      return "padded";
-    case detail::ProcessGroupCommunicator::DeviceGather::kAuto:
-      break;
-  }
-  return "auto";
 }
 
 }  // namespace shardgather

@@ -15,13 +15,10 @@
 //  5. Device memory (all_gather_v_device, CUDA tensors): the collective is issued on the device
 //     bytes themselves (c10d sends CUDA tensors to the group's CUDA backend: NCCL, or Gloo, which
 //     stages them), ordered after torch's current stream, which the binding makes the call's
-//     stream (params.cc). Uneven counts: one broadcast per rank into its slot (coalesced into
-//     one group on NCCL), or one padded
-//     all_gather_into_tensor and a copy out; SHARDGATHER_DEVICE_GATHER=broadcast|padded picks
-//     one, else broadcast unless padding adds at most 1/8 of the bytes (docs/gpu.md). That rule
-//     is policy, not a fact of the transport: it is the transport's default until the strategy
-//     layer takes the choice over (the Communicator interface has no say in it yet). Every
-//     number this transport carries is at the top of process_group.cc, with what it bounds.
+//     stream (params.cc). Uneven counts move in the form the strategy layer passes: one
+//     broadcast per rank into its slot (coalesced into one group on NCCL), or one padded
+//     all_gather_into_tensor and a copy out (docs/gpu.md). Every number this transport carries is
+//     at the top of process_group.cc, with what it bounds.
 //
 // This transport states facts and holds no strategy: without point to point (NCCL, or
 // `p2p=false`) it has only c10d's equal-size allgather (capabilities().gather_v false), and the
@@ -163,16 +160,10 @@ class ProcessGroupCommunicator final : public Communicator {
                              Deadline deadline) override;
   void do_all_gather_v_device(std::span<const ConstSegment> send, std::byte* recv,
                               std::span<const std::uint64_t> counts,
-                              std::span<const std::uint64_t> displs, const Device& device,
-                              void* stream, Deadline deadline) override;
+                              std::span<const std::uint64_t> displs, DeviceGatherForm form,
+                              const Device& device, void* stream, Deadline deadline) override;
   void do_barrier(Deadline deadline) override;
   void do_abort() noexcept override;
-
- public:
-  // How all_gather_v_device moves uneven counts: SHARDGATHER_DEVICE_GATHER where every rank
-  // set the same, else kAuto (agreed at construction, count_ranks_on_host).
-  enum class DeviceGather { kAuto, kBroadcast, kPadded };
-  [[nodiscard]] DeviceGather device_gather() const noexcept { return device_gather_; }
 
  private:
   // The streams of one chunked exchange and their slots (process_group.cc).
@@ -192,8 +183,7 @@ class ProcessGroupCommunicator final : public Communicator {
   void exchange_chunked(ChunkedExchange& x, Deadline deadline, const char* what);
   // Issues round c's works (prepared: every receive and send of chunk c); inflight_mu_ held.
   void issue_round(const ChunkedExchange& x, std::uint64_t c);
-  // The device gather's two forms (do_all_gather_v_device chooses).
-  [[nodiscard]] bool device_gather_pads(std::span<const std::uint64_t> counts) const;
+  // The device gather's two forms (DeviceGatherForm).
   void gather_device_padded(const std::byte* mine, std::byte* recv,
                             std::span<const std::uint64_t> counts,
                             std::span<const std::uint64_t> displs, const c10::Device& dev,
@@ -248,7 +238,6 @@ class ProcessGroupCommunicator final : public Communicator {
   std::vector<c10::intrusive_ptr<c10d::Work>> inflight_;
   std::vector<at::Tensor> p2p_tensors_;  // reused: one-element lists for send/recv
   std::vector<std::uint64_t> p2p_displs_;
-  DeviceGather device_gather_ = DeviceGather::kAuto;  // SHARDGATHER_DEVICE_GATHER
   at::Tensor padded_send_;   // reused: all_gather_v_device's padded send, on its device
   at::Tensor padded_recv_;   // reused: its padded receive
   at::Tensor send_staging_;  // reused: device staging of an all_gather's send
