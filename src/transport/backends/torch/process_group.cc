@@ -30,11 +30,10 @@ namespace shardgather::detail {
 
 namespace {
 
-// Every number this transport carries, with what it bounds. All but the last are mechanism: how
-// soon the transport notices an event, or how much memory of its own it holds while it moves
-// the bytes it is handed; nothing above the transport sees either. The last is policy (which of
-// two moves of the same bytes is faster), the transport's default until the strategy layer
-// takes that choice over (process_group.h, "Device memory").
+// Every number this transport carries, with what it bounds. All are mechanism: how soon the
+// transport notices an event, or how much memory of its own it holds while it moves the bytes it
+// is handed; nothing above the transport sees either. Which of two moves of the same bytes is
+// faster is policy, the strategy layer's (the device gather's form: src/strategies/device.cc).
 namespace numbers {
 
 // Work::wait is called in slices of this length so that abort() and the deadline are noticed
