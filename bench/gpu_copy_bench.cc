@@ -160,7 +160,9 @@ int main(int argc, char** argv) {
     table.finish();
     cudaStream_t stream = nullptr;
     check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-    sg::detail::DeviceMemory on_device(table.descs().size() * sizeof(sg::detail::CopyDesc), 0);
+    // For the legacy default stream, which the synchronous cudaMemcpy below is ordered on.
+    sg::detail::DeviceMemory on_device(table.descs().size() * sizeof(sg::detail::CopyDesc), 0,
+                                       nullptr);
     check(cudaMemcpy(on_device.data(), table.descs().data(), on_device.size(),
                      cudaMemcpyHostToDevice),
           "cudaMemcpy");

@@ -1,5 +1,5 @@
 // Owning memory for gathered results: the library's one output allocation (host memory, or
-// device memory for a call on device tensors).
+// device memory for a call on device tensors, from the device allocator: device_allocator.h).
 #pragma once
 
 #include <cstddef>
@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "shardgather/device.h"
+#include "shardgather/device_allocator.h"
 #include "shardgather/export.h"
 
 namespace shardgather {
@@ -17,16 +18,17 @@ class SHARDGATHER_API AlignedBuffer {
   AlignedBuffer() = default;
   // Host memory. OutOfMemory when the allocation fails.
   explicit AlignedBuffer(std::uint64_t bytes);
-  // Takes `data` (`bytes` bytes on `device`), given back with `release(data)` on destruction.
-  AlignedBuffer(std::byte* data, std::uint64_t bytes, Device device,
-                void (*release)(void*) noexcept) noexcept;
+  // Takes `memory` (`bytes` bytes on `device`), given back through its release on destruction.
+  AlignedBuffer(DeviceAllocation memory, std::uint64_t bytes, Device device) noexcept;
   [[nodiscard]] std::byte* data() const noexcept { return data_.get(); }
   [[nodiscard]] std::uint64_t size() const noexcept { return size_; }
   [[nodiscard]] Device device() const noexcept { return device_; }
 
  private:
   struct Free {
-    void (*release)(void*) noexcept;  // null (value-initialised): std::free
+    // Null (value-initialised): std::free.
+    void (*release)(std::byte* data, void* context) noexcept;
+    void* context;
     void operator()(std::byte* p) const noexcept;
   };
   std::unique_ptr<std::byte, Free> data_;

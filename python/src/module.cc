@@ -20,6 +20,7 @@
 #include "params.h"
 #include "plans.h"
 #include "stream.h"
+#include "torch_allocator.h"
 #include "torch_tensors.h"
 #include "work.h"
 
@@ -542,6 +543,7 @@ void register_hooks(py::module_& m) {
 // The order matters only where a signature names a class: that class is registered first.
 PYBIND11_MODULE(_shardgather, m) {
   using namespace shardgather::python;  // NOLINT(google-build-using-namespace)
+  use_torch_device_allocator();
   register_exceptions(m);
   register_attributes(m);
   register_communicator(m);

@@ -73,16 +73,16 @@ __global__ void __launch_bounds__(kCopyThreads)
 
 }  // namespace
 
-void* device_allocate(std::uint64_t bytes, int device) {
+void* pool_allocate(std::uint64_t bytes, int device, void* stream) {
   const CurrentDevice on(device);
   void* p = nullptr;
-  check(cudaMalloc(&p, bytes == 0 ? 1 : bytes), "cudaMalloc");
+  check(cudaMallocAsync(&p, bytes == 0 ? 1 : bytes, as_stream(stream)), "cudaMallocAsync");
   return p;
 }
 
-void device_free(void* data) noexcept {
+void pool_free(void* data, void* stream) noexcept {
   if (data != nullptr) {
-    (void)cudaFree(data);
+    (void)cudaFreeAsync(data, as_stream(stream));
   }
 }
 

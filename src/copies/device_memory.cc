@@ -1,36 +1,103 @@
-// DeviceMemory over device_allocate / device_free, whichever runtime this build links
-// (device_cuda.cu, device_none.cc, or the CPU tests' fake).
+// The device allocator in use (device_allocator.h), its default over the runtime's stream-ordered
+// pool (device_cuda.cu, device_none.cc, or the CPU tests' fake), and DeviceMemory over it.
+#include <memory>
+#include <mutex>
 #include <utility>
 
 #include "copies/device_runtime.h"
 
-namespace shardgather::detail {
+namespace shardgather {
 
-DeviceMemory::DeviceMemory(std::uint64_t bytes, int device)
-    : data_(static_cast<std::byte*>(device_allocate(bytes, device))),
+DeviceAllocator::~DeviceAllocator() = default;
+
+namespace detail {
+namespace {
+
+// The stream travels as the release's context: the pool takes memory back on the stream it was
+// allocated for.
+class PoolAllocator final : public DeviceAllocator {
+ public:
+  DeviceAllocation allocate(std::uint64_t bytes, const Device& device, void* stream) override {
+    return {.data = static_cast<std::byte*>(pool_allocate(bytes, device.index, stream)),
+            .release = [](std::byte* data, void* context) noexcept { pool_free(data, context); },
+            .context = stream};
+  }
+};
+
+struct Installed {
+  std::mutex mu;
+  std::shared_ptr<DeviceAllocator> allocator;  // null: the pool
+};
+
+Installed& installed() {
+  static Installed i;
+  return i;
+}
+
+std::shared_ptr<DeviceAllocator> pool_allocator() {
+  static const std::shared_ptr<DeviceAllocator> pool = std::make_shared<PoolAllocator>();
+  return pool;
+}
+
+}  // namespace
+
+DeviceMemory::DeviceMemory(std::uint64_t bytes, int device, void* stream)
+    : memory_(device_allocator()->allocate(bytes == 0 ? 1 : bytes, cuda_device(device), stream)),
       size_(bytes),
-      device_(device) {}
+      device_(device),
+      stream_(stream) {}
 
 DeviceMemory::DeviceMemory(DeviceMemory&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)),
+    : memory_(std::exchange(other.memory_, {})),
       size_(std::exchange(other.size_, 0)),
-      device_(other.device_) {}
+      device_(other.device_),
+      stream_(other.stream_) {}
 
 DeviceMemory& DeviceMemory::operator=(DeviceMemory&& other) noexcept {
-  std::swap(data_, other.data_);
+  std::swap(memory_, other.memory_);
   std::swap(size_, other.size_);
   std::swap(device_, other.device_);
+  std::swap(stream_, other.stream_);
   return *this;
 }
 
-DeviceMemory::~DeviceMemory() { device_free(data_); }
-
-void DeviceMemory::reserve(std::uint64_t bytes, int device) {
-  if (data_ != nullptr && bytes <= size_ && device == device_) {
-    return;
+DeviceMemory::~DeviceMemory() {
+  if (memory_.data != nullptr && memory_.release != nullptr) {
+    memory_.release(memory_.data, memory_.context);
   }
-  DeviceMemory fresh(bytes, device);
-  *this = std::move(fresh);
 }
 
-}  // namespace shardgather::detail
+void DeviceMemory::reserve(std::uint64_t bytes, int device, void* stream) {
+  if (memory_.data != nullptr && bytes <= size_ && device == device_ && stream == stream_) {
+    return;
+  }
+  // Given back first, on its own stream: the pool may then hand the same bytes out again.
+  *this = DeviceMemory();
+  *this = DeviceMemory(bytes, device, stream);
+}
+
+DeviceAllocation DeviceMemory::release() noexcept {
+  size_ = 0;
+  return std::exchange(memory_, {});
+}
+
+}  // namespace detail
+
+void set_device_allocator(std::shared_ptr<DeviceAllocator> allocator) {
+  detail::Installed& i = detail::installed();
+  const std::lock_guard<std::mutex> lock(i.mu);
+  i.allocator = std::move(allocator);
+}
+
+std::shared_ptr<DeviceAllocator> device_allocator() {
+  detail::Installed& i = detail::installed();
+  {
+    const std::lock_guard<std::mutex> lock(i.mu);
+    if (i.allocator) {
+      return i.allocator;
+    }
+  }
+  return detail::pool_allocator();
+}
+
+}  // namespace shardgather

@@ -21,8 +21,10 @@ namespace {
 
 }  // namespace
 
-void device_free(void* /*data*/) noexcept {}
-void* device_allocate(std::uint64_t /*bytes*/, int /*device*/) { no_cuda("device memory"); }
+void* pool_allocate(std::uint64_t /*bytes*/, int /*device*/, void* /*stream*/) {
+  no_cuda("device memory");
+}
+void pool_free(void* /*data*/, void* /*stream*/) noexcept {}
 CurrentDevice::CurrentDevice(int /*device*/) { no_cuda("CurrentDevice"); }
 CurrentDevice::~CurrentDevice() { (void)previous_; }  // nothing was changed
 Device device_of(const void* /*p*/) { return kCpu; }

@@ -4,9 +4,9 @@
 // layers above need no #if.
 //
 // Streams are opaque (a cudaStream_t); nullptr is the device's legacy default stream. Every
-// function here enqueues on the stream and returns without waiting, except sync_stream and the
-// allocation calls. CUDA failures raise OutOfMemory (allocation) or CommunicationError (any
-// other: a sticky device error leaves the device unusable, as a failed backend does).
+// function here enqueues on the stream and returns without waiting, except sync_stream. CUDA
+// failures raise OutOfMemory (allocation) or CommunicationError (any other: a sticky device error
+// leaves the device unusable, as a failed backend does).
 #pragma once
 
 #include <cstddef>
@@ -16,38 +16,46 @@
 #include "copies/copy_desc.h"
 
 #include "shardgather/device.h"
+#include "shardgather/device_allocator.h"
 
 namespace shardgather::detail {
 
-// Owning device memory on one device. Movable, not copyable; freeing waits for nothing (free
-// only what no enqueued work still touches: cudaFree synchronises the device itself).
+// Owning device memory on one device, from device_allocator() (device_allocator.h), for work on
+// one stream. Movable, not copyable; giving it back is stream-ordered (the allocator's release),
+// so it may happen while work enqueued on that stream still uses it.
 class DeviceMemory {
  public:
   DeviceMemory() = default;
-  DeviceMemory(std::uint64_t bytes, int device);
+  DeviceMemory(std::uint64_t bytes, int device, void* stream);
   DeviceMemory(const DeviceMemory&) = delete;
   DeviceMemory& operator=(const DeviceMemory&) = delete;
   DeviceMemory(DeviceMemory&& other) noexcept;
   DeviceMemory& operator=(DeviceMemory&& other) noexcept;
   ~DeviceMemory();
 
-  [[nodiscard]] std::byte* data() const noexcept { return data_; }
+  [[nodiscard]] std::byte* data() const noexcept { return memory_.data; }
   [[nodiscard]] std::uint64_t size() const noexcept { return size_; }
   [[nodiscard]] int device() const noexcept { return device_; }
-  // Makes room for `bytes` (keeps the memory when it is large enough; the old contents are lost
-  // otherwise).
-  void reserve(std::uint64_t bytes, int device);
+  [[nodiscard]] void* stream() const noexcept { return stream_; }
+  // Makes room for `bytes` on `device` for work on `stream`: keeps the memory when it is large
+  // enough and was allocated for that device and stream, else gives it back and allocates anew
+  // (the old contents are lost).
+  void reserve(std::uint64_t bytes, int device, void* stream);
+  // Hands the memory over (to an AlignedBuffer); this is empty afterwards.
+  [[nodiscard]] DeviceAllocation release() noexcept;
 
  private:
-  std::byte* data_ = nullptr;
+  DeviceAllocation memory_{};
   std::uint64_t size_ = 0;
   int device_ = 0;
+  void* stream_ = nullptr;
 };
 
-// Frees memory from device_allocate (the deleter of a device AlignedBuffer).
-void device_free(void* data) noexcept;
-// `bytes` of memory on `device`, 256-byte aligned; OutOfMemory on failure.
-void* device_allocate(std::uint64_t bytes, int device);
+// The default allocator's runtime calls: stream-ordered memory from `device`'s default pool
+// (cudaMallocAsync, 256-byte aligned; OutOfMemory on failure) and its release (cudaFreeAsync
+// on `stream`).
+void* pool_allocate(std::uint64_t bytes, int device, void* stream);
+void pool_free(void* data, void* stream) noexcept;
 
 // Makes `device` current on the calling thread (CUDA's per-thread current device) for a scope,
 // and restores the caller's current device after it: a gather on cuda:1 must not move the

@@ -72,11 +72,12 @@ void reserve_device_scratch(ExecScratch& x, const Device& device, std::uint64_t 
     return;
   }
   StrategyScratch& s = x.strategy;
-  if (s.device_zeros.size() == 0 || s.device_zeros.device() != device.index) {
-    s.device_zeros.reserve(sizeof kZeroBytes, device.index);
+  const std::byte* zeros = s.device_zeros.data();
+  s.device_zeros.reserve(sizeof kZeroBytes, device.index, stream);
+  if (s.device_zeros.data() != zeros) {  // new memory (or a new device or stream): fill it
     copy_async(s.device_zeros.data(), kZeroBytes, sizeof kZeroBytes, stream);
   }
-  s.device_staging.reserve(staged, device.index);
+  s.device_staging.reserve(staged, device.index, stream);
 }
 
 Stager stager_for(ExecScratch& x, const Device& device) {
@@ -175,8 +176,8 @@ AlignedBuffer output_buffer(std::uint64_t bytes, const Device& device) {
   if (device.type == DeviceType::kCpu) {
     return AlignedBuffer(bytes);
   }
-  return {static_cast<std::byte*>(device_allocate(bytes, device.index)), bytes, device,
-          device_free};
+  DeviceMemory memory(bytes, device.index, current_cuda_stream());
+  return {memory.release(), bytes, device};
 }
 
 std::vector<TensorView> layout_views(const LayoutPlan& layout, const std::byte* buffer,

@@ -74,7 +74,8 @@ struct BlockJob {
 std::vector<TensorView> layout_views(const LayoutPlan& layout, const std::byte* buffer,
                                      const Device& device = kCpu);
 
-// A one-shot call's output: host memory, or memory on the tensors' CUDA device.
+// A one-shot call's output: host memory, or memory on the tensors' CUDA device from the device
+// allocator, for work on this thread's current stream (the call's).
 AlignedBuffer output_buffer(std::uint64_t bytes, const Device& device);
 
 // InvalidArgument unless `comm` is rank `rank` of `world`, as the plan was built.

@@ -23,13 +23,15 @@ namespace {
 // rank (one coalesced group on NCCL). Unmeasured: no GPU has run this path yet.
 constexpr std::uint64_t kPaddingDivisor = 8;
 
-// The three tables (stage, in, out) in one device buffer, uploaded only when a descriptor
-// changed (a plan over the same tensors uploads once). Returns each table's device copy.
+// The three tables (stage, in, out) in one device buffer, uploaded only when a descriptor or
+// the stream changed (a plan over the same tensors on one stream uploads once). Returns each
+// table's device copy.
 std::array<const CopyDesc*, 3> upload_tables(StrategyScratch& s, const Device& device,
                                              void* stream) {
   const std::array<const CopyTable*, 3> tables{&s.copy_stage, &s.copy_in, &s.copy_out};
   std::size_t total = 0;
-  bool same = true;
+  // Memory for another stream is given back and allocated anew (DeviceMemory::reserve).
+  bool same = s.device_table.stream() == stream;
   for (const CopyTable* t : tables) {
     const std::span<const CopyDesc> d = t->descs();
     same = same && total + d.size() <= s.uploaded.size() &&
@@ -41,7 +43,7 @@ std::array<const CopyDesc*, 3> upload_tables(StrategyScratch& s, const Device& d
     // failed one is redone, never skipped.
     s.uploaded.clear();
     const std::uint64_t bytes = total * sizeof(CopyDesc);
-    s.device_table.reserve(bytes, device.index);
+    s.device_table.reserve(bytes, device.index, stream);
     std::vector<CopyDesc>& staged = s.upload_staging;
     staged.clear();
     for (const CopyTable* t : tables) {
@@ -77,7 +79,7 @@ std::byte* gather_target(const ExchangeJob& job, int me, StrategyScratch& s) {
     s.displs[r] = total;
     total += job.counts[r];
   }
-  s.device_gathered.reserve(total, job.device.index);
+  s.device_gathered.reserve(total, job.device.index, job.stream);
   base = s.device_gathered.data();
   if (receives) {
     for (std::size_t r = 0; r < world; ++r) {
@@ -152,7 +154,7 @@ void run_device(const ExchangeJob& job, DeviceGather request, Communicator& comm
     if (job.send.size() == 1) {
       send = job.send.front().data;  // one contiguous run already: no copy-in
     } else if (mine != 0) {
-      s.device_send.reserve(mine, job.device.index);
+      s.device_send.reserve(mine, job.device.index, job.stream);
       const RecvPiece whole{s.device_send.data(), mine, 1, 0};
       s.copy_in.add_stream(job.send, std::span(&whole, 1));
       send = s.device_send.data();

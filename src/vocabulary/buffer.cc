@@ -34,13 +34,17 @@ AlignedBuffer::AlignedBuffer(std::uint64_t bytes) : size_(bytes) {
   data_.reset(static_cast<std::byte*>(p));
 }
 
-AlignedBuffer::AlignedBuffer(std::byte* data, std::uint64_t bytes, Device device,
-                             void (*release)(void*) noexcept) noexcept
-    : data_(data, Free{release}), size_(bytes), device_(device) {}
+AlignedBuffer::AlignedBuffer(DeviceAllocation memory, std::uint64_t bytes, Device device) noexcept
+    : data_(memory.data, Free{memory.release, memory.context}), size_(bytes), device_(device) {
+  if (memory.data != nullptr && memory.release == nullptr) {
+    // Nothing to give back: not std::free's either.
+    data_.get_deleter().release = [](std::byte* /*data*/, void* /*context*/) noexcept {};
+  }
+}
 
 void AlignedBuffer::Free::operator()(std::byte* p) const noexcept {
   if (release != nullptr) {
-    release(p);
+    release(p, context);
   } else {
     std::free(p);
   }

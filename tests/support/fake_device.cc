@@ -55,37 +55,59 @@ void reset_fake_device_counters() {
   r.counters = {};
 }
 
-void* alloc_fake(std::uint64_t bytes) { return detail::device_allocate(bytes, 0); }
-void free_fake(void* p) noexcept { detail::device_free(p); }
+namespace {
 
-}  // namespace testing
-
-namespace detail {
-
-void* device_allocate(std::uint64_t bytes, int /*device*/) {
+// Host memory registered as "device" memory, 256-byte aligned, never zero when fresh.
+void* fake_allocate(std::uint64_t bytes) {
   const std::uint64_t rounded = (bytes + 255) / 256 * 256 + 256;
   void* p = std::aligned_alloc(256, rounded);
   if (p == nullptr) {
     throw OutOfMemory("fake device: cannot allocate " + std::to_string(bytes) + " bytes");
   }
   std::memset(p, 0xA5, rounded);  // not zero: nothing may rely on fresh memory being zero
-  testing::Registry& r = testing::registry();
+  Registry& r = registry();
   const std::lock_guard<std::mutex> lock(r.mu);
   r.blocks[reinterpret_cast<std::uintptr_t>(p)] = bytes == 0 ? 1 : bytes;
+  return p;
+}
+
+void fake_free(void* p) noexcept {
+  if (p == nullptr) {
+    return;
+  }
+  {
+    Registry& r = registry();
+    const std::lock_guard<std::mutex> lock(r.mu);
+    r.blocks.erase(reinterpret_cast<std::uintptr_t>(p));
+  }
+  std::free(p);
+}
+
+}  // namespace
+
+void* alloc_fake(std::uint64_t bytes) { return fake_allocate(bytes); }
+void free_fake(void* p) noexcept { fake_free(p); }
+
+}  // namespace testing
+
+namespace detail {
+
+void* pool_allocate(std::uint64_t bytes, int /*device*/, void* /*stream*/) {
+  void* p = testing::fake_allocate(bytes);
+  testing::Registry& r = testing::registry();
+  const std::lock_guard<std::mutex> lock(r.mu);
   ++r.counters.allocations;
   return p;
 }
 
-void device_free(void* data) noexcept {
+void pool_free(void* data, void* /*stream*/) noexcept {
   if (data == nullptr) {
     return;
   }
-  {
-    testing::Registry& r = testing::registry();
-    const std::lock_guard<std::mutex> lock(r.mu);
-    r.blocks.erase(reinterpret_cast<std::uintptr_t>(data));
-  }
-  std::free(data);
+  testing::fake_free(data);
+  testing::Registry& r = testing::registry();
+  const std::lock_guard<std::mutex> lock(r.mu);
+  ++r.counters.frees;
 }
 
 CurrentDevice::CurrentDevice(int /*device*/) {}

@@ -12,7 +12,10 @@
 namespace shardgather::testing {
 
 struct FakeDeviceCounters {
+  // The default allocator's pool (cudaMallocAsync / cudaFreeAsync). The fake has no cudaMalloc:
+  // the library calls none.
   std::uint64_t allocations = 0;
+  std::uint64_t frees = 0;
   std::uint64_t launches = 0;        // non-empty kernel launches
   std::uint64_t copies = 0;          // copy_async calls (uploads and transport moves)
   std::uint64_t host_to_device = 0;  // of those, from host memory (table uploads, zeros)
@@ -24,7 +27,8 @@ struct FakeDeviceCounters {
 FakeDeviceCounters fake_device_counters();
 void reset_fake_device_counters();
 
-// `bytes` of fake device memory on device 0, for a test's tensors; free with free_fake.
+// `bytes` of fake device memory on device 0, for a test's tensors (not counted); free with
+// free_fake.
 void* alloc_fake(std::uint64_t bytes);
 void free_fake(void* p) noexcept;
 

@@ -4,6 +4,7 @@
 // fake device memory must give the bytes of the same call on host memory, touch nothing but
 // device memory from the kernel, and, in a plan's steady state, launch at most three kernels,
 // upload nothing and allocate nothing. (tools/device-check runs the same calls on a real GPU.)
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -185,12 +186,68 @@ TEST_P(DevicePath, PlanSteadyStateLaunchesAtMostThreeKernelsAndUploadsNothing) {
       if (i > 0) {
         // Counters are process-wide: every rank's execution is between the two barriers.
         EXPECT_EQ(after.allocations, before.allocations) << "execution " << i;
+        EXPECT_EQ(after.frees, before.frees) << "execution " << i;
         EXPECT_EQ(after.host_to_device, before.host_to_device) << "execution " << i;
         EXPECT_LE(after.launches - before.launches, 3U * static_cast<unsigned>(world));
       }
     }
+    // Every rank has read its counters before any plan (and its scratch) goes.
+    comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
     testing::free_fake(out);
   });
+}
+
+// Counts what it hands out and gets back, on the stream it was asked for, over fake memory.
+class CountingAllocator final : public DeviceAllocator {
+ public:
+  DeviceAllocation allocate(std::uint64_t bytes, const Device& device, void* stream) override {
+    EXPECT_EQ(device, cuda_device(0));
+    EXPECT_EQ(stream, current_cuda_stream()) << "memory for another stream than the call's";
+    allocated.fetch_add(1);
+    return {.data = static_cast<std::byte*>(testing::alloc_fake(bytes)),
+            .release =
+                [](std::byte* data, void* self) noexcept {
+                  static_cast<CountingAllocator*>(self)->released.fetch_add(1);
+                  testing::free_fake(data);
+                },
+            .context = this};
+  }
+  std::atomic<int> allocated{0};
+  std::atomic<int> released{0};
+};
+
+// Every byte of device memory a call takes (its output, its staging, the copy tables) comes from
+// the device allocator, for the call's stream, and goes back to it: a one-shot call, and a
+// started one on its stream. The default pool's count stays where it was while another
+// allocator is installed; with the default back, one-shot calls take from the pool and give
+// everything back.
+TEST_P(DevicePath, DeviceMemoryComesFromTheAllocatorAndGoesBack) {
+  const int world = GetParam();
+  const auto counting = std::make_shared<CountingAllocator>();
+  const testing::FakeDeviceCounters before = fake_device_counters();
+  set_device_allocator(counting);
+  run_ranks(world, [world](int rank, Communicator& comm) {
+    const RankList list(rank);
+    const GatherResult d = foreach_all_gather(list.dv, comm, hint(world));
+    int stream_token = 0;
+    const CudaStreamGuard on(&stream_token);
+    const GatherResult started = start_foreach_all_gather(list.dv, comm, hint(world)).wait();
+    EXPECT_TRUE(same_gathers(d, started));
+    EXPECT_TRUE(same_gathers(d, foreach_all_gather(list.hv, comm, hint(world))));
+  });
+  set_device_allocator(nullptr);
+  const testing::FakeDeviceCounters during = fake_device_counters();
+  EXPECT_EQ(during.allocations, before.allocations) << "the default pool was used";
+  EXPECT_GT(counting->allocated.load(), 0);
+  EXPECT_EQ(counting->released.load(), counting->allocated.load()) << "memory not given back";
+  run_ranks(world, [world](int rank, Communicator& comm) {
+    const RankList list(rank);
+    const GatherResult d = foreach_all_gather(list.dv, comm, hint(world));
+    EXPECT_TRUE(same_gathers(d, foreach_all_gather(list.hv, comm, hint(world))));
+  });
+  const testing::FakeDeviceCounters after = fake_device_counters();
+  EXPECT_GT(after.allocations, during.allocations);
+  EXPECT_EQ(after.allocations - during.allocations, after.frees - during.frees);
 }
 
 TEST_P(DevicePath, UnshardAlongEveryDimGivesTheHostBytes) {

@@ -179,8 +179,13 @@ TEST(DeviceChecks, AnAdoptedBufferIsGivenBackItsOwnWay) {
   released = 0;
   static std::byte storage[16];
   {
-    const AlignedBuffer buffer(storage, sizeof storage, cuda_device(0),
-                               [](void* /*p*/) noexcept { ++released; });
+    const DeviceAllocation memory{.data = storage,
+                                  .release =
+                                      [](std::byte* p, void* context) noexcept {
+                                        released += p == storage && context == &released ? 1 : 100;
+                                      },
+                                  .context = &released};
+    const AlignedBuffer buffer(memory, sizeof storage, cuda_device(0));
     EXPECT_EQ(buffer.device(), cuda_device(0));
     EXPECT_EQ(buffer.size(), 16U);
   }
