@@ -56,8 +56,8 @@ def _check_unshard(rank, world):
 def _gloo_worker(rank, world, store_path, errors):
     try:
         torch.cuda.set_device(0)
-        # Both forms of an uneven device gather: the variable is read when a group's
-        # communicator is made, so each form gets a group of its own.
+        # Both forms of an uneven device gather: the variable is read at every device call and
+        # travels in its header (set alike on both ranks here).
         os.environ["SHARDGATHER_DEVICE_GATHER"] = "broadcast"
         _init("gloo", rank, world, store_path)
         mine = _shards(rank, world)
