@@ -23,6 +23,11 @@ class SHARDGATHER_API AlignedBuffer {
   [[nodiscard]] std::byte* data() const noexcept { return data_.get(); }
   [[nodiscard]] std::uint64_t size() const noexcept { return size_; }
   [[nodiscard]] Device device() const noexcept { return device_; }
+  // The memory and how it will be given back (release null for host memory from std::free's
+  // side): an embedder recognises its own allocator's blocks by their release.
+  [[nodiscard]] DeviceAllocation allocation() const noexcept {
+    return {data_.get(), data_.get_deleter().release, data_.get_deleter().context};
+  }
 
  private:
   struct Free {

@@ -50,7 +50,8 @@ class SHARDGATHER_API DeviceAllocator {
 };
 
 // The allocator of every later call's device memory, process-wide (nullptr: the default pool).
-// Memory already handed out is given back to the allocator that gave it.
+// Memory already handed out is given back through the release it came with, so whatever that
+// release needs (the allocator, if its context points there) must outlive the memory.
 SHARDGATHER_API void set_device_allocator(std::shared_ptr<DeviceAllocator> allocator);
 // The one in use (the default pool's when none was set).
 SHARDGATHER_API std::shared_ptr<DeviceAllocator> device_allocator();

@@ -48,6 +48,26 @@ enum class Strategy : std::uint8_t {
 // strategy pins the choice. One-shot calls and stream buckets do not measure: they use kDirect.
 inline constexpr int kAutoTrialRuns = 10;
 
+// How an uneven gather of CUDA tensors moves on a torch group, whose device collectives are an
+// all-gather of equal blocks and broadcasts (Communicator's DeviceGatherForm). kAuto: one padded
+// all-gather when padding adds at most 1/8 of the bytes, else one broadcast per rank
+// (docs/gpu.md); the others force a form, so that both can be measured on a cluster. Equal
+// blocks are one all-gather whatever is asked. A process asks through
+// SHARDGATHER_DEVICE_GATHER=auto|padded|broadcast, read once, at its first CUDA call, or through
+// set_device_gather. The pre-flight header carries the request: ranks asking differently raise
+// Mismatch on every rank before a byte moves (not checked with the header switched off).
+enum class DeviceGather : std::uint8_t { kAuto = 0, kPadded = 1, kBroadcast = 2 };
+inline constexpr DeviceGather kLastDeviceGather = DeviceGather::kBroadcast;
+
+// This process's request; InvalidArgument naming an unknown SHARDGATHER_DEVICE_GATHER. Thread-safe.
+SHARDGATHER_API DeviceGather device_gather();
+// Replaces the request for later calls, process-wide. Every rank must ask alike.
+SHARDGATHER_API void set_device_gather(DeviceGather request);
+// "auto", "padded", "broadcast"; "invalid" for any other value.
+SHARDGATHER_API std::string_view device_gather_name(DeviceGather request) noexcept;
+// InvalidArgument for an unknown name.
+SHARDGATHER_API DeviceGather parse_device_gather(std::string_view name);
+
 SHARDGATHER_API std::string_view strategy_name(Strategy strategy) noexcept;
 // InvalidArgument for an unknown name. Accepts "auto", "direct", "packed", "per_tensor",
 // "shared", "padded", "hierarchical".

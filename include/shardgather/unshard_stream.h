@@ -158,6 +158,7 @@ class SHARDGATHER_API BucketStream {
   BucketedPlans& plans_;
   BucketStreamFacts facts_;
   std::vector<AlignedBuffer> buffers_;
+  void* buffers_stream_ = nullptr;  // the stream device buckets were allocated for
   std::vector<TensorView> inputs_;
   Communicator* comm_ = nullptr;
   std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();

@@ -53,8 +53,13 @@ py::list result_lists(std::unique_ptr<GatherResult> result) {
   const std::size_t n = gathered.size();
   const auto world = static_cast<std::size_t>(gathered.world_size());
   std::byte* base = gathered.buffer().data();
+  // Torch's own storage where torch's allocator gave the buffer (the result goes when this
+  // returns; the tensors keep the block), else a storage that keeps the result.
+  const std::optional<c10::Storage> block = torch_storage_of(gathered.buffer().allocation());
   const c10::Storage storage =
-      adopt_storage(std::move(result), base, gathered.buffer().size(), gathered.buffer().device());
+      block ? *block
+            : adopt_storage(std::move(result), base, gathered.buffer().size(),
+                            gathered.buffer().device());
   py::list out(n);
   for (std::size_t i = 0; i < n; ++i) {
     const std::span<const TensorView> views = gathered[i];
@@ -525,6 +530,9 @@ void register_hooks(py::module_& m) {
         py::arg("is_type_error") = false, py::arg("preflight") = true,
         py::arg("timeout") = py::none());
   m.def("_make_thread_group", &make_thread_group_py, py::arg("world_size"));
+  // For tests: the process's device-gather request (SHARDGATHER_DEVICE_GATHER's), by name.
+  m.def("_set_device_gather",
+        [](const std::string& name) { set_device_gather(parse_device_gather(name)); });
   m.def("_process_group_communicator", &process_group_communicator, py::arg("group"),
         py::arg("device") = "cpu", py::arg("p2p") = true, py::arg("host_mailbox") = true,
         py::arg("timeout") = py::none());

@@ -10,7 +10,6 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/python_variable.h>
 
-#include "torch_allocator.h"
 #include "torch_tensors.h"
 
 #include "shardgather/errors.h"
@@ -64,7 +63,6 @@ void use_torch_stream(c10::DeviceIndex index) {
   const c10::Device device(c10::kCUDA, index);
   const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device);
   set_current_cuda_stream(stream.native_handle());
-  remember_torch_stream(stream);
 }
 
 // Inputs (not outputs) accept DTensors: what this rank holds of one is its local shard.

@@ -13,6 +13,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "params.h"
+#include "torch_allocator.h"
 #include "torch_tensors.h"
 #include "work.h"
 
@@ -364,7 +365,9 @@ py::list full_tensors(std::unique_ptr<UnshardResult> result) {
   }
   const UnshardResult& full = *result;
   const Device device = full.buffer().device();
-  const c10::Storage storage = adopt_storage(std::move(result), base, end, device);
+  // As for a gather's result (module.cc): torch's own storage where torch's allocator gave it.
+  const std::optional<c10::Storage> block = torch_storage_of(full.buffer().allocation());
+  const c10::Storage storage = block ? *block : adopt_storage(std::move(result), base, end, device);
   py::list out(n);
   for (std::size_t i = 0; i < n; ++i) {
     out[i] = wrap(tensor_over(storage, base, full[i]));

@@ -1,10 +1,7 @@
 #include "torch_allocator.h"
 
-#include <algorithm>
-#include <array>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 
@@ -14,57 +11,27 @@
 
 #include "torch_tensors.h"
 
-#include "shardgather/device_allocator.h"
 #include "shardgather/errors.h"
 
 namespace shardgather::python {
 namespace {
 
-// The streams calls took lately, by native handle. A handful are in use at once (the default
-// stream, a copy stream or two): the oldest entry makes room for a new one.
-class KnownStreams {
- public:
-  void remember(const c10::Stream& stream) {
-    const std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& known : streams_) {
-      if (known && *known == stream) {
-        return;
-      }
-    }
-    streams_[next_++ % streams_.size()] = stream;
-  }
-  std::optional<c10::Stream> find(void* native, c10::DeviceIndex device) {
-    const std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& known : streams_) {
-      if (known && known->device_index() == device && known->native_handle() == native) {
-        return known;
-      }
-    }
-    return std::nullopt;
-  }
-
- private:
-  std::mutex mu_;
-  std::array<std::optional<c10::Stream>, 32> streams_{};
-  std::size_t next_ = 0;
-};
-
-KnownStreams& known_streams() {
-  static KnownStreams k;
-  return k;
-}
-
 // Makes `device` current and `stream` (a native handle) torch's current stream on it, for a
-// scope; restores both after. A handle torch was never seen to use stays as it is: the memory
-// is then filed under torch's current stream (for the legacy default stream, torch's default).
+// scope; restores both after. The handle becomes a torch stream the way torch's own
+// getStreamFromExternal makes one (its id is the handle); the caching allocator files blocks by
+// the handle, so a stream torch knows under another id is the same stream to it.
 class TorchStreamScope {
  public:
   TorchStreamScope(const c10::Device& device, void* stream)
       : impl_(c10::impl::getDeviceGuardImpl(c10::kCUDA)), device_(impl_->exchangeDevice(device)) {
-    if (impl_->getStream(device).native_handle() != stream) {
-      if (const auto known = known_streams().find(stream, device.index())) {
-        previous_ = impl_->exchangeStream(*known);
+    try {
+      if (impl_->getStream(device).native_handle() != stream) {
+        previous_ = impl_->exchangeStream(
+            c10::Stream(c10::Stream::UNSAFE, device, reinterpret_cast<c10::StreamId>(stream)));
       }
+    } catch (...) {
+      impl_->uncheckedSetDevice(device_);
+      throw;
     }
   }
   TorchStreamScope(const TorchStreamScope&) = delete;
@@ -87,6 +54,12 @@ class TorchStreamScope {
   std::optional<c10::Stream> previous_;
 };
 
+// A block's release: drops the storage handle that kept the block (tensors over the same storage
+// keep it alive after).
+void release_torch_block(std::byte* /*data*/, void* context) noexcept {
+  delete static_cast<c10::Storage*>(context);
+}
+
 class TorchCachingAllocator final : public DeviceAllocator {
  public:
   DeviceAllocation allocate(std::uint64_t bytes, const Device& device, void* stream) override {
@@ -102,12 +75,11 @@ class TorchCachingAllocator final : public DeviceAllocator {
       throw CommunicationError("torch's CUDA allocator: " +
                                std::string(e.what_without_backtrace()));
     }
-    // The storage keeps the block; dropping it gives the block back to torch's cache, filed
-    // under the stream it was made on.
+    // The storage keeps the block; dropping the last handle gives the block back to torch's
+    // cache, filed under the stream it was made on.
     auto* held = new c10::Storage(block.storage());
     return {.data = static_cast<std::byte*>(held->mutable_data()),
-            .release = [](std::byte* /*data*/,
-                          void* context) noexcept { delete static_cast<c10::Storage*>(context); },
+            .release = &release_torch_block,
             .context = held};
   }
 };
@@ -118,6 +90,11 @@ void use_torch_device_allocator() {
   set_device_allocator(std::make_shared<TorchCachingAllocator>());
 }
 
-void remember_torch_stream(const c10::Stream& stream) { known_streams().remember(stream); }
+std::optional<c10::Storage> torch_storage_of(const DeviceAllocation& memory) {
+  if (memory.release != &release_torch_block) {
+    return std::nullopt;
+  }
+  return *static_cast<const c10::Storage*>(memory.context);
+}
 
 }  // namespace shardgather::python

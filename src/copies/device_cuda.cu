@@ -1,6 +1,11 @@
 // The CUDA build of copies/device_runtime.h: the fused copy kernel and thin, checked wrappers
 // over the CUDA runtime.
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "copies/device_runtime.h"
 #include <cuda_runtime.h>
@@ -73,16 +78,47 @@ __global__ void __launch_bounds__(kCopyThreads)
 
 }  // namespace
 
+namespace {
+
+// A pool's release threshold is 0 by default: every synchronisation would hand its memory back
+// to the driver, and the next call would map fresh memory. Kept instead, once per device.
+void keep_pool_memory(int device) {
+  static std::mutex mu;
+  static std::vector<bool> kept;
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto d = static_cast<std::size_t>(device);
+  if (d < kept.size() && kept[d]) {
+    return;
+  }
+  cudaMemPool_t pool = nullptr;
+  check(cudaDeviceGetDefaultMemPool(&pool, device), "cudaDeviceGetDefaultMemPool");
+  std::uint64_t keep_all = UINT64_MAX;
+  check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all),
+        "cudaMemPoolSetAttribute");
+  kept.resize(std::max(kept.size(), d + 1));
+  kept[d] = true;
+}
+
+}  // namespace
+
 void* pool_allocate(std::uint64_t bytes, int device, void* stream) {
   const CurrentDevice on(device);
+  keep_pool_memory(device);
   void* p = nullptr;
   check(cudaMallocAsync(&p, bytes == 0 ? 1 : bytes, as_stream(stream)), "cudaMallocAsync");
   return p;
 }
 
-void pool_free(void* data, void* stream) noexcept {
-  if (data != nullptr) {
-    (void)cudaFreeAsync(data, as_stream(stream));
+void pool_free(void* data, int device, void* stream) noexcept {
+  if (data == nullptr) {
+    return;
+  }
+  int current = 0;
+  const bool switched = cudaGetDevice(&current) == cudaSuccess && current != device &&
+                        cudaSetDevice(device) == cudaSuccess;
+  (void)cudaFreeAsync(data, as_stream(stream));
+  if (switched) {
+    (void)cudaSetDevice(current);
   }
 }
 
@@ -133,6 +169,36 @@ void launch_copies(const CopyDesc* device_descs, std::size_t count, std::uint64_
   fused_copy<<<static_cast<unsigned>(blocks), kCopyThreads, 0, as_stream(stream)>>>(device_descs,
                                                                                     count);
   check(cudaGetLastError(), "fused_copy launch");
+}
+
+DeviceEvent::DeviceEvent(DeviceEvent&& other) noexcept
+    : event_(std::exchange(other.event_, nullptr)) {}
+
+DeviceEvent& DeviceEvent::operator=(DeviceEvent&& other) noexcept {
+  std::swap(event_, other.event_);
+  return *this;
+}
+
+DeviceEvent::~DeviceEvent() {
+  if (event_ != nullptr) {
+    (void)cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+  }
+}
+
+void DeviceEvent::record(void* stream) {
+  if (event_ == nullptr) {
+    cudaEvent_t e = nullptr;
+    check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    event_ = e;
+  }
+  check(cudaEventRecord(static_cast<cudaEvent_t>(event_), as_stream(stream)), "cudaEventRecord");
+}
+
+void DeviceEvent::order_after(void* stream) const {
+  if (event_ != nullptr) {
+    check(cudaStreamWaitEvent(as_stream(stream), static_cast<cudaEvent_t>(event_), 0),
+          "cudaStreamWaitEvent");
+  }
 }
 
 void sync_stream(void* stream) {

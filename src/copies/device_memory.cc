@@ -13,14 +13,25 @@ DeviceAllocator::~DeviceAllocator() = default;
 namespace detail {
 namespace {
 
-// The stream travels as the release's context: the pool takes memory back on the stream it was
-// allocated for.
+// The pool takes memory back on the stream it was allocated for, on its device: both travel as
+// the release's context.
+struct PoolBlock {
+  int device;
+  void* stream;
+};
+
 class PoolAllocator final : public DeviceAllocator {
  public:
   DeviceAllocation allocate(std::uint64_t bytes, const Device& device, void* stream) override {
-    return {.data = static_cast<std::byte*>(pool_allocate(bytes, device.index, stream)),
-            .release = [](std::byte* data, void* context) noexcept { pool_free(data, context); },
-            .context = stream};
+    auto block = std::make_unique<PoolBlock>(PoolBlock{device.index, stream});
+    auto* data = static_cast<std::byte*>(pool_allocate(bytes, device.index, stream));
+    return {.data = data,
+            .release =
+                [](std::byte* p, void* context) noexcept {
+                  const std::unique_ptr<PoolBlock> b(static_cast<PoolBlock*>(context));
+                  pool_free(p, b->device, b->stream);
+                },
+            .context = block.release()};
   }
 };
 
@@ -67,13 +78,14 @@ DeviceMemory::~DeviceMemory() {
   }
 }
 
-void DeviceMemory::reserve(std::uint64_t bytes, int device, void* stream) {
+bool DeviceMemory::reserve(std::uint64_t bytes, int device, void* stream) {
   if (memory_.data != nullptr && bytes <= size_ && device == device_ && stream == stream_) {
-    return;
+    return false;
   }
   // Given back first, on its own stream: the pool may then hand the same bytes out again.
   *this = DeviceMemory();
   *this = DeviceMemory(bytes, device, stream);
+  return true;
 }
 
 DeviceAllocation DeviceMemory::release() noexcept {

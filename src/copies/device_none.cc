@@ -1,6 +1,7 @@
 // A build without CUDA: every device operation says so. The validated entry path raises the
 // same error, on every rank, before any of these could be reached (ops/call.cc).
 #include <string>
+#include <utility>
 
 #include "copies/device_runtime.h"
 
@@ -24,7 +25,7 @@ namespace {
 void* pool_allocate(std::uint64_t /*bytes*/, int /*device*/, void* /*stream*/) {
   no_cuda("device memory");
 }
-void pool_free(void* /*data*/, void* /*stream*/) noexcept {}
+void pool_free(void* /*data*/, int /*device*/, void* /*stream*/) noexcept {}
 CurrentDevice::CurrentDevice(int /*device*/) { no_cuda("CurrentDevice"); }
 CurrentDevice::~CurrentDevice() { (void)previous_; }  // nothing was changed
 Device device_of(const void* /*p*/) { return kCpu; }
@@ -36,6 +37,16 @@ void launch_copies(const CopyDesc* /*device_descs*/, std::size_t /*count*/,
   no_cuda("launch_copies");
 }
 void sync_stream(void* /*stream*/) { no_cuda("sync_stream"); }
+DeviceEvent::DeviceEvent(DeviceEvent&& other) noexcept : event_(other.event_) {
+  other.event_ = nullptr;
+}
+DeviceEvent& DeviceEvent::operator=(DeviceEvent&& other) noexcept {
+  std::swap(event_, other.event_);
+  return *this;
+}
+DeviceEvent::~DeviceEvent() = default;
+void DeviceEvent::record(void* /*stream*/) { no_cuda("DeviceEvent::record"); }
+void DeviceEvent::order_after(void* /*stream*/) const {}
 
 }  // namespace detail
 }  // namespace shardgather

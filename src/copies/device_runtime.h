@@ -39,8 +39,8 @@ class DeviceMemory {
   [[nodiscard]] void* stream() const noexcept { return stream_; }
   // Makes room for `bytes` on `device` for work on `stream`: keeps the memory when it is large
   // enough and was allocated for that device and stream, else gives it back and allocates anew
-  // (the old contents are lost).
-  void reserve(std::uint64_t bytes, int device, void* stream);
+  // (the old contents are lost). Returns whether it allocated.
+  bool reserve(std::uint64_t bytes, int device, void* stream);
   // Hands the memory over (to an AlignedBuffer); this is empty afterwards.
   [[nodiscard]] DeviceAllocation release() noexcept;
 
@@ -52,10 +52,11 @@ class DeviceMemory {
 };
 
 // The default allocator's runtime calls: stream-ordered memory from `device`'s default pool
-// (cudaMallocAsync, 256-byte aligned; OutOfMemory on failure) and its release (cudaFreeAsync
-// on `stream`).
+// (cudaMallocAsync, 256-byte aligned; OutOfMemory on failure; the pool keeps what is given back
+// instead of returning it to the driver at every synchronisation) and its release
+// (cudaFreeAsync on `stream`, with `device` current for the legacy default stream's sake).
 void* pool_allocate(std::uint64_t bytes, int device, void* stream);
-void pool_free(void* data, void* stream) noexcept;
+void pool_free(void* data, int device, void* stream) noexcept;
 
 // Makes `device` current on the calling thread (CUDA's per-thread current device) for a scope,
 // and restores the caller's current device after it: a gather on cuda:1 must not move the
@@ -87,5 +88,28 @@ void launch_copies(const CopyDesc* device_descs, std::size_t count, std::uint64_
 
 // Waits until everything enqueued on `stream` has run; raises what it raised.
 void sync_stream(void* stream);
+
+// A CUDA event without timing, for ordering one stream after another's work without the host
+// waiting. Created at its first record, on the device current then; destroyed with the object.
+// Movable, not copyable. One thread records it; any thread may make a stream wait on it once
+// the record has been enqueued (the caller orders the two on the host).
+class DeviceEvent {
+ public:
+  DeviceEvent() = default;
+  DeviceEvent(const DeviceEvent&) = delete;
+  DeviceEvent& operator=(const DeviceEvent&) = delete;
+  DeviceEvent(DeviceEvent&& other) noexcept;
+  DeviceEvent& operator=(DeviceEvent&& other) noexcept;
+  ~DeviceEvent();
+
+  // Marks the point `stream` has reached: what is enqueued on it so far.
+  void record(void* stream);
+  // Work enqueued on `stream` after this runs after the work the latest record marked (nothing,
+  // if it was never recorded).
+  void order_after(void* stream) const;
+
+ private:
+  void* event_ = nullptr;  // a cudaEvent_t
+};
 
 }  // namespace shardgather::detail

@@ -33,12 +33,14 @@ void BucketStream::check_and_ready(std::span<const TensorView> inputs, Communica
                           std::to_string(inputs.size()) + " shards");
   }
   plans_.check_inputs(inputs);
-  // The buckets live where the inputs do (device memory for CUDA tensors), made once; a begin()
-  // on another device makes them again.
+  // The buckets live where the inputs do (device memory for CUDA tensors, for the call's
+  // stream), made once; a begin() on another device, or on another stream, makes them again.
   const Device device = call_device(inputs);
-  if (!buffers_.empty() && buffers_.front().device() != device) {
+  void* stream = device.type == DeviceType::kCpu ? nullptr : current_cuda_stream();
+  if (!buffers_.empty() && (buffers_.front().device() != device || buffers_stream_ != stream)) {
     buffers_.clear();
   }
+  buffers_stream_ = stream;
   if (buffers_.empty() && facts_.buffer_bytes != 0) {
     const auto ring = static_cast<std::size_t>(facts_.prefetch) + 1;
     for (std::size_t k = 0; k < std::min(ring, plans_.num_buckets()); ++k) {

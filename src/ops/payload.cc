@@ -55,7 +55,7 @@ void check_call_device(Call& call, const Device& device) {
   if (device.type == DeviceType::kCpu) {
     return;
   }
-  set_device_gather(call.header(), requested_device_gather());
+  set_device_gather_request(call.header(), device_gather());
   if (call.comm().capabilities().device_memory) {
     return;
   }
@@ -72,9 +72,7 @@ void reserve_device_scratch(ExecScratch& x, const Device& device, std::uint64_t 
     return;
   }
   StrategyScratch& s = x.strategy;
-  const std::byte* zeros = s.device_zeros.data();
-  s.device_zeros.reserve(sizeof kZeroBytes, device.index, stream);
-  if (s.device_zeros.data() != zeros) {  // new memory (or a new device or stream): fill it
+  if (s.device_zeros.reserve(sizeof kZeroBytes, device.index, stream)) {  // new memory: fill it
     copy_async(s.device_zeros.data(), kZeroBytes, sizeof kZeroBytes, stream);
   }
   s.device_staging.reserve(staged, device.index, stream);
@@ -110,7 +108,7 @@ void run_payload(Call& call, Strategy requested, Strategy strategy, const Exchan
       return;
     }
     const std::uint64_t before = comm.collectives_issued();
-    const DeviceGather request = device_gather_of(call.header());
+    const DeviceGather request = device_gather_request_of(call.header());
     call.transfer([&] { run_device(job, request, comm, call.deadline(), scratch); });
     stats.payload_collectives = comm.collectives_issued() - before;
     return;

@@ -107,7 +107,7 @@ PreflightHeader decode_header(std::span<const std::byte> bytes, int from_rank) {
     throw Mismatch(where() + ": unknown device type " +
                    std::to_string((h.flags >> kDeviceShift) & 0xffU));
   }
-  if (device_gather_of(h) > kLastDeviceGather) {
+  if (device_gather_request_of(h) > kLastDeviceGather) {
     throw Mismatch(where() + ": unknown device gather request " +
                    std::to_string((h.flags >> kDeviceGatherShift) & 0xffU));
   }
@@ -171,11 +171,11 @@ void check_agrees(const PreflightHeader& h0, const PreflightHeader& h, std::size
                    std::to_string(r) + " " + std::string(device_type_name(device_type_of(h))) +
                    " tensors");
   }
-  if (device_gather_of(h) != device_gather_of(h0)) {
+  if (device_gather_request_of(h) != device_gather_request_of(h0)) {
     throw Mismatch(op_prefix(me, h0) + "device gather differs: rank 0 asks for " +
-                   std::string(device_gather_name(device_gather_of(h0))) + ", rank " +
+                   std::string(device_gather_name(device_gather_request_of(h0))) + ", rank " +
                    std::to_string(r) + " for " +
-                   std::string(device_gather_name(device_gather_of(h))) +
+                   std::string(device_gather_name(device_gather_request_of(h))) +
                    " (SHARDGATHER_DEVICE_GATHER must be the same on every rank)");
   }
   // Last: plans that differ resolve kAuto differently, and "plan differs" is the cause.

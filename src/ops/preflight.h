@@ -12,8 +12,6 @@
 #include <string_view>
 #include <vector>
 
-#include "strategies/strategy.h"
-
 #include "shardgather/communicator.h"
 #include "shardgather/embedding.h"
 #include "shardgather/errors.h"
@@ -23,7 +21,8 @@
 namespace shardgather::detail {
 
 inline constexpr std::uint32_t kHeaderMagic = 0x52484753;  // "SGHR"
-inline constexpr std::uint16_t kHeaderVersion = 2;
+// 3: bits 24-31 of flags carry a device call's DeviceGather request.
+inline constexpr std::uint16_t kHeaderVersion = 3;
 inline constexpr std::size_t kInlineDTypes = 128;
 inline constexpr std::size_t kStatusTextBytes = 160;
 
@@ -75,11 +74,11 @@ inline DeviceType device_type_of(const PreflightHeader& header) noexcept {
   return static_cast<DeviceType>((header.flags >> kDeviceShift) & 0xffU);
 }
 
-inline void set_device_gather(PreflightHeader& header, DeviceGather request) noexcept {
+inline void set_device_gather_request(PreflightHeader& header, DeviceGather request) noexcept {
   header.flags = (header.flags & ~(0xffU << kDeviceGatherShift)) |
                  (static_cast<std::uint32_t>(request) << kDeviceGatherShift);
 }
-inline DeviceGather device_gather_of(const PreflightHeader& header) noexcept {
+inline DeviceGather device_gather_request_of(const PreflightHeader& header) noexcept {
   return static_cast<DeviceGather>((header.flags >> kDeviceGatherShift) & 0xffU);
 }
 

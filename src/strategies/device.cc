@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdlib>
+#include <mutex>
 #include <numeric>
 #include <string>
 
@@ -92,20 +93,56 @@ std::byte* gather_target(const ExchangeJob& job, int me, StrategyScratch& s) {
 
 }  // namespace
 
-DeviceGather requested_device_gather() {
-  const char* env = std::getenv("SHARDGATHER_DEVICE_GATHER");
-  const std::string_view value = env == nullptr ? "" : env;
-  for (const DeviceGather r :
-       {DeviceGather::kAuto, DeviceGather::kPadded, DeviceGather::kBroadcast}) {
-    if (value == device_gather_name(r)) {
-      return r;
+namespace {
+
+// The process's request: SHARDGATHER_DEVICE_GATHER, read once (getenv is not safe against a
+// setenv on another thread, such as os.environ in Python, and calls run on progress threads
+// too), or what set_device_gather said last. An unknown value is kept as text, so that every
+// device call names it.
+struct Request {
+  std::mutex mu;
+  DeviceGather value = DeviceGather::kAuto;
+  std::string unknown;
+};
+
+Request& request() {
+  static Request r;
+  static std::once_flag read;
+  std::call_once(read, [] {
+    const char* env = std::getenv("SHARDGATHER_DEVICE_GATHER");
+    if (env == nullptr || *env == '\0') {
+      return;
     }
+    try {
+      r.value = parse_device_gather(env);
+    } catch (const InvalidArgument&) {
+      r.unknown = env;
+    }
+  });
+  return r;
+}
+
+}  // namespace
+
+}  // namespace shardgather::detail
+
+namespace shardgather {
+
+DeviceGather device_gather() {
+  detail::Request& r = detail::request();
+  const std::lock_guard<std::mutex> lock(r.mu);
+  if (!r.unknown.empty()) {
+    throw InvalidArgument("SHARDGATHER_DEVICE_GATHER=" + r.unknown +
+                          ": expected auto, padded or broadcast");
   }
-  if (value.empty()) {
-    return DeviceGather::kAuto;
-  }
-  throw InvalidArgument("SHARDGATHER_DEVICE_GATHER=" + std::string(value) +
-                        ": expected auto, padded or broadcast");
+  return r.value;
+}
+
+void set_device_gather(DeviceGather request) {
+  detail::Request& r = detail::request();
+  const std::lock_guard<std::mutex> lock(r.mu);
+  r.value = request;
+  r.unknown.clear();
 }
 
 std::string_view device_gather_name(DeviceGather request) noexcept {
@@ -119,6 +156,21 @@ std::string_view device_gather_name(DeviceGather request) noexcept {
   }
   return "invalid";
 }
+
+DeviceGather parse_device_gather(std::string_view name) {
+  for (const DeviceGather g :
+       {DeviceGather::kAuto, DeviceGather::kPadded, DeviceGather::kBroadcast}) {
+    if (name == device_gather_name(g)) {
+      return g;
+    }
+  }
+  throw InvalidArgument("unknown device gather \"" + std::string(name) +
+                        "\": expected auto, padded or broadcast");
+}
+
+}  // namespace shardgather
+
+namespace shardgather::detail {
 
 DeviceGatherForm device_gather_form(std::span<const std::uint64_t> counts,
                                     DeviceGather request) noexcept {

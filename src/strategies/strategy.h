@@ -217,18 +217,6 @@ Strategy plan_strategy(Strategy requested, ExchangeShape shape,
 void record_auto(Strategy ran, double seconds, Communicator& comm, Deadline deadline,
                  StrategyScratch& scratch);
 
-// How an uneven device gather moves where the transport has a choice (DeviceGatherForm). kAuto
-// applies device_gather_form's rule; the others force a form, so that both can be measured on a
-// cluster. A process asks through SHARDGATHER_DEVICE_GATHER=auto|padded|broadcast, read at each
-// device call; the pre-flight header carries the request, so ranks asking differently raise
-// Mismatch on every rank before a byte moves (not checked with the header switched off).
-enum class DeviceGather : std::uint8_t { kAuto = 0, kPadded = 1, kBroadcast = 2 };
-inline constexpr DeviceGather kLastDeviceGather = DeviceGather::kBroadcast;
-
-// This process's request (unset or empty: kAuto); InvalidArgument naming an unknown value.
-DeviceGather requested_device_gather();
-// "auto", "padded", "broadcast"; "invalid" for any other value.
-std::string_view device_gather_name(DeviceGather request) noexcept;
 // The form for every rank's `counts` (the same on every rank, so every rank issues the same
 // collectives): equal counts pad nothing and are one all-gather whatever was asked; else the
 // request, and under kAuto one padded all-gather when the padding adds at most

@@ -56,18 +56,15 @@ def _check_unshard(rank, world):
 def _gloo_worker(rank, world, store_path, errors):
     try:
         torch.cuda.set_device(0)
-        # Both forms of an uneven device gather: the variable is read at every device call and
-        # travels in its header (set alike on both ranks here).
-        os.environ["SHARDGATHER_DEVICE_GATHER"] = "broadcast"
+        # Both forms of an uneven device gather (SHARDGATHER_DEVICE_GATHER is read once per
+        # process; the hook sets the same request, alike on both ranks), then the rule.
         _init("gloo", rank, world, store_path)
         mine = _shards(rank, world)
         every = [_shards(r, world) for r in range(world)]
         hint = [[tuple(t.shape) for t in every[r]] for r in range(world)]
-        _check_gather(sg.foreach_all_gather(mine, None, hint), world, every)
-        os.environ["SHARDGATHER_DEVICE_GATHER"] = "padded"
-        padded_group = dist.new_group(list(range(world)))
-        _check_gather(sg.foreach_all_gather(mine, padded_group, hint), world, every)
-        del os.environ["SHARDGATHER_DEVICE_GATHER"]
+        for form in ("broadcast", "padded", "auto"):
+            sg._C._set_device_gather(form)
+            _check_gather(sg.foreach_all_gather(mine, None, hint), world, every)
         _check_gather(sg.foreach_all_gather(mine), world, every)  # shapes gathered first
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):

@@ -109,18 +109,26 @@ def case_shapes_gathered_for_a_device_call(rank, world):
 
 
 def case_device_gather_request_is_a_device_calls_business(rank, world):
-    # Reliability 2.8b: SHARDGATHER_DEVICE_GATHER picks how an uneven device gather moves, and a
-    # device call's header carries it, so ranks asking differently raise Mismatch on every rank
-    # (tests/unit/device_test.cc, device_path_test.cc). Host calls carry none: a difference, or
-    # a value no device call would accept, leaves them alone.
+    # Reliability 2.8b: the device-gather request (SHARDGATHER_DEVICE_GATHER, read once per
+    # process, or the hook) picks how an uneven device gather moves, and a device call's header
+    # carries it, so ranks asking differently raise Mismatch on every rank
+    # (tests/unit/device_test.cc, device_path_test.cc). Host calls carry none: ranks asking
+    # differently, or a value no device call would accept, leave them alone.
     import os
     params = [make((rank + 1, 3), torch.float32, rank), make((5,), torch.bfloat16, 2)]
     try:
-        for value in ("broadcast" if rank == 0 else "padded", "pipelined"):
-            os.environ["SHARDGATHER_DEVICE_GATHER"] = value
-            check(params, world)
+        shardgather._C._set_device_gather("broadcast" if rank == 0 else "padded")
+        check(params, world)
+        os.environ["SHARDGATHER_DEVICE_GATHER"] = "pipelined"
+        check(params, world)
+        try:
+            shardgather._C._set_device_gather("pipelined")
+            raise AssertionError("an unknown request was taken")
+        except shardgather.InvalidArgumentError as e:
+            assert "pipelined" in str(e), e
     finally:
         os.environ.pop("SHARDGATHER_DEVICE_GATHER", None)
+        shardgather._C._set_device_gather("auto")
 
 
 def case_zero_dim(rank, world):

@@ -5,6 +5,7 @@
 #include <iterator>
 #include <map>
 #include <mutex>
+#include <utility>
 
 #include "copies/copy_table.h"
 #include "copies/device_runtime.h"
@@ -100,7 +101,7 @@ void* pool_allocate(std::uint64_t bytes, int /*device*/, void* /*stream*/) {
   return p;
 }
 
-void pool_free(void* data, void* /*stream*/) noexcept {
+void pool_free(void* data, int /*device*/, void* /*stream*/) noexcept {
   if (data == nullptr) {
     return;
   }
@@ -158,6 +159,29 @@ void sync_stream(void* /*stream*/) {
   testing::Registry& r = testing::registry();
   const std::lock_guard<std::mutex> lock(r.mu);
   ++r.counters.syncs;
+}
+
+// Work runs when it is enqueued here, so an event only counts: what ordering it gives cannot be
+// checked on the fake (tools/device-check runs the real thing).
+DeviceEvent::DeviceEvent(DeviceEvent&& other) noexcept
+    : event_(std::exchange(other.event_, nullptr)) {}
+DeviceEvent& DeviceEvent::operator=(DeviceEvent&& other) noexcept {
+  std::swap(event_, other.event_);
+  return *this;
+}
+DeviceEvent::~DeviceEvent() = default;
+
+void DeviceEvent::record(void* /*stream*/) {
+  event_ = this;
+  testing::Registry& r = testing::registry();
+  const std::lock_guard<std::mutex> lock(r.mu);
+  ++r.counters.event_records;
+}
+
+void DeviceEvent::order_after(void* /*stream*/) const {
+  testing::Registry& r = testing::registry();
+  const std::lock_guard<std::mutex> lock(r.mu);
+  r.counters.event_waits += event_ != nullptr ? 1 : 0;
 }
 
 }  // namespace detail

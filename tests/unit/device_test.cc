@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "ops/preflight.h"
+#include "strategies/strategy.h"
 #include "support/testing.h"
 
 #include "shardgather/shardgather.h"
@@ -126,7 +127,7 @@ TEST(DeviceChecks, HeadersAskingForDifferentDeviceGathersDisagree) {
     h.world_size = 3;
     detail::set_device_type(h, DeviceType::kCuda);
   }
-  detail::set_device_gather(sent[2], detail::DeviceGather::kBroadcast);
+  detail::set_device_gather_request(sent[2], DeviceGather::kBroadcast);
   std::vector<std::byte> gathered(sizeof(detail::PreflightHeader) * 3);
   std::memcpy(gathered.data(), sent.data(), gathered.size());
   std::vector<detail::PreflightHeader> decoded(3);
@@ -137,11 +138,11 @@ TEST(DeviceChecks, HeadersAskingForDifferentDeviceGathersDisagree) {
             std::string::npos)
       << what;
   // Alike on every rank: agreed, and each header keeps its request.
-  detail::set_device_gather(sent[0], detail::DeviceGather::kBroadcast);
-  detail::set_device_gather(sent[1], detail::DeviceGather::kBroadcast);
+  detail::set_device_gather_request(sent[0], DeviceGather::kBroadcast);
+  detail::set_device_gather_request(sent[1], DeviceGather::kBroadcast);
   std::memcpy(gathered.data(), sent.data(), gathered.size());
   detail::check_headers(gathered, decoded, 1);
-  EXPECT_EQ(detail::device_gather_of(decoded[1]), detail::DeviceGather::kBroadcast);
+  EXPECT_EQ(detail::device_gather_request_of(decoded[1]), DeviceGather::kBroadcast);
   // An unknown request is a corrupt header.
   sent[2].flags |= 0x7fU << detail::kDeviceGatherShift;
   std::memcpy(gathered.data(), sent.data(), gathered.size());
@@ -156,7 +157,7 @@ TEST(DeviceChecks, HeadersAskingForDifferentDeviceGathersDisagree) {
 // otherwise a request forces its form, and kAuto pads only where padding adds at most 1/8.
 TEST(DeviceChecks, TheDeviceGatherFormFollowsTheCountsAndTheRequest) {
   using detail::device_gather_form;
-  using detail::DeviceGather;
+
   const std::vector<std::uint64_t> even{64, 64, 64};
   const std::vector<std::uint64_t> slightly{64, 64, 56};  // padding 8 of 184: 8 * 8 <= 184
   const std::vector<std::uint64_t> skewed{64, 0, 8};      // padding 120 of 72

@@ -175,18 +175,25 @@ void ThreadsCommunicator::do_all_gather_v_device(
   const char* what = "all_gather_v_device";
   GroupState& g = *group_;
   const auto me = static_cast<std::size_t>(rank_);
-  // A CUDA failure must reach every rank and must not leave this one between the two
-  // meetings: a rank whose bytes are not ready says so in its slot; copies that fail are
-  // still synchronised before the second meeting, since peers reuse their buffers after it.
+  // Streams, not the host, keep the order: a reader's copies wait for the sender's `ready`
+  // (its copy-in has written `send`), and the sender's stream waits for every reader's `done`
+  // before anything it enqueues later (a reuse of `send`, its release). A CUDA failure must
+  // still reach every rank and must not leave this one between the two meetings: a rank that
+  // could not mark its bytes ready says so in its slot.
   std::exception_ptr failure;
   try {
     const CurrentDevice on(device.index);
-    sync_stream(stream);  // the copy-in kernel has written `send`
+    ready_.record(stream);
   } catch (...) {
     failure = std::current_exception();
   }
-  g.slots[me] = GroupState::Slot{
-      .segments = send, .flat = {}, .bytes = counts[me], .counts = counts, .failed = !!failure};
+  g.slots[me] = GroupState::Slot{.segments = send,
+                                 .flat = {},
+                                 .bytes = counts[me],
+                                 .counts = counts,
+                                 .failed = !!failure,
+                                 .ready = &ready_,
+                                 .done = &done_};
   meet(deadline, what);
   const std::string mismatch = count_error(what);
   std::string peer_failed;
@@ -196,27 +203,34 @@ void ThreadsCommunicator::do_all_gather_v_device(
                     "'s device failed before it could send";
     }
   }
-  if (mismatch.empty() && peer_failed.empty()) {
+  const bool copy = mismatch.empty() && peer_failed.empty();
+  if (copy) {
     try {
       const CurrentDevice on(device.index);
-      for (std::size_t k = 0; k < g.slots.size(); ++k) {
-        const std::size_t r = (me + k) % g.slots.size();
-        std::byte* to = recv + displs[r];
-        for (const ConstSegment& segment : g.slots[r].segments) {
-          copy_async(to, segment.data, segment.size, stream);
-          to += segment.size;
-        }
-      }
-    } catch (...) {
-      failure = failure ? failure : std::current_exception();
-    }
-    try {
-      sync_stream(stream);  // done reading the peers' memory
+      copy_from_peers(recv, displs, stream);
     } catch (...) {
       failure = failure ? failure : std::current_exception();
     }
   }
+  // The slots are read only between the meetings: after the second, a peer may already be
+  // publishing its next call's.
+  for (std::size_t q = 0; q < g.slots.size(); ++q) {
+    peer_done_[q] = g.slots[q].done;
+  }
+  // The second meeting says every reader has enqueued its copies and recorded its `done` (a
+  // reader whose enqueue failed raises alone, as the transport cannot undo what it enqueued)
+  // before any sender orders its stream after them.
   meet(deadline, what);
+  if (copy) {
+    try {
+      const CurrentDevice on(device.index);
+      for (const DeviceEvent* done : peer_done_) {
+        done->order_after(stream);
+      }
+    } catch (...) {
+      failure = failure ? failure : std::current_exception();
+    }
+  }
   if (failure) {
     std::rethrow_exception(failure);
   }
@@ -226,6 +240,22 @@ void ThreadsCommunicator::do_all_gather_v_device(
   if (!peer_failed.empty()) {
     throw CommunicationError(peer_failed);
   }
+}
+
+void ThreadsCommunicator::copy_from_peers(std::byte* recv, std::span<const std::uint64_t> displs,
+                                          void* stream) {
+  GroupState& g = *group_;
+  const auto me = static_cast<std::size_t>(rank_);
+  for (std::size_t k = 0; k < g.slots.size(); ++k) {
+    const std::size_t r = (me + k) % g.slots.size();
+    g.slots[r].ready->order_after(stream);
+    std::byte* to = recv + displs[r];
+    for (const ConstSegment& segment : g.slots[r].segments) {
+      copy_async(to, segment.data, segment.size, stream);
+      to += segment.size;
+    }
+  }
+  done_.record(stream);
 }
 
 void ThreadsCommunicator::do_all_gather_scatter(std::span<const ConstSegment> send,

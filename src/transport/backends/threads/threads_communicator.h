@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "copies/device_runtime.h"
+
 #include "shardgather/communicator.h"
 #include "shardgather/errors.h"
 
@@ -35,6 +37,10 @@ struct GroupState {
     std::span<const std::size_t> first{};
     // all_gather_v_device: this rank's device failed before it could publish ready bytes.
     bool failed = false;
+    // all_gather_v_device: marks this rank's bytes written (`ready`) and its copies from the
+    // peers enqueued (`done`); the rank's own events, recorded on its stream.
+    const DeviceEvent* ready = nullptr;
+    const DeviceEvent* done = nullptr;
   };
 
   const int world_size;
@@ -53,7 +59,9 @@ struct GroupState {
 class ThreadsCommunicator final : public Communicator {
  public:
   ThreadsCommunicator(std::shared_ptr<GroupState> group, int rank)
-      : group_(std::move(group)), rank_(rank) {}
+      : group_(std::move(group)),
+        rank_(rank),
+        peer_done_(static_cast<std::size_t>(group_->world_size)) {}
   ThreadsCommunicator(const ThreadsCommunicator&) = delete;
   ThreadsCommunicator& operator=(const ThreadsCommunicator&) = delete;
   ThreadsCommunicator(ThreadsCommunicator&&) = delete;
@@ -80,9 +88,10 @@ class ThreadsCommunicator final : public Communicator {
                        std::span<const std::uint64_t> counts, std::span<const std::uint64_t> displs,
                        Deadline deadline) override;
   // Each rank copies every peer's device bytes with cudaMemcpyAsync on its own stream (peer
-  // access or staging is the driver's business); the sender's stream is synchronised before it
-  // publishes its segments and the reader's before it leaves, so no buffer is reused early.
-  // That is the one way here: `form` is ignored.
+  // access or staging is the driver's business), ordered by events, never by the host: the
+  // copies wait for the sender's copy-in, and the sender's later work waits for the copies, so
+  // no buffer is reused early. Returns once the copies are enqueued. That is the one way here:
+  // `form` is ignored.
   void do_all_gather_v_device(std::span<const ConstSegment> send, std::byte* recv,
                               std::span<const std::uint64_t> counts,
                               std::span<const std::uint64_t> displs, DeviceGatherForm form,
@@ -112,9 +121,17 @@ class ThreadsCommunicator final : public Communicator {
   [[nodiscard]] std::string count_error(const char* what) const;
   // The group barrier: returns when every rank arrived, or throws Timeout / Aborted.
   void meet(Deadline deadline, const char* what);
+  // all_gather_v_device between its meetings: each peer's bytes into `recv` on `stream`, each
+  // after that peer's `ready`; then records `done_`.
+  void copy_from_peers(std::byte* recv, std::span<const std::uint64_t> displs, void* stream);
 
   std::shared_ptr<GroupState> group_;
   int rank_;
+  // all_gather_v_device's events (recorded on this rank's stream) and the peers' `done`, taken
+  // from their slots before the second meeting.
+  DeviceEvent ready_;
+  DeviceEvent done_;
+  std::vector<const DeviceEvent*> peer_done_;
 };
 
 }  // namespace shardgather::detail
