@@ -63,7 +63,7 @@ namespace {
 void use_torch_stream(c10::DeviceIndex index) {
   const c10::Device device(c10::kCUDA, index);
   const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device);
-  set_current_cuda_stream(stream.native_handle());
+  set_current_cuda_stream(native_stream(stream));
   remember_torch_stream(stream);
 }
 

@@ -36,7 +36,7 @@ class KnownStreams {
   std::optional<c10::Stream> find(void* native, c10::DeviceIndex device) {
     const std::lock_guard<std::mutex> lock(mu_);
     for (const auto& known : streams_) {
-      if (known && known->device_index() == device && known->native_handle() == native) {
+      if (known && known->device_index() == device && native_stream(*known) == native) {
         return known;
       }
     }
@@ -61,7 +61,7 @@ class TorchStreamScope {
  public:
   TorchStreamScope(const c10::Device& device, void* stream)
       : impl_(c10::impl::getDeviceGuardImpl(c10::kCUDA)), device_(impl_->exchangeDevice(device)) {
-    if (impl_->getStream(device).native_handle() != stream) {
+    if (native_stream(impl_->getStream(device)) != stream) {
       if (const auto known = known_streams().find(stream, device.index())) {
         previous_ = impl_->exchangeStream(*known);
       }

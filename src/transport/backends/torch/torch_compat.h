@@ -9,6 +9,8 @@
 #include <c10/core/DeviceType.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "shardgather/errors.h"
+
 namespace shardgather::detail {
 
 // One equal-size gather into a flat output: all_gather_single (torch >= 2.15), _allgather_base
@@ -38,6 +40,19 @@ std::string backend_name_for(Group& group, c10::DeviceType device) {
     } catch (const std::exception&) {
       return group.getBackendName();
     }
+  }
+}
+
+// A torch stream's native handle (the cudaStream_t): c10::Stream::native_handle, which 2.11 has
+// and 2.9 lacks (there CUDA tensors are refused before they reach the backend, params.cc).
+template <typename Stream>
+void* native_stream(const Stream& stream) {
+  if constexpr (requires { stream.native_handle(); }) {
+    return stream.native_handle();
+  } else {
+    throw InvalidArgument(std::string("CUDA tensors need torch >= 2.11 (c10::Stream::"
+                                      "native_handle); shardgather was built against torch ") +
+                          SHARDGATHER_TORCH_VERSION);
   }
 }
 
