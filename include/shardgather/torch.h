@@ -9,12 +9,14 @@
 
 #include <chrono>
 #include <memory>
+#include <string>
 
 #include <c10/core/Device.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "shardgather/communicator.h"
+#include "shardgather/errors.h"
 
 namespace shardgather {
 
@@ -33,6 +35,21 @@ struct TorchGroupOptions {
 std::unique_ptr<Communicator> make_torch_communicator(
     const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device,
     const TorchGroupOptions& options = {});
+
+// A torch stream's native handle (the cudaStream_t), without CUDA's headers: torch 2.11 has
+// c10::Stream::native_handle, 2.9 does not (there only c10/cuda's CUDAStream knows it, which
+// needs the CUDA toolkit's headers), so on such a torch CUDA tensors raise InvalidArgument and
+// the binding gathers CPU tensors only.
+template <typename Stream>
+void* native_stream(const Stream& stream) {
+  if constexpr (requires { stream.native_handle(); }) {
+    return stream.native_handle();
+  } else {
+    throw InvalidArgument(std::string("CUDA tensors need torch >= 2.11 (c10::Stream::"
+                                      "native_handle); shardgather was built against torch ") +
+                          SHARDGATHER_TORCH_VERSION);
+  }
+}
 
 // Whether small exchanges of a communicator this backend made go through the host mailbox
 // (false for any other communicator).

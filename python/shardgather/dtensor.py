@@ -15,6 +15,11 @@ from . import (_C, InvalidArgumentError, InvalidTypeError, ShardSpec, _setup_tim
                communicator, unshard)
 from ._agree import Agreement, check_str
 
+# DTensor's own chunking of a dim (size, offset of chunk c of n): Shard's public static method
+# since torch 2.11; torch 2.9 has it only as the private static one (an instance method in 2.11).
+_shard_size_and_offset = getattr(Shard, "local_shard_size_and_offset", None) or \
+    Shard._local_shard_size_and_offset
+
 __all__ = ["full_tensors"]
 
 
@@ -164,7 +169,7 @@ def _block(placements, coord, full, mesh):
     offset, rows = 0, full
     for m, (p, c) in enumerate(zip(placements, coord)):
         if isinstance(p, Shard):
-            rows, start = Shard.local_shard_size_and_offset(rows, mesh.size(m), c)
+            rows, start = _shard_size_and_offset(rows, mesh.size(m), c)
             offset += start
     return offset, rows
 

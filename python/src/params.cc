@@ -13,6 +13,7 @@
 #include "torch_tensors.h"
 
 #include "shardgather/errors.h"
+#include "shardgather/torch.h"
 
 namespace py = pybind11;
 
@@ -62,7 +63,7 @@ namespace {
 void use_torch_stream(c10::DeviceIndex index) {
   const c10::Device device(c10::kCUDA, index);
   const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device);
-  set_current_cuda_stream(stream.native_handle());
+  set_current_cuda_stream(native_stream(stream));
 }
 
 // Inputs (not outputs) accept DTensors: what this rank holds of one is its local shard.

@@ -12,6 +12,7 @@
 #include "torch_tensors.h"
 
 #include "shardgather/errors.h"
+#include "shardgather/torch.h"
 
 namespace shardgather::python {
 namespace {
@@ -25,7 +26,7 @@ class TorchStreamScope {
   TorchStreamScope(const c10::Device& device, void* stream)
       : impl_(c10::impl::getDeviceGuardImpl(c10::kCUDA)), device_(impl_->exchangeDevice(device)) {
     try {
-      if (impl_->getStream(device).native_handle() != stream) {
+      if (native_stream(impl_->getStream(device)) != stream) {
         previous_ = impl_->exchangeStream(
             c10::Stream(c10::Stream::UNSAFE, device, reinterpret_cast<c10::StreamId>(stream)));
       }

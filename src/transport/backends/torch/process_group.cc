@@ -279,7 +279,7 @@ void ProcessGroupCommunicator::do_all_gather_v_device(std::span<const ConstSegme
   // synchronised before the collective, and torch's after it, so that copy-in, collective and
   // copy-out stay in order.
   const c10::Stream torch_stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(dev);
-  const bool other_stream = torch_stream.native_handle() != stream;
+  const bool other_stream = native_stream(torch_stream) != stream;
   if (other_stream) {
     detail::sync_stream(stream);
   }
