@@ -68,6 +68,26 @@ SHARDGATHER_API std::string_view device_gather_name(DeviceGather request) noexce
 // InvalidArgument for an unknown name.
 SHARDGATHER_API DeviceGather parse_device_gather(std::string_view name);
 
+// When a call on CUDA tensors returns to the host (docs/gpu.md). kStream, the default, is c10d's
+// NCCL semantics: a blocking call returns once its copy-in, collective and copy-out are enqueued
+// on the current stream (current_cuda_stream()), and Work::wait() makes the waiter's current
+// stream wait for a started call; the host never waits for the GPU. kHost: the host also waits
+// until the call's work has run on the device, polled against the call's deadline (a stalled
+// peer raises Timeout there instead of stalling the stream), for callers that read the results
+// on another stream or time calls on the host. A process asks through
+// SHARDGATHER_DEVICE_WAIT=stream|host, read once, or through set_device_wait. Local to each rank:
+// ranks may differ.
+enum class DeviceWait : std::uint8_t { kStream = 0, kHost = 1 };
+
+// This process's mode; InvalidArgument naming an unknown SHARDGATHER_DEVICE_WAIT. Thread-safe.
+SHARDGATHER_API DeviceWait device_wait();
+// Replaces the mode for later calls, process-wide.
+SHARDGATHER_API void set_device_wait(DeviceWait mode);
+// "stream", "host"; "invalid" for any other value.
+SHARDGATHER_API std::string_view device_wait_name(DeviceWait mode) noexcept;
+// InvalidArgument for an unknown name.
+SHARDGATHER_API DeviceWait parse_device_wait(std::string_view name);
+
 SHARDGATHER_API std::string_view strategy_name(Strategy strategy) noexcept;
 // InvalidArgument for an unknown name. Accepts "auto", "direct", "packed", "per_tensor",
 // "shared", "padded", "hierarchical".

@@ -9,9 +9,12 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -50,6 +53,53 @@ void* native_stream(const Stream& stream) {
                           SHARDGATHER_TORCH_VERSION);
   }
 }
+
+// Torch's current stream on CUDA device `index`, as a native handle (the stream a call on that
+// device's tensors enqueues on, as torch.distributed's do).
+inline void* torch_current_stream(c10::DeviceIndex index) {
+  return native_stream(
+      c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(c10::Device(c10::kCUDA, index)));
+}
+
+// Makes `device` current and `stream` (a native handle) torch's current stream on it, for a
+// scope; restores both after. Work torch enqueues in the scope (c10d collectives, tensor copies,
+// allocations of the caching allocator) goes on `stream`. The handle becomes a torch stream the
+// way torch's own getStreamFromExternal makes one (its id is the handle; nullptr is the default
+// stream); the caching allocator files blocks by the handle, so a stream torch knows under
+// another id is the same stream to it. Through c10's device-guard registry: no CUDA headers.
+class TorchStreamScope {
+ public:
+  TorchStreamScope(const c10::Device& device, void* stream)
+      : impl_(c10::impl::getDeviceGuardImpl(c10::kCUDA)), device_(impl_->exchangeDevice(device)) {
+    try {
+      if (native_stream(impl_->getStream(device)) != stream) {
+        previous_ = impl_->exchangeStream(
+            c10::Stream(c10::Stream::UNSAFE, device, reinterpret_cast<c10::StreamId>(stream)));
+      }
+    } catch (...) {
+      impl_->uncheckedSetDevice(device_);
+      throw;
+    }
+  }
+  TorchStreamScope(const TorchStreamScope&) = delete;
+  TorchStreamScope& operator=(const TorchStreamScope&) = delete;
+  TorchStreamScope(TorchStreamScope&&) = delete;
+  TorchStreamScope& operator=(TorchStreamScope&&) = delete;
+  ~TorchStreamScope() {
+    if (previous_) {
+      try {
+        (void)impl_->exchangeStream(*previous_);
+      } catch (...) {  // NOLINT(bugprone-empty-catch): CUDA's stream guard cannot fail here
+      }
+    }
+    impl_->uncheckedSetDevice(device_);
+  }
+
+ private:
+  const c10::impl::DeviceGuardImplInterface* impl_;
+  c10::Device device_;
+  std::optional<c10::Stream> previous_;
+};
 
 // Whether small exchanges of a communicator this backend made go through the host mailbox
 // (false for any other communicator).

@@ -154,11 +154,17 @@ class SHARDGATHER_API BucketStream {
   void agree_stream(const std::function<void()>& check);
   // begin()'s local step: the inputs against the plans, and the ring made on their device.
   void check_and_ready(std::span<const TensorView> inputs, Communicator& comm);
+  // Device buckets: orders buffers_stream_ after what the caller's current stream did with the
+  // bucket it just handed back (nothing to do when that is buffers_stream_).
+  void order_after_consumer();
 
   BucketedPlans& plans_;
   BucketStreamFacts facts_;
   std::vector<AlignedBuffer> buffers_;
-  void* buffers_stream_ = nullptr;  // the stream device buckets were allocated for
+  void* buffers_stream_ = nullptr;  // the stream device buckets were allocated for, and run on
+  // A copies/ DeviceEvent (type-erased: a private type): where a consumer on another stream than
+  // buffers_stream_ handed a bucket's buffer back, for the next bucket into it to wait for.
+  std::shared_ptr<void> handed_back_;
   std::vector<TensorView> inputs_;
   Communicator* comm_ = nullptr;
   std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();

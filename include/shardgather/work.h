@@ -7,7 +7,8 @@
 // Semantics, as equivalent code:
 //   bool is_completed()     { return test(0); }  // the poll: c10d's name, and the binding's
 //   bool test(timeout = 0)  { wait up to `timeout` for completion; return whether complete }
-//   T wait()                { test(forever); if (failed) rethrow(error); return move(result); }
+//   T wait()                { test(forever); if (failed) rethrow(error);
+//                             order_stream(current_cuda_stream()); return move(result); }
 //   ~Work()                 { test(forever); }  // an incomplete operation is waited for; its
 //                                              // error, if any, is dropped
 //
@@ -27,6 +28,11 @@
 // same class is rethrown on every rank's wait(), the call's deadline bounds it, abort() on the
 // communicator ends a running operation with Aborted (and those queued behind it with
 // CommAborted).
+// CUDA tensors (docs/gpu.md): completion means the operation's device work is enqueued on the
+// stream that was current where it was started (and, under DeviceWait::kHost, has run). wait()
+// makes the waiter's current stream (current_cuda_stream()) wait for that work, with an event, as
+// c10d's Work::wait() does; the host does not wait for the GPU. Work enqueued on that stream
+// after wait() sees the outputs.
 // Lifetime: the memory of the tensors (inputs and outputs) and the plan an operation was
 // started from stay alive and unmodified until it completed (test() true or wait() returned).
 // The lists of views and shapes passed to start are copied.
@@ -36,11 +42,13 @@
 #include <chrono>
 #include <condition_variable>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <utility>
 
+#include "shardgather/device.h"
 #include "shardgather/errors.h"
 #include "shardgather/export.h"
 
@@ -59,11 +67,29 @@ class SHARDGATHER_API WorkState {
   // After completion: the failure, or null.
   [[nodiscard]] std::exception_ptr error() const noexcept;
 
+  // Set by an operation's job before finish() when it enqueued device work on CUDA device
+  // `device`: `order(stream)` makes `stream` wait for the end of that work.
+  void set_device_order(std::function<void(void*)> order, int device) noexcept {
+    order_ = std::move(order);
+    device_ = device;
+  }
+  // After completion: whether the operation left device work, and on which device (-1: none).
+  [[nodiscard]] int device() const noexcept { return device_; }
+  // After completion: makes `stream` (a cudaStream_t) wait for the operation's device work; does
+  // nothing for a host operation. Raises CommunicationError when CUDA fails.
+  void order_stream(void* stream) const {
+    if (order_) {
+      order_(stream);
+    }
+  }
+
  private:
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  bool done_ = false;         // guarded by mu_
-  std::exception_ptr error_;  // written before done_
+  bool done_ = false;                 // guarded by mu_
+  std::exception_ptr error_;          // written before done_
+  std::function<void(void*)> order_;  // written before done_
+  int device_ = -1;                   // written before done_
 };
 
 template <typename T>
@@ -119,6 +145,7 @@ class Work {
     if (const std::exception_ptr error = state->error()) {
       std::rethrow_exception(error);
     }
+    state->order_stream(current_cuda_stream());
     return std::move(*state->value);
   }
 

@@ -46,6 +46,8 @@ from ._shardgather import (  # noqa: F401  (re-exported)
     Work,
     __version__,
     chunk_sizes,
+    device_wait,
+    set_device_wait,
 )
 
 __all__ = [
@@ -69,11 +71,13 @@ __all__ = [
     "Work",
     "chunk_sizes",
     "communicator",
+    "device_wait",
     "foreach_all_gather",
     "full_tensors",
     "has_mpi",
     "mpi_communicator",
     "mpi_init",
+    "set_device_wait",
     "unshard",
     "unshard_stream",
 ]

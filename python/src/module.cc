@@ -371,6 +371,16 @@ void register_shard_spec(py::module_& m) {
       .def_readonly("padded_size", &ShardSpec::padded_size)
       .def("__repr__", &shard_spec_repr);
   m.def("chunk_sizes", &chunk_sizes, py::arg("full"), py::arg("world_size"));
+  m.def(
+      "set_device_wait", [](const std::string& mode) { set_device_wait(parse_device_wait(mode)); },
+      py::arg("mode"),
+      "When calls on CUDA tensors return, process-wide: \"stream\" (the default, c10d's NCCL "
+      "semantics: once enqueued on torch's current stream; Work.wait() makes the current stream "
+      "wait) or \"host\" (the host also waits until the GPU ran the call, within its timeout). "
+      "SHARDGATHER_DEVICE_WAIT sets the first value.");
+  m.def(
+      "device_wait", [] { return std::string(device_wait_name(device_wait())); },
+      "The mode set_device_wait set (\"stream\" or \"host\").");
 }
 
 py::object unshard_call(py::handle shards, const CommPtr& comm, const std::vector<ShardSpec>& specs,

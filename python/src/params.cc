@@ -6,8 +6,6 @@
 #include <string_view>
 #include <utility>
 
-#include <c10/core/Stream.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "torch_tensors.h"
@@ -61,9 +59,7 @@ namespace {
 // Makes torch's current stream of CUDA device `index` this thread's stream for the call that
 // follows (shardgather/device.h), through c10's device-guard registry: no CUDA headers here.
 void use_torch_stream(c10::DeviceIndex index) {
-  const c10::Device device(c10::kCUDA, index);
-  const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device);
-  set_current_cuda_stream(native_stream(stream));
+  set_current_cuda_stream(torch_current_stream(index));
 }
 
 // Inputs (not outputs) accept DTensors: what this rank holds of one is its local shard.

@@ -6,6 +6,7 @@
 
 #include "shardgather/embedding.h"
 #include "shardgather/errors.h"
+#include "shardgather/torch.h"
 
 namespace py = pybind11;
 
@@ -40,6 +41,10 @@ void PyUnshardStream::begin(py::handle shards, const std::shared_ptr<Communicato
 py::object PyUnshardStream::next() {
   if (!comm_) {
     throw InvalidArgument("UnshardStream.next: begin() was not called");
+  }
+  if (!shards_.tensors.empty() && shards_.tensors.front().is_cuda()) {
+    // The bucket is handed over on torch's current stream, which waits for its gather.
+    set_current_cuda_stream(torch_current_stream(shards_.tensors.front().device().index()));
   }
   std::optional<StreamBucket> bucket;
   call_interruptible([&] { bucket = stream_->next(); });

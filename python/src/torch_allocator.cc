@@ -6,7 +6,6 @@
 #include <string>
 
 #include <ATen/ATen.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
 #include "torch_tensors.h"
@@ -16,44 +15,6 @@
 
 namespace shardgather::python {
 namespace {
-
-// Makes `device` current and `stream` (a native handle) torch's current stream on it, for a
-// scope; restores both after. The handle becomes a torch stream the way torch's own
-// getStreamFromExternal makes one (its id is the handle); the caching allocator files blocks by
-// the handle, so a stream torch knows under another id is the same stream to it.
-class TorchStreamScope {
- public:
-  TorchStreamScope(const c10::Device& device, void* stream)
-      : impl_(c10::impl::getDeviceGuardImpl(c10::kCUDA)), device_(impl_->exchangeDevice(device)) {
-    try {
-      if (native_stream(impl_->getStream(device)) != stream) {
-        previous_ = impl_->exchangeStream(
-            c10::Stream(c10::Stream::UNSAFE, device, reinterpret_cast<c10::StreamId>(stream)));
-      }
-    } catch (...) {
-      impl_->uncheckedSetDevice(device_);
-      throw;
-    }
-  }
-  TorchStreamScope(const TorchStreamScope&) = delete;
-  TorchStreamScope& operator=(const TorchStreamScope&) = delete;
-  TorchStreamScope(TorchStreamScope&&) = delete;
-  TorchStreamScope& operator=(TorchStreamScope&&) = delete;
-  ~TorchStreamScope() {
-    if (previous_) {
-      try {
-        (void)impl_->exchangeStream(*previous_);
-      } catch (...) {  // NOLINT(bugprone-empty-catch): CUDA's stream guard cannot fail here
-      }
-    }
-    impl_->uncheckedSetDevice(device_);
-  }
-
- private:
-  const c10::impl::DeviceGuardImplInterface* impl_;
-  c10::Device device_;
-  std::optional<c10::Stream> previous_;
-};
 
 // A block's release: drops the storage handle that kept the block (tensors over the same storage
 // keep it alive after).

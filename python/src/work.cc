@@ -57,6 +57,7 @@ py::object PyWork::wait() {
   if (error_) {
     std::rethrow_exception(error_);  // translated to its Python class by pybind11
   }
+  order_();
   return value_;
 }
 

@@ -1,6 +1,9 @@
 // shardgather._shardgather.Work: the handle an `async_op=True` call returns (c10d's Work, for
 // Python). wait() returns what the blocking call returns, or raises its error; is_completed()
-// polls. The operation runs on the communicator's progress thread without the GIL.
+// polls. The operation runs on the communicator's progress thread without the GIL. On CUDA
+// tensors, as c10d's: the operation is complete once its device work is enqueued, and each wait()
+// makes torch's current stream wait for that work (the host does not wait for the GPU, unless
+// shardgather.set_device_wait("host")).
 //
 // Ctrl-C: wait() sleeps with the GIL released in slices of 100 ms and runs Python's signal
 // handlers between them (on the main thread); a KeyboardInterrupt aborts the communicator (the
@@ -19,6 +22,7 @@
 #include <pybind11/pybind11.h>
 
 #include "shardgather/communicator.h"
+#include "shardgather/torch.h"
 #include "shardgather/work.h"
 
 namespace shardgather::python {
@@ -34,6 +38,13 @@ class PyWork {
     auto state = work.shared_state();
     auto owner = std::make_shared<Work<T>>(std::move(work));  // its destructor waits, too
     test_ = [state](std::chrono::milliseconds timeout) { return state->wait_for(timeout); };
+    // c10d's Work.wait(): torch's current stream waits for the call's device work, at every
+    // wait(), on whichever stream is current then.
+    order_ = [state] {
+      if (state->device() >= 0) {
+        state->order_stream(torch_current_stream(static_cast<c10::DeviceIndex>(state->device())));
+      }
+    };
     finish_ = [state, owner, result = std::move(result)]() mutable -> pybind11::object {
       if (const std::exception_ptr error = state->error()) {
         std::rethrow_exception(error);
@@ -58,6 +69,7 @@ class PyWork {
   pybind11::object keep_;  // what the operation reads (a plan); released after it ended
   std::function<bool(std::chrono::milliseconds)> test_;
   std::function<pybind11::object()> finish_;
+  std::function<void()> order_;
   bool done_ = false;
   // wait()'s outcome, kept so that a second wait() returns (or raises) it again.
   pybind11::object value_;

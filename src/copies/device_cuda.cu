@@ -201,8 +201,16 @@ void DeviceEvent::order_after(void* stream) const {
   }
 }
 
-void sync_stream(void* stream) {
-  check(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize");
+bool DeviceEvent::query() const {
+  if (event_ == nullptr) {
+    return true;
+  }
+  const cudaError_t status = cudaEventQuery(static_cast<cudaEvent_t>(event_));
+  if (status == cudaErrorNotReady) {
+    return false;  // not an error: the runtime does not record it as the last error
+  }
+  check(status, "cudaEventQuery");
+  return true;
 }
 
 }  // namespace detail

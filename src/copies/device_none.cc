@@ -36,7 +36,6 @@ void launch_copies(const CopyDesc* /*device_descs*/, std::size_t /*count*/,
                    std::uint64_t /*blocks*/, void* /*stream*/) {
   no_cuda("launch_copies");
 }
-void sync_stream(void* /*stream*/) { no_cuda("sync_stream"); }
 DeviceEvent::DeviceEvent(DeviceEvent&& other) noexcept : event_(other.event_) {
   other.event_ = nullptr;
 }
@@ -47,6 +46,7 @@ DeviceEvent& DeviceEvent::operator=(DeviceEvent&& other) noexcept {
 DeviceEvent::~DeviceEvent() { (void)event_; }  // never created here
 void DeviceEvent::record(void* /*stream*/) { no_cuda("DeviceEvent::record"); }
 void DeviceEvent::order_after(void* /*stream*/) const {}
+bool DeviceEvent::query() const { return true; }
 
 }  // namespace detail
 }  // namespace shardgather

@@ -4,7 +4,8 @@
 // layers above need no #if.
 //
 // Streams are opaque (a cudaStream_t); nullptr is the device's legacy default stream. Every
-// function here enqueues on the stream and returns without waiting, except sync_stream. CUDA
+// function here enqueues on the stream and returns without waiting (the host looks at the
+// device's progress only through DeviceEvent::query, and never blocks on a stream). CUDA
 // failures raise OutOfMemory (allocation) or CommunicationError (any other: a sticky device error
 // leaves the device unusable, as a failed backend does).
 #pragma once
@@ -86,9 +87,6 @@ void copy_async(void* dst, const void* src, std::uint64_t bytes, void* stream);
 void launch_copies(const CopyDesc* device_descs, std::size_t count, std::uint64_t blocks,
                    void* stream);
 
-// Waits until everything enqueued on `stream` has run; raises what it raised.
-void sync_stream(void* stream);
-
 // A CUDA event without timing, for ordering one stream after another's work without the host
 // waiting. Created at its first record, on the device current then; destroyed with the object.
 // Movable, not copyable. One thread records it; any thread may make a stream wait on it once
@@ -107,6 +105,9 @@ class DeviceEvent {
   // Work enqueued on `stream` after this runs after the work the latest record marked (nothing,
   // if it was never recorded).
   void order_after(void* stream) const;
+  // Whether the device has run the work the latest record marked (true if never recorded); does
+  // not wait. Raises what that work raised.
+  [[nodiscard]] bool query() const;
 
  private:
   void* event_ = nullptr;  // a cudaEvent_t

@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <string>
 
+#include "copies/device_runtime.h"
 #include "copies/local_input.h"
 #include "ops/call.h"
 #include "ops/payload.h"
@@ -114,6 +116,8 @@ void BucketStream::start_bucket(std::size_t b) {
     AlignedBuffer& buffer = buffers_[b % buffers_.size()];
     out = std::span<std::byte>(buffer.data(), buffer.size());
   }
+  // Every bucket runs on the stream its buffers were made for, whichever stream next() runs on.
+  const CudaStreamGuard on(buffers_stream_);
   inflight_.push_back(start_on<ExecStats>(
       *comm_, [plans = &plans_, b, inputs, out, comm = comm_, shared = shared_]() -> ExecStats {
         if (shared->broken.load()) {
@@ -129,6 +133,23 @@ void BucketStream::start_bucket(std::size_t b) {
         }
       }));
   ++started_;
+}
+
+void BucketStream::order_after_consumer() {
+  if (buffers_.empty() || buffers_.front().device().type == DeviceType::kCpu) {
+    return;
+  }
+  void* consumer = current_cuda_stream();
+  if (consumer == buffers_stream_) {
+    return;
+  }
+  if (handed_back_ == nullptr) {
+    handed_back_ = std::make_shared<DeviceEvent>();
+  }
+  const CurrentDevice on(buffers_.front().device().index);
+  auto& event = *std::static_pointer_cast<DeviceEvent>(handed_back_);
+  event.record(consumer);
+  event.order_after(buffers_stream_);
 }
 
 ExecStats BucketStream::wait_oldest() {
@@ -151,6 +172,7 @@ std::optional<StreamBucket> BucketStream::next() {
   }
   try {
     if (yielded_ > 0 && started_ < plans_.num_buckets()) {
+      order_after_consumer();
       start_bucket(started_);  // into the buffer the caller just gave back
     }
     if (yielded_ == plans_.num_buckets()) {

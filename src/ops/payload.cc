@@ -56,6 +56,7 @@ void check_call_device(Call& call, const Device& device) {
     return;
   }
   set_device_gather_request(call.header(), device_gather());
+  (void)device_wait();  // an unknown SHARDGATHER_DEVICE_WAIT fails here, before the header
   if (call.comm().capabilities().device_memory) {
     return;
   }

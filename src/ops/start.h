@@ -6,6 +6,7 @@
 #include <memory>
 #include <utility>
 
+#include "strategies/strategy.h"
 #include "transport/op_queue.h"
 
 #include "shardgather/communicator.h"
@@ -26,7 +27,8 @@ decltype(auto) run_blocking(Communicator& comm, Fn&& op) {
 template <typename T, typename Fn>
 Work<T> start_on(Communicator& comm, Fn op) {
   auto state = std::make_shared<WorkResult<T>>();
-  // A call on CUDA tensors enqueues on the stream that was current where it was started.
+  // A call on CUDA tensors enqueues on the stream that was current where it was started, and its
+  // handle's wait() orders the waiter's stream after that work (work.h).
   comm.operations().submit(
       [state, op = std::move(op), stream = current_cuda_stream()]() mutable noexcept {
         const CudaStreamGuard on_stream(stream);
@@ -36,7 +38,15 @@ Work<T> start_on(Communicator& comm, Fn op) {
         std::shared_ptr<WorkResult<T>> mine = std::move(state);
         std::exception_ptr error;
         try {
-          mine->value.emplace(op());
+          // Device work marks its end here, so that the waiter's stream can wait for it.
+          auto done = std::make_shared<DeviceCompletion>();
+          {
+            const DeviceCompletionScope collect(*done);
+            mine->value.emplace(op());
+          }
+          if (done->recorded) {
+            mine->set_device_order([done](void* s) { done->event.order_after(s); }, done->device);
+          }
         } catch (...) {
           error = std::current_exception();
         }

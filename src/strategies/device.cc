@@ -2,13 +2,17 @@
 // bytes move as kPacked does on the host (copy-in, one collective, copy-out), with each copy one
 // launch of the fused kernel (copies/) and the collective the transport's all_gather_v_device
 // (NCCL or Gloo on torch groups, cudaMemcpyAsync between threads). Every step is enqueued on
-// job.stream; the stream is synchronised once, at the end.
+// job.stream and the host does not wait for them (DeviceWait::kStream), unless asked to
+// (DeviceWait::kHost).
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdlib>
 #include <mutex>
 #include <numeric>
 #include <string>
+#include <thread>
+#include <utility>
 
 #include "strategies/strategy.h"
 
@@ -95,32 +99,73 @@ std::byte* gather_target(const ExchangeJob& job, int me, StrategyScratch& s) {
 
 namespace {
 
-// The process's request: SHARDGATHER_DEVICE_GATHER, read once (getenv is not safe against a
-// setenv on another thread, such as os.environ in Python, and calls run on progress threads
-// too), or what set_device_gather said last. An unknown value is kept as text, so that every
-// device call names it.
-struct Request {
-  std::mutex mu;
-  DeviceGather value = DeviceGather::kAuto;
-  std::string unknown;
+// A process-wide setting of the device path: its environment variable, read once (getenv is not
+// safe against a setenv on another thread, such as os.environ in Python, and calls run on
+// progress threads too), or what the setter said last. An unknown value is kept as text, so that
+// every device call names it.
+template <typename E>
+class ProcessSetting {
+ public:
+  using Parse = E (*)(std::string_view);
+
+  ProcessSetting(const char* variable, Parse parse, std::string_view expected)
+      : variable_(variable), parse_(parse), expected_(expected) {}
+
+  E get() {
+    read_once();
+    const std::lock_guard<std::mutex> lock(mu_);
+    if (!unknown_.empty()) {
+      throw InvalidArgument(std::string(variable_) + "=" + unknown_ + ": expected " +
+                            std::string(expected_));
+    }
+    return value_;
+  }
+
+  void set(E value) {
+    read_once();
+    const std::lock_guard<std::mutex> lock(mu_);
+    value_ = value;
+    unknown_.clear();
+  }
+
+ private:
+  void read_once() {
+    std::call_once(read_, [this] {
+      const char* env = std::getenv(variable_);
+      if (env == nullptr || *env == '\0') {
+        return;
+      }
+      try {
+        value_ = parse_(env);
+      } catch (const InvalidArgument&) {
+        unknown_ = env;
+      }
+    });
+  }
+
+  const char* variable_;
+  Parse parse_;
+  std::string_view expected_;
+  std::once_flag read_;
+  std::mutex mu_;
+  E value_{};  // the enums' first value is the default
+  std::string unknown_;
 };
 
-Request& request() {
-  static Request r;
-  static std::once_flag read;
-  std::call_once(read, [] {
-    const char* env = std::getenv("SHARDGATHER_DEVICE_GATHER");
-    if (env == nullptr || *env == '\0') {
-      return;
-    }
-    try {
-      r.value = parse_device_gather(env);
-    } catch (const InvalidArgument&) {
-      r.unknown = env;
-    }
-  });
-  return r;
+ProcessSetting<DeviceGather>& gather_setting() {
+  static ProcessSetting<DeviceGather> s("SHARDGATHER_DEVICE_GATHER", &parse_device_gather,
+                                        "auto, padded or broadcast");
+  return s;
 }
+
+ProcessSetting<DeviceWait>& wait_setting() {
+  static ProcessSetting<DeviceWait> s("SHARDGATHER_DEVICE_WAIT", &parse_device_wait,
+                                      "stream or host");
+  return s;
+}
+
+// The operation's completion slot on this thread (DeviceCompletionScope), or null.
+thread_local DeviceCompletion* completion_slot = nullptr;
 
 }  // namespace
 
@@ -128,22 +173,9 @@ Request& request() {
 
 namespace shardgather {
 
-DeviceGather device_gather() {
-  detail::Request& r = detail::request();
-  const std::lock_guard<std::mutex> lock(r.mu);
-  if (!r.unknown.empty()) {
-    throw InvalidArgument("SHARDGATHER_DEVICE_GATHER=" + r.unknown +
-                          ": expected auto, padded or broadcast");
-  }
-  return r.value;
-}
+DeviceGather device_gather() { return detail::gather_setting().get(); }
 
-void set_device_gather(DeviceGather request) {
-  detail::Request& r = detail::request();
-  const std::lock_guard<std::mutex> lock(r.mu);
-  r.value = request;
-  r.unknown.clear();
-}
+void set_device_gather(DeviceGather request) { detail::gather_setting().set(request); }
 
 std::string_view device_gather_name(DeviceGather request) noexcept {
   switch (request) {
@@ -168,9 +200,38 @@ DeviceGather parse_device_gather(std::string_view name) {
                         "\": expected auto, padded or broadcast");
 }
 
+DeviceWait device_wait() { return detail::wait_setting().get(); }
+
+void set_device_wait(DeviceWait mode) { detail::wait_setting().set(mode); }
+
+std::string_view device_wait_name(DeviceWait mode) noexcept {
+  switch (mode) {
+    case DeviceWait::kStream:
+      return "stream";
+    case DeviceWait::kHost:
+      return "host";
+  }
+  return "invalid";
+}
+
+DeviceWait parse_device_wait(std::string_view name) {
+  for (const DeviceWait w : {DeviceWait::kStream, DeviceWait::kHost}) {
+    if (name == device_wait_name(w)) {
+      return w;
+    }
+  }
+  throw InvalidArgument("unknown device wait \"" + std::string(name) +
+                        "\": expected stream or host");
+}
+
 }  // namespace shardgather
 
 namespace shardgather::detail {
+
+DeviceCompletionScope::DeviceCompletionScope(DeviceCompletion& slot) noexcept
+    : previous_(std::exchange(completion_slot, &slot)) {}
+
+DeviceCompletionScope::~DeviceCompletionScope() { completion_slot = previous_; }
 
 DeviceGatherForm device_gather_form(std::span<const std::uint64_t> counts,
                                     DeviceGather request) noexcept {
@@ -186,6 +247,37 @@ DeviceGatherForm device_gather_form(std::span<const std::uint64_t> counts,
   return kPaddingDivisor * padding <= total ? DeviceGatherForm::kPadded
                                             : DeviceGatherForm::kBroadcast;
 }
+
+namespace {
+
+// How often the host looks at the device's progress under DeviceWait::kHost: a query costs about
+// a microsecond, and a call this waits for has a collective in it.
+constexpr std::chrono::microseconds kHostPoll{50};
+
+// DeviceWait::kHost: the host waits until the device has run what `stream` holds, within the
+// deadline. The enqueued work cannot be called back: after Timeout or Aborted it still runs when
+// the peers' does, into memory released in stream order (safe to reuse only after it).
+void wait_on_host(void* stream, Communicator& comm, Deadline deadline) {
+  DeviceEvent done;
+  done.record(stream);
+  while (!done.query()) {
+    comm.check_interrupt();
+    const std::string me = "rank " + std::to_string(comm.rank());
+    if (comm.is_poisoned()) {
+      throw Aborted(me +
+                    ": the communicator was aborted while the host waited for the call's "
+                    "device work (which stays enqueued)");
+    }
+    if (Clock::now() >= deadline) {
+      throw Timeout(me +
+                    ": the call's device work had not run by its deadline (a peer's "
+                    "collective is late; the work stays enqueued on the stream)");
+    }
+    std::this_thread::sleep_for(kHostPoll);
+  }
+}
+
+}  // namespace
 
 void run_device(const ExchangeJob& job, DeviceGather request, Communicator& comm, Deadline deadline,
                 StrategyScratch& s) {
@@ -225,7 +317,14 @@ void run_device(const ExchangeJob& job, DeviceGather request, Communicator& comm
                              deadline);
   }
   launch(s.copy_out, on_device[2], job.stream);
-  sync_stream(job.stream);
+  if (completion_slot != nullptr) {
+    completion_slot->event.record(job.stream);
+    completion_slot->recorded = true;
+    completion_slot->device = job.device.index;
+  }
+  if (device_wait() == DeviceWait::kHost) {
+    wait_on_host(job.stream, comm, deadline);
+  }
 }
 
 }  // namespace shardgather::detail

@@ -227,12 +227,36 @@ DeviceGatherForm device_gather_form(std::span<const std::uint64_t> counts,
 // The device path: the operation's deferred packs of strided inputs (scratch.copy_stage, filled
 // before this), one fused copy-in into a contiguous device buffer (skipped when the stream is
 // one contiguous run already), one all_gather_v_device, one fused copy-out into the pieces
-// (skipped when every rank's pieces are one run: the gather lands in place); then waits for the
-// stream. Launches at most three kernels, and after the first execution of a plan allocates
-// nothing and uploads nothing while the tensors stay where they were.
-// `request` is the one every rank agreed on (the header's).
+// (skipped when every rank's pieces are one run: the gather lands in place), all enqueued on
+// job.stream. Returns once they are enqueued (DeviceWait::kStream) or, under DeviceWait::kHost,
+// once the device has run them (polled against `deadline`: Timeout, or Aborted after abort()).
+// Launches at most three kernels, never waits for a stream on the host in the first mode, and
+// after the first execution of a plan allocates nothing and uploads nothing while the tensors stay
+// where they were. `request` is the one every rank agreed on (the header's).
 void run_device(const ExchangeJob& job, DeviceGather request, Communicator& comm, Deadline deadline,
                 StrategyScratch& scratch);
+
+// Where run_device marks the end of its work for a started operation (ops/start.h): while a scope
+// is open on a thread, every run_device on it records `event` on its stream after its last
+// launch, so that the operation's waiter can make its own stream wait for that point.
+struct DeviceCompletion {
+  DeviceEvent event;
+  bool recorded = false;
+  int device = -1;  // the CUDA device of the stream it was recorded on
+};
+
+class DeviceCompletionScope {
+ public:
+  explicit DeviceCompletionScope(DeviceCompletion& slot) noexcept;
+  DeviceCompletionScope(const DeviceCompletionScope&) = delete;
+  DeviceCompletionScope& operator=(const DeviceCompletionScope&) = delete;
+  DeviceCompletionScope(DeviceCompletionScope&&) = delete;
+  DeviceCompletionScope& operator=(DeviceCompletionScope&&) = delete;
+  ~DeviceCompletionScope();
+
+ private:
+  DeviceCompletion* previous_;
+};
 
 // Runs the job with `strategy` (already resolved; InvalidArgument where it does not run the job's
 // shape or combine step).

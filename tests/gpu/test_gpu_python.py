@@ -1,6 +1,10 @@
 """GPU tests of the Python drop-in (tools/device-check runs them on a machine with one GPU).
 
 - an NCCL group at world 1: CUDA tensors in, CUDA tensors out, on the current stream;
+- stream semantics at NCCL world 1 (c10d's): a blocking call returns with its work still queued
+  behind a long kernel on the current stream and reads its inputs after that kernel; a started
+  call on a side stream is ordered into the current stream by Work.wait(); under
+  set_device_wait("host") the call returns only after the stream ran it;
 - a Gloo group at world 2 (two processes on one GPU: NCCL refuses two ranks on one device), with
   CUDA tensors: foreach_all_gather with and without the shapes hint, both forms of an uneven
   device gather (per-rank broadcasts, padded all-gather), a transposed input, a side stream, and
@@ -104,6 +108,49 @@ def test_nccl_world1():
             _check_gather(sg.foreach_all_gather(mine, None, [[tuple(t.shape) for t in mine]]), 1,
                           [mine])
             _check_unshard(0, 1)
+        finally:
+            dist.destroy_process_group()
+
+
+# About half a second of a spinning kernel on an H200: far longer than enqueueing a call.
+_SPIN_CYCLES = 1_000_000_000
+
+
+def test_nccl_world1_calls_are_stream_ordered():
+    with tempfile.TemporaryDirectory() as d:
+        torch.cuda.set_device(0)
+        _init("nccl", 0, 1, os.path.join(d, "store"))
+        try:
+            a = torch.zeros(1 << 20, device="cuda")
+            hint = [[tuple(a.shape)]]
+            sg.foreach_all_gather([a], None, hint)  # NCCL's communicator is made here
+            torch.cuda.synchronize()
+            current = torch.cuda.current_stream()
+            torch.cuda._sleep(_SPIN_CYCLES)
+            a.fill_(3.0)  # after the spin, on the current stream
+            (out,) = sg.foreach_all_gather([a], None, hint)
+            assert not current.query(), "the call waited for the GPU"
+            assert torch.equal(out[0].cpu(), torch.full_like(a, 3.0).cpu())
+
+            # Started on a side stream (ordered after the inputs' writes, as c10d requires),
+            # waited on the current stream: results read there without a synchronisation.
+            b = torch.full((1 << 20,), 5.0, device="cuda")
+            side = torch.cuda.Stream()
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(_SPIN_CYCLES)
+                work = sg.foreach_all_gather([b], None, hint, async_op=True)
+            (got,) = work.wait()
+            assert torch.equal(got[0].cpu(), b.cpu())
+
+            sg.set_device_wait("host")
+            try:
+                torch.cuda._sleep(_SPIN_CYCLES)
+                sg.foreach_all_gather([a], None, hint)
+                assert current.query(), "host mode returned before the GPU ran the call"
+            finally:
+                sg.set_device_wait("stream")
+            assert sg.device_wait() == "stream"
         finally:
             dist.destroy_process_group()
 

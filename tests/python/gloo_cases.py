@@ -131,6 +131,25 @@ def case_device_gather_request_is_a_device_calls_business(rank, world):
         shardgather._C._set_device_gather("auto")
 
 
+def case_device_wait_is_each_ranks_own(rank, world):
+    # Reliability 2.8b: when device calls return (set_device_wait, SHARDGATHER_DEVICE_WAIT) is
+    # local to a rank, so ranks may differ, and host calls ignore it; an unknown mode is refused
+    # where it is set, naming it, and leaves the mode as it was.
+    params = [make((rank + 1, 3), torch.float32, rank), make((5,), torch.bfloat16, 2)]
+    assert shardgather.device_wait() == "stream"
+    try:
+        shardgather.set_device_wait("host" if rank == 0 else "stream")
+        check(params, world)
+        try:
+            shardgather.set_device_wait("spin")
+            raise AssertionError("an unknown mode was taken")
+        except shardgather.InvalidArgumentError as e:
+            assert "spin" in str(e), e
+        assert shardgather.device_wait() == ("host" if rank == 0 else "stream")
+    finally:
+        shardgather.set_device_wait("stream")
+
+
 def case_zero_dim(rank, world):
     params = [make((), dt, 7 * rank + k) for k, dt in enumerate(DTYPES)]
     check(params, world)

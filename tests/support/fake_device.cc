@@ -155,12 +155,6 @@ void launch_copies(const CopyDesc* device_descs, std::size_t count, std::uint64_
   r.counters.stray += stray;
 }
 
-void sync_stream(void* /*stream*/) {
-  testing::Registry& r = testing::registry();
-  const std::lock_guard<std::mutex> lock(r.mu);
-  ++r.counters.syncs;
-}
-
 // Work runs when it is enqueued here, so an event only counts: what ordering it gives cannot be
 // checked on the fake (tools/device-check runs the real thing).
 DeviceEvent::DeviceEvent(DeviceEvent&& other) noexcept
@@ -182,6 +176,14 @@ void DeviceEvent::order_after(void* /*stream*/) const {
   testing::Registry& r = testing::registry();
   const std::lock_guard<std::mutex> lock(r.mu);
   r.counters.event_waits += event_ != nullptr ? 1 : 0;
+}
+
+// The work ran when it was enqueued: done at the first look, which the host made.
+bool DeviceEvent::query() const {
+  testing::Registry& r = testing::registry();
+  const std::lock_guard<std::mutex> lock(r.mu);
+  ++r.counters.host_waits;
+  return true;
 }
 
 }  // namespace detail

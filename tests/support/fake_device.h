@@ -19,10 +19,12 @@ struct FakeDeviceCounters {
   std::uint64_t launches = 0;        // non-empty kernel launches
   std::uint64_t copies = 0;          // copy_async calls (uploads and transport moves)
   std::uint64_t host_to_device = 0;  // of those, from host memory (table uploads, zeros)
-  std::uint64_t syncs = 0;           // host waits for a stream
-  std::uint64_t event_records = 0;   // DeviceEvent::record
-  std::uint64_t event_waits = 0;     // DeviceEvent::order_after on a recorded event
-  std::uint64_t stray = 0;           // kernel descriptors touching memory that is not the device's
+  // The host looking at the device's progress (DeviceEvent::query; the runtime has no other host
+  // wait: no stream or device synchronisation).
+  std::uint64_t host_waits = 0;
+  std::uint64_t event_records = 0;  // DeviceEvent::record
+  std::uint64_t event_waits = 0;    // DeviceEvent::order_after on a recorded event
+  std::uint64_t stray = 0;          // kernel descriptors touching memory that is not the device's
 };
 
 // A snapshot (all threads together).

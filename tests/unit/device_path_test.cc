@@ -4,6 +4,7 @@
 // fake device memory must give the bytes of the same call on host memory, touch nothing but
 // device memory from the kernel, and, in a plan's steady state, launch at most three kernels,
 // upload nothing and allocate nothing. (tools/device-check runs the same calls on a real GPU.)
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -189,9 +190,9 @@ TEST_P(DevicePath, PlanSteadyStateLaunchesAtMostThreeKernelsAndUploadsNothing) {
         EXPECT_EQ(after.frees, before.frees) << "execution " << i;
         EXPECT_EQ(after.host_to_device, before.host_to_device) << "execution " << i;
         EXPECT_LE(after.launches - before.launches, 3U * static_cast<unsigned>(world));
-        // The threads transport orders the ranks' streams with events: the one host wait per
-        // rank is the device strategy's, at the end of the call (issue 24 removes it too).
-        EXPECT_EQ(after.syncs - before.syncs, static_cast<std::uint64_t>(world));
+        // Stream-ordered: the host never looks at the device's progress; the threads transport
+        // orders the ranks' streams with events.
+        EXPECT_EQ(after.host_waits, before.host_waits) << "execution " << i;
         const auto w = static_cast<std::uint64_t>(world);
         EXPECT_EQ(after.event_waits - before.event_waits, world == 1 ? 0 : 2 * w * w);
       }
@@ -249,6 +250,7 @@ TEST_P(DevicePath, DeviceMemoryComesFromTheAllocatorAndGoesBack) {
   set_device_allocator(nullptr);
   const testing::FakeDeviceCounters during = fake_device_counters();
   EXPECT_EQ(during.allocations, before.allocations) << "the default pool was used";
+  EXPECT_EQ(during.host_waits, before.host_waits) << "a one-shot call waited for the device";
   EXPECT_GT(counting->allocated.load(), 0);
   EXPECT_EQ(counting->released.load(), counting->allocated.load()) << "memory not given back";
   run_ranks(world, [world](int rank, Communicator& comm) {
@@ -355,6 +357,67 @@ TEST_P(DevicePath, ManySmallTensors) {
   });
 }
 
+// A started call's wait() makes the waiter's current stream wait for the call's device work (one
+// event, recorded at the end of the work, waited on once per wait()); the host looks at the
+// device's progress nowhere. The threads transport's own events between the ranks are 2 W^2
+// waits and 2 W records per call (none at W = 1).
+TEST_P(DevicePath, WaitOrdersTheWaitersStreamWithoutAHostWait) {
+  const int world = GetParam();
+  run_ranks(world, [world](int rank, Communicator& comm) {
+    const RankList list(rank);
+    const GatherResult want = foreach_all_gather(list.hv, comm, hint(world));
+    int call_stream = 0;
+    int waiter_stream = 0;
+    for (int i = 0; i < 2; ++i) {  // the second round: everything warm
+      comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
+      const testing::FakeDeviceCounters before = fake_device_counters();
+      Work<GatherResult> work = [&] {
+        const CudaStreamGuard on(&call_stream);
+        return start_foreach_all_gather(list.dv, comm, hint(world));
+      }();
+      const CudaStreamGuard on(&waiter_stream);
+      const GatherResult got = work.wait();
+      comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
+      const testing::FakeDeviceCounters after = fake_device_counters();
+      EXPECT_TRUE(same_gathers(got, want)) << "rank " << rank;
+      EXPECT_EQ(after.host_waits, before.host_waits);
+      if (i == 1) {
+        const auto ww = static_cast<std::uint64_t>(world);
+        const std::uint64_t transport_waits = world == 1 ? 0 : 2 * ww * ww;
+        const std::uint64_t transport_records = world == 1 ? 0 : 2 * ww;
+        EXPECT_EQ(after.event_waits - before.event_waits, transport_waits + ww);
+        EXPECT_EQ(after.event_records - before.event_records, transport_records + ww);
+      }
+      comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
+    }
+  });
+}
+
+// DeviceWait::kHost: the host waits for every device call's work (a blocking call's, and a
+// started one's on the progress thread), looking at it once here (the fake has run it); back in
+// the default mode it never does.
+TEST_P(DevicePath, HostWaitModeWaitsOnTheHost) {
+  const int world = GetParam();
+  const auto w = static_cast<std::uint64_t>(world);
+  set_device_wait(DeviceWait::kHost);
+  const testing::FakeDeviceCounters before = fake_device_counters();
+  run_ranks(world, [world](int rank, Communicator& comm) {
+    const RankList list(rank);
+    const GatherResult want = foreach_all_gather(list.hv, comm, hint(world));
+    EXPECT_TRUE(same_gathers(foreach_all_gather(list.dv, comm, hint(world)), want));
+    EXPECT_TRUE(same_gathers(start_foreach_all_gather(list.dv, comm, hint(world)).wait(), want));
+  });
+  const testing::FakeDeviceCounters hosted = fake_device_counters();
+  EXPECT_EQ(hosted.host_waits - before.host_waits, 2 * w);
+  set_device_wait(DeviceWait::kStream);
+  run_ranks(world, [world](int rank, Communicator& comm) {
+    const RankList list(rank);
+    EXPECT_TRUE(same_gathers(foreach_all_gather(list.dv, comm, hint(world)),
+                             foreach_all_gather(list.hv, comm, hint(world))));
+  });
+  EXPECT_EQ(fake_device_counters().host_waits, hosted.host_waits);
+}
+
 TEST_P(DevicePath, StartedOnAStream) {
   const int world = GetParam();
   run_ranks(world, [world](int rank, Communicator& comm) {
@@ -411,12 +474,21 @@ TEST_P(DevicePath, StreamBucketsOnTheDevice) {
     const StreamOptions options{.bucket_bytes = 256, .prefetch = 1, .dst = -1};
     UnshardStream host(specs, world, rank, options);
     UnshardStream device(specs, world, rank, options);
-    for (int round = 0; round < 2; ++round) {
+    // Round 2 consumes on another stream than begin()'s: each bucket started into a buffer the
+    // consumer handed back then waits for the consumer's stream (one event record more per
+    // such bucket and rank than round 1, which consumes on begin()'s stream).
+    int consumer_stream = 0;
+    std::array<std::uint64_t, 3> records{};
+    std::size_t buckets = 0;
+    for (int round = 0; round < 3; ++round) {
+      comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
+      const std::uint64_t before = fake_device_counters().event_records;
       host.begin(hv, comm);
       device.begin(dv, comm);
-      std::size_t buckets = 0;
+      buckets = 0;
       for (;;) {
         // Interleaved on one communicator: the two streams' operations alternate in order.
+        const CudaStreamGuard on(round == 2 ? &consumer_stream : nullptr);
         std::optional<StreamBucket> d = device.next();
         std::optional<StreamBucket> h = host.next();
         ASSERT_EQ(d.has_value(), h.has_value());
@@ -432,7 +504,12 @@ TEST_P(DevicePath, StreamBucketsOnTheDevice) {
         }
       }
       EXPECT_GT(buckets, 1U);
+      comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
+      records[static_cast<std::size_t>(round)] = fake_device_counters().event_records - before;
+      comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
     }
+    const std::uint64_t handed_back = (buckets - 2) * static_cast<std::uint64_t>(world);
+    EXPECT_EQ(records[2], records[1] + handed_back) << "rank " << rank;
   });
 }
 
@@ -528,6 +605,33 @@ TEST(DeviceGatherRequest, AnUnknownValueFailsEveryDeviceCall) {
     }
     EXPECT_EQ(foreach_all_gather(list.hv, comm, hint(2)).size(), 3U);
   });
+}
+
+// The same for SHARDGATHER_DEVICE_WAIT (ctest's device_wait_unknown_mode).
+TEST(DeviceWaitMode, AnUnknownValueFailsEveryDeviceCall) {
+  const char* env = std::getenv("SHARDGATHER_DEVICE_WAIT");
+  if (env == nullptr || std::string(env) != "spin") {
+    GTEST_SKIP() << "runs with SHARDGATHER_DEVICE_WAIT=spin (ctest)";
+  }
+  EXPECT_THROW((void)device_wait(), InvalidArgument);
+  run_ranks(2, [](int rank, Communicator& comm) {
+    const RankList list(rank);
+    try {
+      (void)foreach_all_gather(list.dv, comm, hint(2));
+      ADD_FAILURE() << "no error on rank " << rank;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("SHARDGATHER_DEVICE_WAIT=spin"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(foreach_all_gather(list.hv, comm, hint(2)).size(), 3U);
+  });
+}
+
+TEST(DeviceWaitMode, NamesRoundTrip) {
+  for (const DeviceWait mode : {DeviceWait::kStream, DeviceWait::kHost}) {
+    EXPECT_EQ(parse_device_wait(device_wait_name(mode)), mode);
+  }
+  EXPECT_THROW((void)parse_device_wait("blocking"), InvalidArgument);
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, DevicePath, ::testing::Values(1, 2, 3, 4),

@@ -110,6 +110,7 @@ ProcessGroupCommunicator::ProcessGroupCommunicator(
       name_("torch." + backend_for(*group, device.type())),
       device_(device),
       staged_on_device_(!device.is_cpu()),
+      device_nccl_(backend_for(*group, c10::kCUDA) == "nccl"),
       p2p_(p2p && device.is_cpu() && name_ == "torch.gloo") {
   const Deadline setup = deadline_after(setup_timeout);
   ranks_on_host_ = count_ranks_on_host(setup);
@@ -183,7 +184,12 @@ void ProcessGroupCommunicator::allgather(at::Tensor& input, at::Tensor& output, 
   } catch (const std::exception& e) {
     raise_not_issued(e, rank_, what, name_);
   }
-  wait(work, deadline, what);
+  if (staged_on_device_) {
+    // A device collective: sliced waits would abort NCCL's communicator (wait_polled).
+    wait_polled(work, deadline, what);
+  } else {
+    wait(work, deadline, what);
+  }
 }
 
 void ProcessGroupCommunicator::do_all_gather(std::span<const std::byte> send,
@@ -213,6 +219,14 @@ void ProcessGroupCommunicator::do_all_gather(std::span<const std::byte> send,
     allgather(input, output, deadline, "all_gather");
     return;
   }
+  // Host bytes through device staging (a group whose only backend is NCCL: the headers of calls
+  // across hosts). On a side stream of the group's own, so that the host waits for NCCL's
+  // earlier collectives only, not for whatever the caller's stream holds.
+  if (staging_stream_ == nullptr) {
+    staging_stream_ =
+        native_stream(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStreamFromGlobalPool(device_));
+  }
+  const TorchStreamScope on(device_, staging_stream_);
   at::Tensor input =
       scratch(send_staging_, send.size()).narrow(0, 0, static_cast<std::int64_t>(send.size()));
   input.copy_(host_bytes(send.data(), send.size()));
@@ -266,6 +280,25 @@ void ProcessGroupCommunicator::wait_polled(const c10::intrusive_ptr<c10d::Work>&
   }
 }
 
+void ProcessGroupCommunicator::wait_device(const c10::intrusive_ptr<c10d::Work>& work,
+                                           Deadline deadline, const char* what) {
+  if (device_nccl_) {
+    // NCCL: wait() without a timeout returns at once, having made the current stream wait for
+    // the collective (the host waits only under TORCH_NCCL_BLOCKING_WAIT=1). The collective's
+    // progress on the device is NCCL's, bounded by the group's timeout and torch's watchdog.
+    try {
+      work->wait();
+    } catch (const std::exception& e) {
+      throw RemoteError("rank " + std::to_string(rank_) + ": " + what + " on " + name_ +
+                        " failed: " + e.what());
+    }
+    return;
+  }
+  // Gloo runs the collective on the host (staging the device bytes): waited for against the
+  // deadline; its wait() then orders the current stream after the copies back to the device.
+  wait_polled(work, deadline, what);
+}
+
 void ProcessGroupCommunicator::do_all_gather_v_device(std::span<const ConstSegment> send,
                                                       std::byte* recv,
                                                       std::span<const std::uint64_t> counts,
@@ -273,24 +306,22 @@ void ProcessGroupCommunicator::do_all_gather_v_device(std::span<const ConstSegme
                                                       DeviceGatherForm form, const Device& device,
                                                       void* stream, Deadline deadline) {
   const c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(device.index));
-  // c10d orders its work after torch's current stream and makes that stream wait for it. A
-  // blocking call runs on that stream already (params.cc made it the call's); a started one
-  // runs on the progress thread, whose torch stream is another: there the call's stream is
-  // synchronised before the collective, and torch's after it, so that copy-in, collective and
-  // copy-out stay in order.
-  const c10::Stream torch_stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(dev);
-  const bool other_stream = native_stream(torch_stream) != stream;
-  if (other_stream) {
-    detail::sync_stream(stream);
+  // c10d orders a collective after torch's current stream, and its work's wait() makes that
+  // stream wait for it: with the call's stream current (a blocking call's is already; a started
+  // one runs on the progress thread, whose is another), copy-in, collective, the copies here and
+  // copy-out stay in stream order, with no host wait.
+  const TorchStreamScope on(dev, stream);
+  if (padded_send_.defined() && padded_stream_ != stream) {
+    // Made for another stream's work: let the caching allocator give them back in its order.
+    padded_send_ = at::Tensor();
+    padded_recv_ = at::Tensor();
   }
+  padded_stream_ = stream;
   const std::byte* mine = send.empty() ? nullptr : send.front().data;  // one segment (device.cc)
   if (form == DeviceGatherForm::kPadded) {
     gather_device_padded(mine, recv, counts, displs, dev, deadline);
   } else {
     gather_device_broadcast(mine, recv, counts, displs, dev, deadline);
-  }
-  if (other_stream) {
-    torch_stream.synchronize();
   }
 }
 
@@ -340,7 +371,7 @@ void ProcessGroupCommunicator::gather_device_padded(const std::byte* mine, std::
   } catch (const std::exception& e) {
     raise_not_issued(e, rank_, what, name_);
   }
-  wait_polled(work, deadline, what);
+  wait_device(work, deadline, what);
   for (std::size_t r = 0; r < world && !in_place; ++r) {
     if (counts[r] != 0) {
       device_bytes(recv + displs[r], counts[r], dev)
@@ -362,7 +393,7 @@ void ProcessGroupCommunicator::gather_device_broadcast(const std::byte* mine, st
   if (counts[me] != 0) {
     device_bytes(recv + displs[me], counts[me], dev).copy_(device_bytes(mine, counts[me], dev));
   }
-  const bool coalesce = backend_name_for(*group_, c10::kCUDA) == "nccl";
+  const bool coalesce = device_nccl_;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   try {
     if (coalesce) {
@@ -385,7 +416,7 @@ void ProcessGroupCommunicator::gather_device_broadcast(const std::byte* mine, st
     raise_not_issued(e, rank_, what, name_);
   }
   for (const auto& work : works) {
-    wait_polled(work, deadline, what);
+    wait_device(work, deadline, what);
   }
 }
 

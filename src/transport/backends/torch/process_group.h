@@ -197,6 +197,9 @@ class ProcessGroupCommunicator final : public Communicator {
   // Waits for a device collective: polls completion against the deadline, then waits without a
   // timeout (NCCL aborts its communicator when a wait's timeout passes).
   void wait_polled(const c10::intrusive_ptr<c10d::Work>& work, Deadline deadline, const char* what);
+  // Waits for a device gather's work: on NCCL only orders the current stream after it (no host
+  // wait, no polling); on Gloo, which runs it on the host, wait_polled.
+  void wait_device(const c10::intrusive_ptr<c10d::Work>& work, Deadline deadline, const char* what);
   // One c10d all_gather_single of `input` (the same byte count on every rank) into the flat
   // `output` (world x that), waited on until `deadline`.
   void allgather(at::Tensor& input, at::Tensor& output, Deadline deadline, const char* what);
@@ -229,6 +232,7 @@ class ProcessGroupCommunicator final : public Communicator {
   std::string name_;
   c10::Device device_;
   bool staged_on_device_;
+  bool device_nccl_;  // CUDA tensors go to NCCL (else to Gloo, which stages them on the host)
   int ranks_on_host_ = 1;
   std::vector<int> hosts_;
   bool p2p_ = false;
@@ -238,11 +242,13 @@ class ProcessGroupCommunicator final : public Communicator {
   std::vector<c10::intrusive_ptr<c10d::Work>> inflight_;
   std::vector<at::Tensor> p2p_tensors_;  // reused: one-element lists for send/recv
   std::vector<std::uint64_t> p2p_displs_;
-  at::Tensor padded_send_;   // reused: all_gather_v_device's padded send, on its device
-  at::Tensor padded_recv_;   // reused: its padded receive
-  at::Tensor send_staging_;  // reused: device staging of an all_gather's send
-  at::Tensor recv_staging_;  // reused: device staging of an all_gather's receive
-  at::Tensor chunk_slots_;   // reused: exchange_chunked's slots
+  at::Tensor padded_send_;          // reused: all_gather_v_device's padded send, on its device
+  at::Tensor padded_recv_;          // reused: its padded receive
+  void* padded_stream_ = nullptr;   // the stream both were made for (their work's)
+  at::Tensor send_staging_;         // reused: device staging of an all_gather's send
+  at::Tensor recv_staging_;         // reused: device staging of an all_gather's receive
+  void* staging_stream_ = nullptr;  // the side stream of that staging, from torch's pool
+  at::Tensor chunk_slots_;          // reused: exchange_chunked's slots
   std::unique_ptr<detail::HostMailbox> mailbox_;  // set once, by the constructor
   Waiter waiter_;  // idle between calls; last, so it is joined before the rest goes
 };
