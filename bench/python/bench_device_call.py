@@ -14,7 +14,8 @@ Per call: a barrier and a device sync (not timed), then `host` = until the call 
 CPU pays: for a stream-ordered call, the enqueue) and `total` = until the device has finished
 too; each iteration takes the max over ranks, and the methods take turns in a shuffled order.
 With --bars (tools/device-check): the one-shot gather and the plan >= 3x faster than the seed on
-tiny-1000 and >= 1.0x on llama-layer (total, medians), and the plan's host time <= 50 us.
+tiny-1000 and >= 1.0x on llama-layer (total, medians), and on NCCL the plan's host time <= 50 us
+(Gloo runs its collective on the host, so there the host waits for it).
 """
 
 import argparse
@@ -130,13 +131,15 @@ def run_preset(preset, rank, world, device, iters):
     return row
 
 
-def bars_missed(row):
+def bars_missed(row, backend):
     missed = []
     need = BARS.get(row["preset"])
     for key in ("one_shot_speedup", "plan_speedup"):
         if need is not None and row[key] < need:
             missed.append("%s %.2fx < %.1fx" % (key, row[key], need))
-    if row["plan_host_us"] > HOST_BAR_US:
+    # Gloo runs a collective of CUDA tensors on the host (it stages them), so only a device
+    # transport's call can return at enqueue: the host bar is NCCL's.
+    if backend == "nccl" and row["plan_host_us"] > HOST_BAR_US:
         missed.append("plan host %.1f us > %.0f us" % (row["plan_host_us"], HOST_BAR_US))
     return missed
 
@@ -153,7 +156,7 @@ def worker(rank, world, args, init_file):
         for row in rows:
             row.update(backend=args.backend, world=world, device=str(device),
                        torch=torch.__version__)
-            bad = bars_missed(row) if args.bars else []
+            bad = bars_missed(row, args.backend) if args.bars else []
             missed += len(bad)
             print("%-12s %s world %d: seed %.3f ms | one-shot %.3f ms (%.2fx), host %.0f us | "
                   "plan %.3f ms (%.2fx), host %.0f us%s" % (
@@ -170,7 +173,7 @@ def worker(rank, world, args, init_file):
             print("bars missed: %d" % missed)
     dist.barrier()
     dist.destroy_process_group()
-    if rank == 0 and args.bars and any(bars_missed(r) for r in rows):
+    if rank == 0 and args.bars and any(bars_missed(r, args.backend) for r in rows):
         sys.exit(1)
 
 

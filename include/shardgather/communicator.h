@@ -125,9 +125,10 @@ class SHARDGATHER_API Communicator {
   // The device path's one collective (where capabilities().device_memory): all_gather_v over
   // device memory on `device`, ordered on `stream` (a cudaStream_t; nullptr the legacy default
   // stream): it reads `send` after the work enqueued there before it, and work enqueued after it
-  // sees `recv` filled. It may return before the bytes have landed; the operations synchronise
-  // the stream before they report completion. `form` says which collectives move the bytes
-  // where the transport has a choice; every rank must pass the same.
+  // sees `recv` filled. It returns once the collective is enqueued, without waiting for the
+  // device (a transport whose collective runs on the host, Gloo, returns after that ran); it
+  // never synchronises a stream on the host. `form` says which collectives move the bytes where
+  // the transport has a choice; every rank must pass the same.
   void all_gather_v_device(std::span<const ConstSegment> send, std::byte* recv,
                            std::span<const std::uint64_t> counts,
                            std::span<const std::uint64_t> displs, DeviceGatherForm form,

@@ -26,6 +26,11 @@
 // ended (next() returned nullopt or raised, or the stream was destroyed). Every bucket is
 // exchanged with the pre-flight header, whatever options.plan says: that is how a failure on
 // one rank reaches the others.
+//
+// CUDA shards (docs/gpu.md, "Streams"): the buffers are device memory made for the stream
+// current at begin(), and every bucket runs on that stream. next() returns once the bucket's work
+// is enqueued and makes the caller's current stream wait for it; when the caller consumes on
+// another stream, the bucket next started into the buffer it handed back waits for that stream.
 #pragma once
 
 #include <atomic>
