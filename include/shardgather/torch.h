@@ -8,6 +8,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -71,10 +72,13 @@ class TorchStreamScope {
  public:
   TorchStreamScope(const c10::Device& device, void* stream)
       : impl_(c10::impl::getDeviceGuardImpl(c10::kCUDA)), device_(impl_->exchangeDevice(device)) {
+    // cudaStreamLegacy (0x1) names the legacy default stream, torch's id 0 (its low bit would
+    // read as one of torch's own stream ids).
+    void* const wanted = reinterpret_cast<std::uintptr_t>(stream) == 1 ? nullptr : stream;
     try {
-      if (native_stream(impl_->getStream(device)) != stream) {
+      if (native_stream(impl_->getStream(device)) != wanted) {
         previous_ = impl_->exchangeStream(
-            c10::Stream(c10::Stream::UNSAFE, device, reinterpret_cast<c10::StreamId>(stream)));
+            c10::Stream(c10::Stream::UNSAFE, device, reinterpret_cast<c10::StreamId>(wanted)));
       }
     } catch (...) {
       impl_->uncheckedSetDevice(device_);

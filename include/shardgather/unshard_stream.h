@@ -30,7 +30,8 @@
 // CUDA shards (docs/gpu.md, "Streams"): the buffers are device memory made for the stream
 // current at begin(), and every bucket runs on that stream. next() returns once the bucket's work
 // is enqueued and makes the caller's current stream wait for it; when the caller consumes on
-// another stream, the bucket next started into the buffer it handed back waits for that stream.
+// another stream, the buffers' stream waits for that stream before a buffer handed back is
+// written again, and before the buffers are reused by the next begin() or given back.
 #pragma once
 
 #include <atomic>
@@ -159,16 +160,19 @@ class SHARDGATHER_API BucketStream {
   void agree_stream(const std::function<void()>& check);
   // begin()'s local step: the inputs against the plans, and the ring made on their device.
   void check_and_ready(std::span<const TensorView> inputs, Communicator& comm);
-  // Device buckets: orders buffers_stream_ after what the caller's current stream did with the
-  // bucket it just handed back (nothing to do when that is buffers_stream_).
+  // Device buckets: orders buffers_stream_ after what consumer_stream_ did with the buckets
+  // handed out so far (nothing to do when that is buffers_stream_, or none was).
   void order_after_consumer();
 
   BucketedPlans& plans_;
   BucketStreamFacts facts_;
   std::vector<AlignedBuffer> buffers_;
-  void* buffers_stream_ = nullptr;  // the stream device buckets were allocated for, and run on
+  void* buffers_stream_ = nullptr;   // the stream device buckets were allocated for, and run on
+  void* consumer_stream_ = nullptr;  // the stream current at the latest next()
+  bool consumer_unordered_ = false;  // a bucket was handed out since the last order_after_consumer
   // A copies/ DeviceEvent (type-erased: a private type): where a consumer on another stream than
-  // buffers_stream_ handed a bucket's buffer back, for the next bucket into it to wait for.
+  // buffers_stream_ handed a bucket's buffer back, for buffers_stream_ to wait for before the
+  // buffer is written again or given back.
   std::shared_ptr<void> handed_back_;
   std::vector<TensorView> inputs_;
   Communicator* comm_ = nullptr;

@@ -32,7 +32,9 @@
 // stream that was current where it was started (and, under DeviceWait::kHost, has run). wait()
 // makes the waiter's current stream (current_cuda_stream()) wait for that work, with an event, as
 // c10d's Work::wait() does; the host does not wait for the GPU. Work enqueued on that stream
-// after wait() sees the outputs.
+// after wait() sees the outputs. (Unlike c10d's NCCL work, is_completed() says enqueued, not run.)
+// Device outputs the operation allocated belong to the stream it was started on: a consumer on
+// another stream orders itself with wait() and keeps them with record_stream, as with c10d.
 // Lifetime: the memory of the tensors (inputs and outputs) and the plan an operation was
 // started from stay alive and unmodified until it completed (test() true or wait() returned).
 // The lists of views and shapes passed to start are copied.

@@ -1,9 +1,9 @@
 // shardgather._shardgather.Work: the handle an `async_op=True` call returns (c10d's Work, for
 // Python). wait() returns what the blocking call returns, or raises its error; is_completed()
 // polls. The operation runs on the communicator's progress thread without the GIL. On CUDA
-// tensors, as c10d's: the operation is complete once its device work is enqueued, and each wait()
-// makes torch's current stream wait for that work (the host does not wait for the GPU, unless
-// shardgather.set_device_wait("host")).
+// tensors each wait() makes torch's current stream wait for the operation's device work, as
+// c10d's does, without the host waiting for the GPU (unless shardgather.set_device_wait("host"));
+// unlike c10d's NCCL work, is_completed() is true once that work is enqueued, not run.
 //
 // Ctrl-C: wait() sleeps with the GIL released in slices of 100 ms and runs Python's signal
 // handlers between them (on the main thread); a KeyboardInterrupt aborts the communicator (the

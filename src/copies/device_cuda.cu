@@ -201,6 +201,30 @@ void DeviceEvent::order_after(void* stream) const {
   }
 }
 
+DeviceStream::DeviceStream(DeviceStream&& other) noexcept
+    : stream_(std::exchange(other.stream_, nullptr)) {}
+
+DeviceStream& DeviceStream::operator=(DeviceStream&& other) noexcept {
+  std::swap(stream_, other.stream_);
+  return *this;
+}
+
+DeviceStream::~DeviceStream() {
+  if (stream_ != nullptr) {
+    (void)cudaStreamDestroy(as_stream(stream_));
+  }
+}
+
+void* DeviceStream::get(int device) {
+  if (stream_ == nullptr) {
+    const CurrentDevice on(device);
+    cudaStream_t s = nullptr;
+    check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    stream_ = s;
+  }
+  return stream_;
+}
+
 bool DeviceEvent::query() const {
   if (event_ == nullptr) {
     return true;

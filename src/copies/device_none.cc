@@ -47,6 +47,15 @@ DeviceEvent::~DeviceEvent() { (void)event_; }  // never created here
 void DeviceEvent::record(void* /*stream*/) { no_cuda("DeviceEvent::record"); }
 void DeviceEvent::order_after(void* /*stream*/) const {}
 bool DeviceEvent::query() const { return true; }
+DeviceStream::DeviceStream(DeviceStream&& other) noexcept : stream_(other.stream_) {
+  other.stream_ = nullptr;
+}
+DeviceStream& DeviceStream::operator=(DeviceStream&& other) noexcept {
+  std::swap(stream_, other.stream_);
+  return *this;
+}
+DeviceStream::~DeviceStream() { (void)stream_; }  // never created here
+void* DeviceStream::get(int /*device*/) { no_cuda("DeviceStream::get"); }
 
 }  // namespace detail
 }  // namespace shardgather

@@ -87,6 +87,26 @@ void copy_async(void* dst, const void* src, std::uint64_t bytes, void* stream);
 void launch_copies(const CopyDesc* device_descs, std::size_t count, std::uint64_t blocks,
                    void* stream);
 
+// A stream of the library's own on one device (cudaStreamNonBlocking: no implicit ordering with
+// the legacy default stream), for work that must queue behind nobody else's: created at the first
+// get(), destroyed with the object (cudaStreamDestroy lets what it holds finish). Movable, not
+// copyable; one thread uses it at a time.
+class DeviceStream {
+ public:
+  DeviceStream() = default;
+  DeviceStream(const DeviceStream&) = delete;
+  DeviceStream& operator=(const DeviceStream&) = delete;
+  DeviceStream(DeviceStream&& other) noexcept;
+  DeviceStream& operator=(DeviceStream&& other) noexcept;
+  ~DeviceStream();
+
+  // The stream (a cudaStream_t), created on `device` the first time.
+  void* get(int device);
+
+ private:
+  void* stream_ = nullptr;
+};
+
 // A CUDA event without timing, for ordering one stream after another's work without the host
 // waiting. Created at its first record, on the device current then; destroyed with the object.
 // Movable, not copyable. One thread records it; any thread may make a stream wait on it once

@@ -26,7 +26,13 @@ namespace shardgather::detail {
 BucketStream::BucketStream(BucketedPlans& plans, const BucketStreamFacts& facts)
     : plans_(plans), facts_(facts) {}
 
-BucketStream::~BucketStream() { settle(); }
+BucketStream::~BucketStream() {
+  settle();
+  try {
+    order_after_consumer();  // the buffers go back on their stream: after the consumer's reads
+  } catch (...) {  // NOLINT(bugprone-empty-catch): a failed CUDA call leaves nothing to order
+  }
+}
 
 void BucketStream::check_and_ready(std::span<const TensorView> inputs, Communicator& comm) {
   check_plan_world(comm, facts_.world, facts_.rank);
@@ -39,10 +45,14 @@ void BucketStream::check_and_ready(std::span<const TensorView> inputs, Communica
   // stream), made once; a begin() on another device, or on another stream, makes them again.
   const Device device = call_device(inputs);
   void* stream = device.type == DeviceType::kCpu ? nullptr : current_cuda_stream();
+  // Reused or given back, the buffers wait for the last round's consumer first.
+  order_after_consumer();
   if (!buffers_.empty() && (buffers_.front().device() != device || buffers_stream_ != stream)) {
     buffers_.clear();
+    handed_back_.reset();  // an event of the old device
   }
   buffers_stream_ = stream;
+  consumer_stream_ = stream;
   if (buffers_.empty() && facts_.buffer_bytes != 0) {
     const auto ring = static_cast<std::size_t>(facts_.prefetch) + 1;
     for (std::size_t k = 0; k < std::min(ring, plans_.num_buckets()); ++k) {
@@ -136,11 +146,9 @@ void BucketStream::start_bucket(std::size_t b) {
 }
 
 void BucketStream::order_after_consumer() {
-  if (buffers_.empty() || buffers_.front().device().type == DeviceType::kCpu) {
-    return;
-  }
-  void* consumer = current_cuda_stream();
-  if (consumer == buffers_stream_) {
+  if (!consumer_unordered_ || buffers_.empty() ||
+      buffers_.front().device().type == DeviceType::kCpu || consumer_stream_ == buffers_stream_) {
+    consumer_unordered_ = false;
     return;
   }
   if (handed_back_ == nullptr) {
@@ -148,8 +156,9 @@ void BucketStream::order_after_consumer() {
   }
   const CurrentDevice on(buffers_.front().device().index);
   auto& event = *std::static_pointer_cast<DeviceEvent>(handed_back_);
-  event.record(consumer);
+  event.record(consumer_stream_);
   event.order_after(buffers_stream_);
+  consumer_unordered_ = false;
 }
 
 ExecStats BucketStream::wait_oldest() {
@@ -171,11 +180,14 @@ std::optional<StreamBucket> BucketStream::next() {
     throw InvalidArgument(std::string(facts_.name) + "::next: the stream has ended");
   }
   try {
+    // The stream the caller read the last bucket on, and reads the next one on.
+    consumer_stream_ = current_cuda_stream();
     if (yielded_ > 0 && started_ < plans_.num_buckets()) {
       order_after_consumer();
       start_bucket(started_);  // into the buffer the caller just gave back
     }
     if (yielded_ == plans_.num_buckets()) {
+      order_after_consumer();  // the next begin() reuses the buffers
       agree_stream([] {});
       state_ = State::kEnded;
       return std::nullopt;
@@ -184,6 +196,7 @@ std::optional<StreamBucket> BucketStream::next() {
     // A later bucket may have failed already; this one completed, so it is whole.
     bucket.stats = wait_oldest();
     const std::size_t b = yielded_++;
+    consumer_unordered_ = true;
     bucket.index = b;
     bucket.first_param = plans_.bucket_first(b);
     bucket.num_params = plans_.bucket_first(b + 1) - bucket.first_param;

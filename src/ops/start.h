@@ -45,7 +45,14 @@ Work<T> start_on(Communicator& comm, Fn op) {
             mine->value.emplace(op());
           }
           if (done->recorded) {
-            mine->set_device_order([done](void* s) { done->event.order_after(s); }, done->device);
+            mine->set_device_order(
+                [done](void* s) {
+                  // With the call's device current: nullptr names the legacy default stream of
+                  // the current device.
+                  const CurrentDevice on(done->device);
+                  done->event.order_after(s);
+                },
+                done->device);
           }
         } catch (...) {
           error = std::current_exception();

@@ -178,6 +178,19 @@ void DeviceEvent::order_after(void* /*stream*/) const {
   r.counters.event_waits += event_ != nullptr ? 1 : 0;
 }
 
+// Work runs when it is enqueued: a stream is only a name, this object's address.
+DeviceStream::DeviceStream(DeviceStream&& other) noexcept
+    : stream_(std::exchange(other.stream_, nullptr)) {}
+DeviceStream& DeviceStream::operator=(DeviceStream&& other) noexcept {
+  std::swap(stream_, other.stream_);
+  return *this;
+}
+DeviceStream::~DeviceStream() = default;
+void* DeviceStream::get(int /*device*/) {
+  stream_ = this;
+  return stream_;
+}
+
 // The work ran when it was enqueued: done at the first look, which the host made.
 bool DeviceEvent::query() const {
   testing::Registry& r = testing::registry();

@@ -475,8 +475,9 @@ TEST_P(DevicePath, StreamBucketsOnTheDevice) {
     UnshardStream host(specs, world, rank, options);
     UnshardStream device(specs, world, rank, options);
     // Round 2 consumes on another stream than begin()'s: each bucket started into a buffer the
-    // consumer handed back then waits for the consumer's stream (one event record more per
-    // such bucket and rank than round 1, which consumes on begin()'s stream).
+    // consumer handed back, and the end of the round (after which the buffers are reused or
+    // given back), wait for the consumer's stream: one event record more per such bucket and
+    // rank, and one at the end, than round 1, which consumes on begin()'s stream.
     int consumer_stream = 0;
     std::array<std::uint64_t, 3> records{};
     std::size_t buckets = 0;
@@ -508,7 +509,7 @@ TEST_P(DevicePath, StreamBucketsOnTheDevice) {
       records[static_cast<std::size_t>(round)] = fake_device_counters().event_records - before;
       comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
     }
-    const std::uint64_t handed_back = (buckets - 2) * static_cast<std::uint64_t>(world);
+    const std::uint64_t handed_back = (buckets - 2 + 1) * static_cast<std::uint64_t>(world);
     EXPECT_EQ(records[2], records[1] + handed_back) << "rank " << rank;
   });
 }

@@ -220,13 +220,10 @@ void ProcessGroupCommunicator::do_all_gather(std::span<const std::byte> send,
     return;
   }
   // Host bytes through device staging (a group whose only backend is NCCL: the headers of calls
-  // across hosts). On a side stream of the group's own, so that the host waits for NCCL's
-  // earlier collectives only, not for whatever the caller's stream holds.
-  if (staging_stream_ == nullptr) {
-    staging_stream_ =
-        native_stream(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStreamFromGlobalPool(device_));
-  }
-  const TorchStreamScope on(device_, staging_stream_);
+  // across hosts), on a stream of the communicator's own: the staging copies queue behind no
+  // stream of the caller's (torch's pool streams are shared with torch.cuda.Stream()). The
+  // collective still queues behind NCCL's earlier ones (docs/gpu.md).
+  const TorchStreamScope on(device_, staging_stream_.get(device_.index()));
   at::Tensor input =
       scratch(send_staging_, send.size()).narrow(0, 0, static_cast<std::int64_t>(send.size()));
   input.copy_(host_bytes(send.data(), send.size()));
@@ -311,7 +308,7 @@ void ProcessGroupCommunicator::do_all_gather_v_device(std::span<const ConstSegme
   // one runs on the progress thread, whose is another), copy-in, collective, the copies here and
   // copy-out stay in stream order, with no host wait.
   const TorchStreamScope on(dev, stream);
-  if (padded_send_.defined() && padded_stream_ != stream) {
+  if ((padded_send_.defined() || padded_recv_.defined()) && padded_stream_ != stream) {
     // Made for another stream's work: let the caching allocator give them back in its order.
     padded_send_ = at::Tensor();
     padded_recv_ = at::Tensor();

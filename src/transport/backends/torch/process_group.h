@@ -81,6 +81,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "copies/device_runtime.h"
 #include "transport/backends/torch/waiter.h"
 #include "transport/host_mailbox.h"
 
@@ -242,13 +243,14 @@ class ProcessGroupCommunicator final : public Communicator {
   std::vector<c10::intrusive_ptr<c10d::Work>> inflight_;
   std::vector<at::Tensor> p2p_tensors_;  // reused: one-element lists for send/recv
   std::vector<std::uint64_t> p2p_displs_;
-  at::Tensor padded_send_;          // reused: all_gather_v_device's padded send, on its device
-  at::Tensor padded_recv_;          // reused: its padded receive
-  void* padded_stream_ = nullptr;   // the stream both were made for (their work's)
-  at::Tensor send_staging_;         // reused: device staging of an all_gather's send
-  at::Tensor recv_staging_;         // reused: device staging of an all_gather's receive
-  void* staging_stream_ = nullptr;  // the side stream of that staging, from torch's pool
-  at::Tensor chunk_slots_;          // reused: exchange_chunked's slots
+  at::Tensor padded_send_;         // reused: all_gather_v_device's padded send, on its device
+  at::Tensor padded_recv_;         // reused: its padded receive
+  void* padded_stream_ = nullptr;  // the stream both were made for (their work's)
+  // The stream of the device staging below (declared first: it outlives the staging's memory).
+  detail::DeviceStream staging_stream_;
+  at::Tensor send_staging_;  // reused: device staging of an all_gather's send
+  at::Tensor recv_staging_;  // reused: device staging of an all_gather's receive
+  at::Tensor chunk_slots_;   // reused: exchange_chunked's slots
   std::unique_ptr<detail::HostMailbox> mailbox_;  // set once, by the constructor
   Waiter waiter_;  // idle between calls; last, so it is joined before the rest goes
 };
