@@ -38,13 +38,15 @@ Work<T> start_on(Communicator& comm, Fn op) {
         std::shared_ptr<WorkResult<T>> mine = std::move(state);
         std::exception_ptr error;
         try {
-          // Device work marks its end here, so that the waiter's stream can wait for it.
-          auto done = std::make_shared<DeviceCompletion>();
+          // Device work marks its end here, so that the waiter's stream can wait for it; kept
+          // (on the heap) only where some was enqueued.
+          DeviceCompletion end;
           {
-            const DeviceCompletionScope collect(*done);
+            const DeviceCompletionScope collect(end);
             mine->value.emplace(op());
           }
-          if (done->recorded) {
+          if (end.recorded) {
+            auto done = std::make_shared<DeviceCompletion>(std::move(end));
             mine->set_device_order(
                 [done](void* s) {
                   // With the call's device current: nullptr names the legacy default stream of

@@ -152,15 +152,18 @@ class ProcessSetting {
   std::string unknown_;
 };
 
+// What each setting accepts, for the messages of the variable and of the parser alike.
+constexpr std::string_view kGatherValues = "auto, padded or broadcast";
+constexpr std::string_view kWaitValues = "stream or host";
+
 ProcessSetting<DeviceGather>& gather_setting() {
   static ProcessSetting<DeviceGather> s("SHARDGATHER_DEVICE_GATHER", &parse_device_gather,
-                                        "auto, padded or broadcast");
+                                        kGatherValues);
   return s;
 }
 
 ProcessSetting<DeviceWait>& wait_setting() {
-  static ProcessSetting<DeviceWait> s("SHARDGATHER_DEVICE_WAIT", &parse_device_wait,
-                                      "stream or host");
+  static ProcessSetting<DeviceWait> s("SHARDGATHER_DEVICE_WAIT", &parse_device_wait, kWaitValues);
   return s;
 }
 
@@ -196,8 +199,8 @@ DeviceGather parse_device_gather(std::string_view name) {
       return g;
     }
   }
-  throw InvalidArgument("unknown device gather \"" + std::string(name) +
-                        "\": expected auto, padded or broadcast");
+  throw InvalidArgument("unknown device gather \"" + std::string(name) + "\": expected " +
+                        std::string(detail::kGatherValues));
 }
 
 DeviceWait device_wait() { return detail::wait_setting().get(); }
@@ -220,8 +223,8 @@ DeviceWait parse_device_wait(std::string_view name) {
       return w;
     }
   }
-  throw InvalidArgument("unknown device wait \"" + std::string(name) +
-                        "\": expected stream or host");
+  throw InvalidArgument("unknown device wait \"" + std::string(name) + "\": expected " +
+                        std::string(detail::kWaitValues));
 }
 
 }  // namespace shardgather
@@ -262,14 +265,13 @@ void wait_on_host(void* stream, Communicator& comm, Deadline deadline) {
   done.record(stream);
   while (!done.query()) {
     comm.check_interrupt();
-    const std::string me = "rank " + std::to_string(comm.rank());
     if (comm.is_poisoned()) {
-      throw Aborted(me +
+      throw Aborted("rank " + std::to_string(comm.rank()) +
                     ": the communicator was aborted while the host waited for the call's "
                     "device work (which stays enqueued)");
     }
     if (Clock::now() >= deadline) {
-      throw Timeout(me +
+      throw Timeout("rank " + std::to_string(comm.rank()) +
                     ": the call's device work had not run by its deadline (a peer's "
                     "collective is late; the work stays enqueued on the stream)");
     }

@@ -390,10 +390,9 @@ void ProcessGroupCommunicator::gather_device_broadcast(const std::byte* mine, st
   if (counts[me] != 0) {
     device_bytes(recv + displs[me], counts[me], dev).copy_(device_bytes(mine, counts[me], dev));
   }
-  const bool coalesce = device_nccl_;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   try {
-    if (coalesce) {
+    if (device_nccl_) {
       group_->startCoalescing(c10::kCUDA);
     }
     for (std::size_t r = 0; r < static_cast<std::size_t>(size_); ++r) {
@@ -406,7 +405,7 @@ void ProcessGroupCommunicator::gather_device_broadcast(const std::byte* mine, st
       options.rootRank = static_cast<std::int64_t>(r);
       works.push_back(group_->broadcast(tensors, options));
     }
-    if (coalesce) {
+    if (device_nccl_) {
       works.assign(1, group_->endCoalescing(c10::kCUDA));
     }
   } catch (const std::exception& e) {
