@@ -31,6 +31,7 @@ enum class Operation : std::uint8_t {
   kUnshard = 4,         // the one-shot unshard()
   kUnshardExecute = 5,  // UnshardPlan::execute (also each bucket of an UnshardStream)
   kUnshardStream = 6,   // UnshardStream's agreements: before its first bucket, after its last
+  kReshardExecute = 7,  // ReshardPlan::execute
   // Not an operation: one past the last. A new operation goes above it, so the header check
   // (which refuses codes outside [kForeachAllGather, kEnd)) knows it without being told.
   kEnd,

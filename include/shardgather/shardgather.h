@@ -9,6 +9,8 @@
 #include "shardgather/foreach_all_gather.h"
 #include "shardgather/layout.h"
 #include "shardgather/plan.h"
+#include "shardgather/regions.h"
+#include "shardgather/reshard.h"
 #include "shardgather/stats.h"
 #include "shardgather/strategy.h"
 #include "shardgather/threads.h"

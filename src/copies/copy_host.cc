@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <vector>
 
@@ -43,18 +44,25 @@ void pack(const TensorView& src, std::byte* dst) {
     std::memcpy(dst, base, static_cast<std::size_t>(elem));
     return;
   }
-  std::vector<std::int64_t> strides = src.strides;
-  if (strides.empty()) {
-    strides.assign(ndim, 1);
-    for (std::size_t d = ndim - 1; d-- > 0;) {
-      strides[d] = strides[d + 1] * src.shape[d + 1];
+  if (src.strides.empty()) {  // contiguous: one copy
+    std::int64_t elements = 1;
+    for (const std::int64_t dim : src.shape) {
+      elements *= dim;
     }
+    std::memcpy(dst, base, static_cast<std::size_t>(elements * elem));
+    return;
   }
-  // Walk the outer dims with an odometer; the innermost dim is one memcpy when it is dense.
+  const std::span<const std::int64_t> strides(src.strides);
+  // The odometer's index: inline for the dims tensors have (a plan's steady state allocates
+  // nothing), on the heap beyond.
+  constexpr std::size_t kInlineDims = 16;
+  std::array<std::int64_t, kInlineDims> inline_index{};
+  std::vector<std::int64_t> heap_index(ndim > kInlineDims ? ndim : 0, 0);
+  const std::span<std::int64_t> index =
+      ndim > kInlineDims ? std::span(heap_index) : std::span(inline_index).first(ndim);
   const std::int64_t inner = src.shape[ndim - 1];
   const std::int64_t inner_stride = strides[ndim - 1];
   const auto row_bytes = static_cast<std::size_t>(inner * elem);
-  std::vector<std::int64_t> index(ndim, 0);
   for (;;) {
     std::int64_t offset = 0;
     for (std::size_t d = 0; d + 1 < ndim; ++d) {

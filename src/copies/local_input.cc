@@ -176,4 +176,26 @@ void check_no_overlap(std::vector<TaggedExtent>& extents) {
   }
 }
 
+void check_views_apart(std::vector<ViewExtent>& views) {
+  std::sort(views.begin(), views.end(),
+            [](const auto& a, const auto& b) { return a.extent.begin < b.extent.begin; });
+  for (std::size_t a = 0; a < views.size(); ++a) {
+    const ViewExtent& va = views[a];
+    if (va.extent.begin == va.extent.end) {
+      continue;
+    }
+    for (std::size_t b = a + 1; b < views.size() && views[b].extent.begin < va.extent.end; ++b) {
+      const ViewExtent& vb = views[b];
+      if (vb.extent.begin == vb.extent.end || (!va.written && !vb.written) ||
+          (va.strided && vb.strided)) {
+        continue;
+      }
+      throw InvalidArgument("aliasing: " + std::string(va.side) + " " + std::to_string(va.index) +
+                            " and " + vb.side + " " + std::to_string(vb.index) +
+                            " overlap in memory (a destination must not share bytes with a "
+                            "source or another destination)");
+    }
+  }
+}
+
 }  // namespace shardgather::detail

@@ -45,6 +45,19 @@ struct TaggedExtent {
 // InvalidArgument when a written extent overlaps any other non-empty one. Sorts `extents`.
 void check_no_overlap(std::vector<TaggedExtent>& extents);
 
+// A view's extent for check_views_apart; `side` and `index` name it ("destination", 3).
+struct ViewExtent {
+  Extent extent;
+  bool written = false;
+  bool strided = false;
+  const char* side = "";
+  std::size_t index = 0;
+};
+// InvalidArgument naming both views when a written view's extent overlaps another's, unless both
+// are strided: interleaved views of one tensor (a fused parameter's column blocks) share an
+// extent without sharing an element, so there the caller's contract stands. Sorts `views`.
+void check_views_apart(std::vector<ViewExtent>& views);
+
 struct LocalInput {
   Device device;  // of every tensor
   std::vector<DType> dtypes;

@@ -26,6 +26,8 @@ std::string_view operation_name(Operation op) noexcept {
       return "UnshardPlan::execute";
     case Operation::kUnshardStream:
       return "UnshardStream";
+    case Operation::kReshardExecute:
+      return "ReshardPlan::execute";
     case Operation::kEnd:
       break;
   }

@@ -7,6 +7,7 @@
 #include <optional>
 #include <vector>
 
+#include "copies/box_runs.h"
 #include "copies/local_input.h"
 #include "ops/call.h"
 #include "strategies/strategy.h"
@@ -32,6 +33,13 @@ struct ExecScratch {
   // unshard: each parameter's full tensor, and the extents checked for aliasing.
   std::vector<std::byte*> outputs;
   std::vector<TaggedExtent> extents;
+  // reshard: each source view's bytes as sent (its memory, or its staged copy), the views'
+  // extents for the aliasing check, and the walk over a box's runs.
+  std::vector<const std::byte*> sent_from;
+  std::vector<ViewExtent> view_extents;
+  std::vector<std::int64_t> strides;
+  std::vector<std::int64_t> local_offset;
+  BoxRunScratch runs;
 };
 
 }  // namespace shardgather::detail

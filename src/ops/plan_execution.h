@@ -34,6 +34,8 @@ struct PlanFacts {
   std::uint64_t fingerprint = 0;          // the plan's, compared in the header
   std::span<const DType> dtypes;
   std::uint64_t dtype_hash = 0;
+  // kPersonal: what this rank sends (`counts` is then what it receives from each peer).
+  std::uint64_t personal_sent = 0;
 };
 
 // The header's plan fields: the hint (its fingerprint), the dtypes and the strategy.
@@ -72,7 +74,9 @@ ExchangeJob prepare_execution(Call& call, ScratchHolder& scratch, const PlanFact
     check_call_device(call, x.device);
     reserve_device_scratch(x, x.device, stats.staged_bytes, stream);
     late_check(stats);  // what needs the device checks first
-    call.header().payload_bytes = plan.counts[static_cast<std::size_t>(plan.rank)];
+    call.header().payload_bytes = plan.shape == ExchangeShape::kPersonal
+                                      ? plan.personal_sent
+                                      : plan.counts[static_cast<std::size_t>(plan.rank)];
   });
   call.agree();
   stats.strategy = strategy;  // only once the call agreed: a failed call reports none

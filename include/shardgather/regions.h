@@ -1,0 +1,118 @@
+// The region planner: which bytes of which tensor go from which rank to which, for a reshard
+// between two layouts of the same tensors. Pure functions: no communication, no I/O,
+// deterministic (every rank computes the same answer from the same layout). Size arithmetic is
+// in 64 bits and overflow-checked (CountOverflow).
+//
+// A layout gives, per tensor, its global shape and dtype and per rank the boxes it holds
+// (sources) and the boxes it wants (destinations). A box is an N-d sub-array of the global tensor
+// (an offset and a size per dim). Sources may overlap (replicas): each destination byte is taken
+// from exactly one of them. Destinations may overlap too (every replica of a TP rank wants the
+// same box). docs/reshard.md has the model and the planner's rules.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "shardgather/export.h"
+#include "shardgather/types.h"
+
+namespace shardgather {
+
+// An N-d box of a global tensor: the elements offset[d] <= x[d] < offset[d] + size[d]. A 0-d
+// tensor's only box has no dims (one element). A box with a zero size holds nothing.
+struct Box {
+  Shape offset;
+  Shape size;
+  friend bool operator==(const Box&, const Box&) = default;
+};
+
+// A box that rank `rank` holds (a source) or wants (a destination).
+struct RankBox {
+  int rank = 0;
+  Box box;
+  friend bool operator==(const RankBox&, const RankBox&) = default;
+};
+
+// One tensor's two layouts.
+struct TensorRegions {
+  DType dtype = DType::kFloat32;
+  Shape shape;  // global
+  std::vector<RankBox> sources;
+  std::vector<RankBox> destinations;
+};
+
+// Options of the planner that change its answer (so they are part of a plan's fingerprint).
+struct RegionOptions {
+  // Where the ranks are: element r is rank r's host. Empty: unknown. A destination byte held by
+  // several sources is then taken from a source on its own rank, else on its own host, else the
+  // least-loaded one.
+  std::vector<int> hosts;
+  // A piece of at least this many bytes held by several sources (none on the destination's rank)
+  // is split along its first splittable dim among them, so that a replicated tensor's bytes
+  // leave from every replica.
+  std::uint64_t split_bytes = std::uint64_t{1} << 20;
+};
+
+// One move: the elements of `box` (global coordinates) of tensor `tensor`, from its source entry
+// `src` to its destination entry `dst`. src_view and dst_view: the entries' positions among the
+// views of their own ranks (a rank passes its sources, and its destinations, in the layout's
+// order: tensor by tensor, each tensor's entries of that rank in their order).
+struct Transfer {
+  std::size_t tensor = 0;
+  std::size_t src = 0;
+  std::size_t dst = 0;
+  std::size_t src_view = 0;
+  std::size_t dst_view = 0;
+  Box box;
+  std::uint64_t bytes = 0;
+};
+
+// Where a rank's views sit in the layout: view v of that rank is entry `entry` of tensor
+// `tensor` (sources or destinations).
+struct ViewRef {
+  std::size_t tensor = 0;
+  std::size_t entry = 0;
+};
+
+// The plan, seen from one rank. Transfers of a (source rank, destination rank) pair are in one
+// canonical order (tensor, destination entry, source entry, box offset), the same on both sides,
+// so the sender's bytes and the receiver's pieces line up without any metadata.
+struct RegionPlan {
+  int world_size = 0;
+  int rank = 0;
+  std::vector<Transfer> sends;          // this rank's, grouped by destination rank
+  std::vector<std::size_t> send_first;  // world + 1: sends to rank p are [send_first[p], ..[p + 1])
+  std::vector<Transfer> receives;       // grouped by source rank
+  std::vector<std::size_t> recv_first;  // world + 1
+  std::vector<std::uint64_t> send_counts;  // per peer: bytes this rank sends it
+  std::vector<std::uint64_t> recv_counts;  // per peer: bytes this rank receives from it
+  // Every rank's totals (the same on every rank): what a bench compares with the links.
+  std::vector<std::uint64_t> rank_sent;
+  std::vector<std::uint64_t> rank_received;
+  std::vector<ViewRef> source_views;       // this rank's, in the order it passes them
+  std::vector<ViewRef> destination_views;  // this rank's
+  // A hash of everything the ranks must agree on: world, every tensor's dtype, shape and boxes,
+  // the options. Never 0.
+  std::uint64_t fingerprint = 0;
+};
+
+// Elements in a box (CountOverflow past 64 bits).
+SHARDGATHER_API std::uint64_t box_elements(const Box& box);
+
+// The intersection of two boxes of the same rank; a box of zero size where they do not meet.
+SHARDGATHER_API Box intersect(const Box& a, const Box& b);
+
+// InvalidArgument, naming tensor `tensor` and the entry, unless every box fits its tensor (dims,
+// offsets >= 0, sizes >= 0, offset + size <= shape) and every rank is in [0, world).
+SHARDGATHER_API void check_regions(std::span<const TensorRegions> tensors, int world_size);
+
+// The whole reshard for rank `rank`. InvalidArgument for a bad layout (check_regions) or a
+// destination element that no source holds (naming the tensor, the destination rank and the
+// element). Cost: every rank plans every tensor's pieces (O(pieces of the whole reshard)) and
+// keeps its own.
+SHARDGATHER_API RegionPlan plan_regions(std::span<const TensorRegions> tensors, int world_size,
+                                        int rank, const RegionOptions& options = {});
+
+}  // namespace shardgather

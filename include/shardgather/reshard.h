@@ -1,0 +1,97 @@
+// reshard: every destination rank receives exactly the bytes of its own boxes, straight from the
+// source ranks that hold them, in one personal exchange per execution.
+//
+//   ReshardPlan plan(layout, comm.size(), comm.rank());   // once, pure (regions.h's planner)
+//   for (step...) plan.execute(my_sources, comm, my_destinations);
+//
+// Source and destination ranks are any subsets of one communicator: disjoint (a trainer's ranks
+// send, an engine's receive), overlapping or the same (a re-layout inside one group). Every rank
+// of the communicator calls execute, also one with nothing to send or receive. A rank passes
+// its views in the layout's order (tensor by tensor, that tensor's entries of this rank in their
+// order): a source view has its box's shape and is only read; a destination view has its box's
+// shape and is written in place, and may be a strided view into a larger tensor (a fused
+// parameter's rows or columns), where its elements land directly.
+//
+// Steady state: no allocation and no metadata collective per execution after the first (the
+// header is a check carrying the plan's fingerprint: ranks holding different plans raise
+// Mismatch on every rank before a byte moves). Host memory only for now: CUDA views raise
+// InvalidArgument on every rank.
+//
+// Threading, lifetime: as AllGatherPlan (plan.h): one thread executes a plan at a time; a
+// started execution's views stay alive and unmodified until its Work completed.
+//
+// A failed execution (a peer killed, a deadline) leaves each destination view partly written:
+// some of its bytes new, the others as they were; nothing outside the views is written.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "shardgather/communicator.h"
+#include "shardgather/export.h"
+#include "shardgather/plan.h"
+#include "shardgather/regions.h"
+#include "shardgather/stats.h"
+#include "shardgather/types.h"
+#include "shardgather/work.h"
+
+namespace shardgather {
+
+class SHARDGATHER_API ReshardPlan {
+ public:
+  ReshardPlan() = default;
+  // Pure: plans every tensor (plan_regions; InvalidArgument for a bad layout or an element no
+  // source holds). options.strategy: kAuto or kDirect (the personal exchange runs direct);
+  // options.dst must be -1.
+  ReshardPlan(std::span<const TensorRegions> tensors, int world_size, int rank,
+              const PlanOptions& options = {}, const RegionOptions& regions = {});
+  // The same, with the communicator's size, rank and hosts (each destination byte then prefers a
+  // source on its own host). Pure: nothing is exchanged.
+  static ReshardPlan for_communicator(std::span<const TensorRegions> tensors,
+                                      const Communicator& comm, const PlanOptions& options = {});
+
+  [[nodiscard]] const RegionPlan& regions() const noexcept { return regions_; }
+  [[nodiscard]] std::size_t tensors() const noexcept { return tensors_.size(); }
+  [[nodiscard]] const TensorRegions& tensor(std::size_t i) const { return tensors_.at(i); }
+  [[nodiscard]] int world_size() const noexcept { return regions_.world_size; }
+  [[nodiscard]] int rank() const noexcept { return regions_.rank; }
+  [[nodiscard]] std::uint64_t fingerprint() const noexcept { return regions_.fingerprint; }
+  // This rank's views, in the order execute takes them: their tensor, dtype and box.
+  [[nodiscard]] std::size_t source_count() const noexcept { return regions_.source_views.size(); }
+  [[nodiscard]] std::size_t destination_count() const noexcept {
+    return regions_.destination_views.size();
+  }
+  [[nodiscard]] const RankBox& source(std::size_t v) const;
+  [[nodiscard]] const RankBox& destination(std::size_t v) const;
+  [[nodiscard]] std::uint64_t bytes_sent() const noexcept;      // by this rank, to other ranks
+  [[nodiscard]] std::uint64_t bytes_received() const noexcept;  // by this rank, from others
+
+  // Moves this rank's sources into every destination. `sources` and `destinations` are this
+  // rank's views (source_count() and destination_count() of them, each of its box's shape and
+  // its tensor's dtype, any strides; destinations must not overlap each other or a source, which
+  // is checked where one of the two is contiguous). Blocking.
+  ExecStats execute(std::span<const TensorView> sources, Communicator& comm,
+                    std::span<const TensorView> destinations);
+  // execute(), started (work.h): the lists are copied; the memory stays alive until it completed.
+  Work<ExecStats> start(std::span<const TensorView> sources, Communicator& comm,
+                        std::span<const TensorView> destinations);
+
+ private:
+  ExecStats execute_now(std::span<const TensorView> sources, Communicator& comm,
+                        std::span<const TensorView> destinations);
+  void check_views(const Communicator& comm, std::span<const TensorView> sources,
+                   std::span<const TensorView> destinations, ExecStats& stats);
+  void build_job(std::span<const TensorView> sources, std::span<const TensorView> destinations,
+                 detail::Stager& stager);
+
+  std::vector<TensorRegions> tensors_;
+  RegionPlan regions_;
+  PlanOptions options_;
+  std::vector<DType> dtypes_;  // per tensor, for the header
+  std::uint64_t dtype_hash_ = 0;
+  detail::ScratchHolder scratch_;
+};
+
+}  // namespace shardgather

@@ -1,0 +1,286 @@
+// ReshardPlan: the region planner's transfers bound to this call's views, moved as one personal
+// exchange. To each peer this rank sends the runs of its transfers' boxes from its source views
+// (strided views whose innermost dim is not contiguous are staged first); from each peer it
+// receives into the runs of the same boxes inside its destination views. Both sides walk the
+// transfers of a pair in the planner's canonical order, so the bytes line up without metadata.
+#include <string>
+
+#include "copies/box_runs.h"
+#include "copies/local_input.h"
+#include "copies/send_stream.h"
+#include "ops/call.h"
+#include "ops/payload.h"
+#include "ops/plan_execution.h"
+#include "ops/preflight.h"
+#include "ops/start.h"
+
+#include "shardgather/copy.h"
+#include "shardgather/errors.h"
+#include "shardgather/layout.h"
+#include "shardgather/reshard.h"
+
+namespace shardgather {
+
+namespace {
+
+std::string view_name(const char* side, std::size_t v, std::size_t tensor) {
+  return std::string(side) + " " + std::to_string(v) + " (tensor " + std::to_string(tensor) + ")";
+}
+
+// Whether the view's innermost dim of more than one element is not contiguous: its runs would be
+// single elements, so a source is packed first.
+bool inner_strided(const TensorView& t) {
+  if (t.strides.empty()) {
+    return false;
+  }
+  for (std::size_t d = t.shape.size(); d-- > 0;) {
+    if (t.shape[d] > 1) {
+      return t.strides[d] != 1;
+    }
+  }
+  return false;
+}
+
+// Checks one view against its box; returns its bytes.
+std::uint64_t check_view(const TensorView& t, const char* side, std::size_t v,
+                         const TensorRegions& tensor, std::size_t i, const RankBox& box,
+                         const Device& device) {
+  const auto where = [&] { return view_name(side, v, i) + ": "; };
+  if (t.dtype != tensor.dtype) {
+    throw InvalidArgument(where() + "dtype " + std::string(dtype_name(t.dtype)) +
+                          ", the plan has " + std::string(dtype_name(tensor.dtype)));
+  }
+  if (t.shape != box.box.size) {
+    throw InvalidArgument(where() + "shape " + detail::shape_str(t.shape) +
+                          ", its box in the plan is " + detail::shape_str(box.box.size) +
+                          " at offset " + detail::shape_str(box.box.offset));
+  }
+  if (!t.strides.empty() && t.strides.size() != t.shape.size()) {
+    throw InvalidArgument(where() + std::to_string(t.strides.size()) + " strides for " +
+                          std::to_string(t.shape.size()) + " dims");
+  }
+  const std::uint64_t bytes = checked_nbytes(t.dtype, t.shape);
+  if (t.data == nullptr && bytes != 0) {
+    throw InvalidArgument(where() + "null data pointer with " + std::to_string(bytes) + " bytes");
+  }
+  detail::check_device(t, v, device, side);
+  return bytes;
+}
+
+}  // namespace
+
+ReshardPlan::ReshardPlan(std::span<const TensorRegions> tensors, int world_size, int rank,
+                         const PlanOptions& options, const RegionOptions& regions)
+    : tensors_(tensors.begin(), tensors.end()),
+      regions_(plan_regions(tensors, world_size, rank, regions)),
+      options_(options) {
+  if (options.strategy != Strategy::kAuto && options.strategy != Strategy::kDirect) {
+    throw InvalidArgument("ReshardPlan: a reshard moves as one personal exchange (kDirect), not " +
+                          std::string(strategy_name(options.strategy)));
+  }
+  if (options.dst != -1) {
+    throw InvalidArgument("ReshardPlan: options.dst is " + std::to_string(options.dst) +
+                          "; a reshard's receivers are its destination boxes (leave dst -1)");
+  }
+  for (const TensorRegions& t : tensors_) {
+    dtypes_.push_back(t.dtype);
+  }
+  dtype_hash_ = detail::hash_dtypes(dtypes_);
+}
+
+ReshardPlan ReshardPlan::for_communicator(std::span<const TensorRegions> tensors,
+                                          const Communicator& comm, const PlanOptions& options) {
+  RegionOptions regions;
+  regions.hosts.assign(comm.hosts().begin(), comm.hosts().end());
+  return {tensors, comm.size(), comm.rank(), options, regions};
+}
+
+const RankBox& ReshardPlan::source(std::size_t v) const {
+  const ViewRef& ref = regions_.source_views.at(v);
+  return tensors_[ref.tensor].sources[ref.entry];
+}
+
+const RankBox& ReshardPlan::destination(std::size_t v) const {
+  const ViewRef& ref = regions_.destination_views.at(v);
+  return tensors_[ref.tensor].destinations[ref.entry];
+}
+
+std::uint64_t ReshardPlan::bytes_sent() const noexcept {
+  const auto me = static_cast<std::size_t>(regions_.rank);
+  return regions_.world_size == 0 ? 0 : regions_.rank_sent[me] - regions_.send_counts[me];
+}
+
+std::uint64_t ReshardPlan::bytes_received() const noexcept {
+  const auto me = static_cast<std::size_t>(regions_.rank);
+  return regions_.world_size == 0 ? 0 : regions_.rank_received[me] - regions_.recv_counts[me];
+}
+
+ExecStats ReshardPlan::execute(std::span<const TensorView> sources, Communicator& comm,
+                               std::span<const TensorView> destinations) {
+  return detail::run_blocking(comm, [&] { return execute_now(sources, comm, destinations); });
+}
+
+Work<ExecStats> ReshardPlan::start(std::span<const TensorView> sources, Communicator& comm,
+                                   std::span<const TensorView> destinations) {
+  return detail::start_on<ExecStats>(
+      comm, [this, &comm, srcs = std::vector<TensorView>(sources.begin(), sources.end()),
+             dsts = std::vector<TensorView>(destinations.begin(), destinations.end())] {
+        return execute_now(srcs, comm, dsts);
+      });
+}
+
+void ReshardPlan::check_views(const Communicator& comm, std::span<const TensorView> sources,
+                              std::span<const TensorView> destinations, ExecStats& stats) {
+  detail::ExecScratch& x = scratch_.get();
+  detail::check_plan_world(comm, regions_.world_size, regions_.rank);
+  if (sources.size() != source_count() || destinations.size() != destination_count()) {
+    throw InvalidArgument("rank " + std::to_string(regions_.rank) + " holds " +
+                          std::to_string(source_count()) + " source and " +
+                          std::to_string(destination_count()) +
+                          " destination boxes in the plan, got " + std::to_string(sources.size()) +
+                          " sources and " + std::to_string(destinations.size()) + " destinations");
+  }
+  x.device = !sources.empty() ? sources.front().device : detail::call_device(destinations);
+  if (x.device.type != DeviceType::kCpu) {
+    throw InvalidArgument("reshard moves host memory only so far, got tensors on " +
+                          device_name(x.device));
+  }
+  std::uint64_t staged = 0;
+  x.view_extents.clear();
+  for (std::size_t v = 0; v < sources.size(); ++v) {
+    const ViewRef& ref = regions_.source_views[v];
+    const TensorView& t = sources[v];
+    const std::uint64_t bytes =
+        check_view(t, "source", v, tensors_[ref.tensor], ref.tensor, source(v), x.device);
+    staged += inner_strided(t) ? bytes : 0;
+    x.view_extents.push_back({detail::extent_of(t, bytes), false, !is_contiguous(t), "source", v});
+  }
+  for (std::size_t v = 0; v < destinations.size(); ++v) {
+    const ViewRef& ref = regions_.destination_views[v];
+    const TensorView& t = destinations[v];
+    const std::uint64_t bytes =
+        check_view(t, "destination", v, tensors_[ref.tensor], ref.tensor, destination(v), x.device);
+    for (std::size_t d = 0; d < t.strides.size() && bytes != 0; ++d) {
+      if (t.strides[d] == 0 && t.shape[d] > 1) {
+        throw InvalidArgument(view_name("destination", v, ref.tensor) + ": dim " +
+                              std::to_string(d) +
+                              " has stride 0 (an expanded view would write one element twice)");
+      }
+    }
+    x.view_extents.push_back(
+        {detail::extent_of(t, bytes), true, !is_contiguous(t), "destination", v});
+  }
+  detail::check_views_apart(x.view_extents);
+  if (x.staging.size() < staged) {
+    x.staging.resize(staged);
+  }
+  stats.staged_bytes = staged;
+}
+
+void ReshardPlan::build_job(std::span<const TensorView> sources,
+                            std::span<const TensorView> destinations, detail::Stager& stager) {
+  detail::ExecScratch& x = scratch_.get();
+  const auto world = static_cast<std::size_t>(regions_.world_size);
+  x.sent_from.resize(sources.size());
+  for (std::size_t v = 0; v < sources.size(); ++v) {
+    const TensorView& t = sources[v];
+    x.sent_from[v] = inner_strided(t) ? stager.stage(t, checked_nbytes(t.dtype, t.shape))
+                                      : static_cast<const std::byte*>(t.data);
+  }
+  // The walk over one transfer's box inside one view: emit(BoxRun) per run.
+  const auto walk = [&](const Transfer& tr, const RankBox& held, const TensorView& view,
+                        bool packed, auto&& emit) {
+    const std::uint64_t elem = dtype_size(view.dtype);
+    detail::resolve_strides(
+        view.shape, packed ? std::span<const std::int64_t>{} : std::span(view.strides), x.strides);
+    x.local_offset.resize(held.box.offset.size());
+    for (std::size_t d = 0; d < held.box.offset.size(); ++d) {
+      x.local_offset[d] = tr.box.offset[d] - held.box.offset[d];
+    }
+    detail::for_each_box_run(x.local_offset, tr.box.size, x.strides, elem, x.runs, emit);
+  };
+  x.segments.clear();
+  x.send_first.clear();
+  for (std::size_t p = 0; p < world; ++p) {
+    x.send_first.push_back(x.segments.size());
+    for (std::size_t n = regions_.send_first[p]; n < regions_.send_first[p + 1]; ++n) {
+      const Transfer& tr = regions_.sends[n];
+      const TensorView& view = sources[tr.src_view];
+      const std::byte* base = x.sent_from[tr.src_view];
+      walk(tr, tensors_[tr.tensor].sources[tr.src], view, base != view.data,
+           [&](const detail::BoxRun& run) {
+             for (std::uint64_t k = 0; k < run.count; ++k) {
+               const std::byte* at = base + run.offset + static_cast<std::int64_t>(k * run.stride);
+               ConstSegment* last =
+                   x.segments.size() > x.send_first.back() ? &x.segments.back() : nullptr;
+               if (last != nullptr && last->data + last->size == at) {
+                 last->size += run.block;  // adjacent to the previous run: one segment
+               } else {
+                 x.segments.push_back({at, run.block});
+               }
+             }
+           });
+    }
+  }
+  x.send_first.push_back(x.segments.size());
+  x.pieces.clear();
+  x.first.clear();
+  for (std::size_t q = 0; q < world; ++q) {
+    x.first.push_back(x.pieces.size());
+    for (std::size_t n = regions_.recv_first[q]; n < regions_.recv_first[q + 1]; ++n) {
+      const Transfer& tr = regions_.receives[n];
+      const TensorView& view = destinations[tr.dst_view];
+      auto* base = static_cast<std::byte*>(view.data);
+      walk(tr, tensors_[tr.tensor].destinations[tr.dst], view, false,
+           [&](const detail::BoxRun& run) {
+             std::byte* at = base + run.offset;
+             RecvPiece* last = x.pieces.size() > x.first.back() ? &x.pieces.back() : nullptr;
+             if (last != nullptr && last->count == 1 && run.count == 1 &&
+                 last->data + last->block == at) {
+               last->block += run.block;
+             } else {
+               x.pieces.push_back({at, run.block, run.count, run.stride});
+             }
+           });
+    }
+  }
+  x.first.push_back(x.pieces.size());
+}
+
+ExecStats ReshardPlan::execute_now(std::span<const TensorView> sources, Communicator& comm,
+                                   std::span<const TensorView> destinations) {
+  detail::Call call(comm, Operation::kReshardExecute, options_.timeout, options_.preflight,
+                    &scratch_.get().headers);
+  const auto me = static_cast<std::size_t>(regions_.rank);
+  const detail::PlanFacts facts{
+      .options = options_,
+      .shape = detail::ExchangeShape::kPersonal,
+      .world = regions_.world_size,
+      .rank = regions_.rank,
+      .root = -1,
+      .tensors = tensors_.size(),
+      .counts = regions_.recv_counts,
+      .fingerprint = regions_.fingerprint,
+      .dtypes = dtypes_,
+      .dtype_hash = dtype_hash_,
+      .personal_sent = regions_.rank_sent.empty() ? 0 : regions_.rank_sent[me]};
+  const auto check = [&](ExecStats& stats) {
+    check_views(call.comm(), sources, destinations, stats);
+  };
+  const auto bind = [&](detail::Stager& stager) {
+    build_job(sources, destinations, stager);
+    const detail::ExecScratch& x = scratch_.get();
+    return detail::ExchangeJob{.shape = detail::ExchangeShape::kPersonal,
+                               .send = x.segments,
+                               .send_first = x.send_first,
+                               .pieces = x.pieces,
+                               .first = x.first};
+  };
+  ExecStats stats;
+  const detail::ExchangeJob job =
+      detail::prepare_execution(call, scratch_, facts, std::nullopt, stats, check, bind);
+  detail::run_execution(call, scratch_, facts, job, stats);
+  return stats;
+}
+
+}  // namespace shardgather

@@ -1,0 +1,537 @@
+// The region planner (include/shardgather/regions.h). Per destination box: intersect it with
+// every source box; where the intersections are disjoint (sources without replicas, the common
+// case) each is one transfer; where they overlap, cut the box into the grid their edges make,
+// give each cell to one holder (its own rank, else its host, else the least-loaded), split large
+// cells among replicas, and merge neighbouring cells of one holder back into boxes.
+#include "shardgather/regions.h"
+
+#include <algorithm>
+#include <numeric>
+#include <string>
+#include <tuple>
+
+#include "vocabulary/checked_math.h"
+#include "vocabulary/hash.h"
+
+#include "shardgather/errors.h"
+#include "shardgather/layout.h"
+
+namespace shardgather {
+
+namespace {
+
+// More grid cells than this for one destination box is a layout we refuse rather than plan
+// for minutes (a real layout's replicas share their edges and cut a box into few cells).
+constexpr std::uint64_t kMaxGridWork = std::uint64_t{1} << 26;
+
+std::string tuple_str(std::span<const std::int64_t> values) {
+  std::string s = "(";
+  for (std::size_t d = 0; d < values.size(); ++d) {
+    s += (d == 0 ? "" : ", ") + std::to_string(values[d]);
+  }
+  return s + ")";
+}
+
+std::string box_str(const Box& box) {
+  return "offset " + tuple_str(box.offset) + " size " + tuple_str(box.size);
+}
+
+std::string entry_str(std::size_t tensor, const char* side, std::size_t entry, int rank) {
+  return "tensor " + std::to_string(tensor) + ": " + side + " " + std::to_string(entry) +
+         " (rank " + std::to_string(rank) + ")";
+}
+
+void check_box(const TensorRegions& t, const RankBox& rb, int world, const std::string& where) {
+  const Box& b = rb.box;
+  if (rb.rank < 0 || rb.rank >= world) {
+    throw InvalidArgument(where + ": rank is not in [0, " + std::to_string(world) + ")");
+  }
+  if (b.offset.size() != t.shape.size() || b.size.size() != t.shape.size()) {
+    throw InvalidArgument(where + ": a box of " + std::to_string(b.offset.size()) +
+                          " offsets and " + std::to_string(b.size.size()) +
+                          " sizes for a tensor of shape " + tuple_str(t.shape));
+  }
+  for (std::size_t d = 0; d < t.shape.size(); ++d) {
+    const std::int64_t lo = b.offset[d];
+    const std::int64_t n = b.size[d];
+    if (lo < 0 || n < 0 || lo > t.shape[d] || n > t.shape[d] - lo) {
+      throw InvalidArgument(where + ": box " + box_str(b) + " does not fit shape " +
+                            tuple_str(t.shape) + " (dim " + std::to_string(d) + ")");
+    }
+  }
+}
+
+bool contains(const Box& outer, const Box& inner) {
+  for (std::size_t d = 0; d < outer.offset.size(); ++d) {
+    if (inner.offset[d] < outer.offset[d] ||
+        inner.offset[d] + inner.size[d] > outer.offset[d] + outer.size[d]) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Whether no two of `boxes` share an element: a sweep along the dim whose offsets vary most
+// (dim 0 for FSDP shards, the TP dim for column shards), comparing only boxes that meet on it.
+bool disjoint(std::span<const RankBox> boxes) {
+  if (boxes.size() < 2 || boxes[0].box.offset.empty()) {
+    return boxes.size() < 2;
+  }
+  const std::size_t ndim = boxes[0].box.offset.size();
+  std::size_t sweep = 0;
+  std::size_t most = 0;
+  for (std::size_t d = 0; d < ndim; ++d) {
+    std::vector<std::int64_t> offsets;
+    for (const RankBox& rb : boxes) {
+      offsets.push_back(rb.box.offset[d]);
+    }
+    std::sort(offsets.begin(), offsets.end());
+    const auto distinct =
+        static_cast<std::size_t>(std::unique(offsets.begin(), offsets.end()) - offsets.begin());
+    if (distinct > most) {
+      most = distinct;
+      sweep = d;
+    }
+  }
+  std::vector<std::size_t> order(boxes.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return boxes[a].box.offset[sweep] < boxes[b].box.offset[sweep];
+  });
+  for (std::size_t a = 0; a < order.size(); ++a) {
+    const Box& box_a = boxes[order[a]].box;
+    const std::int64_t end = box_a.offset[sweep] + box_a.size[sweep];
+    for (std::size_t b = a + 1; b < order.size(); ++b) {
+      const Box& box_b = boxes[order[b]].box;
+      if (box_b.offset[sweep] >= end) {
+        break;
+      }
+      if (box_elements(box_a) != 0 && box_elements(intersect(box_a, box_b)) != 0) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// A piece of a destination box and the source entry it comes from.
+struct Piece {
+  std::size_t src = 0;
+  Box box;
+};
+
+// Merges pieces of one source that touch along a dim and match in every other, dim by dim from
+// the last (so a grid's rows join first, then the rows into slabs).
+void merge_pieces(std::vector<Piece>& pieces) {
+  if (pieces.empty()) {
+    return;
+  }
+  const std::size_t ndim = pieces[0].box.offset.size();
+  for (std::size_t d = ndim; d-- > 0;) {
+    const auto key = [d](const Piece& p) {
+      Shape k{static_cast<std::int64_t>(p.src)};
+      for (std::size_t e = 0; e < p.box.offset.size(); ++e) {
+        if (e != d) {
+          k.push_back(p.box.offset[e]);
+          k.push_back(p.box.size[e]);
+        }
+      }
+      k.push_back(p.box.offset[d]);
+      return k;
+    };
+    std::sort(pieces.begin(), pieces.end(),
+              [&](const Piece& a, const Piece& b) { return key(a) < key(b); });
+    std::vector<Piece> merged;
+    for (Piece& p : pieces) {
+      if (!merged.empty()) {
+        Piece& last = merged.back();
+        Shape a = key(last);
+        Shape b = key(p);
+        a.pop_back();
+        b.pop_back();
+        if (a == b && last.box.offset[d] + last.box.size[d] == p.box.offset[d]) {
+          last.box.size[d] += p.box.size[d];
+          continue;
+        }
+      }
+      merged.push_back(std::move(p));
+    }
+    pieces = std::move(merged);
+  }
+}
+
+class Planner {
+ public:
+  Planner(std::span<const TensorRegions> tensors, int world, const RegionOptions& options)
+      : tensors_(tensors),
+        world_(world),
+        options_(options),
+        load_(static_cast<std::size_t>(world), 0) {}
+
+  std::vector<Transfer> run() {
+    number_views();
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      const TensorRegions& t = tensors_[i];
+      const bool replicas = !disjoint(t.sources);
+      for (std::size_t k = 0; k < t.destinations.size(); ++k) {
+        plan_destination(i, k, replicas);
+      }
+    }
+    return std::move(transfers_);
+  }
+
+  std::vector<std::vector<std::size_t>> src_view;  // [tensor][entry]: its view on its rank
+  std::vector<std::vector<std::size_t>> dst_view;
+
+ private:
+  void number_views() {
+    std::vector<std::size_t> srcs(static_cast<std::size_t>(world_), 0);
+    std::vector<std::size_t> dsts(static_cast<std::size_t>(world_), 0);
+    for (const TensorRegions& t : tensors_) {
+      auto& s = src_view.emplace_back();
+      for (const RankBox& rb : t.sources) {
+        s.push_back(srcs[static_cast<std::size_t>(rb.rank)]++);
+      }
+      auto& d = dst_view.emplace_back();
+      for (const RankBox& rb : t.destinations) {
+        d.push_back(dsts[static_cast<std::size_t>(rb.rank)]++);
+      }
+    }
+  }
+
+  void plan_destination(std::size_t i, std::size_t k, bool replicas) {
+    const TensorRegions& t = tensors_[i];
+    const RankBox& want = t.destinations[k];
+    const std::uint64_t need = box_elements(want.box);
+    if (need == 0) {
+      return;
+    }
+    std::vector<Piece> found;
+    std::uint64_t got = 0;
+    for (std::size_t j = 0; j < t.sources.size(); ++j) {
+      Box meet = intersect(t.sources[j].box, want.box);
+      const std::uint64_t n = box_elements(meet);
+      if (n != 0) {
+        got += n;
+        found.push_back({j, std::move(meet)});
+      }
+    }
+    std::vector<Piece> pieces;
+    if (!replicas && got == need) {
+      for (Piece& p : found) {
+        const std::size_t only[] = {p.src};
+        charge(t, only, p.box);
+        pieces.push_back(std::move(p));
+      }
+    } else {
+      pieces = plan_grid(i, k, found);
+      merge_pieces(pieces);
+    }
+    for (Piece& p : pieces) {
+      const std::uint64_t bytes =
+          detail::mul_checked(box_elements(p.box), dtype_size(t.dtype), "transfer bytes");
+      transfers_.push_back(Transfer{.tensor = i,
+                                    .src = p.src,
+                                    .dst = k,
+                                    .src_view = src_view[i][p.src],
+                                    .dst_view = dst_view[i][k],
+                                    .box = std::move(p.box),
+                                    .bytes = bytes});
+    }
+  }
+
+  // The destination box cut into the grid of every intersection's edges; each cell to a holder.
+  std::vector<Piece> plan_grid(std::size_t i, std::size_t k, const std::vector<Piece>& found) {
+    const TensorRegions& t = tensors_[i];
+    const RankBox& want = t.destinations[k];
+    const std::size_t ndim = t.shape.size();
+    std::vector<Shape> cuts(ndim);
+    std::uint64_t cells = 1;
+    for (std::size_t d = 0; d < ndim; ++d) {
+      cuts[d] = {want.box.offset[d], want.box.offset[d] + want.box.size[d]};
+      for (const Piece& p : found) {
+        cuts[d].push_back(p.box.offset[d]);
+        cuts[d].push_back(p.box.offset[d] + p.box.size[d]);
+      }
+      std::sort(cuts[d].begin(), cuts[d].end());
+      cuts[d].erase(std::unique(cuts[d].begin(), cuts[d].end()), cuts[d].end());
+      cells = detail::mul_checked(cells, cuts[d].size() - 1, "grid cells");
+    }
+    if (cells > kMaxGridWork / std::max<std::size_t>(found.size(), 1)) {
+      throw InvalidArgument(entry_str(i, "destination", k, want.rank) + ": its sources cut box " +
+                            box_str(want.box) + " into " + std::to_string(cells) +
+                            " cells, more than the planner takes");
+    }
+    std::vector<Piece> pieces;
+    std::vector<std::size_t> at(ndim, 0);  // the cell's index per dim
+    std::vector<std::size_t> holders;
+    for (std::uint64_t c = 0; c < cells; ++c) {
+      Box cell{Shape(ndim), Shape(ndim)};
+      for (std::size_t d = 0; d < ndim; ++d) {
+        cell.offset[d] = cuts[d][at[d]];
+        cell.size[d] = cuts[d][at[d] + 1] - cuts[d][at[d]];
+      }
+      holders.clear();
+      for (const Piece& p : found) {
+        if (contains(p.box, cell)) {
+          holders.push_back(p.src);
+        }
+      }
+      if (holders.empty()) {
+        throw InvalidArgument(entry_str(i, "destination", k, want.rank) + ": element " +
+                              tuple_str(cell.offset) + " of its box " + box_str(want.box) +
+                              " is held by no source");
+      }
+      assign(t, want.rank, holders, std::move(cell), pieces);
+      for (std::size_t d = ndim; d-- > 0;) {  // the next cell, row-major
+        if (++at[d] + 1 < cuts[d].size()) {
+          break;
+        }
+        at[d] = 0;
+      }
+    }
+    return pieces;
+  }
+
+  // Gives `cell` to one of `holders` (source entries), split among several where it is large.
+  void assign(const TensorRegions& t, int dst_rank, std::span<const std::size_t> holders, Box cell,
+              std::vector<Piece>& pieces) {
+    const std::uint64_t bytes = box_elements(cell) * dtype_size(t.dtype);
+    std::vector<std::size_t> near = nearest(t, dst_rank, holders);
+    std::size_t dim = cell.size.size();
+    for (std::size_t d = 0; d < cell.size.size(); ++d) {
+      if (cell.size[d] >= 2) {
+        dim = d;
+        break;
+      }
+    }
+    const bool local = t.sources[near[0]].rank == dst_rank;
+    if (local || near.size() < 2 || bytes < options_.split_bytes || dim == cell.size.size()) {
+      const std::size_t src = charge(t, near, cell);
+      pieces.push_back({src, std::move(cell)});
+      return;
+    }
+    const auto parts =
+        std::min<std::int64_t>(static_cast<std::int64_t>(near.size()), cell.size[dim]);
+    const std::int64_t base = cell.size[dim] / parts;
+    const std::int64_t extra = cell.size[dim] % parts;
+    std::int64_t offset = cell.offset[dim];
+    for (std::int64_t p = 0; p < parts; ++p) {
+      Box slab = cell;
+      slab.offset[dim] = offset;
+      slab.size[dim] = base + (p < extra ? 1 : 0);
+      offset += slab.size[dim];
+      const std::size_t src = charge(t, near, slab);
+      pieces.push_back({src, std::move(slab)});
+      // Each replica sends one slab: the chosen one leaves the candidates.
+      near.erase(std::find(near.begin(), near.end(), src));
+    }
+  }
+
+  // The holders to choose among: those on the destination's rank, else on its host, else all.
+  std::vector<std::size_t> nearest(const TensorRegions& t, int dst_rank,
+                                   std::span<const std::size_t> holders) const {
+    std::vector<std::size_t> same_rank;
+    std::vector<std::size_t> same_host;
+    for (const std::size_t j : holders) {
+      const int r = t.sources[j].rank;
+      if (r == dst_rank) {
+        same_rank.push_back(j);
+      } else if (!options_.hosts.empty() &&
+                 options_.hosts[static_cast<std::size_t>(r)] ==
+                     options_.hosts[static_cast<std::size_t>(dst_rank)]) {
+        same_host.push_back(j);
+      }
+    }
+    if (!same_rank.empty()) {
+      return same_rank;
+    }
+    if (!same_host.empty()) {
+      return same_host;
+    }
+    return {holders.begin(), holders.end()};
+  }
+
+  // The least-loaded of `candidates` (the first on a tie), charged with `box`'s bytes.
+  std::size_t charge(const TensorRegions& t, std::span<const std::size_t> candidates,
+                     const Box& box) {
+    std::size_t best = candidates[0];
+    for (const std::size_t j : candidates) {
+      if (load_[rank_of(t, j)] < load_[rank_of(t, best)]) {
+        best = j;
+      }
+    }
+    load_[rank_of(t, best)] += box_elements(box) * dtype_size(t.dtype);
+    return best;
+  }
+
+  static std::size_t rank_of(const TensorRegions& t, std::size_t j) {
+    return static_cast<std::size_t>(t.sources[j].rank);
+  }
+
+  std::span<const TensorRegions> tensors_;
+  int world_;
+  const RegionOptions& options_;
+  std::vector<std::uint64_t> load_;  // bytes each rank sends so far
+  std::vector<Transfer> transfers_;
+};
+
+std::uint64_t fingerprint_of(std::span<const TensorRegions> tensors, int world,
+                             const RegionOptions& options) {
+  detail::Hasher h;
+  h.add(static_cast<std::uint64_t>(world));
+  h.add(tensors.size());
+  h.add(options.split_bytes);
+  h.add(options.hosts.size());
+  for (const int host : options.hosts) {
+    h.add(static_cast<std::uint64_t>(host));
+  }
+  const auto add_boxes = [&](const std::vector<RankBox>& boxes) {
+    h.add(boxes.size());
+    for (const RankBox& rb : boxes) {
+      h.add(static_cast<std::uint64_t>(rb.rank));
+      for (std::size_t d = 0; d < rb.box.offset.size(); ++d) {
+        h.add(static_cast<std::uint64_t>(rb.box.offset[d]));
+        h.add(static_cast<std::uint64_t>(rb.box.size[d]));
+      }
+    }
+  };
+  for (const TensorRegions& t : tensors) {
+    h.add(static_cast<std::uint64_t>(t.dtype));
+    h.add(t.shape.size());
+    for (const std::int64_t dim : t.shape) {
+      h.add(static_cast<std::uint64_t>(dim));
+    }
+    add_boxes(t.sources);
+    add_boxes(t.destinations);
+  }
+  return h.value() == 0 ? 1 : h.value();
+}
+
+// The transfers of one rank's side, grouped by peer, and where each peer's begin.
+void group_by_peer(std::vector<Transfer>& side, std::vector<std::size_t>& first,
+                   std::vector<std::uint64_t>& counts, int world,
+                   const std::vector<int>& peer_of_transfer) {
+  first.assign(static_cast<std::size_t>(world) + 1, 0);
+  counts.assign(static_cast<std::size_t>(world), 0);
+  for (std::size_t n = 0; n < side.size(); ++n) {
+    const auto p = static_cast<std::size_t>(peer_of_transfer[n]);
+    ++first[p + 1];
+    counts[p] = detail::add_checked(counts[p], side[n].bytes, "bytes per peer");
+  }
+  std::partial_sum(first.begin(), first.end(), first.begin());
+}
+
+}  // namespace
+
+std::uint64_t box_elements(const Box& box) {
+  std::uint64_t n = 1;
+  for (const std::int64_t s : box.size) {
+    n = detail::mul_checked(n, static_cast<std::uint64_t>(std::max<std::int64_t>(s, 0)),
+                            "box elements");
+  }
+  return n;
+}
+
+Box intersect(const Box& a, const Box& b) {
+  Box out{Shape(a.offset.size()), Shape(a.offset.size())};
+  for (std::size_t d = 0; d < a.offset.size(); ++d) {
+    const std::int64_t lo = std::max(a.offset[d], b.offset[d]);
+    const std::int64_t hi = std::min(a.offset[d] + a.size[d], b.offset[d] + b.size[d]);
+    out.offset[d] = lo;
+    out.size[d] = std::max<std::int64_t>(hi - lo, 0);
+  }
+  return out;
+}
+
+void check_regions(std::span<const TensorRegions> tensors, int world_size) {
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const TensorRegions& t = tensors[i];
+    try {
+      (void)checked_nbytes(t.dtype, t.shape);
+    } catch (const CountOverflow& e) {
+      throw CountOverflow("tensor " + std::to_string(i) + ": " + e.what());
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument("tensor " + std::to_string(i) + ": " + e.what());
+    }
+    for (std::size_t j = 0; j < t.sources.size(); ++j) {
+      check_box(t, t.sources[j], world_size, entry_str(i, "source", j, t.sources[j].rank));
+    }
+    for (std::size_t k = 0; k < t.destinations.size(); ++k) {
+      check_box(t, t.destinations[k], world_size,
+                entry_str(i, "destination", k, t.destinations[k].rank));
+    }
+  }
+}
+
+RegionPlan plan_regions(std::span<const TensorRegions> tensors, int world_size, int rank,
+                        const RegionOptions& options) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    throw InvalidArgument("plan_regions: rank " + std::to_string(rank) + " of " +
+                          std::to_string(world_size));
+  }
+  if (!options.hosts.empty() && options.hosts.size() != static_cast<std::size_t>(world_size)) {
+    throw InvalidArgument("plan_regions: " + std::to_string(options.hosts.size()) + " hosts for " +
+                          std::to_string(world_size) + " ranks");
+  }
+  check_regions(tensors, world_size);
+  Planner planner(tensors, world_size, options);
+  std::vector<Transfer> all = planner.run();
+  const auto src_rank = [&](const Transfer& x) { return tensors[x.tensor].sources[x.src].rank; };
+  const auto dst_rank = [&](const Transfer& x) {
+    return tensors[x.tensor].destinations[x.dst].rank;
+  };
+  const auto canonical = [&](const Transfer& x) {
+    return std::tie(x.tensor, x.dst, x.src, x.box.offset);
+  };
+  RegionPlan plan;
+  plan.world_size = world_size;
+  plan.rank = rank;
+  plan.fingerprint = fingerprint_of(tensors, world_size, options);
+  const auto world = static_cast<std::size_t>(world_size);
+  plan.rank_sent.assign(world, 0);
+  plan.rank_received.assign(world, 0);
+  std::vector<int> send_peer;
+  std::vector<int> recv_peer;
+  for (Transfer& x : all) {
+    const int s = src_rank(x);
+    const int d = dst_rank(x);
+    plan.rank_sent[static_cast<std::size_t>(s)] += x.bytes;
+    plan.rank_received[static_cast<std::size_t>(d)] += x.bytes;
+    if (s == rank) {
+      plan.sends.push_back(x);
+    }
+    if (d == rank) {
+      plan.receives.push_back(std::move(x));
+    }
+  }
+  std::sort(plan.sends.begin(), plan.sends.end(), [&](const Transfer& a, const Transfer& b) {
+    return std::make_tuple(dst_rank(a), canonical(a)) < std::make_tuple(dst_rank(b), canonical(b));
+  });
+  std::sort(plan.receives.begin(), plan.receives.end(), [&](const Transfer& a, const Transfer& b) {
+    return std::make_tuple(src_rank(a), canonical(a)) < std::make_tuple(src_rank(b), canonical(b));
+  });
+  for (const Transfer& x : plan.sends) {
+    send_peer.push_back(dst_rank(x));
+  }
+  for (const Transfer& x : plan.receives) {
+    recv_peer.push_back(src_rank(x));
+  }
+  group_by_peer(plan.sends, plan.send_first, plan.send_counts, world_size, send_peer);
+  group_by_peer(plan.receives, plan.recv_first, plan.recv_counts, world_size, recv_peer);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    for (std::size_t j = 0; j < tensors[i].sources.size(); ++j) {
+      if (tensors[i].sources[j].rank == rank) {
+        plan.source_views.push_back({i, j});
+      }
+    }
+    for (std::size_t k = 0; k < tensors[i].destinations.size(); ++k) {
+      if (tensors[i].destinations[k].rank == rank) {
+        plan.destination_views.push_back({i, k});
+      }
+    }
+  }
+  return plan;
+}
+
+}  // namespace shardgather
