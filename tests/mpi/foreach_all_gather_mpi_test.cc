@@ -19,6 +19,7 @@
 
 #include "support/cases.h"
 #include "support/plan_cases.h"
+#include "support/reshard_cases.h"
 #include "support/testing.h"
 #include "transport/host_mailbox.h"
 #include "transport/shared_buffer.h"
@@ -95,6 +96,10 @@ TEST_P(MpiTeams, PlanSteadyState) { testing::case_plan_steady_state(team_.comm()
 TEST_P(MpiTeams, PlanExecuteShared) { testing::case_plan_execute_shared(team_.comm()); }
 TEST_P(MpiTeams, PlanRejectsMismatchedTensors) {
   testing::case_plan_rejects_mismatched_tensors(team_.comm());
+}
+TEST_P(MpiTeams, ReshardRandomLayouts) { testing::case_reshard_fuzz(team_.comm(), 25, 900); }
+TEST_P(MpiTeams, ReshardPlanMismatchRaisesOnEveryRank) {
+  testing::case_reshard_mismatch(team_.comm());
 }
 TEST_P(MpiTeams, UnshardDims) { testing::case_unshard_dims(team_.comm()); }
 TEST_P(MpiTeams, UnshardSingleDim0) { testing::case_unshard_single_dim0(team_.comm()); }

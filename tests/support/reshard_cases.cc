@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <numeric>
 
+#include <gtest/gtest.h>
+
 #include "support/testing.h"
 
 namespace shardgather::testing {
@@ -326,6 +328,42 @@ std::string describe_layout(const std::vector<TensorRegions>& tensors) {
     s += "\n";
   }
   return s;
+}
+
+void case_reshard_fuzz(Communicator& comm, int iterations, std::uint64_t seed) {
+  for (int iter = 0; iter < iterations; ++iter) {
+    const std::uint64_t s = seed + static_cast<std::uint64_t>(iter);
+    const std::vector<TensorRegions> layout = random_reshard_layout(s, comm.size());
+    ReshardPlan plan = ReshardPlan::for_communicator(layout, comm);
+    ReshardViews views = make_reshard_views(plan, s, iter % 3);
+    plan.execute(views.sources, comm, views.destinations);
+    const std::string problem = check_reshard(plan, views, s);
+    ASSERT_EQ(problem, "") << "seed " << s << "\n" << describe_layout(layout);
+  }
+}
+
+void case_reshard_mismatch(Communicator& comm) {
+  const int world = comm.size();
+  TensorRegions t{.dtype = DType::kFloat32, .shape = {6, 4}, .sources = {}, .destinations = {}};
+  for (int r = 0; r < world; ++r) {
+    t.sources.push_back({r, Box{{0, 0}, {6, 4}}});
+    t.destinations.push_back({r, Box{{0, r % 4}, {6, 1}}});
+  }
+  if (comm.rank() == world - 1) {
+    t.destinations.back().box.offset[1] = (world + 1) % 4;
+  }
+  ReshardPlan plan(std::span(&t, 1), world, comm.rank());
+  ReshardViews views = make_reshard_views(plan, 3, 0);
+  const auto [code, message] =
+      outcome([&] { plan.execute(views.sources, comm, views.destinations); });
+  if (world == 1) {
+    EXPECT_EQ(code, "Ok") << message;
+    return;
+  }
+  EXPECT_EQ(code, "Mismatch") << message;
+  for (const std::byte b : views.storage.back()) {
+    ASSERT_EQ(b, kCanary) << "a destination was written before the plans were compared";
+  }
 }
 
 }  // namespace shardgather::testing

@@ -44,4 +44,11 @@ std::string check_reshard(const ReshardPlan& plan, const ReshardViews& views, st
 // A layout in words, for failure messages.
 std::string describe_layout(const std::vector<TensorRegions>& tensors);
 
+// Cases for any backend, run by every rank of `comm` (GoogleTest assertions):
+// `iterations` random layouts, each planned for the communicator (its hosts too) and checked
+// byte by byte on every rank, with every kind of view;
+void case_reshard_fuzz(Communicator& comm, int iterations, std::uint64_t seed);
+// a plan that differs on the last rank: Mismatch on every rank, and the destinations untouched.
+void case_reshard_mismatch(Communicator& comm);
+
 }  // namespace shardgather::testing

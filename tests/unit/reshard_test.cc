@@ -168,6 +168,21 @@ TEST_P(ReshardFuzz, RandomLayoutsAreBitExactAgainstTheFullTensors) {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, ReshardFuzz, ::testing::Range(1, 9));
 
+TEST(ReshardFuzzOnHosts, PlansForTheCommunicatorPreferReplicasOnTheirHost) {
+  testing::run_ranks_on_hosts(
+      {0, 0, 1, 1, 1},
+      [](int /*rank*/, Communicator& comm) { testing::case_reshard_fuzz(comm, 30, 7000); },
+      "FuzzOnHosts");
+}
+
+TEST(Reshard, APlanThatDiffersOnTheLastRankWritesNothing) {
+  for (const int world : {1, 2, 5}) {
+    run_ranks(
+        world, [](int /*rank*/, Communicator& comm) { testing::case_reshard_mismatch(comm); },
+        "MismatchCase");
+  }
+}
+
 // The layouts NCCL's M2N refuses (docs/reshard.md): more than 3 dims, uneven shards, two shard
 // axes on one side, more than 16 sources per destination shard.
 TEST(ReshardBeyondM2N, FiveDimensionalTensors) {
