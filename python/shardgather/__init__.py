@@ -64,6 +64,7 @@ __all__ = [
     "MismatchError",
     "OutOfMemoryError",
     "RemoteError",
+    "ReshardPlan",
     "ShardSpec",
     "ShardgatherError",
     "ThreadGroup",
@@ -74,6 +75,7 @@ __all__ = [
     "device_wait",
     "foreach_all_gather",
     "full_tensors",
+    "reshard",
     "has_mpi",
     "mpi_communicator",
     "mpi_init",
@@ -426,6 +428,84 @@ class UnshardPlan(_PlanState):
         return self._built().shard_shape(rank, index)
 
     specs = _from_plan("specs", "The specs with their sizes filled in.")
+
+
+def _layout_tuples(layouts):
+    """Layouts as the extension takes them: (dtype, shape, sources, destinations), each box
+    (rank, offset, size). A layout is a :class:`shardgather.layouts.TensorLayout` or anything
+    with its four attributes; a box, a :class:`shardgather.layouts.Box` or an (offset, size)
+    pair."""
+    def boxes(entries):
+        out = []
+        for rank, box in entries:
+            offset, size = box
+            out.append((check_int("rank", rank, 0), tuple(offset), tuple(size)))
+        return out
+
+    return [(t.dtype, tuple(t.shape), boxes(t.sources), boxes(t.destinations)) for t in layouts]
+
+
+class ReshardPlan(_PlanState):
+    """Exact-bytes redistribution between two layouts of the same tensors (docs/reshard.md):
+    every destination rank receives exactly its boxes' bytes, straight from source ranks that
+    hold them, in one exchange per execution.
+
+    ``layouts``: one :class:`shardgather.layouts.TensorLayout` per tensor (global shape, dtype,
+    the (rank, Box) pairs each rank holds and wants; build them with the helpers of
+    :mod:`shardgather.layouts`: DTensor placements, column/row parallel, fused QKV and
+    gate_up, vocabulary-parallel, experts). The constructor is pure (every rank plans the whole
+    reshard and keeps its part); :meth:`for_group` takes the world, rank and hosts from a group.
+
+    ``execute(sources, destinations)``: this rank's source tensors (one per box it holds, in
+    :attr:`source_boxes` order) are read; its destination tensors (one per box it wants, in
+    :attr:`destination_boxes` order; any strided views, such as rows or columns of a fused
+    parameter) are written in place and returned as a new list. Every rank of the group calls
+    it, also one with nothing to send or receive. A plan that differs on some rank raises
+    :class:`MismatchError` on every rank before anything moves. CPU tensors for now.
+    """
+
+    def __init__(self, layouts, world_size, rank, *, hosts=None, strategy="auto", preflight=True,
+                 timeout=None):
+        self._preflight, self._given_timeout = preflight, timeout
+        self._plan, self._error = _deferred(lambda: _C.ReshardPlan(
+            _layout_tuples(layouts), check_int("world_size", world_size, 1),
+            check_int("rank", rank, 0), None if hosts is None else list(hosts), strategy,
+            preflight, timeout))
+
+    @classmethod
+    def for_group(cls, layouts, group=None, *, strategy="auto", preflight=True, timeout=None):
+        """The plan for this rank of ``group`` (a ProcessGroup, a Communicator or None for the
+        default group), whose hosts the planner uses: a byte held by several ranks is sent
+        from one on the destination's host where there is one."""
+        comm = communicator(group, _setup_timeout(timeout))
+        return cls(layouts, comm.size, comm.rank, hosts=comm.hosts or None, strategy=strategy,
+                   preflight=preflight, timeout=timeout)
+
+    def execute(self, sources, destinations, group=None, *, async_op=False):
+        """Moves every rank's sources into every rank's destinations (see the class); returns
+        ``destinations`` as a new list, or with ``async_op=True`` a :class:`Work` whose
+        ``wait()`` returns it."""
+        return self._execute("ReshardPlan::execute", sources, group, destinations, async_op)
+
+    source_boxes = _from_plan(
+        "source_boxes", "This rank's sources in execute's order: (tensor index, offset, size).")
+    destination_boxes = _from_plan(
+        "destination_boxes",
+        "This rank's destinations in execute's order: (tensor index, offset, size).")
+    bytes_sent = _from_plan("bytes_sent", "Bytes this rank sends to other ranks per execution.")
+    bytes_received = _from_plan(
+        "bytes_received", "Bytes this rank receives from other ranks per execution.")
+    rank_sent = _from_plan("rank_sent", "Every rank's bytes sent per execution (own included).")
+    rank_received = _from_plan("rank_received", "Every rank's bytes received (own included).")
+    fingerprint = _from_plan("fingerprint")
+    rank = _from_plan("rank")
+
+
+def reshard(sources, destinations, layouts, group=None, *, timeout=None, async_op=False):
+    """One-shot :class:`ReshardPlan`: plans ``layouts`` for ``group`` and executes once; returns
+    ``destinations`` (written in place). Build a plan instead to reshard every step."""
+    plan = ReshardPlan.for_group(layouts, group, timeout=timeout)
+    return plan.execute(sources, destinations, group, async_op=async_op)
 
 
 def unshard(shards, specs, group=None, *, strategy="auto", preflight=True, timeout=None,

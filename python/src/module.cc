@@ -19,6 +19,7 @@
 
 #include "params.h"
 #include "plans.h"
+#include "reshard.h"
 #include "stream.h"
 #include "torch_allocator.h"
 #include "torch_tensors.h"
@@ -124,21 +125,8 @@ py::object foreach_all_gather_py(py::handle params, const CommPtr& comm_ptr, py:
   return result_lists(std::move(result));
 }
 
-py::object seconds_or_none(std::optional<std::chrono::milliseconds> timeout) {
-  return timeout ? py::cast(std::chrono::duration<double>(*timeout).count()) : py::none();
-}
-
 py::object buffer_or_none(const at::Tensor& buffer) {
   return buffer.defined() ? py::cast(buffer) : py::none();
-}
-
-// torch.dtype <-> wire dtype, for ShardSpec and the AllGatherPlan constructor.
-DType dtype_from_py(py::handle dtype, const std::string& what) {
-  if (!THPDtype_Check(dtype.ptr())) {
-    throw py::type_error(what + " must be a torch.dtype, got " +
-                         std::string(Py_TYPE(dtype.ptr())->tp_name));
-  }
-  return dtype_of(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type, what);
 }
 
 py::object dtype_to_py(DType dtype) {
@@ -570,6 +558,7 @@ PYBIND11_MODULE(_shardgather, m) {
   register_one_shot_calls(m);
   register_all_gather_plan(m);
   register_unshard_plan(m);
+  register_reshard_plan(m);
   register_unshard_stream(m);
   register_hooks(m);
 }

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include <ATen/Functions.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "params.h"
@@ -168,6 +169,18 @@ bool ResultLists::intact(const std::vector<py::object>& tensors, std::size_t per
     }
   }
   return true;
+}
+
+py::object seconds_or_none(std::optional<std::chrono::milliseconds> timeout) {
+  return timeout ? py::cast(std::chrono::duration<double>(*timeout).count()) : py::none();
+}
+
+DType dtype_from_py(py::handle dtype, const std::string& what) {
+  if (!THPDtype_Check(dtype.ptr())) {
+    throw py::type_error(what + " must be a torch.dtype, got " +
+                         std::string(Py_TYPE(dtype.ptr())->tp_name));
+  }
+  return dtype_of(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type, what);
 }
 
 py::dict stats_dict(const ExecStats& stats) {
@@ -336,6 +349,18 @@ py::object PyUnshardPlan::execute(py::handle shards, const std::shared_ptr<Commu
           return given ? method(views) : method(bytes);
         },
         [this, given, result]() -> py::object { return given ? result : lists_.get(cached_, 0); }};
+  });
+}
+
+py::object PyReshardPlan::execute(py::handle sources, py::handle destinations,
+                                  const std::shared_ptr<Communicator>& comm, bool async_op,
+                                  const py::object& self) {
+  return run(sources, comm, async_op, self, [&](Parsed& parsed, Communicator& c) {
+    parse_or_fail(destinations, "destinations", parsed.outputs, c);
+    py::list result = first_items(destinations, parsed.outputs.views.size());
+    const std::span<const TensorView> views(parsed.outputs.views);
+    return PlanOutput{[views](auto method) { return method(views); },
+                      [result]() -> py::object { return result; }};
   });
 }
 

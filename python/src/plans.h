@@ -9,6 +9,7 @@
 // at a time; a second thread entering execute() meanwhile gets a RuntimeError, not a data race.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -26,6 +27,7 @@
 #include "shardgather/communicator.h"
 #include "shardgather/embedding.h"
 #include "shardgather/plan.h"
+#include "shardgather/reshard.h"
 #include "shardgather/unshard.h"
 #include "shardgather/work.h"
 
@@ -33,6 +35,12 @@ namespace shardgather::python {
 
 // ExecStats as a dict: strategy (its name), preflight/payload/setup_collectives, staged_bytes.
 pybind11::dict stats_dict(const ExecStats& stats);
+
+// The timeout in seconds, or None.
+pybind11::object seconds_or_none(std::optional<std::chrono::milliseconds> timeout);
+
+// torch.dtype -> wire dtype (TypeError naming `what` for anything else).
+DType dtype_from_py(pybind11::handle dtype, const std::string& what);
 
 // PlanOptions from the Python keywords.
 PlanOptions plan_options(const std::string& strategy, bool preflight,
@@ -170,6 +178,18 @@ class PyUnshardPlan : public PyPlan<UnshardPlan> {
 
   std::vector<pybind11::object> cached_;  // the full tensors over buffer_
   ResultLists lists_;                     // what execute() returns
+};
+
+class PyReshardPlan : public PyPlan<ReshardPlan> {
+ public:
+  PyReshardPlan(ReshardPlan plan, const PlanOptions& options)
+      : PyPlan(std::move(plan), options, {"ReshardPlan", "sources", Operation::kReshardExecute}) {}
+
+  // Writes this rank's `destinations` (tensors of its boxes, any strides, in place) from every
+  // rank's sources; returns them as a new list.
+  pybind11::object execute(pybind11::handle sources, pybind11::handle destinations,
+                           const std::shared_ptr<Communicator>& comm, bool async_op,
+                           const pybind11::object& self);
 };
 
 // One-shot unshard: plan, allocate (a torch-owned buffer), execute; returns the full tensors.

@@ -140,6 +140,11 @@ void ReshardPlan::check_views(const Communicator& comm, std::span<const TensorVi
                           " destination boxes in the plan, got " + std::to_string(sources.size()) +
                           " sources and " + std::to_string(destinations.size()) + " destinations");
   }
+  if (comm.size() > 1 && !comm.capabilities().all_to_all) {
+    throw InvalidArgument("reshard sends each pair its own bytes, which the " +
+                          std::string(comm.backend_name()) +
+                          " transport cannot (no point-to-point exchange on this group)");
+  }
   x.device = !sources.empty() ? sources.front().device : detail::call_device(destinations);
   if (x.device.type != DeviceType::kCpu) {
     throw InvalidArgument("reshard moves host memory only so far, got tensors on " +

@@ -329,8 +329,8 @@ class Planner {
   }
 
   // The holders to choose among: those on the destination's rank, else on its host, else all.
-  std::vector<std::size_t> nearest(const TensorRegions& t, int dst_rank,
-                                   std::span<const std::size_t> holders) const {
+  [[nodiscard]] std::vector<std::size_t> nearest(const TensorRegions& t, int dst_rank,
+                                                 std::span<const std::size_t> holders) const {
     std::vector<std::size_t> same_rank;
     std::vector<std::size_t> same_host;
     for (const std::size_t j : holders) {

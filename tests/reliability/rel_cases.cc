@@ -701,7 +701,15 @@ Outcome m8_op_kind(Communicator& comm, const CaseContext& ctx) {
 // class, naming the disagreement, from the pre-flight header alone (exactly one collective:
 // no payload moves), well within the deadline, and the communicator must stay usable.
 
-enum class DOp : std::uint8_t { kForeach, kCreate, kExecute, kUnshard, kUnshardExecute, kStream };
+enum class DOp : std::uint8_t {
+  kForeach,
+  kCreate,
+  kExecute,
+  kUnshard,
+  kUnshardExecute,
+  kStream,
+  kReshard
+};
 
 struct DCall {
   DOp op = DOp::kForeach;
@@ -718,6 +726,7 @@ struct DCall {
   int dst = -1;              // unshard plans and streams: the rank that receives (-1: every rank)
   std::uint64_t bucket_bytes = 64;  // streams
   int prefetch = 1;                 // streams
+  int reshard_shift = 1;            // reshards: rank r wants the shards of rank r + shift
 };
 
 struct DRow {
@@ -930,6 +939,41 @@ const DRow kDRows[] = {
      2,
      {.op = DOp::kStream},
      {.op = DOp::kStream, .dst = 0}},
+    {"D-reshard-layout",
+     "a reshard whose destinations differ",
+     "Mismatch",
+     "shapes hint / plan differs",
+     3,
+     {.op = DOp::kReshard},
+     {.op = DOp::kReshard, .reshard_shift = 2}},
+    {"D-reshard-op",
+     "a reshard against an unshard plan's execute",
+     "Mismatch",
+     "operation differs",
+     2,
+     {.op = DOp::kReshard},
+     {.op = DOp::kUnshardExecute}},
+    {"D-reshard-dtype",
+     "a reshard planned for another dtype of tensor 0",
+     "Mismatch",
+     "dtype of tensor 0",
+     2,
+     {.op = DOp::kReshard},
+     {.op = DOp::kReshard, .dtype0 = DType::kFloat64}},
+    {"D-reshard-world",
+     "a reshard planned for W + 1 ranks",
+     "InvalidArgument",
+     "the plan was built for",
+     2,
+     {.op = DOp::kReshard},
+     {.op = DOp::kReshard, .plan_world_delta = 1}},
+    {"D-reshard-timeout",
+     "a reshard with a negative timeout",
+     "InvalidArgument",
+     "timeout must be >= 0",
+     2,
+     {.op = DOp::kReshard},
+     {.op = DOp::kReshard, .timeout_ms = -5}},
 };
 
 // Rank r's shape of tensor i (tensor 2 is sharded along dim 1).
@@ -990,6 +1034,43 @@ std::vector<ShardSpec> d_specs(const DCall& c, int world) {
   return specs;
 }
 
+// The specs as a reshard: every rank holds its shards and wants those of rank r + shift.
+std::vector<TensorRegions> d_layout(const DCall& c, int world) {
+  std::vector<TensorRegions> layout;
+  for (const ShardSpec& s : d_specs(c, world)) {
+    TensorRegions t{.dtype = s.dtype, .shape = s.full_shape, .sources = {}, .destinations = {}};
+    std::int64_t at = 0;
+    std::vector<Box> boxes;
+    for (const std::int64_t n : s.sizes) {
+      Box b{Shape(s.full_shape.size(), 0), s.full_shape};
+      b.offset[static_cast<std::size_t>(s.shard_dim)] = at;
+      b.size[static_cast<std::size_t>(s.shard_dim)] = n;
+      at += n;
+      boxes.push_back(b);
+    }
+    for (int r = 0; r < world; ++r) {
+      t.sources.push_back({r, boxes[static_cast<std::size_t>(r)]});
+      t.destinations.push_back({r, boxes[static_cast<std::size_t>((r + c.reshard_shift) % world)]});
+    }
+    layout.push_back(std::move(t));
+  }
+  return layout;
+}
+
+void d_reshard(const DCall& c, Communicator& comm, const PlanOptions& po, const Inputs& in) {
+  ReshardPlan plan(d_layout(c, comm.size() + c.plan_world_delta), comm.size() + c.plan_world_delta,
+                   comm.rank(), po);
+  std::vector<std::vector<std::byte>> storage;
+  std::vector<TensorView> dst;
+  for (std::size_t v = 0; v < plan.destination_count(); ++v) {
+    const Shape& size = plan.destination(v).box.size;
+    const DType dtype = plan.tensor(plan.regions().destination_views[v].tensor).dtype;
+    storage.emplace_back(checked_nbytes(dtype, size));
+    dst.push_back({storage.back().data(), dtype, size, {}, kCpu});
+  }
+  (void)plan.execute(in.views, comm, dst);
+}
+
 GatherResult d_call(const DCall& c, Communicator& comm, const CaseContext& ctx, const Inputs& in) {
   const int world = comm.size();
   const std::optional<std::chrono::milliseconds> timeout =
@@ -1033,6 +1114,9 @@ GatherResult d_call(const DCall& c, Communicator& comm, const CaseContext& ctx, 
       }
       return {};
     }
+    case DOp::kReshard:
+      d_reshard(c, comm, po, in);
+      return {};
   }
   return {};
 }

@@ -1,0 +1,96 @@
+#include "reshard.h"
+
+#include <memory>
+#include <utility>
+
+#include <pybind11/stl.h>
+
+#include "shardgather/errors.h"
+
+namespace py = pybind11;
+
+namespace shardgather::python {
+
+namespace {
+
+std::vector<RankBox> rank_boxes(const std::vector<PyRankBox>& boxes) {
+  std::vector<RankBox> out;
+  out.reserve(boxes.size());
+  for (const auto& [rank, offset, size] : boxes) {
+    out.push_back({rank, Box{offset, size}});
+  }
+  return out;
+}
+
+std::vector<TensorRegions> tensor_regions(const std::vector<PyTensorRegions>& layouts) {
+  std::vector<TensorRegions> out;
+  out.reserve(layouts.size());
+  for (std::size_t i = 0; i < layouts.size(); ++i) {
+    const auto& [dtype, shape, sources, destinations] = layouts[i];
+    out.push_back({.dtype = dtype_from_py(dtype, "layout " + std::to_string(i) + " dtype"),
+                   .shape = shape,
+                   .sources = rank_boxes(sources),
+                   .destinations = rank_boxes(destinations)});
+  }
+  return out;
+}
+
+std::unique_ptr<PyReshardPlan> make_reshard_plan(const std::vector<PyTensorRegions>& layouts,
+                                                 int world_size, int rank,
+                                                 std::optional<std::vector<int>> hosts,
+                                                 const std::string& strategy, bool preflight,
+                                                 std::optional<double> timeout) {
+  const PlanOptions options = plan_options(strategy, preflight, timeout);
+  RegionOptions regions;
+  regions.hosts = hosts.value_or(std::vector<int>{});
+  return std::make_unique<PyReshardPlan>(
+      ReshardPlan(tensor_regions(layouts), world_size, rank, options, regions), options);
+}
+
+py::object execute_reshard_plan(const py::object& self, py::handle sources,
+                                const std::shared_ptr<Communicator>& comm, py::handle destinations,
+                                bool async_op) {
+  return self.cast<PyReshardPlan&>().execute(sources, destinations, comm, async_op, self);
+}
+
+// This rank's boxes of one side: [(tensor index, offset, size)] in the order execute takes them.
+py::list local_boxes(const ReshardPlan& plan, bool sources) {
+  const auto& refs = sources ? plan.regions().source_views : plan.regions().destination_views;
+  py::list out;
+  for (std::size_t v = 0; v < refs.size(); ++v) {
+    const Box& box = sources ? plan.source(v).box : plan.destination(v).box;
+    out.append(py::make_tuple(refs[v].tensor, py::tuple(py::cast(box.offset)),
+                              py::tuple(py::cast(box.size))));
+  }
+  return out;
+}
+
+}  // namespace
+
+void register_reshard_plan(py::module_& m) {
+  using P = PyReshardPlan;
+  py::class_<P>(m, "ReshardPlan")
+      .def(py::init(&make_reshard_plan), py::arg("layouts"), py::arg("world_size"), py::arg("rank"),
+           py::arg("hosts") = py::none(), py::arg("strategy") = "auto", py::arg("preflight") = true,
+           py::arg("timeout") = py::none())
+      .def("execute", &execute_reshard_plan, py::arg("sources"), py::arg("comm"),
+           py::arg("destinations"), py::arg("async_op") = false)
+      .def_property_readonly("source_boxes", [](const P& p) { return local_boxes(p.plan(), true); })
+      .def_property_readonly("destination_boxes",
+                             [](const P& p) { return local_boxes(p.plan(), false); })
+      .def_property_readonly("bytes_sent", [](const P& p) { return p.plan().bytes_sent(); })
+      .def_property_readonly("bytes_received", [](const P& p) { return p.plan().bytes_received(); })
+      .def_property_readonly("rank_sent", [](const P& p) { return p.plan().regions().rank_sent; })
+      .def_property_readonly("rank_received",
+                             [](const P& p) { return p.plan().regions().rank_received; })
+      .def_property_readonly("fingerprint", [](const P& p) { return p.plan().fingerprint(); })
+      .def_property_readonly("world_size", [](const P& p) { return p.plan().world_size(); })
+      .def_property_readonly("rank", [](const P& p) { return p.plan().rank(); })
+      .def_property_readonly("timeout",
+                             [](const P& p) { return seconds_or_none(p.options().timeout); })
+      .def_property_readonly(
+          "strategy", [](const P& p) { return std::string(strategy_name(p.options().strategy)); })
+      .def_property_readonly("last_stats", [](const P& p) { return stats_dict(p.last_stats()); });
+}
+
+}  // namespace shardgather::python

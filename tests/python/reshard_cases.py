@@ -1,0 +1,228 @@
+"""Reshard cases, run on every rank of a spawned Gloo group (conftest.run_cases) and on the
+threads backend. Each takes (rank, world, group) and raises on failure. Every destination is
+compared bit for bit with the full tensor, which every rank builds alike from a seed, sliced to
+the destination's box; the bytes around a destination inside a larger (fused) tensor must stay
+as they were."""
+
+import random
+import sys
+
+import torch
+
+import shardgather
+from shardgather.layouts import Box, TensorLayout
+
+T = 30.0  # per-call deadline: a broken case fails instead of hanging the harness
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int16,
+          torch.int32, torch.int64, torch.uint8, torch.bool]
+
+
+def full_tensor(layout, index, seed):
+    """Tensor ``index`` of a case, the same on every rank."""
+    g = torch.Generator().manual_seed(seed * 1000 + index)
+    if layout.dtype == torch.bool:  # a bool is 0 or 1 (torch's copies normalise other bytes)
+        return torch.randint(0, 2, layout.shape, generator=g).bool()
+    bits = torch.randint(0, 256, (max(1, layout.dtype.itemsize) * _numel(layout.shape),),
+                         generator=g, dtype=torch.uint8)
+    return bits.view(layout.dtype).reshape(layout.shape)
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def region(t, box):
+    """The view of ``t`` (global coordinates) that ``box`` names."""
+    for d, (lo, n) in enumerate(zip(box.offset, box.size)):
+        t = t.narrow(d, lo, n)
+    return t
+
+
+def _grid(shape, rnd):
+    """Boxes of uneven cuts along one or two dims (some empty)."""
+    cuts = [[0, s] for s in shape]
+    for _ in range(rnd.randint(1, min(2, len(shape))) if shape else 0):
+        d = rnd.randrange(len(shape))
+        cuts[d] += [rnd.randint(0, shape[d]) for _ in range(rnd.randint(0, 3))]
+        cuts[d].sort()
+    boxes = [Box((), ())]
+    for d in range(len(shape)):
+        boxes = [Box(b.offset + (lo,), b.size + (hi - lo,))
+                 for b in boxes for lo, hi in zip(cuts[d], cuts[d][1:])]
+    return boxes
+
+
+def _place(boxes, ranks, replicas, rnd):
+    out = []
+    for box in boxes:
+        start = rnd.randrange(len(ranks))
+        for k in range(min(len(ranks), rnd.randint(1, replicas))):
+            out.append((ranks[(start + k) % len(ranks)], box))
+    return out
+
+
+def random_layouts(world, seed):
+    """1-4 tensors of 0-4 dims and mixed dtypes; sources and destinations as uneven grids with
+    replicas, on rank sets that are the same, disjoint or random."""
+    rnd = random.Random(seed)
+    src = sorted(rnd.sample(range(world), rnd.randint(1, world)))
+    mode = rnd.randrange(3)
+    rest = [r for r in range(world) if r not in src]
+    dst = src if mode == 0 or (mode == 1 and not rest) else rest if mode == 1 else \
+        sorted(rnd.sample(range(world), rnd.randint(1, world)))
+    layouts = []
+    for _ in range(rnd.randint(1, 4)):
+        shape = tuple(rnd.randint(0 if rnd.random() < 0.05 else 1, 6)
+                      for _ in range(rnd.randint(0, 4)))
+        layouts.append(TensorLayout(shape, rnd.choice(DTYPES),
+                                    _place(_grid(shape, rnd), src, 3, rnd),
+                                    _place(_grid(shape, rnd), dst, 2, rnd)))
+    return layouts
+
+
+def _destination(box, dtype, fused, rnd):
+    """A zero destination for ``box``: its own tensor, or a view into a larger one (returned
+    with that larger tensor, whose other bytes must stay zero)."""
+    if not fused or not box.size:
+        t = torch.zeros(box.size, dtype=dtype)
+        return t, t
+    pads = [rnd.randint(0, 2) for _ in box.size]
+    big = torch.zeros([s + p for s, p in zip(box.size, pads)], dtype=dtype)
+    view = big
+    for d, (s, p) in enumerate(zip(box.size, pads)):
+        view = view.narrow(d, rnd.randint(0, p), s)
+    return view, big
+
+
+def _source(t, strided):
+    """``t`` as a contiguous copy, or the same values in a transposed storage."""
+    if strided and t.dim() >= 2:
+        return t.transpose(0, 1).contiguous().transpose(0, 1)
+    return t.clone()
+
+
+def _bytes(t):
+    """The bytes of a contiguous tensor (NaN payloads compare as bytes)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def run_layouts(rank, group, layouts, seed, fused):
+    rnd = random.Random(seed * 7 + rank)
+    plan = shardgather.ReshardPlan.for_group(layouts, group, timeout=T)
+    fulls = [full_tensor(t, i, seed) for i, t in enumerate(layouts)]
+    sources = [_source(region(fulls[i], Box(o, s)), fused)
+               for i, o, s in plan.source_boxes]
+    dests, bigs, expected = [], [], []
+    for i, o, s in plan.destination_boxes:
+        view, big = _destination(Box(o, s), layouts[i].dtype, fused, rnd)
+        dests.append(view)
+        bigs.append(big)
+        want = torch.zeros_like(big)
+        want_view = want.as_strided(view.shape, view.stride(),
+                                    view.storage_offset() - big.storage_offset())
+        want_view.copy_(region(fulls[i], Box(o, s)))
+        expected.append(want)
+    out = plan.execute(sources, dests, group)
+    assert len(out) == len(dests) and all(a is b for a, b in zip(out, dests))
+    for k, (big, want) in enumerate(zip(bigs, expected)):
+        assert torch.equal(_bytes(big), _bytes(want)), \
+            "destination %d of rank %d (seed %d)" % (k, rank, seed)
+    return plan
+
+
+def case_random_layouts(rank, world, group=None):
+    for k in range(12):
+        run_layouts(rank, group, random_layouts(world, 100 + k), 100 + k, k % 2 == 1)
+
+
+def case_steady_state_moves_in_one_exchange(rank, world, group=None):
+    layout = TensorLayout((8, 6), torch.float32,
+                          [(r, Box((r * 8 // world, 0), ((r + 1) * 8 // world - r * 8 // world, 6)))
+                           for r in range(world)],
+                          [(r, Box((0, 0), (8, 6))) for r in range(world)])
+    plan = run_layouts(rank, group, [layout], 5, False)
+    stats = plan.last_stats
+    assert stats["preflight_collectives"] == (1 if world > 1 else 0), stats
+    assert stats["payload_collectives"] == (1 if world > 1 else 0), stats
+    assert plan.bytes_received == 8 * 6 * 4 - plan.rank_sent[rank] // world, \
+        (plan.bytes_received, plan.rank_sent)
+
+
+def case_started_execution_returns_the_destinations(rank, world, group=None):
+    layout = TensorLayout((world * 3,), torch.int64,
+                          [(r, Box((3 * r,), (3,))) for r in range(world)],
+                          [((r + 1) % world, Box((3 * r,), (3,))) for r in range(world)])
+    plan = shardgather.ReshardPlan.for_group([layout], group, timeout=T)
+    src = [torch.arange(3 * rank, 3 * rank + 3)]
+    dst = [torch.zeros(3, dtype=torch.int64)]
+    work = plan.execute(src, dst, group, async_op=True)
+    out = work.wait()
+    prev = (rank - 1) % world
+    assert torch.equal(out[0], torch.arange(3 * prev, 3 * prev + 3)), out
+
+
+def case_a_layout_differing_on_one_rank_raises_mismatch_everywhere(rank, world, group=None):
+    if world == 1:
+        return
+    dst_col = 1 if rank == world - 1 else 0
+    layout = TensorLayout((4, 2), torch.float32, [(r, Box((0, 0), (4, 2))) for r in range(world)],
+                          [(r, Box((0, dst_col), (4, 1))) for r in range(world)])
+    dst = [torch.full((4, 1), 7.0)]
+    try:
+        shardgather.reshard([torch.ones(4, 2)], dst, [layout], group, timeout=T)
+    except shardgather.MismatchError:
+        assert torch.equal(dst[0], torch.full((4, 1), 7.0)), "written before the check"
+        return
+    raise AssertionError("no MismatchError on rank %d" % rank)
+
+
+def case_a_bad_destination_on_one_rank_raises_everywhere(rank, world, group=None):
+    layout = TensorLayout((4, 2), torch.float32, [(0, Box((0, 0), (4, 2)))],
+                          [(r, Box((0, 0), (4, 2))) for r in range(world)])
+    plan = shardgather.ReshardPlan.for_group([layout], group, timeout=T)
+    src = [torch.ones(4, 2)] if rank == 0 else []
+    dst = [torch.zeros(4, 2 if rank != world - 1 else 3)]
+    try:
+        plan.execute(src, dst, group)
+    except shardgather.InvalidArgumentError as e:
+        assert "rank %d" % (world - 1) in str(e) and "shape [4, 3]" in str(e), str(e)
+        return
+    raise AssertionError("no InvalidArgumentError on rank %d" % rank)
+
+
+def case_an_element_no_source_holds_is_refused(rank, world, group=None):
+    layout = TensorLayout((4,), torch.float32, [(0, Box((0,), (3,)))], [(0, Box((0,), (4,)))])
+    src = [torch.ones(3)] if rank == 0 else []
+    dst = [torch.zeros(4)] if rank == 0 else []
+    try:  # the plan is pure: its error is raised by the first execution, on every rank
+        shardgather.reshard(src, dst, [layout], group, timeout=T)
+    except shardgather.InvalidArgumentError as e:
+        assert "element (3)" in str(e), str(e)
+        return
+    raise AssertionError("planned an uncovered element")
+
+
+def case_a_group_without_point_to_point_is_refused(rank, world, group=None):
+    if group is not None or world == 1:
+        return  # a torch group's own property
+    import torch.distributed as dist
+
+    comm = shardgather._shardgather._process_group_communicator(dist.group.WORLD, p2p=False,
+                                                                timeout=T)
+    layout = TensorLayout((4,), torch.float32, [(0, Box((0,), (4,)))], [(1, Box((0,), (4,)))])
+    plan = shardgather.ReshardPlan([layout], world, rank, timeout=T)
+    src = [torch.ones(4)] if rank == 0 else []
+    dst = [torch.zeros(4)] if rank == 1 else []
+    try:
+        plan.execute(src, dst, comm)
+    except shardgather.InvalidArgumentError as e:
+        assert "point-to-point" in str(e), str(e)
+        return
+    raise AssertionError("no InvalidArgumentError on rank %d" % rank)
+
+
+CASES = [name for name in dir(sys.modules[__name__]) if name.startswith("case_")]
