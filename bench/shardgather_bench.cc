@@ -27,6 +27,7 @@
 
 #include "compute.h"
 #include "presets.h"
+#include "reshard_bench.h"
 #include "support/alloc_counter.h"
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -1092,6 +1093,9 @@ int run_mpi(const Config& cfg, int argc, char** argv) {
 
 int main(int argc, char** argv) {
   try {
+    if (argc > 1 && std::string(argv[1]) == "reshard") {
+      return sg::bench::reshard_main(argc - 1, argv + 1);
+    }
     const std::optional<Config> parsed = parse(argc, argv);
     if (!parsed) {
       return 0;  // --help

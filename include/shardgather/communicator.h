@@ -177,6 +177,16 @@ class SHARDGATHER_API Communicator {
     return collectives_.load(std::memory_order_relaxed);
   }
 
+  // Bytes all_to_all_scatter moved to and from the other ranks of this communicator (this rank's
+  // own entry, copied locally, excluded), counted when each exchange completed: what a reshard
+  // puts on the wire, for tests and benchmarks.
+  [[nodiscard]] std::uint64_t exchange_bytes_sent() const noexcept {
+    return p2p_sent_.load(std::memory_order_relaxed);
+  }
+  [[nodiscard]] std::uint64_t exchange_bytes_received() const noexcept {
+    return p2p_received_.load(std::memory_order_relaxed);
+  }
+
   // An interrupt check for embedders (the Python binding turns Ctrl-C into KeyboardInterrupt
   // with it), for the calling thread: the blocking waits of this thread (on any communicator)
   // call it about every 100 ms, and when it returns true the wait ends with Aborted and that
@@ -248,6 +258,8 @@ class SHARDGATHER_API Communicator {
 
   std::atomic<bool> poisoned_{false};
   std::atomic<std::uint64_t> collectives_{0};
+  std::atomic<std::uint64_t> p2p_sent_{0};
+  std::atomic<std::uint64_t> p2p_received_{0};
   std::atomic<std::chrono::milliseconds::rep> timeout_ms_{kDefaultTimeout.count()};
   mutable std::mutex reason_mu_;
   std::string poison_reason_;  // the first reason; guarded by reason_mu_

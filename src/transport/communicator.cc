@@ -254,6 +254,23 @@ void Communicator::all_to_all_scatter(std::span<const ConstSegment> send,
   check_split(first, pieces.size(), world, rank(), "first");
   run_collective("all_to_all_scatter",
                  [&] { do_all_to_all_scatter(send, send_first, pieces, first, deadline); });
+  // Counted once the exchange completed: what went to and came from the other ranks.
+  std::uint64_t sent = 0;
+  std::uint64_t received = 0;
+  const auto me = static_cast<std::size_t>(rank());
+  for (std::size_t p = 0; p < world; ++p) {
+    if (p == me) {
+      continue;
+    }
+    for (std::size_t k = send_first[p]; k < send_first[p + 1]; ++k) {
+      sent += send[k].size;
+    }
+    for (std::size_t k = first[p]; k < first[p + 1]; ++k) {
+      received += pieces[k].block * pieces[k].count;
+    }
+  }
+  p2p_sent_.fetch_add(sent, std::memory_order_relaxed);
+  p2p_received_.fetch_add(received, std::memory_order_relaxed);
 }
 
 void Communicator::barrier(Deadline deadline) {

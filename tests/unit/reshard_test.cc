@@ -299,11 +299,16 @@ TEST(Reshard, SteadyStateAllocatesNothingAndExchangesNoMetadata) {
         testing::ReshardViews views = make_reshard_views(plan, 9, 1);
         plan.execute(views.sources, comm, views.destinations);
         const std::uint64_t before = testing::thread_allocations();
+        const std::uint64_t received = comm.exchange_bytes_received();
+        const std::uint64_t sent = comm.exchange_bytes_sent();
         ExecStats stats;
         for (int step = 0; step < 3; ++step) {
           stats = plan.execute(views.sources, comm, views.destinations);
         }
         EXPECT_EQ(testing::thread_allocations() - before, 0U);
+        // The transport's count: exactly the plan's bytes, each step.
+        EXPECT_EQ(comm.exchange_bytes_received() - received, 3 * plan.bytes_received());
+        EXPECT_EQ(comm.exchange_bytes_sent() - sent, 3 * plan.bytes_sent());
         EXPECT_EQ(stats.metadata_collectives, 0U);
         EXPECT_EQ(stats.preflight_collectives, 1U);
         EXPECT_EQ(stats.payload_collectives, 1U);

@@ -1,0 +1,33 @@
+"""Runs `shardgather-bench reshard` (the command after --) and checks its JSON: every method
+ran, moved every byte right (wrong 0), and the reshard's destinations received exactly their
+boxes' bytes as the transport counted them.
+
+usage: check_reshard_bench.py OUT.json METHODS -- COMMAND... (COMMAND writes OUT.json)"""
+
+import json
+import subprocess
+import sys
+
+
+def main():
+    out, methods = sys.argv[1], sys.argv[2].split(",")
+    command = sys.argv[sys.argv.index("--") + 1:]
+    subprocess.run(command, check=True, timeout=240)
+    with open(out) as f:
+        doc = json.load(f)
+    assert doc["op"] == "reshard" and doc["schema_version"] == 1, doc
+    ran = [r["method"] for r in doc["results"]]
+    assert ran == methods, (ran, methods)
+    for r in doc["results"]:
+        assert r["wrong"] == 0, r
+        assert r["median_ms"] > 0 and len(r["times_ms"]) >= 1, r
+    reshard = next(r for r in doc["results"] if r["method"] == "reshard")
+    assert reshard["received_over_wanted"] == 1.0, reshard
+    wanted = sum(doc["rank_received"])
+    assert wanted > 0 and sum(doc["rank_sent"]) == wanted, doc
+    print("reshard bench output ok: %s" % ", ".join(
+        "%s %.1f ms" % (r["method"], r["median_ms"]) for r in doc["results"]))
+
+
+if __name__ == "__main__":
+    main()
