@@ -177,10 +177,10 @@ TensorView make_view(DType dtype, const Shape& size, ViewKind kind, Rng& rng,
       std::accumulate(outer.begin(), outer.end(), std::int64_t{1}, std::multiplies<>());
   storage.assign(static_cast<std::size_t>(elements * elem), kCanary);
   std::int64_t at = 0;
-  for (std::size_t d = 0; d < ndim; ++d) {
+  for (std::size_t d = 0; d < ndim && elements != 0; ++d) {
     at += inset[d] * strides[d];
   }
-  return TensorView{.data = storage.data() + at * elem,
+  return TensorView{.data = elements == 0 ? storage.data() : storage.data() + at * elem,
                     .dtype = dtype,
                     .shape = size,
                     .strides = kind == ViewKind::kContiguous ? Shape{} : strides,
