@@ -10,6 +10,7 @@ import sys
 import torch
 
 import shardgather
+from shardgather import layouts as L
 from shardgather.layouts import Box, TensorLayout
 
 T = 30.0  # per-call deadline: a broken case fails instead of hanging the harness
@@ -223,6 +224,72 @@ def case_a_group_without_point_to_point_is_refused(rank, world, group=None):
         assert "point-to-point" in str(e), str(e)
         return
     raise AssertionError("no InvalidArgumentError on rank %d" % rank)
+
+
+def _reshard_and_check(rank, group, layouts, seed, dests=None):
+    """Reshards ``layouts`` with sources sliced from the full tensors; ``dests``: this rank's
+    destination views (default: new tensors); checks each against its box of the full tensor."""
+    plan = shardgather.ReshardPlan.for_group(layouts, group, timeout=T)
+    fulls = [full_tensor(t, i, seed) for i, t in enumerate(layouts)]
+    sources = [region(fulls[i], Box(o, s)).clone() for i, o, s in plan.source_boxes]
+    if dests is None:
+        dests = [torch.zeros(s, dtype=layouts[i].dtype) for i, _, s in plan.destination_boxes]
+    plan.execute(sources, dests, group)
+    for (i, o, s), d in zip(plan.destination_boxes, dests):
+        assert torch.equal(_bytes(d.contiguous()), _bytes(region(fulls[i], Box(o, s)).contiguous())), \
+            "rank %d tensor %d box %s" % (rank, i, (o, s))
+    return plan
+
+
+def case_dtensor_meshes_1d_and_2d(rank, world, group=None):
+    from torch.distributed.tensor import Replicate, Shard
+
+    ranks = list(range(world))
+    two_d = [ranks[: world // 2], ranks[world // 2:]] if world % 2 == 0 else [ranks]
+    cases = [
+        (ranks, [Shard(0)], ranks, [Shard(1)]),                        # 1-D, dim 0 -> dim 1
+        (ranks, [Shard(1)], two_d, [Shard(0), Replicate()]),           # 1-D -> 2-D
+        (two_d, [Shard(0), Shard(1)], ranks[::-1], [Shard(0)]),        # FSDP x TP -> reversed
+        (two_d, [Shard(0), Shard(0)], two_d, [Replicate(), Shard(1)]),  # one dim sharded twice
+    ]
+    layouts = [L.dtensor_layout((7, 5), torch.float32, *c) for c in cases]
+    _reshard_and_check(rank, group, layouts, 31)
+
+
+def case_trainer_to_engine_fused_qkv_and_gate_up(rank, world, group=None):
+    """FSDP rows on every rank -> a TP engine of the largest degree in (1, 2, 4) that fits the
+    world, on the last ranks, with fused qkv (8 q heads, 2 kv heads, replicated at TP 4) and
+    gate_up, written in place into each engine rank's fused parameters."""
+    t = max(d for d in (1, 2, 4) if d <= world)
+    engine = list(range(world - t, world))
+    hidden, hd, inter = 16, 2, 12
+    shapes = {"q": (8 * hd, hidden), "k": (2 * hd, hidden), "v": (2 * hd, hidden),
+              "gate": (inter, hidden), "up": (inter, hidden)}
+    qkv = L.fused_qkv(shapes["q"], shapes["k"], shapes["v"], 8, 2, hd, engine)
+    gate_up = L.fused_gate_up(shapes["gate"], shapes["up"], engine)
+    targets = {**qkv, **gate_up}
+    fsdp = list(range(world))
+    layouts = [TensorLayout(shapes[n], torch.bfloat16,
+                            L.placement_boxes(shapes[n], fsdp, [_shard0()]),
+                            L.target_boxes(targets[n]))
+               for n in ("q", "k", "v", "gate", "up")]
+    mine = [t for n in ("q", "k", "v", "gate", "up") for t in targets[n] if t.rank == rank]
+    params = {}
+    if rank in engine:
+        kv_local = max(1, 2 // t)
+        params = {"qkv_proj": torch.zeros(((8 // t) + 2 * kv_local) * hd, hidden,
+                                          dtype=torch.bfloat16),
+                  "gate_up_proj": torch.zeros(2 * inter // t, hidden, dtype=torch.bfloat16)}
+    dests = L.local_views(mine, params) if mine else []
+    _reshard_and_check(rank, group, layouts, 47, dests)
+    for p in params.values():  # every row of each fused parameter was written
+        assert not (p == 0).all(dim=1).any(), "a fused row was left unwritten on rank %d" % rank
+
+
+def _shard0():
+    from torch.distributed.tensor import Shard
+
+    return Shard(0)
 
 
 CASES = [name for name in dir(sys.modules[__name__]) if name.startswith("case_")]
