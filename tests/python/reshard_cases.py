@@ -292,4 +292,37 @@ def _shard0():
     return Shard(0)
 
 
+def exit_case_source_killed_mid_reshard(rank, world):
+    """Rank 0, a source of every destination's bytes, ends its process 20 ms into a reshard of
+    192 MiB per rank (its sockets close, as after kill -9). Every other rank exchanges bytes with
+    it, so every survivor must raise a CommunicationError, never hang: RemoteError at once where
+    Gloo notices the closed connection, else CollectiveTimeout at the deadline (RELIABILITY's
+    fault bound: within 2 x the deadline)."""
+    import threading
+    import time
+
+    deadline = 5.0
+    n = 48 << 20  # float32 elements of each rank's row
+    layout = TensorLayout((world, n), torch.float32,
+                          [(r, Box((r, 0), (1, n))) for r in range(world)],
+                          [(r, Box((0, r * n // world), (world, (r + 1) * n // world - r * n // world)))
+                           for r in range(world)])
+    plan = shardgather.ReshardPlan.for_group([layout], None, timeout=deadline)
+    src = [torch.full((1, n), float(rank))]
+    dst = [torch.zeros(world, (rank + 1) * n // world - rank * n // world)]
+    shardgather.foreach_all_gather([torch.ones(1)], timeout=deadline)  # everyone is here
+    if rank == 0:
+        threading.Thread(target=lambda: plan.execute(src, dst), daemon=True).start()
+        time.sleep(0.02)
+        return "exit"
+    start = time.monotonic()
+    try:
+        plan.execute(src, dst)
+    except shardgather.CommunicationError as e:
+        elapsed = time.monotonic() - start
+        assert elapsed < 2 * deadline, "raised after %.1f s: %s" % (elapsed, e)
+        return None
+    raise AssertionError("rank %d finished a reshard whose source 0 was killed" % rank)
+
+
 CASES = [name for name in dir(sys.modules[__name__]) if name.startswith("case_")]

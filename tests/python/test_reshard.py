@@ -7,6 +7,7 @@ import reshard_cases
 from conftest import CaseResults, check_on_threads
 
 _results = CaseResults("reshard_cases", reshard_cases.CASES)
+_kills = CaseResults("reshard_cases", ["exit_case_source_killed_mid_reshard"])
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -19,3 +20,8 @@ def test_reshard_gloo(world, case):
 @pytest.mark.parametrize("case", reshard_cases.CASES)
 def test_reshard_threads(world, case):
     check_on_threads(world, getattr(reshard_cases, case))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reshard_source_killed_mid_reshard(world):
+    _kills.check(world, "exit_case_source_killed_mid_reshard")
