@@ -292,6 +292,218 @@ def _shard0():
     return Shard(0)
 
 
+# ---- End to end: an FSDP trainer's step resharded into a tensor-parallel engine ----------------
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS = 96, 32, 4, 2, 8, 48, 2
+
+
+def _rms(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def _rope(x):
+    """Rotary embedding of x [batch, heads, seq, HEAD_DIM] at positions 0..seq-1."""
+    pos = torch.arange(x.shape[2], dtype=torch.float32)
+    inv = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+    ang = torch.cat([pos[:, None] * inv[None], pos[:, None] * inv[None]], dim=-1)
+    half = torch.cat([-x[..., HEAD_DIM // 2:], x[..., : HEAD_DIM // 2]], dim=-1)
+    return x * ang.cos() + half * ang.sin()
+
+
+def _attention(x, q_w, k_w, v_w, o_w, heads, kv_heads, reduce):
+    """Causal grouped-query attention of this rank's heads; o_w's output is reduced."""
+    b, n, _ = x.shape
+    q = (x @ q_w.T).view(b, n, heads, HEAD_DIM).transpose(1, 2)
+    k = (x @ k_w.T).view(b, n, kv_heads, HEAD_DIM).transpose(1, 2)
+    v = (x @ v_w.T).view(b, n, kv_heads, HEAD_DIM).transpose(1, 2)
+    q, k = _rope(q), _rope(k)
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scores = (q @ k.transpose(-1, -2)) / HEAD_DIM ** 0.5
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    a = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, heads * HEAD_DIM)
+    return reduce(a @ o_w.T)
+
+
+def _mlp(x, gate_w, up_w, down_w, reduce):
+    return reduce((torch.nn.functional.silu(x @ gate_w.T) * (x @ up_w.T)) @ down_w.T)
+
+
+class _Layer(torch.nn.Module):
+    """One decoder layer (HF's parameter names); its own forward, so FSDP2 unshards it."""
+
+    def __init__(self):
+        super().__init__()
+        lin = lambda o, i: torch.nn.Linear(i, o, bias=False)  # noqa: E731
+        self.input_layernorm = torch.nn.Module()
+        self.input_layernorm.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(HIDDEN))
+        self.post_attention_layernorm = torch.nn.Module()
+        self.post_attention_layernorm.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(HIDDEN))
+        self.self_attn = torch.nn.Module()
+        for name, rows in (("q_proj", HEADS), ("k_proj", KV_HEADS), ("v_proj", KV_HEADS)):
+            setattr(self.self_attn, name, lin(rows * HEAD_DIM, HIDDEN))
+        self.self_attn.o_proj = lin(HIDDEN, HEADS * HEAD_DIM)
+        self.mlp = torch.nn.Module()
+        self.mlp.gate_proj, self.mlp.up_proj = lin(INTER, HIDDEN), lin(INTER, HIDDEN)
+        self.mlp.down_proj = lin(HIDDEN, INTER)
+
+    def forward(self, h):
+        same = lambda t: t  # noqa: E731
+        a, m = self.self_attn, self.mlp
+        x = _rms(h, self.input_layernorm.weight)
+        h = h + _attention(x, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight,
+                           a.o_proj.weight, HEADS, KV_HEADS, same)
+        x = _rms(h, self.post_attention_layernorm.weight)
+        return h + _mlp(x, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, same)
+
+
+class _TinyLlama(torch.nn.Module):
+    """A Llama-shaped model (HF's parameter names) whose forward is the unsharded reference."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.layers = torch.nn.ModuleList([_Layer() for _ in range(LAYERS)])
+        self.norm = torch.nn.Module()
+        self.norm.weight = torch.nn.Parameter(torch.ones(HIDDEN))
+        self.lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        h = self.embed_tokens(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return _rms(h, self.norm.weight) @ self.lm_head.weight.T
+
+
+def _engine_targets(engine):
+    """Per trainer parameter: (rank, Box) destinations and each engine rank's local parameter
+    name and narrow (dim, start) — vLLM's layout: fused qkv and gate_up column-parallel,
+    o and down row-parallel, the rest replicated."""
+    shapes = {k: tuple(v.shape) for k, v in _TinyLlama().state_dict().items()}
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            layer = name.rsplit(".self_attn.", 1)[0]
+            qkv = L.fused_qkv(shapes[layer + ".self_attn.q_proj.weight"],
+                              shapes[layer + ".self_attn.k_proj.weight"],
+                              shapes[layer + ".self_attn.v_proj.weight"], HEADS, KV_HEADS,
+                              HEAD_DIM, engine, param=layer + ".qkv_proj")
+            out[name] = qkv[name.rsplit(".", 2)[1][0]]
+        elif name.endswith(("gate_proj.weight", "up_proj.weight")):
+            layer = name.rsplit(".mlp.", 1)[0]
+            gu = L.fused_gate_up(shapes[layer + ".mlp.gate_proj.weight"],
+                                 shapes[layer + ".mlp.up_proj.weight"], engine,
+                                 param=layer + ".gate_up_proj")
+            out[name] = gu["gate" if "gate_proj" in name else "up"]
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            out[name] = [L.Target(r, b, name, 1, 0) for r, b in L.row_parallel(shape, engine)]
+        else:
+            out[name] = [L.Target(r, b, name, 0, 0) for r, b in L.replicated(shape, engine)]
+    return shapes, out
+
+
+def _engine_params(rank, engine, shapes):
+    """This engine rank's empty local parameters, by name."""
+    t = len(engine)
+    kv_local = max(1, KV_HEADS // t)
+    params = {}
+    for name, shape in shapes.items():
+        if name.endswith("q_proj.weight"):
+            layer = name.rsplit(".self_attn.", 1)[0]
+            params[layer + ".qkv_proj"] = torch.zeros(
+                (HEADS // t + 2 * kv_local) * HEAD_DIM, HIDDEN)
+        elif name.endswith("gate_proj.weight"):
+            params[name.rsplit(".mlp.", 1)[0] + ".gate_up_proj"] = torch.zeros(2 * INTER // t,
+                                                                              HIDDEN)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            params[name] = torch.zeros(shape[0], shape[1] // t)
+        elif not name.endswith(("k_proj.weight", "v_proj.weight", "up_proj.weight")):
+            params[name] = torch.zeros(shape)
+    return params
+
+
+def _engine_forward(p, tokens, t, tp_group):
+    """The TP engine's forward: column-parallel fused qkv and gate_up, row-parallel o and down
+    followed by an all-reduce over the engine's ranks."""
+    import torch.distributed as dist
+
+    def reduce(x):
+        dist.all_reduce(x, group=tp_group)
+        return x
+
+    heads, kv = HEADS // t, max(1, KV_HEADS // t)
+    h = p["embed_tokens.weight"][tokens]
+    for i in range(LAYERS):
+        pre = "layers.%d." % i
+        qkv = p[pre + "qkv_proj"]
+        q_w, k_w = qkv[: heads * HEAD_DIM], qkv[heads * HEAD_DIM: (heads + kv) * HEAD_DIM]
+        v_w = qkv[(heads + kv) * HEAD_DIM:]
+        x = _rms(h, p[pre + "input_layernorm.weight"])
+        h = h + _attention(x, q_w, k_w, v_w, p[pre + "self_attn.o_proj.weight"], heads, kv,
+                           reduce)
+        gate_up = p[pre + "gate_up_proj"]
+        x = _rms(h, p[pre + "post_attention_layernorm.weight"])
+        h = h + _mlp(x, gate_up[: INTER // t], gate_up[INTER // t:],
+                     p[pre + "mlp.down_proj.weight"], reduce)
+    return _rms(h, p["norm.weight"]) @ p["lm_head.weight"].T
+
+
+def case_fsdp_trainer_step_resharded_into_a_tp_engine(rank, world, group=None):
+    """World 4 (Gloo): ranks 0-1 train a Llama-shaped model under FSDP2 (one optimizer step),
+    then reshard every parameter into a TP 2 engine on ranks 2-3 (fused qkv_proj and
+    gate_up_proj, row-parallel o and down, written in place). The engine's forward pass, with
+    its all-reduces, gives the logits of the unsharded updated model."""
+    if world != 4 or group is not None:
+        return
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    trainer, engine = [0, 1], [2, 3]
+    mesh = DeviceMesh("cpu", torch.tensor(trainer))  # collective: every rank builds it
+    tp_group = dist.new_group(engine)
+    torch.manual_seed(0)
+    model = _TinyLlama()
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    shapes, targets = _engine_targets(engine)
+    names = list(shapes)
+    layouts = [TensorLayout(shapes[n], torch.float32,
+                            L.placement_boxes(shapes[n], trainer, [Shard(0)]),
+                            L.target_boxes(targets[n])) for n in names]
+    reference = torch.empty(2, 12, VOCAB)
+    sources, dests, params = [], [], {}
+    if rank in trainer:
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        logits = model(tokens)
+        torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB),
+                                          tokens[:, 1:].reshape(-1)).backward()
+        opt.step()
+        state = model.state_dict()
+        sources = [state[n].to_local() for n in names]
+        full = shardgather.full_tensors(state, mesh.get_group(), timeout=T)
+        unsharded = _TinyLlama()
+        unsharded.load_state_dict(full)
+        with torch.no_grad():
+            reference = unsharded(tokens)
+    else:
+        params = _engine_params(rank, engine, shapes)
+        dests = [v for n in names for v in L.local_views(
+            [t for t in targets[n] if t.rank == rank], params)]
+    plan = shardgather.ReshardPlan.for_group(layouts, None, timeout=T)
+    plan.execute(sources, dests)
+    dist.broadcast(reference, src=0)
+    if rank in engine:
+        with torch.no_grad():
+            got = _engine_forward(params, tokens, len(engine), tp_group)
+        torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
+        assert plan.bytes_received < sum(
+            torch.Size(s).numel() * 4 for s in shapes.values()), "an engine rank got every byte"
+
+
 def exit_case_source_killed_mid_reshard(rank, world):
     """Rank 0, a source of every destination's bytes, ends its process 20 ms into a reshard of
     192 MiB per rank (its sockets close, as after kill -9). Every other rank exchanges bytes with
