@@ -39,6 +39,9 @@ struct Config {
   int tp = 2;
   int replicas = 2;
   std::string model = "qwen3-8b";
+  // "engine": FSDP sources into a TP engine on other ranks; "unshard": every source rank wants
+  // every full tensor (the unshard, as a reshard), against UnshardPlan.
+  std::string layout = "engine";
   int layers = 1;
   int iters = 5;
   int warmup = 1;
@@ -46,7 +49,8 @@ struct Config {
   std::string json;
   bool mpi_yield = false;
   DType dtype = DType::kBFloat16;
-  [[nodiscard]] int world() const { return sources + tp * replicas; }
+  [[nodiscard]] bool unshard() const { return layout == "unshard"; }
+  [[nodiscard]] int world() const { return unshard() ? sources : sources + tp * replicas; }
 };
 
 // How an engine splits a tensor over its TP ranks.
@@ -110,7 +114,10 @@ std::vector<TensorRegions> make_layout(const Config& cfg, const std::vector<Tens
     for (int s = 0; s < cfg.sources; ++s) {
       r.sources.push_back({s, chunk_box(t.shape, 0, s, cfg.sources)});
     }
-    for (int rep = 0; rep < cfg.replicas; ++rep) {
+    for (int s = 0; cfg.unshard() && s < cfg.sources; ++s) {
+      r.destinations.push_back({s, Box{Shape(t.shape.size(), 0), t.shape}});
+    }
+    for (int rep = 0; rep < cfg.replicas && !cfg.unshard(); ++rep) {
       for (int j = 0; j < cfg.tp; ++j) {
         const int rank = cfg.sources + rep * cfg.tp + j;
         const bool whole =
@@ -253,6 +260,26 @@ struct Backend {
 struct Method {
   std::string name;
   std::function<void()> run;
+};
+
+// The unshard layout's own operation: an UnshardPlan (dim-0 shards of the sources, torch.chunk)
+// executed into the destination views, which are the full tensors.
+struct Unshard {
+  std::optional<UnshardPlan> plan;
+
+  Unshard(const Config& cfg, const ReshardPlan& reshard, Strategy strategy) {
+    std::vector<ShardSpec> specs;
+    for (std::size_t i = 0; i < reshard.tensors(); ++i) {
+      specs.push_back({cfg.dtype, reshard.tensor(i).shape, 0, {}, 0});
+    }
+    PlanOptions options;
+    options.strategy = strategy;
+    plan.emplace(specs, cfg.world(), reshard.rank(), options);
+  }
+
+  void run(RankData& data, Communicator& comm) {
+    plan->execute(data.src_views, comm, data.dst_views);
+  }
 };
 
 #ifdef SHARDGATHER_BENCH_WITH_MPI
@@ -460,12 +487,12 @@ struct SliceP2P {
   }
 };
 
-// A host link's rate in bytes/s: rank 0 sends 128 MiB to the first destination rank, best of 3
+// A host link's rate in bytes/s: rank 0 sends 128 MiB to the last rank, best of 3
 // (a smaller message reads low: the shaper's and TCP's ramp weigh in).
 double link_rate(const Config& cfg, MPI_Comm world, int rank) {
   constexpr int kBytes = 128 << 20;
   std::vector<std::byte> buf(kBytes);
-  const int peer = cfg.sources;
+  const int peer = cfg.world() - 1;
   double best = 1e30;
   for (int k = 0; k < 3; ++k) {
     MPI_Barrier(world);
@@ -536,25 +563,32 @@ Run run_rank(const Config& cfg, Backend& b) {
     run.link_rate = link_rate(cfg, b.mpi, comm.rank());
   }
 #endif
+  std::optional<Unshard> un;
   for (const std::string& m : cfg.methods) {
     std::function<void()> fn;
     if (m == "reshard") {
       fn = [&] { plan.execute(data.src_views, comm, data.dst_views); };
     }
+    if (cfg.unshard() && (m == "unshard" || m == "unshard_direct")) {
+      un.emplace(cfg, plan, m == "unshard" ? Strategy::kAuto : Strategy::kDirect);
+      fn = [&] { un->run(data, comm); };
+    }
 #ifdef SHARDGATHER_BENCH_WITH_MPI
-    if (b.mpi != MPI_COMM_NULL && m == "gather_bcast") {
+    if (b.mpi == MPI_COMM_NULL || cfg.unshard()) {
+      // the anchors' methods are the engine layout's, over MPI
+    } else if (m == "gather_bcast") {
       gb.emplace(cfg, plan, data, b.mpi);
       fn = [&] { gb->run(plan, data, comm, cfg.dtype); };
-    } else if (b.mpi != MPI_COMM_NULL && m == "owner_bcast") {
+    } else if (m == "owner_bcast") {
       ob.emplace(cfg, plan, b.mpi);
       fn = [&] { ob->run(cfg, plan, data); };
-    } else if (b.mpi != MPI_COMM_NULL && m == "slice_p2p") {
+    } else if (m == "slice_p2p") {
       sp.emplace(plan);
       fn = [&] { sp->run(plan, data, cfg.dtype, b.mpi); };
     }
 #endif
     if (!fn) {
-      continue;  // an anchor without MPI
+      continue;  // not a method of this layout or backend
     }
     const std::uint64_t before = comm.exchange_bytes_received();
     Result res = time_method(cfg, m, b, fn);
@@ -572,6 +606,7 @@ Run run_rank(const Config& cfg, Backend& b) {
     }
     res.wrong = b.sum(data.check_and_clear(plan, cfg.dtype));
     run.results.push_back(res);
+    un.reset();
 #ifdef SHARDGATHER_BENCH_WITH_MPI
     gb.reset();
     ob.reset();
@@ -595,10 +630,16 @@ double link_floor_ms(const Run& run, int world) {
 
 int report(const Config& cfg, const Run& run) {
   const double floor = link_floor_ms(run, cfg.world());
-  std::printf(
-      "# reshard: %s x %d layers, %zu tensors, %d FSDP sources -> TP %d x %d replicas, %s\n",
-      cfg.model.c_str(), cfg.layers, run.tensors, cfg.sources, cfg.tp, cfg.replicas,
-      std::string(dtype_name(cfg.dtype)).c_str());
+  const std::string dtype(dtype_name(cfg.dtype));
+  if (cfg.unshard()) {
+    std::printf("# reshard as unshard: %s x %d layers, %zu tensors, %d ranks, %s\n",
+                cfg.model.c_str(), cfg.layers, run.tensors, cfg.sources, dtype.c_str());
+  } else {
+    std::printf(
+        "# reshard: %s x %d layers, %zu tensors, %d FSDP sources -> TP %d x %d replicas, %s\n",
+        cfg.model.c_str(), cfg.layers, run.tensors, cfg.sources, cfg.tp, cfg.replicas,
+        dtype.c_str());
+  }
   std::printf("# destination boxes %.1f MB; link rate %.1f MB/s; link floor %.1f ms\n",
               static_cast<double>(run.wanted_bytes) / 1e6, run.link_rate / 1e6, floor);
   std::printf("%-14s %12s %12s %12s %12s %10s %8s\n", "method", "median_ms", "min_ms", "x_reshard",
@@ -632,6 +673,7 @@ int report(const Config& cfg, const Run& run) {
     nlohmann::json doc{{"schema_version", 1},
                        {"op", "reshard"},
                        {"model", cfg.model},
+                       {"layout", cfg.layout},
                        {"layers", cfg.layers},
                        {"tensors", run.tensors},
                        {"sources", cfg.sources},
@@ -669,6 +711,10 @@ std::optional<Config> parse(int argc, char** argv) {
   app.add_option("--tp", cfg.tp, "the engine's tensor-parallel degree (default 2)");
   app.add_option("--replicas", cfg.replicas, "engine replicas (default 2)");
   app.add_option("--model", cfg.model, "qwen3-8b (default) or qwen3-moe");
+  app.add_option("--layout", cfg.layout,
+                 "engine (default: sources into a TP engine on other ranks) or unshard\n"
+                 "(every source wants every full tensor; methods reshard, unshard,\n"
+                 "unshard_direct)");
   app.add_option("--layers", cfg.layers, "decoder layers (default 1)");
   app.add_option("-n,--iters", cfg.iters, "timed iterations (default 5)");
   app.add_option("-w,--warmup", cfg.warmup, "untimed iterations first (default 1)");
@@ -688,9 +734,13 @@ std::optional<Config> parse(int argc, char** argv) {
     throw InvalidArgument(e.what());
   }
   for (const std::string& m : cfg.methods) {
-    if (m != "reshard" && m != "gather_bcast" && m != "owner_bcast" && m != "slice_p2p") {
+    if (m != "reshard" && m != "gather_bcast" && m != "owner_bcast" && m != "slice_p2p" &&
+        m != "unshard" && m != "unshard_direct") {
       throw InvalidArgument("unknown method " + m);
     }
+  }
+  if (cfg.layout != "engine" && cfg.layout != "unshard") {
+    throw InvalidArgument("unknown layout " + cfg.layout + " (engine, unshard)");
   }
   if (cfg.model != "qwen3-8b" && cfg.model != "qwen3-moe") {
     throw InvalidArgument("unknown model " + cfg.model + " (qwen3-8b, qwen3-moe)");
