@@ -19,6 +19,8 @@ Cases, each on warm shards, one after another on the same group, the whole list 
   export      save_safetensors to dst 0 in --out (a tmpfs: the point is the gather), prefetch 1,
               of a stream kept across passes like the others (fresh files every pass)
   export_p0   the same with prefetch 0: the disk writes not overlapped with the gathers
+  export_writers  save_safetensors(..., writers=--writers): each file to one writer rank by a
+              reshard, written by it (the same files, byte for byte)
   xtuner      xtuner's method: pad every shard to ceil(dim0 / world) rows, one foreach per
               --xtuner-bucket-mib of padded bytes (Gloo: xtuner's own, the seed's algorithm; MPI:
               shardgather's), torch.cat per parameter, trim, serial
@@ -110,8 +112,9 @@ def run_stream(sg, state, specs, group, bucket, prefetch, streams):
     return times
 
 
-def run_export(sg, state, specs, group, bucket, prefetch, out, rank, streams):
-    """save_safetensors of a stream kept across passes (warm buckets), into a fresh directory."""
+def run_export(sg, state, specs, group, bucket, prefetch, out, rank, streams, writers=1):
+    """save_safetensors of a stream kept across passes (warm buckets), into a fresh directory,
+    by one writer (dst) or ``writers`` ranks."""
     from shardgather.export import save_safetensors
 
     key = ("export", bucket, prefetch)
@@ -120,7 +123,7 @@ def run_export(sg, state, specs, group, bucket, prefetch, out, rank, streams):
                                          prefetch=prefetch, dst=0, timeout=600)
     target = os.path.join(out, "export-%d" % os.getpid()) if rank == 0 else out
     try:
-        save_safetensors(streams[key], target, dst=0, progress=False)
+        save_safetensors(streams[key], target, dst=0, progress=False, writers=writers)
     finally:
         if rank == 0:
             shutil.rmtree(target, ignore_errors=True)
@@ -230,7 +233,10 @@ def body(rank, world, args, group, barrier):
              lambda b=bucket: run_export(sg, state, specs, group, b, 1, args.out, rank, streams)),
             ("export_p0", bucket_mib,
              lambda b=bucket: run_export(sg, state, specs, group, b, 0, args.out, rank,
-                                         streams))]
+                                         streams)),
+            ("export_writers", bucket_mib,
+             lambda b=bucket: run_export(sg, state, specs, group, b, 1, args.out, rank, streams,
+                                         min(args.writers, world)))]
     phases.append([])
     if args.xtuner_bucket_mib:
         bucket = args.xtuner_bucket_mib * MIB
@@ -310,9 +316,12 @@ def parse():
     p.add_argument("--xtuner-bucket-mib", type=int, default=2048,
                    help="0: skip xtuner's method (its own default is 4096)")
     p.add_argument("--cases", type=lambda v: v.split(","),
-                   default="limit,transport,stream,export,export_p0,xtuner".split(","),
+                   default="limit,transport,stream,export,export_p0,export_writers,xtuner"
+                   .split(","),
                    help="comma-separated subset of the cases (default: all)")
     p.add_argument("--repeat", type=int, default=3, help="passes over every case (median)")
+    p.add_argument("--writers", type=int, default=4,
+                   help="export_writers: writer ranks (at most the world size)")
     p.add_argument("--out", default="/dev/shm", help="where export writes (then deletes)")
     p.add_argument("--json", default=None, help="append one JSON record per row here")
     return p.parse_args()

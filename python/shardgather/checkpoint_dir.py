@@ -130,6 +130,19 @@ class CheckpointWriter:
         self._names.add(file_name)
         return path
 
+    def adopt(self, file_name):
+        """Takes ``file_name``, written into the staging directory by another process (a
+        writer rank of a multi-writer export, on this filesystem), as one of this checkpoint's
+        files; fsyncs it. Returns its staging path."""
+        self._check_state("adopt")
+        self._check_file_name(file_name)
+        path = os.path.join(self.staging_dir, file_name)
+        if not os.path.isfile(path):
+            raise FileNotFoundError("CheckpointWriter.adopt: %r was not written" % path)
+        _fsync_file(path)
+        self._names.add(file_name)
+        return path
+
     def _check_file_name(self, name):
         if not isinstance(name, str) or not _is_plain_name(name) or name.startswith("."):
             raise ValueError("CheckpointWriter.write: %r is not a plain, non-hidden file name"

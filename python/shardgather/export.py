@@ -17,8 +17,10 @@ Collective over the group (for DTensors: their mesh): every rank calls it with t
 A failure on any rank (a write error on ``dst`` included) raises on every rank.
 """
 
+import math
 import os
 
+import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -32,7 +34,7 @@ __all__ = ["save_safetensors", "INDEX_NAME"]
 
 def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
                      bucket_bytes=1 << 30, prefetch=1, progress=True, timeout=None,
-                     metadata=None):
+                     metadata=None, writers=1):
     """Writes the full tensors of ``state_dict`` (shards with ``specs``, or DTensors with
     ``specs=None``, as for :func:`shardgather.unshard_stream`) to ``out_dir`` on rank ``dst``.
     ``state_dict`` may also be an UnshardStream made with the same ``dst``: a checkpoint saved
@@ -41,6 +43,12 @@ def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
     ``dst``: a rank of the group (an int in [0, world size)). ``progress``: a tqdm bar on
     ``dst`` (bytes written). ``metadata``: extra str to str pairs for each file's header
     (``{"format": "pt"}`` is always set). Returns the index's path on ``dst``, None elsewhere.
+
+    ``writers=W`` (1 <= W <= world size): W ranks write the files, each file (the same files,
+    bytes and index as with one writer) assigned to one writer, balanced by bytes, and moved to
+    it by a reshard from the ranks that hold its shards (every byte crosses the network once).
+    The writers write into ``dst``'s staging directory, so ``out_dir`` must be one filesystem
+    that every writer sees (a shared one across hosts); ``dst`` commits.
 
     The checkpoint replaces an older one in ``out_dir`` atomically (see
     :mod:`shardgather.checkpoint_dir`): until it is complete the older one stays intact, and
@@ -52,6 +60,7 @@ def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
 
     def check(names):
         _check_export(out_dir, dst, progress, metadata, names, world)
+        check_int("writers", writers, 1, world, "the group's %d ranks" % world)
 
     if isinstance(state_dict, UnshardStream):  # one made once, run again on every save
         stream = state_dict
@@ -61,6 +70,8 @@ def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
         world = _world_of(state_dict, specs, group, timeout)
         stream = UnshardStream(state_dict, specs, group, bucket_bytes=bucket_bytes,
                                prefetch=prefetch, dst=dst, timeout=timeout, _checks=(check,))
+    if writers != 1:
+        return _save_with_writers(stream, out_dir, writers, progress, metadata, timeout)
     writer = []  # on dst: the CheckpointWriter, made inside the stream (a failure travels)
     try:
         index = _write_buckets(stream, out_dir, writer, progress, metadata)
@@ -102,6 +113,135 @@ def _write_buckets(stream, out_dir, writer, progress, metadata):
     if not receives:
         return None
     return {"metadata": {"total_size": total}, "weight_map": weight_map}
+
+
+def _file_names(n):
+    return ["model-%05d-of-%05d.safetensors" % (b + 1, n) for b in range(n)]
+
+
+def _assign_files(file_bytes, world, writers):
+    """(writer ranks, owner of each file): writers spread evenly over the ranks (so over hosts
+    of consecutive ranks), each file to the least-loaded writer, largest files first."""
+    ranks = [k * world // writers for k in range(writers)]
+    loads = [0] * writers
+    owner = [0] * len(file_bytes)
+    for b in sorted(range(len(file_bytes)), key=lambda b: (-file_bytes[b], b)):
+        k = min(range(writers), key=lambda k: (loads[k], k))
+        owner[b] = ranks[k]
+        loads[k] += file_bytes[b]
+    return ranks, owner
+
+
+def _source_boxes(spec, world):
+    """[(rank, Box)]: the real part of each rank's shard of ``spec``."""
+    from . import chunk_sizes
+    from .layouts import Box
+
+    dim, full = spec.shard_dim % len(spec.full_shape), tuple(spec.full_shape)
+    sizes = list(spec.sizes) or chunk_sizes(full[dim], world)
+    out, at = [], 0
+    for r in range(world):
+        offset = tuple(at if d == dim else 0 for d in range(len(full)))
+        size = tuple(sizes[r] if d == dim else n for d, n in enumerate(full))
+        out.append((r, Box(offset, size)))
+        at += sizes[r]
+    return out
+
+
+def _staging_everywhere(comm, writer):
+    """``dst``'s staging directory, on every rank (one small gather of its path)."""
+    from . import foreach_all_gather
+
+    mine = writer.staging_dir.encode() if writer is not None else b""
+    got = foreach_all_gather([torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+                              if mine else torch.empty(0, dtype=torch.uint8)], comm)
+    return next(bytes(t.tolist()).decode() for t in got[0] if t.numel())
+
+
+def _save_with_writers(stream, out_dir, writers, progress, metadata, timeout):
+    """The export with W writer ranks, round by round: in round k every writer receives the
+    full tensors of its k-th file (one reshard: each destination is a writer's whole tensor),
+    writes the file into ``dst``'s staging directory and the round agrees (a write error raises
+    on every rank). ``dst`` then adopts every file and commits. A writer holds one file's
+    tensors at a time."""
+    from . import ReshardPlan
+    from .layouts import Box, TensorLayout
+
+    comm, me, world = stream._comm, stream.rank, stream._comm.size
+    n = stream.num_buckets
+    names, specs = _file_names(n), stream._specs
+    params = [range(*stream._stream.bucket_params(b)) for b in range(n)]
+    file_bytes = [sum(math.prod(specs[i].full_shape) * specs[i].dtype.itemsize for i in params[b])
+                  for b in range(n)]
+    ranks, owner = _assign_files(file_bytes, world, writers)
+    header = dict(metadata or {}, format="pt")
+    made = Agreement("save_safetensors")
+    writer = made.capture(lambda: CheckpointWriter(out_dir)) if me == stream.dst else None
+    made.run(comm, _setup_timeout(timeout))
+    try:
+        staging = _staging_everywhere(comm, writer)
+        rounds = [[b for b in range(n) if owner[b] == w] for w in ranks]
+        bar = tqdm(total=sum(file_bytes[b] for b in range(n) if owner[b] == me), unit="B",
+                   unit_scale=True, desc="export", disable=not (progress and me in ranks))
+        try:
+            for k in range(max(len(r) for r in rounds)):
+                files = [r[k] for r in rounds if k < len(r)]
+                layouts = [TensorLayout(tuple(specs[i].full_shape), specs[i].dtype,
+                                        _source_boxes(specs[i], world),
+                                        [(owner[b], Box((0,) * len(specs[i].full_shape),
+                                                        tuple(specs[i].full_shape)))])
+                           for b in files for i in params[b]]
+                plan = ReshardPlan(layouts, world, me, hosts=comm.hosts or None, timeout=timeout)
+                order = [i for b in files for i in params[b]]
+                sources = [_real_part(stream._tensors[i], specs[i], me, world) for i in order]
+                full = {i: torch.empty(tuple(specs[i].full_shape), dtype=specs[i].dtype)
+                        for b in files if owner[b] == me for i in params[b]}
+                plan.execute(sources, [full[i] for i in order if i in full], comm)
+                wrote = Agreement("save_safetensors")
+                for b in files:
+                    if owner[b] == me:
+                        tensors = {str(stream._names[i]): full[i] for i in params[b]}
+                        wrote.capture(lambda: _write_file(staging, names[b], tensors, header))
+                        bar.update(file_bytes[b])
+                wrote.run(comm, _setup_timeout(timeout))
+        finally:
+            _close_quietly(bar)
+        index = None
+        if writer is not None:
+            weight_map = {str(stream._names[i]): names[b] for b in range(n) for i in params[b]}
+            index = {"metadata": {"total_size": sum(file_bytes)}, "weight_map": weight_map}
+            for name in names:
+                writer.adopt(name)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    return _commit(stream, writer, index, timeout, out_dir)
+
+
+def _real_part(shard, spec, rank, world):
+    """The rows of ``shard`` that hold data (FSDP pads shards to one size)."""
+    from . import chunk_sizes
+
+    dim = spec.shard_dim % len(spec.full_shape)
+    sizes = list(spec.sizes) or chunk_sizes(spec.full_shape[dim], world)
+    return shard.narrow(dim, 0, sizes[rank]) if shard.shape[dim] != sizes[rank] else shard
+
+
+def _write_file(staging, name, tensors, header):
+    """Writes one file into the staging directory: under a temporary name first, so a file of
+    its final name is always whole."""
+    path = os.path.join(staging, name)
+    tmp = os.path.join(staging, ".part." + name)
+    try:
+        save_file(tensors, tmp, metadata=header)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def _close_quietly(bar):

@@ -82,6 +82,7 @@ class UnshardStream:
         agreement.run(self._comm, _setup_timeout(timeout))
         self._names = names
         self._tensors = tensors
+        self._specs = specs
         self._copy = copy
         self._begun = False
         self._ended = False

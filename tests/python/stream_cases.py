@@ -269,6 +269,37 @@ def case_export(rank, world):
     check_export(rank, world, None)
 
 
+def case_export_with_writers_is_byte_identical(rank, world):
+    """save_safetensors with W writers (2 and the world) writes the same files, byte for byte,
+    and the same index as with one writer, for uneven, empty and dim-1 shards."""
+    import filecmp
+    import os
+    import shutil
+    import tempfile
+
+    from shardgather.export import save_safetensors
+
+    named = _llama_like(world)
+    specs = {k: s for k, s in named}
+    state = {k: _local_shard(s, rank, world, i) for i, (k, s) in enumerate(named)}
+    dirs = [tempfile.mkdtemp(prefix="sg-export-w%d-" % w) for w in (1, 2, world)]
+    try:
+        for out, w in zip(dirs, (1, min(2, world), world)):
+            save_safetensors(state, out, specs, dst=world - 1, bucket_bytes=40000,
+                             progress=False, timeout=T, writers=w)
+        if rank != world - 1:
+            return
+        one = sorted(os.listdir(dirs[0]))
+        assert len(one) > 3, one
+        for other in dirs[1:]:
+            assert sorted(os.listdir(other)) == one, (os.listdir(other), one)
+            _, mismatch, errors = filecmp.cmpfiles(dirs[0], other, one, shallow=False)
+            assert not mismatch and not errors, (mismatch, errors)
+    finally:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def timeout_case_stream_stalled_consumer(rank, world):
     """The last rank's consumer stalls past the deadline mid-stream: every rank's stream ends
     with an error within a few deadlines (the peers time out; the stalled rank's own next
