@@ -65,11 +65,12 @@ def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
     if isinstance(state_dict, UnshardStream):  # one made once, run again on every save
         stream = state_dict
         world = stream._comm.size
-        _check_premade(stream, dst, check, timeout)
+        _check_premade(stream, dst, check, timeout, writers)
     else:
         world = _world_of(state_dict, specs, group, timeout)
         stream = UnshardStream(state_dict, specs, group, bucket_bytes=bucket_bytes,
-                               prefetch=prefetch, dst=dst, timeout=timeout, _checks=(check,))
+                               prefetch=prefetch, dst=dst, timeout=timeout, _checks=(check,),
+                               _options=[("writers", writers)])
     if writers != 1:
         return _save_with_writers(stream, out_dir, writers, progress, metadata, timeout)
     writer = []  # on dst: the CheckpointWriter, made inside the stream (a failure travels)
@@ -295,11 +296,13 @@ def _check_export(out_dir, dst, progress, metadata, names, world):
         seen[str(k)] = k
 
 
-def _check_premade(stream, dst, check, timeout):
+def _check_premade(stream, dst, check, timeout, writers):
     """The export's arguments against a stream made beforehand: one agreement on every rank,
     so that an error raises everywhere and leaves the stream usable for the next save."""
     agreement = Agreement("save_safetensors")
     agreement.capture(lambda: check(stream._names))
+    # Agreed on once every rank's value is known to be an int in range.
+    agreement.options = [("writers", writers if agreement.error is None else None)]
     if agreement.error is None and stream.dst != dst:
         agreement.fail(InvalidArgumentError, "the stream gathers to %s, not dst=%s"
                        % (stream.dst, dst))

@@ -60,7 +60,7 @@ class UnshardStream:
     """
 
     def __init__(self, shards, specs=None, group=None, *, bucket_bytes=1 << 30, prefetch=1,
-                 dst=None, copy=False, strategy="auto", timeout=None, _checks=()):
+                 dst=None, copy=False, strategy="auto", timeout=None, _checks=(), _options=()):
         agreement = Agreement("unshard_stream")
         group = _stream_group(shards, specs, group)
         self._comm = communicator(group, _setup_timeout(timeout))
@@ -75,8 +75,9 @@ class UnshardStream:
             strategy, timeout))
         agreement.names = names if isinstance(shards, dict) else None
         agreement.specs = specs
+        # _options: a caller's own (the export's writers), agreed on with the stream's.
         agreement.options = [("bucket_bytes", bucket_bytes), ("prefetch", prefetch),
-                             ("dst", dst), ("strategy", strategy)]
+                             ("dst", dst), ("strategy", strategy)] + list(_options)
         if agreement.error is not None:
             agreement.options = [(k, None) for k, _ in agreement.options]
         agreement.run(self._comm, _setup_timeout(timeout))

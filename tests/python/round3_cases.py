@@ -184,6 +184,13 @@ EXPORT_ROWS = [
     ("export_keys_reordered", "export", lambda kw, w: dict(kw, state=_reordered(kw["state"]),
                                                            specs=_reordered(kw["specs"])),
      "MismatchError", "key order differs", 2),
+    ("export_writers_zero", "export", dict(writers=0), "InvalidArgumentError",
+     "writers must be", 2),
+    ("export_writers_past_world", "export", lambda kw, w: dict(kw, writers=w + 1),
+     "InvalidArgumentError", "writers must be", 2),
+    ("export_writers_str", "export", dict(writers="2"), "InvalidTypeError",
+     "writers must be an int", 2),
+    ("export_writers_differs", "export", dict(writers=2), "MismatchError", "writers differs", 2),
     ("export_out_dir_unwritable", "export", dict(out="/proc/version/x"), "InvalidArgumentError",
      "consumer raised", 2),
 ]

@@ -282,11 +282,15 @@ def case_export_with_writers_is_byte_identical(rank, world):
     named = _llama_like(world)
     specs = {k: s for k, s in named}
     state = {k: _local_shard(s, rank, world, i) for i, (k, s) in enumerate(named)}
-    dirs = [tempfile.mkdtemp(prefix="sg-export-w%d-" % w) for w in (1, 2, world)]
+    dirs = [tempfile.mkdtemp(prefix="sg-export-w%d-" % w) for w in (1, 2, world, 0)]
     try:
         for out, w in zip(dirs, (1, min(2, world), world)):
             save_safetensors(state, out, specs, dst=world - 1, bucket_bytes=40000,
                              progress=False, timeout=T, writers=w)
+        # A stream made once (a checkpoint every N steps), saved by every rank as a writer.
+        stream = shardgather.unshard_stream(state, specs, bucket_bytes=40000, dst=world - 1,
+                                            timeout=T)
+        save_safetensors(stream, dirs[3], dst=world - 1, progress=False, writers=world)
         if rank != world - 1:
             return
         one = sorted(os.listdir(dirs[0]))
