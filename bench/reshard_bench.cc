@@ -150,36 +150,6 @@ void for_each_row(const Shape& shape, const Box& b, Fn&& fn) {
   }
 }
 
-// Copies box `b` from `src` (box `from`, contiguous) to `dst` (box `to`, contiguous), 0-2 dims.
-void copy_box(const std::byte* src, const Box& from, std::byte* dst, const Box& to, const Box& b,
-              std::size_t elem) {
-  const auto at = [&](const Box& in, std::int64_t row, std::int64_t col) {
-    if (in.size.empty()) {
-      return std::int64_t{0};
-    }
-    return in.size.size() == 1 ? row - in.offset[0]
-                               : (row - in.offset[0]) * in.size[1] + (col - in.offset[1]);
-  };
-  const std::int64_t rows = b.size.empty() ? 1 : b.size[0];
-  const std::int64_t cols = b.size.size() < 2 ? (b.size.empty() ? 1 : b.size[0]) : b.size[1];
-  const std::int64_t row0 = b.offset.empty() ? 0 : b.offset[0];
-  const std::int64_t col0 = b.offset.size() < 2 ? 0 : b.offset[1];
-  if (box_elements(b) == 0) {
-    return;
-  }
-  if (b.size.size() < 2) {
-    std::memcpy(dst + at(to, row0, 0) * static_cast<std::int64_t>(elem),
-                src + at(from, row0, 0) * static_cast<std::int64_t>(elem),
-                static_cast<std::size_t>(cols) * elem);
-    return;
-  }
-  for (std::int64_t r = 0; r < rows; ++r) {
-    std::memcpy(dst + at(to, row0 + r, col0) * static_cast<std::int64_t>(elem),
-                src + at(from, row0 + r, col0) * static_cast<std::int64_t>(elem),
-                static_cast<std::size_t>(cols) * elem);
-  }
-}
-
 // One rank's tensors: its source boxes filled from the full tensors' pattern, its destination
 // boxes (contiguous), and the views over them.
 struct RankData {
@@ -283,6 +253,36 @@ struct Unshard {
 };
 
 #ifdef SHARDGATHER_BENCH_WITH_MPI
+// Copies box `b` from `src` (box `from`, contiguous) to `dst` (box `to`, contiguous), 0-2 dims.
+void copy_box(const std::byte* src, const Box& from, std::byte* dst, const Box& to, const Box& b,
+              std::size_t elem) {
+  const auto at = [&](const Box& in, std::int64_t row, std::int64_t col) {
+    if (in.size.empty()) {
+      return std::int64_t{0};
+    }
+    return in.size.size() == 1 ? row - in.offset[0]
+                               : (row - in.offset[0]) * in.size[1] + (col - in.offset[1]);
+  };
+  const std::int64_t rows = b.size.empty() ? 1 : b.size[0];
+  const std::int64_t cols = b.size.size() < 2 ? (b.size.empty() ? 1 : b.size[0]) : b.size[1];
+  const std::int64_t row0 = b.offset.empty() ? 0 : b.offset[0];
+  const std::int64_t col0 = b.offset.size() < 2 ? 0 : b.offset[1];
+  if (box_elements(b) == 0) {
+    return;
+  }
+  if (b.size.size() < 2) {
+    std::memcpy(dst + at(to, row0, 0) * static_cast<std::int64_t>(elem),
+                src + at(from, row0, 0) * static_cast<std::int64_t>(elem),
+                static_cast<std::size_t>(cols) * elem);
+    return;
+  }
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::memcpy(dst + at(to, row0 + r, col0) * static_cast<std::int64_t>(elem),
+                src + at(from, row0 + r, col0) * static_cast<std::int64_t>(elem),
+                static_cast<std::size_t>(cols) * elem);
+  }
+}
+
 // MPI_Bcast of any size, in chunks an int counts.
 void bcast(std::byte* data, std::uint64_t bytes, int root, MPI_Comm comm) {
   constexpr std::uint64_t kChunk = std::uint64_t{1} << 30;
