@@ -535,8 +535,9 @@ struct Run {
   std::vector<Result> results;
   std::vector<std::uint64_t> rank_sent;
   std::vector<std::uint64_t> rank_received;
-  std::uint64_t wanted_bytes = 0;  // every destination box's bytes, summed
-  double link_rate = 0;            // bytes/s, 0 where not measured
+  std::vector<std::uint64_t> rank_local;  // copied to itself: on no link
+  std::uint64_t wanted_bytes = 0;         // every destination box's bytes, summed
+  double link_rate = 0;                   // bytes/s, 0 where not measured
   std::size_t tensors = 0;
 };
 
@@ -550,6 +551,7 @@ Run run_rank(const Config& cfg, Backend& b) {
   run.tensors = layout.size();
   run.rank_sent = plan.regions().rank_sent;
   run.rank_received = plan.regions().rank_received;
+  run.rank_local = plan.regions().rank_local;
   for (const TensorRegions& t : layout) {
     for (const RankBox& d : t.destinations) {
       run.wanted_bytes += box_bytes(d.box, cfg.dtype);
@@ -621,9 +623,9 @@ double link_floor_ms(const Run& run, int world) {
     return 0;
   }
   std::uint64_t worst = 0;
-  for (int r = 0; r < world; ++r) {
-    worst = std::max({worst, run.rank_sent[static_cast<std::size_t>(r)],
-                      run.rank_received[static_cast<std::size_t>(r)]});
+  for (std::size_t r = 0; r < static_cast<std::size_t>(world); ++r) {
+    worst = std::max(
+        {worst, run.rank_sent[r] - run.rank_local[r], run.rank_received[r] - run.rank_local[r]});
   }
   return 1e3 * static_cast<double>(worst) / run.link_rate;
 }
@@ -684,6 +686,7 @@ int report(const Config& cfg, const Run& run) {
                        {"link_floor_ms", floor},
                        {"rank_sent", run.rank_sent},
                        {"rank_received", run.rank_received},
+                       {"rank_local", run.rank_local},
                        {"results", rows}};
     std::ofstream(cfg.json) << doc.dump(2) << "\n";
   }

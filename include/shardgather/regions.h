@@ -88,9 +88,11 @@ struct RegionPlan {
   std::vector<std::size_t> recv_first;  // world + 1
   std::vector<std::uint64_t> send_counts;  // per peer: bytes this rank sends it
   std::vector<std::uint64_t> recv_counts;  // per peer: bytes this rank receives from it
-  // Every rank's totals (the same on every rank): what a bench compares with the links.
+  // Every rank's totals (the same on every rank): what a bench compares with the links. Sent
+  // and received include what a rank copies to itself, which is also in rank_local.
   std::vector<std::uint64_t> rank_sent;
   std::vector<std::uint64_t> rank_received;
+  std::vector<std::uint64_t> rank_local;
   std::vector<ViewRef> source_views;       // this rank's, in the order it passes them
   std::vector<ViewRef> destination_views;  // this rank's
   // A hash of everything the ranks must agree on: world, every tensor's dtype, shape and boxes,

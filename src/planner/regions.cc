@@ -491,6 +491,7 @@ RegionPlan plan_regions(std::span<const TensorRegions> tensors, int world_size, 
   const auto world = static_cast<std::size_t>(world_size);
   plan.rank_sent.assign(world, 0);
   plan.rank_received.assign(world, 0);
+  plan.rank_local.assign(world, 0);
   std::vector<int> send_peer;
   std::vector<int> recv_peer;
   for (Transfer& x : all) {
@@ -498,6 +499,9 @@ RegionPlan plan_regions(std::span<const TensorRegions> tensors, int world_size, 
     const int d = dst_rank(x);
     plan.rank_sent[static_cast<std::size_t>(s)] += x.bytes;
     plan.rank_received[static_cast<std::size_t>(d)] += x.bytes;
+    if (s == d) {
+      plan.rank_local[static_cast<std::size_t>(s)] += x.bytes;
+    }
     if (s == rank) {
       plan.sends.push_back(x);
     }

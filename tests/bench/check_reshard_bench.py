@@ -25,6 +25,8 @@ def main():
     assert reshard["received_over_wanted"] == 1.0, reshard
     wanted = sum(doc["rank_received"])
     assert wanted > 0 and sum(doc["rank_sent"]) == wanted, doc
+    assert all(0 <= local <= min(s, r) for local, s, r in
+               zip(doc["rank_local"], doc["rank_sent"], doc["rank_received"])), doc
     print("reshard bench output ok: %s" % ", ".join(
         "%s %.1f ms" % (r["method"], r["median_ms"]) for r in doc["results"]))
 

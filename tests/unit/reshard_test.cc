@@ -94,6 +94,7 @@ TEST(RegionPlanner, ReplicasShareTheSendingAndPreferTheDestinationsOwnRank) {
   for (int r = 0; r < 4; ++r) {
     EXPECT_EQ(plan.rank_sent[static_cast<std::size_t>(r)], 2 * 256 * 1024U + 2 * 256 * 1024U)
         << "rank " << r << " sends its own quarter to itself and a quarter to rank 4";
+    EXPECT_EQ(plan.rank_local[static_cast<std::size_t>(r)], 2 * 256 * 1024U);
     EXPECT_EQ(plan.recv_counts[static_cast<std::size_t>(r)], 2 * 256 * 1024U);
   }
 }
