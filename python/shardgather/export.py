@@ -165,9 +165,6 @@ def _save_with_writers(stream, out_dir, writers, progress, metadata, timeout):
     writes the file into ``dst``'s staging directory and the round agrees (a write error raises
     on every rank). ``dst`` then adopts every file and commits. A writer holds one file's
     tensors at a time."""
-    from . import ReshardPlan
-    from .layouts import Box, TensorLayout
-
     comm, me, world = stream._comm, stream.rank, stream._comm.size
     n = stream.num_buckets
     names, specs = _file_names(n), stream._specs
@@ -186,38 +183,77 @@ def _save_with_writers(stream, out_dir, writers, progress, metadata, timeout):
                    unit_scale=True, desc="export", disable=not (progress and me in ranks))
         try:
             for k in range(max(len(r) for r in rounds)):
-                files = [r[k] for r in rounds if k < len(r)]
-                layouts = [TensorLayout(tuple(specs[i].full_shape), specs[i].dtype,
-                                        _source_boxes(specs[i], world),
-                                        [(owner[b], Box((0,) * len(specs[i].full_shape),
-                                                        tuple(specs[i].full_shape)))])
-                           for b in files for i in params[b]]
-                plan = ReshardPlan(layouts, world, me, hosts=comm.hosts or None, timeout=timeout)
-                order = [i for b in files for i in params[b]]
-                sources = [_real_part(stream._tensors[i], specs[i], me, world) for i in order]
-                full = {i: torch.empty(tuple(specs[i].full_shape), dtype=specs[i].dtype)
-                        for b in files if owner[b] == me for i in params[b]}
-                plan.execute(sources, [full[i] for i in order if i in full], comm)
-                wrote = Agreement("save_safetensors")
-                for b in files:
-                    if owner[b] == me:
-                        tensors = {str(stream._names[i]): full[i] for i in params[b]}
-                        wrote.capture(lambda: _write_file(staging, names[b], tensors, header))
-                        bar.update(file_bytes[b])
-                wrote.run(comm, _setup_timeout(timeout))
+                _export_round([r[k] for r in rounds if k < len(r)], stream, params, owner,
+                              names, file_bytes, staging, header, bar, timeout)
         finally:
             _close_quietly(bar)
         index = None
         if writer is not None:
             weight_map = {str(stream._names[i]): names[b] for b in range(n) for i in params[b]}
             index = {"metadata": {"total_size": sum(file_bytes)}, "weight_map": weight_map}
-            for name in names:
-                writer.adopt(name)
     except BaseException:
         if writer is not None:
             writer.abort()
         raise
-    return _commit(stream, writer, index, timeout, out_dir)
+    done = Agreement("save_safetensors")  # dst's adopting and committing, told to every rank
+    if writer is not None:
+        done.capture(lambda: _adopt_and_commit(writer, names, index))
+    done.run(comm, _setup_timeout(timeout))
+    return os.path.join(out_dir, INDEX_NAME) if writer is not None else None
+
+
+def _export_round(files, stream, params, owner, names, file_bytes, staging, header, bar,
+                  timeout):
+    """One round: every writer receives the full tensors of ``files`` it owns in one reshard
+    and writes them. What can fail on one rank (its tensors, a write) is agreed on, before the
+    reshard and after the writes, so it raises on every rank instead of leaving them waiting."""
+    from . import ReshardPlan
+    from .layouts import Box, TensorLayout
+
+    comm, me, world = stream._comm, stream.rank, stream._comm.size
+    specs = stream._specs
+    order = [i for b in files for i in params[b]]
+    layouts = [TensorLayout(tuple(specs[i].full_shape), specs[i].dtype,
+                            _source_boxes(specs[i], world),
+                            [(owner[b], Box((0,) * len(specs[i].full_shape),
+                                            tuple(specs[i].full_shape)))])
+               for b in files for i in params[b]]
+    ready = Agreement("save_safetensors")
+    sources = ready.capture(lambda: [_real_part(stream._tensors[i], specs[i], me, world)
+                                     for i in order])
+    full = ready.capture(lambda: {i: torch.empty(tuple(specs[i].full_shape),
+                                                 dtype=specs[i].dtype)
+                                  for b in files if owner[b] == me for i in params[b]})
+    ready.run(comm, _setup_timeout(timeout))
+    plan = ReshardPlan(layouts, world, me, hosts=comm.hosts or None, timeout=timeout)
+    plan.execute(sources, [full[i] for i in order if i in full], comm)
+    wrote = Agreement("save_safetensors")
+    for b in files:
+        if owner[b] == me:
+            tensors = {str(stream._names[i]): full[i] for i in params[b]}
+            wrote.capture(lambda: _write_file(staging, names[b], tensors, header))
+            _update_quietly(bar, file_bytes[b])
+    wrote.run(comm, _setup_timeout(timeout))
+
+
+def _adopt_and_commit(writer, names, index):
+    """On dst: takes in every writer's file, then commits; aborts on any failure."""
+    try:
+        for name in names:
+            writer.adopt(name)
+    except BaseException:
+        writer.abort()
+        raise
+    _commit_or_abort(writer, index)
+
+
+def _update_quietly(bar, n):
+    """A progress bar never fails an export (a broken stderr pipe would reach this rank alone)."""
+    try:
+        bar.update(n)
+    except Exception:  # noqa: BLE001
+        pass
+
 
 
 def _real_part(shard, spec, rank, world):
