@@ -133,13 +133,20 @@ def _assign_files(file_bytes, world, writers):
     return ranks, owner
 
 
+def _split(spec, world):
+    """(shard dim, every rank's real size along it) of ``spec``; torch.chunk sizes by default."""
+    from . import chunk_sizes
+
+    dim = spec.shard_dim % len(spec.full_shape)
+    return dim, list(spec.sizes) or chunk_sizes(spec.full_shape[dim], world)
+
+
 def _source_boxes(spec, world):
     """[(rank, Box)]: the real part of each rank's shard of ``spec``."""
-    from . import chunk_sizes
     from .layouts import Box
 
-    dim, full = spec.shard_dim % len(spec.full_shape), tuple(spec.full_shape)
-    sizes = list(spec.sizes) or chunk_sizes(full[dim], world)
+    full = tuple(spec.full_shape)
+    dim, sizes = _split(spec, world)
     out, at = [], 0
     for r in range(world):
         offset = tuple(at if d == dim else 0 for d in range(len(full)))
@@ -258,10 +265,7 @@ def _update_quietly(bar, n):
 
 def _real_part(shard, spec, rank, world):
     """The rows of ``shard`` that hold data (FSDP pads shards to one size)."""
-    from . import chunk_sizes
-
-    dim = spec.shard_dim % len(spec.full_shape)
-    sizes = list(spec.sizes) or chunk_sizes(spec.full_shape[dim], world)
+    dim, sizes = _split(spec, world)
     return shard.narrow(dim, 0, sizes[rank]) if shard.shape[dim] != sizes[rank] else shard
 
 

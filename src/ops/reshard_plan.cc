@@ -107,12 +107,12 @@ const RankBox& ReshardPlan::destination(std::size_t v) const {
 
 std::uint64_t ReshardPlan::bytes_sent() const noexcept {
   const auto me = static_cast<std::size_t>(regions_.rank);
-  return regions_.world_size == 0 ? 0 : regions_.rank_sent[me] - regions_.send_counts[me];
+  return regions_.world_size == 0 ? 0 : regions_.rank_sent[me] - regions_.rank_local[me];
 }
 
 std::uint64_t ReshardPlan::bytes_received() const noexcept {
   const auto me = static_cast<std::size_t>(regions_.rank);
-  return regions_.world_size == 0 ? 0 : regions_.rank_received[me] - regions_.recv_counts[me];
+  return regions_.world_size == 0 ? 0 : regions_.rank_received[me] - regions_.rank_local[me];
 }
 
 ExecStats ReshardPlan::execute(std::span<const TensorView> sources, Communicator& comm,
