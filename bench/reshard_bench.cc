@@ -45,7 +45,8 @@ struct Config {
   int layers = 1;
   int iters = 5;
   int warmup = 1;
-  std::vector<std::string> methods = {"reshard", "gather_bcast", "owner_bcast", "slice_p2p"};
+  std::vector<std::string> methods = {"reshard", "reshard_flat", "gather_bcast", "owner_bcast",
+                                      "slice_p2p"};
   std::string json;
   bool mpi_yield = false;
   DType dtype = DType::kBFloat16;
@@ -536,8 +537,12 @@ struct Run {
   std::vector<std::uint64_t> rank_sent;
   std::vector<std::uint64_t> rank_received;
   std::vector<std::uint64_t> rank_local;  // copied to itself: on no link
-  std::uint64_t wanted_bytes = 0;         // every destination box's bytes, summed
-  double link_rate = 0;                   // bytes/s, 0 where not measured
+  // Per host, between hosts (the fan-out plan's; empty on one host): what each host's link
+  // carries out and in.
+  std::vector<std::uint64_t> host_sent;
+  std::vector<std::uint64_t> host_received;
+  std::uint64_t wanted_bytes = 0;  // every destination box's bytes, summed
+  double link_rate = 0;            // bytes/s, 0 where not measured
   std::size_t tensors = 0;
 };
 
@@ -546,12 +551,21 @@ Run run_rank(const Config& cfg, Backend& b) {
   const std::vector<Tensor> model = make_model(cfg);
   const std::vector<TensorRegions> layout = make_layout(cfg, model);
   ReshardPlan plan = ReshardPlan::for_communicator(layout, comm);
+  RegionOptions flat_options;
+  flat_options.hosts.assign(comm.hosts().begin(), comm.hosts().end());
+  flat_options.fan_out = false;
+  ReshardPlan flat(layout, comm.size(), comm.rank(), {}, flat_options);
   RankData data(plan, cfg.dtype);
   Run run;
   run.tensors = layout.size();
   run.rank_sent = plan.regions().rank_sent;
   run.rank_received = plan.regions().rank_received;
   run.rank_local = plan.regions().rank_local;
+  const auto& hosts = plan.regions().host_sent;
+  if (std::any_of(hosts.begin(), hosts.end(), [](std::uint64_t n) { return n != 0; })) {
+    run.host_sent = plan.regions().host_sent;
+    run.host_received = plan.regions().host_received;
+  }
   for (const TensorRegions& t : layout) {
     for (const RankBox& d : t.destinations) {
       run.wanted_bytes += box_bytes(d.box, cfg.dtype);
@@ -570,6 +584,9 @@ Run run_rank(const Config& cfg, Backend& b) {
     std::function<void()> fn;
     if (m == "reshard") {
       fn = [&] { plan.execute(data.src_views, comm, data.dst_views); };
+    }
+    if (m == "reshard_flat") {
+      fn = [&] { flat.execute(data.src_views, comm, data.dst_views); };
     }
     if (cfg.unshard() && (m == "unshard" || m == "unshard_direct")) {
       un.emplace(cfg, plan, m == "unshard" ? Strategy::kAuto : Strategy::kDirect);
@@ -595,14 +612,15 @@ Run run_rank(const Config& cfg, Backend& b) {
     const std::uint64_t before = comm.exchange_bytes_received();
     Result res = time_method(cfg, m, b, fn);
     const std::uint64_t got = comm.exchange_bytes_received() - before;
-    if (m == "reshard") {
-      // What reached this rank from others per call, with its local copies, against its boxes.
+    if (m == "reshard" || m == "reshard_flat") {
+      // What reached this rank from others per call, with its local copies, against the plan.
+      const RegionPlan& r = (m == "reshard" ? plan : flat).regions();
       const auto me = static_cast<std::size_t>(comm.rank());
-      const std::uint64_t mine = plan.regions().rank_received[me];
+      const std::uint64_t mine = r.rank_received[me];
       const double ratio =
           mine == 0 ? 1.0
                     : static_cast<double>(got / static_cast<std::uint64_t>(cfg.warmup + cfg.iters) +
-                                          plan.regions().recv_counts[me]) /
+                                          r.recv_counts[me] + r.forwarded_counts[me]) /
                           static_cast<double>(mine);
       res.received_ratio = 1.0 + b.slowest(std::abs(ratio - 1.0));  // the worst rank's
     }
@@ -618,12 +636,17 @@ Run run_rank(const Config& cfg, Backend& b) {
   return run;
 }
 
+// The busiest link's bytes over the measured rate: a host's link where the ranks span hosts (its
+// ranks share it), else a rank's.
 double link_floor_ms(const Run& run, int world) {
   if (run.link_rate <= 0) {
     return 0;
   }
   std::uint64_t worst = 0;
-  for (std::size_t r = 0; r < static_cast<std::size_t>(world); ++r) {
+  for (std::size_t h = 0; h < run.host_sent.size(); ++h) {
+    worst = std::max({worst, run.host_sent[h], run.host_received[h]});
+  }
+  for (std::size_t r = 0; run.host_sent.empty() && r < static_cast<std::size_t>(world); ++r) {
     worst = std::max(
         {worst, run.rank_sent[r] - run.rank_local[r], run.rank_received[r] - run.rank_local[r]});
   }
@@ -642,6 +665,14 @@ int report(const Config& cfg, const Run& run) {
         cfg.model.c_str(), cfg.layers, run.tensors, cfg.sources, cfg.tp, cfg.replicas,
         dtype.c_str());
   }
+  if (!run.host_sent.empty()) {
+    std::uint64_t between = 0;
+    for (const std::uint64_t b : run.host_received) {
+      between += b;
+    }
+    std::printf("# between hosts %.1f MB per call (with the fan-out inside hosts)\n",
+                static_cast<double>(between) / 1e6);
+  }
   std::printf("# destination boxes %.1f MB; link rate %.1f MB/s; link floor %.1f ms\n",
               static_cast<double>(run.wanted_bytes) / 1e6, run.link_rate / 1e6, floor);
   std::printf("%-14s %12s %12s %12s %12s %10s %8s\n", "method", "median_ms", "min_ms", "x_reshard",
@@ -659,7 +690,9 @@ int report(const Config& cfg, const Run& run) {
     const double xf = floor > 0 ? r.median_ms / floor : 0;
     std::printf("%-14s %12.1f %12.1f %12.2f %12.2f %10s %8llu\n", r.method.c_str(), r.median_ms,
                 r.min_ms, x, xf,
-                r.method == "reshard" ? std::to_string(r.received_ratio).substr(0, 5).c_str() : "-",
+                r.method.starts_with("reshard")
+                    ? std::to_string(r.received_ratio).substr(0, 5).c_str()
+                    : "-",
                 static_cast<unsigned long long>(r.wrong));
     rc = r.wrong != 0 ? 1 : rc;
     rows.push_back({{"method", r.method},
@@ -687,6 +720,8 @@ int report(const Config& cfg, const Run& run) {
                        {"rank_sent", run.rank_sent},
                        {"rank_received", run.rank_received},
                        {"rank_local", run.rank_local},
+                       {"host_sent", run.host_sent},
+                       {"host_received", run.host_received},
                        {"results", rows}};
     std::ofstream(cfg.json) << doc.dump(2) << "\n";
   }
@@ -723,7 +758,8 @@ std::optional<Config> parse(int argc, char** argv) {
   app.add_option("-w,--warmup", cfg.warmup, "untimed iterations first (default 1)");
   app.add_option_function<std::string>(
       "--methods", [&cfg](const std::string& list) { cfg.methods = split_list(list); },
-      "reshard,gather_bcast,owner_bcast,slice_p2p (default: all; the anchors need mpi)");
+      "reshard,reshard_flat,gather_bcast,owner_bcast,slice_p2p (default: all; the anchors\n"
+      "need mpi; reshard_flat: the reshard without its fan-out inside hosts)");
   app.add_flag_callback(
       "--mpi-yield", [&cfg] { cfg.mpi_yield = true; },
       "MPI waits yield the core (many simulated hosts on few cores)");
@@ -737,8 +773,8 @@ std::optional<Config> parse(int argc, char** argv) {
     throw InvalidArgument(e.what());
   }
   for (const std::string& m : cfg.methods) {
-    if (m != "reshard" && m != "gather_bcast" && m != "owner_bcast" && m != "slice_p2p" &&
-        m != "unshard" && m != "unshard_direct") {
+    if (m != "reshard" && m != "reshard_flat" && m != "gather_bcast" && m != "owner_bcast" &&
+        m != "slice_p2p" && m != "unshard" && m != "unshard_direct") {
       throw InvalidArgument("unknown method " + m);
     }
   }

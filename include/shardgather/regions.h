@@ -53,12 +53,20 @@ struct RegionOptions {
   // is split along its first splittable dim among them, so that a replicated tensor's bytes
   // leave from every replica.
   std::uint64_t split_bytes = std::uint64_t{1} << 20;
+  // With hosts known: destination boxes that several ranks of one host want alike (replicas of
+  // an engine's TP rank on one host, a replicated norm, an unshard) take their bytes held only
+  // on other hosts across the network once per host. One rank of the host receives each piece
+  // (big pieces are split among the host's ranks) and forwards it to the others in a second
+  // exchange inside the host. Off: every destination rank receives its own copy.
+  bool fan_out = true;
 };
 
 // One move: the elements of `box` (global coordinates) of tensor `tensor`, from its source entry
 // `src` to its destination entry `dst`. src_view and dst_view: the entries' positions among the
 // views of their own ranks (a rank passes its sources, and its destinations, in the layout's
-// order: tensor by tensor, each tensor's entries of that rank in their order).
+// order: tensor by tensor, each tensor's entries of that rank in their order). In a forward (the
+// fan-out inside a host), `src` and `src_view` name a *destination* entry and view of the
+// forwarding rank, which holds the box once the first exchange completed.
 struct Transfer {
   std::size_t tensor = 0;
   std::size_t src = 0;
@@ -78,7 +86,8 @@ struct ViewRef {
 
 // The plan, seen from one rank. Transfers of a (source rank, destination rank) pair are in one
 // canonical order (tensor, destination entry, source entry, box offset), the same on both sides,
-// so the sender's bytes and the receiver's pieces line up without any metadata.
+// so the sender's bytes and the receiver's pieces line up without any metadata. Forwards are
+// ordered alike.
 struct RegionPlan {
   int world_size = 0;
   int rank = 0;
@@ -93,8 +102,23 @@ struct RegionPlan {
   std::vector<std::uint64_t> rank_sent;
   std::vector<std::uint64_t> rank_received;
   std::vector<std::uint64_t> rank_local;
-  std::vector<ViewRef> source_views;       // this rank's, in the order it passes them
-  std::vector<ViewRef> destination_views;  // this rank's
+  // Per host, numbered 0 to the largest in RegionOptions::hosts (empty without hosts): bytes
+  // that leave it for, and reach it from, other hosts.
+  std::vector<std::uint64_t> host_sent;
+  std::vector<std::uint64_t> host_received;
+  // The fan-out (RegionOptions::fan_out), run after the first exchange: this rank's forwards,
+  // grouped by destination rank, and what it receives forwarded, grouped by forwarding rank.
+  // `forwarding`: some rank forwards (the same on every rank), so every rank joins the second
+  // exchange. Forwards are in rank_sent, rank_received and rank_local too.
+  bool forwarding = false;
+  std::vector<Transfer> forwards;
+  std::vector<std::size_t> forward_first;  // world + 1
+  std::vector<Transfer> forwarded;
+  std::vector<std::size_t> forwarded_first;     // world + 1
+  std::vector<std::uint64_t> forward_counts;    // per peer: bytes this rank forwards to it
+  std::vector<std::uint64_t> forwarded_counts;  // per peer: bytes it forwards to this rank
+  std::vector<ViewRef> source_views;            // this rank's, in the order it passes them
+  std::vector<ViewRef> destination_views;       // this rank's
   // A hash of everything the ranks must agree on: world, every tensor's dtype, shape and boxes,
   // the options. Never 0.
   std::uint64_t fingerprint = 0;

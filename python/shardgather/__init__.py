@@ -462,24 +462,31 @@ class ReshardPlan(_PlanState):
     parameter) are written in place and returned as a new list. Every rank of the group calls
     it, also one with nothing to send or receive. A plan that differs on some rank raises
     :class:`MismatchError` on every rank before anything moves. CPU tensors for now.
+
+    ``hosts`` (rank r's host is ``hosts[r]``, numbered from 0) lets the planner prefer a
+    source on the destination's host and, with ``fan_out=True``, send the bytes that several
+    ranks of one host want alike across the network once per host: one of them receives each
+    piece and forwards it to the others in a second exchange inside the host.
     """
 
-    def __init__(self, layouts, world_size, rank, *, hosts=None, strategy="auto", preflight=True,
-                 timeout=None):
+    def __init__(self, layouts, world_size, rank, *, hosts=None, fan_out=True, strategy="auto",
+                 preflight=True, timeout=None):
         self._preflight, self._given_timeout = preflight, timeout
         self._plan, self._error = _deferred(lambda: _C.ReshardPlan(
             _layout_tuples(layouts), check_int("world_size", world_size, 1),
-            check_int("rank", rank, 0), None if hosts is None else list(hosts), strategy,
-            preflight, timeout))
+            check_int("rank", rank, 0), None if hosts is None else list(hosts), bool(fan_out),
+            strategy, preflight, timeout))
 
     @classmethod
-    def for_group(cls, layouts, group=None, *, strategy="auto", preflight=True, timeout=None):
+    def for_group(cls, layouts, group=None, *, fan_out=True, strategy="auto", preflight=True,
+                  timeout=None):
         """The plan for this rank of ``group`` (a ProcessGroup, a Communicator or None for the
         default group), whose hosts the planner uses: a byte held by several ranks is sent
-        from one on the destination's host where there is one."""
+        from one on the destination's host where there is one, and (``fan_out``) bytes that
+        several ranks of a host want cross to that host once."""
         comm = communicator(group, _setup_timeout(timeout))
-        return cls(layouts, comm.size, comm.rank, hosts=comm.hosts or None, strategy=strategy,
-                   preflight=preflight, timeout=timeout)
+        return cls(layouts, comm.size, comm.rank, hosts=comm.hosts or None, fan_out=fan_out,
+                   strategy=strategy, preflight=preflight, timeout=timeout)
 
     def execute(self, sources, destinations, group=None, *, async_op=False):
         """Moves every rank's sources into every rank's destinations (see the class); returns
@@ -497,6 +504,12 @@ class ReshardPlan(_PlanState):
         "bytes_received", "Bytes this rank receives from other ranks per execution.")
     rank_sent = _from_plan("rank_sent", "Every rank's bytes sent per execution (own included).")
     rank_received = _from_plan("rank_received", "Every rank's bytes received (own included).")
+    host_sent = _from_plan(
+        "host_sent", "Every host's bytes sent to other hosts per execution (empty: no hosts).")
+    host_received = _from_plan(
+        "host_received", "Every host's bytes received from other hosts per execution.")
+    forwarding = _from_plan(
+        "forwarding", "Whether the plan fans bytes out inside hosts (a second exchange).")
     fingerprint = _from_plan("fingerprint")
     rank = _from_plan("rank")
 

@@ -38,11 +38,12 @@ std::vector<TensorRegions> tensor_regions(const std::vector<PyTensorRegions>& la
 std::unique_ptr<PyReshardPlan> make_reshard_plan(const std::vector<PyTensorRegions>& layouts,
                                                  int world_size, int rank,
                                                  std::optional<std::vector<int>> hosts,
-                                                 const std::string& strategy, bool preflight,
-                                                 std::optional<double> timeout) {
+                                                 bool fan_out, const std::string& strategy,
+                                                 bool preflight, std::optional<double> timeout) {
   const PlanOptions options = plan_options(strategy, preflight, timeout);
   RegionOptions regions;
   regions.hosts = hosts.value_or(std::vector<int>{});
+  regions.fan_out = fan_out;
   return std::make_unique<PyReshardPlan>(
       ReshardPlan(tensor_regions(layouts), world_size, rank, options, regions), options);
 }
@@ -71,8 +72,8 @@ void register_reshard_plan(py::module_& m) {
   using P = PyReshardPlan;
   py::class_<P>(m, "ReshardPlan")
       .def(py::init(&make_reshard_plan), py::arg("layouts"), py::arg("world_size"), py::arg("rank"),
-           py::arg("hosts") = py::none(), py::arg("strategy") = "auto", py::arg("preflight") = true,
-           py::arg("timeout") = py::none())
+           py::arg("hosts") = py::none(), py::arg("fan_out") = true, py::arg("strategy") = "auto",
+           py::arg("preflight") = true, py::arg("timeout") = py::none())
       .def("execute", &execute_reshard_plan, py::arg("sources"), py::arg("comm"),
            py::arg("destinations"), py::arg("async_op") = false)
       .def_property_readonly("source_boxes", [](const P& p) { return local_boxes(p.plan(), true); })
@@ -83,6 +84,10 @@ void register_reshard_plan(py::module_& m) {
       .def_property_readonly("rank_sent", [](const P& p) { return p.plan().regions().rank_sent; })
       .def_property_readonly("rank_received",
                              [](const P& p) { return p.plan().regions().rank_received; })
+      .def_property_readonly("host_sent", [](const P& p) { return p.plan().regions().host_sent; })
+      .def_property_readonly("host_received",
+                             [](const P& p) { return p.plan().regions().host_received; })
+      .def_property_readonly("forwarding", [](const P& p) { return p.plan().regions().forwarding; })
       .def_property_readonly("fingerprint", [](const P& p) { return p.plan().fingerprint(); })
       .def_property_readonly("world_size", [](const P& p) { return p.plan().world_size(); })
       .def_property_readonly("rank", [](const P& p) { return p.plan().rank(); })

@@ -185,55 +185,75 @@ void ReshardPlan::check_views(const Communicator& comm, std::span<const TensorVi
 void ReshardPlan::build_job(std::span<const TensorView> sources,
                             std::span<const TensorView> destinations, detail::Stager& stager) {
   detail::ExecScratch& x = scratch_.get();
-  const auto world = static_cast<std::size_t>(regions_.world_size);
   x.sent_from.resize(sources.size());
   for (std::size_t v = 0; v < sources.size(); ++v) {
     const TensorView& t = sources[v];
     x.sent_from[v] = inner_strided(t) ? stager.stage(t, checked_nbytes(t.dtype, t.shape))
                                       : static_cast<const std::byte*>(t.data);
   }
-  // The walk over one transfer's box inside one view: emit(BoxRun) per run.
-  const auto walk = [&](const Transfer& tr, const RankBox& held, const TensorView& view,
-                        bool packed, auto&& emit) {
-    const std::uint64_t elem = dtype_size(view.dtype);
-    detail::resolve_strides(
-        view.shape, packed ? std::span<const std::int64_t>{} : std::span(view.strides), x.strides);
-    x.local_offset.resize(held.box.offset.size());
-    for (std::size_t d = 0; d < held.box.offset.size(); ++d) {
-      x.local_offset[d] = tr.box.offset[d] - held.box.offset[d];
-    }
-    detail::for_each_box_run(x.local_offset, tr.box.size, x.strides, elem, x.runs, emit);
-  };
+  fill_sends(regions_.sends, regions_.send_first, sources, false);
+  fill_receives(regions_.receives, regions_.recv_first, destinations);
+}
+
+// The walk over one transfer's box inside one view that holds `held`: emit(BoxRun) per run.
+template <typename Emit>
+void ReshardPlan::walk(const Transfer& tr, const RankBox& held, const TensorView& view, bool packed,
+                       Emit&& emit) {
+  detail::ExecScratch& x = scratch_.get();
+  const std::uint64_t elem = dtype_size(view.dtype);
+  detail::resolve_strides(
+      view.shape, packed ? std::span<const std::int64_t>{} : std::span(view.strides), x.strides);
+  x.local_offset.resize(held.box.offset.size());
+  for (std::size_t d = 0; d < held.box.offset.size(); ++d) {
+    x.local_offset[d] = tr.box.offset[d] - held.box.offset[d];
+  }
+  detail::for_each_box_run(x.local_offset, tr.box.size, x.strides, elem, x.runs, emit);
+}
+
+// The send segments of `sends` (grouped by peer at `first`) out of `views`: this rank's sources
+// (as staged in sent_from), or for the forwards its destinations, which hold the boxes by then.
+void ReshardPlan::fill_sends(std::span<const Transfer> sends, std::span<const std::size_t> first,
+                             std::span<const TensorView> views, bool forward) {
+  detail::ExecScratch& x = scratch_.get();
   x.segments.clear();
   x.send_first.clear();
-  for (std::size_t p = 0; p < world; ++p) {
+  for (std::size_t p = 0; p + 1 < first.size(); ++p) {
     x.send_first.push_back(x.segments.size());
-    for (std::size_t n = regions_.send_first[p]; n < regions_.send_first[p + 1]; ++n) {
-      const Transfer& tr = regions_.sends[n];
-      const TensorView& view = sources[tr.src_view];
-      const std::byte* base = x.sent_from[tr.src_view];
-      walk(tr, tensors_[tr.tensor].sources[tr.src], view, base != view.data,
-           [&](const detail::BoxRun& run) {
-             for (std::uint64_t k = 0; k < run.count; ++k) {
-               const std::byte* at = base + run.offset + static_cast<std::int64_t>(k * run.stride);
-               ConstSegment* last =
-                   x.segments.size() > x.send_first.back() ? &x.segments.back() : nullptr;
-               if (last != nullptr && last->data + last->size == at) {
-                 last->size += run.block;  // adjacent to the previous run: one segment
-               } else {
-                 x.segments.push_back({at, run.block});
-               }
-             }
-           });
+    for (std::size_t n = first[p]; n < first[p + 1]; ++n) {
+      const Transfer& tr = sends[n];
+      const TensorView& view = views[tr.src_view];
+      const std::byte* base =
+          forward ? static_cast<const std::byte*>(view.data) : x.sent_from[tr.src_view];
+      const RankBox& held =
+          forward ? tensors_[tr.tensor].destinations[tr.src] : tensors_[tr.tensor].sources[tr.src];
+      walk(tr, held, view, base != view.data, [&](const detail::BoxRun& run) {
+        for (std::uint64_t k = 0; k < run.count; ++k) {
+          const std::byte* at = base + run.offset + static_cast<std::int64_t>(k * run.stride);
+          ConstSegment* last =
+              x.segments.size() > x.send_first.back() ? &x.segments.back() : nullptr;
+          if (last != nullptr && last->data + last->size == at) {
+            last->size += run.block;  // adjacent to the previous run: one segment
+          } else {
+            x.segments.push_back({at, run.block});
+          }
+        }
+      });
     }
   }
   x.send_first.push_back(x.segments.size());
+}
+
+// The receive pieces of `receives` (grouped by peer at `first`) inside this rank's destinations.
+void ReshardPlan::fill_receives(std::span<const Transfer> receives,
+                                std::span<const std::size_t> first,
+                                std::span<const TensorView> destinations) {
+  detail::ExecScratch& x = scratch_.get();
   x.pieces.clear();
   x.first.clear();
-  for (std::size_t q = 0; q < world; ++q) {
+  for (std::size_t q = 0; q + 1 < first.size(); ++q) {
     x.first.push_back(x.pieces.size());
-    for (std::size_t n = regions_.recv_first[q]; n < regions_.recv_first[q + 1]; ++n) {
-      const Transfer& tr = regions_.receives[n];
+    for (std::size_t n = first[q]; n < first[q + 1]; ++n) {
+      const Transfer& tr = receives[n];
       const TensorView& view = destinations[tr.dst_view];
       auto* base = static_cast<std::byte*>(view.data);
       walk(tr, tensors_[tr.tensor].destinations[tr.dst], view, false,
@@ -250,6 +270,28 @@ void ReshardPlan::build_job(std::span<const TensorView> sources,
     }
   }
   x.first.push_back(x.pieces.size());
+}
+
+// The fan-out's second exchange: every rank joins (a personal exchange is collective on some
+// transports), once the first one landed every box a rank forwards.
+void ReshardPlan::forward(detail::Call& call, std::span<const TensorView> destinations,
+                          ExecStats& stats) {
+  fill_sends(regions_.forwards, regions_.forward_first, destinations, true);
+  fill_receives(regions_.forwarded, regions_.forwarded_first, destinations);
+  const detail::ExecScratch& x = scratch_.get();
+  const detail::ExchangeJob job{.shape = detail::ExchangeShape::kPersonal,
+                                .send = x.segments,
+                                .send_first = x.send_first,
+                                .pieces = x.pieces,
+                                .first = x.first,
+                                .counts = regions_.forwarded_counts,
+                                .copy_threads = detail::copy_threads(options_, call.comm()),
+                                .entry_synchronized = true,
+                                .device = x.device};
+  ExecStats second;
+  detail::run_payload(call, Strategy::kDirect, Strategy::kDirect, job, scratch_.get().strategy,
+                      second);
+  stats.payload_collectives += second.payload_collectives;
 }
 
 ExecStats ReshardPlan::execute_now(std::span<const TensorView> sources, Communicator& comm,
@@ -285,6 +327,9 @@ ExecStats ReshardPlan::execute_now(std::span<const TensorView> sources, Communic
   const detail::ExchangeJob job =
       detail::prepare_execution(call, scratch_, facts, std::nullopt, stats, check, bind);
   detail::run_execution(call, scratch_, facts, job, stats);
+  if (regions_.forwarding) {
+    forward(call, destinations, stats);
+  }
   return stats;
 }
 

@@ -166,19 +166,27 @@ class Planner {
       : tensors_(tensors),
         world_(world),
         options_(options),
-        load_(static_cast<std::size_t>(world), 0) {}
+        load_(static_cast<std::size_t>(world), 0),
+        relay_load_(static_cast<std::size_t>(world), 0) {}
 
   std::vector<Transfer> run() {
     number_views();
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
       const TensorRegions& t = tensors_[i];
       const bool replicas = !disjoint(t.sources);
-      for (std::size_t k = 0; k < t.destinations.size(); ++k) {
-        plan_destination(i, k, replicas);
+      for (const std::vector<std::size_t>& group : fan_out_groups(t)) {
+        if (group.size() == 1) {
+          plan_destination(i, group[0], replicas);
+        } else {
+          plan_group(i, group, replicas);
+        }
       }
     }
     return std::move(transfers_);
   }
+
+  // The second exchange's transfers (run() first).
+  std::vector<Transfer> take_forwards() { return std::move(forwards_); }
 
   std::vector<std::vector<std::size_t>> src_view;  // [tensor][entry]: its view on its rank
   std::vector<std::vector<std::size_t>> dst_view;
@@ -199,49 +207,192 @@ class Planner {
     }
   }
 
-  void plan_destination(std::size_t i, std::size_t k, bool replicas) {
-    const TensorRegions& t = tensors_[i];
-    const RankBox& want = t.destinations[k];
-    const std::uint64_t need = box_elements(want.box);
-    if (need == 0) {
-      return;
+  // Destination entries of one tensor that receive alike: each entry alone, except (with
+  // fan_out and hosts) the entries of one host that want the same non-empty box, in entry order.
+  [[nodiscard]] std::vector<std::vector<std::size_t>> fan_out_groups(const TensorRegions& t) const {
+    std::vector<std::vector<std::size_t>> groups;
+    const bool fan = options_.fan_out && !options_.hosts.empty();
+    std::vector<std::tuple<int, const Shape*, const Shape*, std::size_t>> keys;
+    for (std::size_t k = 0; k < t.destinations.size(); ++k) {
+      const RankBox& d = t.destinations[k];
+      if (!fan || box_elements(d.box) == 0) {
+        groups.push_back({k});
+      } else {
+        keys.emplace_back(host_of(d.rank), &d.box.offset, &d.box.size, k);
+      }
     }
+    const auto less = [](const auto& a, const auto& b) {
+      return std::tie(std::get<0>(a), *std::get<1>(a), *std::get<2>(a), std::get<3>(a)) <
+             std::tie(std::get<0>(b), *std::get<1>(b), *std::get<2>(b), std::get<3>(b));
+    };
+    std::sort(keys.begin(), keys.end(), less);
+    for (std::size_t n = 0; n < keys.size(); ++n) {
+      const auto& [host, offset, size, k] = keys[n];
+      const bool same = n > 0 && std::get<0>(keys[n - 1]) == host &&
+                        *std::get<1>(keys[n - 1]) == *offset && *std::get<2>(keys[n - 1]) == *size;
+      if (same) {
+        groups.back().push_back(k);
+      } else {
+        groups.push_back({k});
+      }
+    }
+    return groups;
+  }
+
+  // The intersections of a destination box with every source box, and whether they cover it.
+  std::vector<Piece> sources_of(const TensorRegions& t, const Box& want, bool& covered) const {
     std::vector<Piece> found;
     std::uint64_t got = 0;
     for (std::size_t j = 0; j < t.sources.size(); ++j) {
-      Box meet = intersect(t.sources[j].box, want.box);
+      Box meet = intersect(t.sources[j].box, want);
       const std::uint64_t n = box_elements(meet);
       if (n != 0) {
         got += n;
         found.push_back({j, std::move(meet)});
       }
     }
+    covered = got == box_elements(want);
+    return found;
+  }
+
+  void plan_destination(std::size_t i, std::size_t k, bool replicas) {
+    const TensorRegions& t = tensors_[i];
+    const RankBox& want = t.destinations[k];
+    if (box_elements(want.box) == 0) {
+      return;
+    }
+    bool covered = false;
+    std::vector<Piece> found = sources_of(t, want.box, covered);
     std::vector<Piece> pieces;
-    if (!replicas && got == need) {
+    if (!replicas && covered) {
       for (Piece& p : found) {
         const std::size_t only[] = {p.src};
         charge(t, only, p.box);
         pieces.push_back(std::move(p));
       }
     } else {
-      pieces = plan_grid(i, k, found);
+      for_each_cell(i, k, found, [&](Box cell, std::span<const std::size_t> holders) {
+        assign(t, want.rank, holders, std::move(cell), pieces);
+      });
       merge_pieces(pieces);
     }
-    for (Piece& p : pieces) {
-      const std::uint64_t bytes =
-          detail::mul_checked(box_elements(p.box), dtype_size(t.dtype), "transfer bytes");
-      transfers_.push_back(Transfer{.tensor = i,
-                                    .src = p.src,
-                                    .dst = k,
-                                    .src_view = src_view[i][p.src],
-                                    .dst_view = dst_view[i][k],
-                                    .box = std::move(p.box),
-                                    .bytes = bytes});
+    emit(i, k, pieces, transfers_);
+  }
+
+  // Entries `group` of tensor i: ranks of one host wanting one box. A cell held on their host
+  // goes to each of them as plan_destination would; a cell held only on other hosts crosses the
+  // network once, to one of them (a large one split among them), which forwards it to the rest.
+  void plan_group(std::size_t i, const std::vector<std::size_t>& group, bool replicas) {
+    const TensorRegions& t = tensors_[i];
+    const Box& box = t.destinations[group[0]].box;
+    const int host = host_of(t.destinations[group[0]].rank);
+    bool covered = false;
+    std::vector<Piece> found = sources_of(t, box, covered);
+    std::vector<std::vector<Piece>> direct(group.size());
+    std::vector<std::vector<Piece>> relayed(group.size());
+    const auto place = [&](Box cell, std::span<const std::size_t> holders) {
+      const bool on_host = std::any_of(holders.begin(), holders.end(), [&](std::size_t j) {
+        return host_of(t.sources[j].rank) == host;
+      });
+      if (on_host) {
+        for (std::size_t m = 0; m < group.size(); ++m) {
+          assign(t, t.destinations[group[m]].rank, holders, cell, direct[m]);
+        }
+        return;
+      }
+      for (auto& [m, slab] : split_among(t, group, std::move(cell))) {
+        assign(t, t.destinations[group[m]].rank, holders, std::move(slab), relayed[m]);
+      }
+    };
+    if (!replicas && covered) {
+      for (Piece& p : found) {
+        const std::size_t only[] = {p.src};
+        place(std::move(p.box), only);
+      }
+    } else {
+      for_each_cell(i, group[0], found, place);
+    }
+    for (std::size_t m = 0; m < group.size(); ++m) {
+      merge_pieces(direct[m]);
+      emit(i, group[m], direct[m], transfers_);
+      merge_pieces(relayed[m]);
+      emit(i, group[m], relayed[m], transfers_);
+      std::vector<Piece> forward;
+      for (const Piece& p : relayed[m]) {
+        forward.push_back({group[m], p.box});
+      }
+      merge_pieces(forward);
+      for (std::size_t n = 0; n < group.size(); ++n) {
+        if (n != m) {
+          emit(i, group[n], forward, forwards_, /*forward=*/true);
+        }
+      }
     }
   }
 
-  // The destination box cut into the grid of every intersection's edges; each cell to a holder.
-  std::vector<Piece> plan_grid(std::size_t i, std::size_t k, const std::vector<Piece>& found) {
+  // A cell that crosses to a host, as slabs for members of `group` (indices into it): one slab
+  // to the member that has relayed least, or, from split_bytes up, one slab to each member along
+  // the cell's first dim of two or more elements.
+  std::vector<std::pair<std::size_t, Box>> split_among(const TensorRegions& t,
+                                                       const std::vector<std::size_t>& group,
+                                                       Box cell) {
+    std::vector<std::size_t> members(group.size());
+    std::iota(members.begin(), members.end(), std::size_t{0});
+    std::sort(members.begin(), members.end(), [&](std::size_t a, std::size_t b) {
+      return std::tie(relay_load_[rank_of_dst(t, group[a])], a) <
+             std::tie(relay_load_[rank_of_dst(t, group[b])], b);
+    });
+    const std::uint64_t bytes = box_elements(cell) * dtype_size(t.dtype);
+    std::size_t dim = cell.size.size();
+    for (std::size_t d = 0; d < cell.size.size(); ++d) {
+      if (cell.size[d] >= 2) {
+        dim = d;
+        break;
+      }
+    }
+    std::vector<std::pair<std::size_t, Box>> slabs;
+    if (bytes < options_.split_bytes || dim == cell.size.size()) {
+      slabs.emplace_back(members[0], std::move(cell));
+    } else {
+      const auto parts =
+          std::min<std::int64_t>(static_cast<std::int64_t>(members.size()), cell.size[dim]);
+      std::int64_t offset = cell.offset[dim];
+      for (std::int64_t p = 0; p < parts; ++p) {
+        Box slab = cell;
+        slab.offset[dim] = offset;
+        slab.size[dim] = cell.size[dim] / parts + (p < cell.size[dim] % parts ? 1 : 0);
+        offset += slab.size[dim];
+        slabs.emplace_back(members[static_cast<std::size_t>(p)], std::move(slab));
+      }
+    }
+    for (const auto& [m, slab] : slabs) {
+      relay_load_[rank_of_dst(t, group[m])] += box_elements(slab) * dtype_size(t.dtype);
+    }
+    return slabs;
+  }
+
+  // Transfers into destination entry k of tensor i, one per piece (a piece's src: a source
+  // entry, or for a forward the forwarding destination entry).
+  void emit(std::size_t i, std::size_t k, const std::vector<Piece>& pieces,
+            std::vector<Transfer>& out, bool forward = false) {
+    const TensorRegions& t = tensors_[i];
+    for (const Piece& p : pieces) {
+      const std::uint64_t bytes =
+          detail::mul_checked(box_elements(p.box), dtype_size(t.dtype), "transfer bytes");
+      out.push_back(Transfer{.tensor = i,
+                             .src = p.src,
+                             .dst = k,
+                             .src_view = forward ? dst_view[i][p.src] : src_view[i][p.src],
+                             .dst_view = dst_view[i][k],
+                             .box = p.box,
+                             .bytes = bytes});
+    }
+  }
+
+  // Destination entry k's box cut into the grid of every intersection's edges: fn(cell,
+  // holders) for each cell, holders being the source entries that hold it.
+  template <typename Fn>
+  void for_each_cell(std::size_t i, std::size_t k, const std::vector<Piece>& found, Fn&& fn) {
     const TensorRegions& t = tensors_[i];
     const RankBox& want = t.destinations[k];
     const std::size_t ndim = t.shape.size();
@@ -262,7 +413,6 @@ class Planner {
                             box_str(want.box) + " into " + std::to_string(cells) +
                             " cells, more than the planner takes");
     }
-    std::vector<Piece> pieces;
     std::vector<std::size_t> at(ndim, 0);  // the cell's index per dim
     std::vector<std::size_t> holders;
     for (std::uint64_t c = 0; c < cells; ++c) {
@@ -282,7 +432,7 @@ class Planner {
                               tuple_str(cell.offset) + " of its box " + box_str(want.box) +
                               " is held by no source");
       }
-      assign(t, want.rank, holders, std::move(cell), pieces);
+      fn(std::move(cell), std::span<const std::size_t>(holders));
       for (std::size_t d = ndim; d-- > 0;) {  // the next cell, row-major
         if (++at[d] + 1 < cuts[d].size()) {
           break;
@@ -290,7 +440,6 @@ class Planner {
         at[d] = 0;
       }
     }
-    return pieces;
   }
 
   // Gives `cell` to one of `holders` (source entries), split among several where it is large.
@@ -368,12 +517,20 @@ class Planner {
   static std::size_t rank_of(const TensorRegions& t, std::size_t j) {
     return static_cast<std::size_t>(t.sources[j].rank);
   }
+  static std::size_t rank_of_dst(const TensorRegions& t, std::size_t k) {
+    return static_cast<std::size_t>(t.destinations[k].rank);
+  }
+  [[nodiscard]] int host_of(int rank) const {
+    return options_.hosts.empty() ? 0 : options_.hosts[static_cast<std::size_t>(rank)];
+  }
 
   std::span<const TensorRegions> tensors_;
   int world_;
   const RegionOptions& options_;
-  std::vector<std::uint64_t> load_;  // bytes each rank sends so far
+  std::vector<std::uint64_t> load_;        // bytes each rank sends so far
+  std::vector<std::uint64_t> relay_load_;  // bytes each rank receives to forward, so far
   std::vector<Transfer> transfers_;
+  std::vector<Transfer> forwards_;
 };
 
 std::uint64_t fingerprint_of(std::span<const TensorRegions> tensors, int world,
@@ -382,6 +539,7 @@ std::uint64_t fingerprint_of(std::span<const TensorRegions> tensors, int world,
   h.add(static_cast<std::uint64_t>(world));
   h.add(tensors.size());
   h.add(options.split_bytes);
+  h.add(options.fan_out ? 1 : 0);
   h.add(options.hosts.size());
   for (const int host : options.hosts) {
     h.add(static_cast<std::uint64_t>(host));
@@ -420,6 +578,42 @@ void group_by_peer(std::vector<Transfer>& side, std::vector<std::size_t>& first,
     counts[p] = detail::add_checked(counts[p], side[n].bytes, "bytes per peer");
   }
   std::partial_sum(first.begin(), first.end(), first.begin());
+}
+
+// This rank's sends and receives among `all`, each side grouped by peer in the canonical order
+// (tensor, destination entry, source entry, box offset), the same on both ends of a pair.
+template <typename SrcRank, typename DstRank>
+void split_sides(std::vector<Transfer> all, SrcRank&& src_rank, DstRank&& dst_rank, int rank,
+                 int world, std::vector<Transfer>& sends, std::vector<std::size_t>& send_first,
+                 std::vector<std::uint64_t>& send_counts, std::vector<Transfer>& receives,
+                 std::vector<std::size_t>& recv_first, std::vector<std::uint64_t>& recv_counts) {
+  for (Transfer& x : all) {
+    if (src_rank(x) == rank) {
+      sends.push_back(x);
+    }
+    if (dst_rank(x) == rank) {
+      receives.push_back(std::move(x));
+    }
+  }
+  const auto canonical = [](const Transfer& x) {
+    return std::tie(x.tensor, x.dst, x.src, x.box.offset);
+  };
+  std::sort(sends.begin(), sends.end(), [&](const Transfer& a, const Transfer& b) {
+    return std::make_tuple(dst_rank(a), canonical(a)) < std::make_tuple(dst_rank(b), canonical(b));
+  });
+  std::sort(receives.begin(), receives.end(), [&](const Transfer& a, const Transfer& b) {
+    return std::make_tuple(src_rank(a), canonical(a)) < std::make_tuple(src_rank(b), canonical(b));
+  });
+  std::vector<int> send_peer;
+  std::vector<int> recv_peer;
+  for (const Transfer& x : sends) {
+    send_peer.push_back(dst_rank(x));
+  }
+  for (const Transfer& x : receives) {
+    recv_peer.push_back(src_rank(x));
+  }
+  group_by_peer(sends, send_first, send_counts, world, send_peer);
+  group_by_peer(receives, recv_first, recv_counts, world, recv_peer);
 }
 
 }  // namespace
@@ -474,16 +668,17 @@ RegionPlan plan_regions(std::span<const TensorRegions> tensors, int world_size, 
     throw InvalidArgument("plan_regions: " + std::to_string(options.hosts.size()) + " hosts for " +
                           std::to_string(world_size) + " ranks");
   }
+  for (std::size_t r = 0; r < options.hosts.size(); ++r) {
+    if (options.hosts[r] < 0 || options.hosts[r] >= world_size) {
+      throw InvalidArgument("plan_regions: rank " + std::to_string(r) + "'s host is " +
+                            std::to_string(options.hosts[r]) + ", not in [0, " +
+                            std::to_string(world_size) + ")");
+    }
+  }
   check_regions(tensors, world_size);
   Planner planner(tensors, world_size, options);
-  std::vector<Transfer> all = planner.run();
-  const auto src_rank = [&](const Transfer& x) { return tensors[x.tensor].sources[x.src].rank; };
-  const auto dst_rank = [&](const Transfer& x) {
-    return tensors[x.tensor].destinations[x.dst].rank;
-  };
-  const auto canonical = [&](const Transfer& x) {
-    return std::tie(x.tensor, x.dst, x.src, x.box.offset);
-  };
+  std::vector<Transfer> moves = planner.run();
+  std::vector<Transfer> forwards = planner.take_forwards();
   RegionPlan plan;
   plan.world_size = world_size;
   plan.rank = rank;
@@ -492,37 +687,41 @@ RegionPlan plan_regions(std::span<const TensorRegions> tensors, int world_size, 
   plan.rank_sent.assign(world, 0);
   plan.rank_received.assign(world, 0);
   plan.rank_local.assign(world, 0);
-  std::vector<int> send_peer;
-  std::vector<int> recv_peer;
-  for (Transfer& x : all) {
-    const int s = src_rank(x);
-    const int d = dst_rank(x);
-    plan.rank_sent[static_cast<std::size_t>(s)] += x.bytes;
-    plan.rank_received[static_cast<std::size_t>(d)] += x.bytes;
-    if (s == d) {
-      plan.rank_local[static_cast<std::size_t>(s)] += x.bytes;
-    }
-    if (s == rank) {
-      plan.sends.push_back(x);
-    }
-    if (d == rank) {
-      plan.receives.push_back(std::move(x));
-    }
+  if (!options.hosts.empty()) {
+    const auto hosts =
+        static_cast<std::size_t>(*std::max_element(options.hosts.begin(), options.hosts.end())) + 1;
+    plan.host_sent.assign(hosts, 0);
+    plan.host_received.assign(hosts, 0);
   }
-  std::sort(plan.sends.begin(), plan.sends.end(), [&](const Transfer& a, const Transfer& b) {
-    return std::make_tuple(dst_rank(a), canonical(a)) < std::make_tuple(dst_rank(b), canonical(b));
-  });
-  std::sort(plan.receives.begin(), plan.receives.end(), [&](const Transfer& a, const Transfer& b) {
-    return std::make_tuple(src_rank(a), canonical(a)) < std::make_tuple(src_rank(b), canonical(b));
-  });
-  for (const Transfer& x : plan.sends) {
-    send_peer.push_back(dst_rank(x));
-  }
-  for (const Transfer& x : plan.receives) {
-    recv_peer.push_back(src_rank(x));
-  }
-  group_by_peer(plan.sends, plan.send_first, plan.send_counts, world_size, send_peer);
-  group_by_peer(plan.receives, plan.recv_first, plan.recv_counts, world_size, recv_peer);
+  plan.forwarding = !forwards.empty();
+  const auto dst_rank = [&](const Transfer& x) {
+    return tensors[x.tensor].destinations[x.dst].rank;
+  };
+  // A move's sender holds a source entry; a forward's, a destination entry.
+  const auto source_rank = [&](const Transfer& x) { return tensors[x.tensor].sources[x.src].rank; };
+  const auto forwarder_rank = [&](const Transfer& x) {
+    return tensors[x.tensor].destinations[x.src].rank;
+  };
+  const auto count = [&](const std::vector<Transfer>& all, auto&& src_rank) {
+    for (const Transfer& x : all) {
+      const auto s = static_cast<std::size_t>(src_rank(x));
+      const auto d = static_cast<std::size_t>(dst_rank(x));
+      plan.rank_sent[s] += x.bytes;
+      plan.rank_received[d] += x.bytes;
+      plan.rank_local[s] += s == d ? x.bytes : 0;
+      if (!options.hosts.empty() && options.hosts[s] != options.hosts[d]) {
+        plan.host_sent[static_cast<std::size_t>(options.hosts[s])] += x.bytes;
+        plan.host_received[static_cast<std::size_t>(options.hosts[d])] += x.bytes;
+      }
+    }
+  };
+  count(moves, source_rank);
+  count(forwards, forwarder_rank);
+  split_sides(std::move(moves), source_rank, dst_rank, plan.rank, world_size, plan.sends,
+              plan.send_first, plan.send_counts, plan.receives, plan.recv_first, plan.recv_counts);
+  split_sides(std::move(forwards), forwarder_rank, dst_rank, plan.rank, world_size, plan.forwards,
+              plan.forward_first, plan.forward_counts, plan.forwarded, plan.forwarded_first,
+              plan.forwarded_counts);
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     for (std::size_t j = 0; j < tensors[i].sources.size(); ++j) {
       if (tensors[i].sources[j].rank == rank) {

@@ -111,9 +111,10 @@ def _bytes(t):
     return t.reshape(-1).view(torch.uint8)
 
 
-def run_layouts(rank, group, layouts, seed, fused):
+def run_layouts(rank, group, layouts, seed, fused, plan=None):
     rnd = random.Random(seed * 7 + rank)
-    plan = shardgather.ReshardPlan.for_group(layouts, group, timeout=T)
+    if plan is None:
+        plan = shardgather.ReshardPlan.for_group(layouts, group, timeout=T)
     fulls = [full_tensor(t, i, seed) for i, t in enumerate(layouts)]
     sources = [_source(region(fulls[i], Box(o, s)), fused)
                for i, o, s in plan.source_boxes]
@@ -138,6 +139,39 @@ def run_layouts(rank, group, layouts, seed, fused):
 def case_random_layouts(rank, world, group=None):
     for k in range(12):
         run_layouts(rank, group, random_layouts(world, 100 + k), 100 + k, k % 2 == 1)
+
+
+def _two_hosts(world):
+    """Planning hosts for ``world`` ranks: the first half on host 0, the rest on host 1."""
+    return [0 if r < max(world // 2, 1) else 1 for r in range(world)]
+
+
+def case_fan_out_inside_a_host(rank, world, group=None):
+    """Plans told of two hosts (the first half of the ranks, the rest): what several ranks of
+    host 1 want alike crosses to it once and is forwarded inside it, bit-exact, also into
+    fused views; random layouts too."""
+    hosts = _two_hosts(world)
+    wanted = [r for r in range(world) if hosts[r] == 1]
+    layout = TensorLayout((64, 40), torch.bfloat16,
+                          [(0, Box((0, 0), (64, 40)))],
+                          [(r, Box((0, 0), (64, 40))) for r in wanted] +
+                          [(r, Box((8, 0), (8, 40))) for r in wanted[:1]])
+    plan = shardgather.ReshardPlan([layout], world, rank, hosts=hosts, timeout=T)
+    flat = shardgather.ReshardPlan([layout], world, rank, hosts=hosts, fan_out=False, timeout=T)
+    if world > 1:
+        whole = 64 * 40 * 2
+        assert plan.forwarding == (len(wanted) > 1)
+        assert plan.host_received == [0, whole + (8 * 40 * 2 if hosts[0] != 1 else 0)], \
+            plan.host_received
+        assert flat.host_received[1] == whole * len(wanted) + 8 * 40 * 2 * (hosts[0] != 1)
+    for p, fused in ((plan, False), (plan, True), (flat, True)):
+        run_layouts(rank, group, [layout], 17, fused, plan=p)
+        if world > 1:
+            assert p.last_stats["payload_collectives"] == (2 if p.forwarding else 1)
+    for k in range(8):
+        layouts = random_layouts(world, 300 + k)
+        run_layouts(rank, group, layouts, 300 + k, k % 2 == 0, plan=shardgather.ReshardPlan(
+            layouts, world, rank, hosts=hosts, timeout=T))
 
 
 def case_steady_state_moves_in_one_exchange(rank, world, group=None):

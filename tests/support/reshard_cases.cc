@@ -11,8 +11,6 @@ namespace shardgather::testing {
 
 namespace {
 
-constexpr std::byte kCanary{0xA5};
-
 struct Rng {
   std::uint64_t state;
   std::uint64_t next() { return state = mix(state); }
@@ -330,16 +328,29 @@ std::string describe_layout(const std::vector<TensorRegions>& tensors) {
   return s;
 }
 
-void case_reshard_fuzz(Communicator& comm, int iterations, std::uint64_t seed) {
+int case_reshard_fuzz(Communicator& comm, int iterations, std::uint64_t seed) {
+  int forwarding = 0;
   for (int iter = 0; iter < iterations; ++iter) {
     const std::uint64_t s = seed + static_cast<std::uint64_t>(iter);
     const std::vector<TensorRegions> layout = random_reshard_layout(s, comm.size());
     ReshardPlan plan = ReshardPlan::for_communicator(layout, comm);
     ReshardViews views = make_reshard_views(plan, s, iter % 3);
+    const std::uint64_t before = comm.exchange_bytes_received();
     plan.execute(views.sources, comm, views.destinations);
     const std::string problem = check_reshard(plan, views, s);
-    ASSERT_EQ(problem, "") << "seed " << s << "\n" << describe_layout(layout);
+    EXPECT_EQ(problem, "") << "seed " << s << "\n" << describe_layout(layout);
+    // The transport moved what the plan says reaches this rank from others, in both exchanges.
+    const RegionPlan& r = plan.regions();
+    const auto me = static_cast<std::size_t>(comm.rank());
+    const std::uint64_t from_self = r.recv_counts[me] + (r.forwarding ? r.forwarded_counts[me] : 0);
+    EXPECT_EQ(comm.exchange_bytes_received() - before, r.rank_received[me] - from_self)
+        << "seed " << s << " rank " << comm.rank();
+    forwarding += r.forwarding ? 1 : 0;
+    if (::testing::Test::HasFailure()) {
+      return forwarding;
+    }
   }
+  return forwarding;
 }
 
 void case_reshard_mismatch(Communicator& comm) {

@@ -13,6 +13,9 @@
 
 namespace shardgather::testing {
 
+// What destination storage holds before a reshard writes it.
+inline constexpr std::byte kCanary{0xA5};
+
 // A random layout for `world` ranks: 1-5 dims (sometimes 0-d), small uneven shapes, mixed dtypes,
 // sources as grids of uneven cuts along one or two dims with replicas and extra overlapping
 // boxes, destinations likewise or single boxes, on rank sets that are disjoint, overlapping or
@@ -46,8 +49,9 @@ std::string describe_layout(const std::vector<TensorRegions>& tensors);
 
 // Cases for any backend, run by every rank of `comm` (GoogleTest assertions):
 // `iterations` random layouts, each planned for the communicator (its hosts too) and checked
-// byte by byte on every rank, with every kind of view;
-void case_reshard_fuzz(Communicator& comm, int iterations, std::uint64_t seed);
+// byte by byte on every rank, with every kind of view, and the transport's count of what reached
+// each rank checked against the plan; returns how many of the plans fanned out inside a host;
+int case_reshard_fuzz(Communicator& comm, int iterations, std::uint64_t seed);
 // a plan that differs on the last rank: Mismatch on every rank, and the destinations untouched.
 void case_reshard_mismatch(Communicator& comm);
 

@@ -151,6 +151,74 @@ TEST(RegionPlanner, TheFingerprintCoversBoxesRanksAndOptions) {
   RegionOptions hosts;
   hosts.hosts = {0, 1};
   EXPECT_NE(plan_regions(std::span(&t, 1), 2, 0, hosts).fingerprint, base);
+  RegionOptions flat = hosts;
+  flat.fan_out = false;
+  EXPECT_NE(plan_regions(std::span(&t, 1), 2, 0, flat).fingerprint,
+            plan_regions(std::span(&t, 1), 2, 0, hosts).fingerprint);
+}
+
+// Host 0 (ranks 0-1) holds a [8, 4] float tensor in row halves; host 1's three ranks all want it
+// whole, a fourth wants rows 2-5 only.
+TensorRegions fan_out_tensor() {
+  TensorRegions t{.dtype = DType::kFloat32, .shape = {8, 4}, .sources = {}, .destinations = {}};
+  t.sources = chunked(t.shape, 0, {0, 1});
+  t.destinations = {{2, rows(0, 8, 4)}, {3, rows(0, 8, 4)}, {4, rows(0, 8, 4)}, {5, rows(2, 6, 4)}};
+  return t;
+}
+
+TEST(RegionPlanner, BytesSeveralRanksOfAHostWantCrossToItOnce) {
+  const TensorRegions t = fan_out_tensor();
+  RegionOptions options;
+  options.hosts = {0, 0, 1, 1, 1, 1};
+  const RegionPlan plan = plan_regions(std::span(&t, 1), 6, 2, options);
+  EXPECT_TRUE(plan.forwarding);
+  // The whole box once for ranks 2-4, and rank 5's rows 2-5 (a box of its own).
+  EXPECT_EQ(plan.host_received[1], 128U + 64U);
+  EXPECT_EQ(plan.host_sent[0], 128U + 64U);
+  // Each half went to one of ranks 2-4 (the least loaded), which forwards it to the other two.
+  std::uint64_t relayed = 0;
+  for (int r = 2; r <= 4; ++r) {
+    const RegionPlan seen = plan_regions(std::span(&t, 1), 6, r, options);
+    relayed += seen.recv_counts[0] + seen.recv_counts[1];
+    std::uint64_t forwarded = 0;
+    for (const std::uint64_t c : seen.forward_counts) {
+      forwarded += c;
+    }
+    EXPECT_EQ(forwarded, 2 * (seen.recv_counts[0] + seen.recv_counts[1])) << "rank " << r;
+    EXPECT_EQ(seen.rank_received[static_cast<std::size_t>(r)], 128U) << "rank " << r;
+  }
+  EXPECT_EQ(relayed, 128U);
+  options.fan_out = false;
+  const RegionPlan flat = plan_regions(std::span(&t, 1), 6, 2, options);
+  EXPECT_FALSE(flat.forwarding);
+  EXPECT_EQ(flat.host_received[1], 3 * 128U + 64U);
+}
+
+TEST(RegionPlanner, ABigPieceIsRelayedBySeveralRanksOfTheHost) {
+  // One 4 MiB source on host 0; four ranks of host 1 want it: each relays a quarter.
+  TensorRegions t{
+      .dtype = DType::kFloat32, .shape = {1024, 1024}, .sources = {}, .destinations = {}};
+  t.sources = {{0, rows(0, 1024, 1024)}};
+  for (int r = 1; r <= 4; ++r) {
+    t.destinations.push_back({r, rows(0, 1024, 1024)});
+  }
+  RegionOptions options;
+  options.hosts = {0, 1, 1, 1, 1};
+  for (int r = 1; r <= 4; ++r) {
+    const RegionPlan plan = plan_regions(std::span(&t, 1), 5, r, options);
+    EXPECT_EQ(plan.recv_counts[0], 1024U * 1024U) << "rank " << r;
+    EXPECT_EQ(plan.host_received[1], 4U * 1024U * 1024U);
+  }
+}
+
+TEST(RegionPlanner, HostsMustBeNumberedBelowTheWorld) {
+  const TensorRegions t = fan_out_tensor();
+  RegionOptions options;
+  options.hosts = {0, 0, 1, 1, 1, 9};
+  const auto [code, message] =
+      outcome([&] { (void)plan_regions(std::span(&t, 1), 6, 0, options); });
+  EXPECT_EQ(code, "InvalidArgument");
+  EXPECT_NE(message.find("rank 5's host is 9"), std::string::npos) << message;
 }
 
 class ReshardFuzz : public ::testing::TestWithParam<int> {};
@@ -172,8 +240,41 @@ INSTANTIATE_TEST_SUITE_P(Worlds, ReshardFuzz, ::testing::Range(1, 9));
 TEST(ReshardFuzzOnHosts, PlansForTheCommunicatorPreferReplicasOnTheirHost) {
   testing::run_ranks_on_hosts(
       {0, 0, 1, 1, 1},
-      [](int /*rank*/, Communicator& comm) { testing::case_reshard_fuzz(comm, 30, 7000); },
+      [](int /*rank*/, Communicator& comm) {
+        EXPECT_GE(testing::case_reshard_fuzz(comm, 80, 7000), 5) << "too few layouts fanned out";
+      },
       "FuzzOnHosts");
+}
+
+TEST(ReshardOnHosts, FannedOutBytesLandInPlaceAndCrossTheHostsOnce) {
+  // fan_out_tensor() and a 4 MiB tensor that host 1's ranks relay in quarters, into strided
+  // destinations (column blocks of larger tensors), on 2 hosts.
+  TensorRegions big{
+      .dtype = DType::kBFloat16, .shape = {512, 2048}, .sources = {}, .destinations = {}};
+  big.sources = chunked(big.shape, 0, {0, 1});
+  for (int r = 2; r <= 5; ++r) {
+    big.destinations.push_back({r, rows(0, 512, 2048)});
+  }
+  const std::vector<TensorRegions> layout{fan_out_tensor(), big};
+  for (const int variant : {0, 1, 2}) {
+    testing::run_ranks_on_hosts(
+        {0, 0, 1, 1, 1, 1},
+        [&](int rank, Communicator& comm) {
+          ReshardPlan plan = ReshardPlan::for_communicator(layout, comm);
+          ASSERT_TRUE(plan.regions().forwarding);
+          EXPECT_EQ(plan.regions().host_received[1], 128U + 64U + 2U * 512U * 2048U);
+          testing::ReshardViews views = make_reshard_views(plan, 77, variant);
+          for (int step = 0; step < 2; ++step) {
+            for (std::size_t v = plan.source_count(); v < views.storage.size(); ++v) {
+              std::fill(views.storage[v].begin(), views.storage[v].end(), testing::kCanary);
+            }
+            const ExecStats stats = plan.execute(views.sources, comm, views.destinations);
+            EXPECT_EQ(stats.payload_collectives, 2U) << "rank " << rank;
+            EXPECT_EQ(check_reshard(plan, views, 77), "") << "rank " << rank;
+          }
+        },
+        "FanOut");
+  }
 }
 
 TEST(Reshard, APlanThatDiffersOnTheLastRankWritesNothing) {
