@@ -619,10 +619,10 @@ Run run_rank(const Config& cfg, Backend& b) {
       const RegionPlan& r = (m == "reshard" ? plan : flat).regions();
       const auto me = static_cast<std::size_t>(comm.rank());
       const std::uint64_t mine = r.rank_received[me];
+      const std::uint64_t per_call = got / static_cast<std::uint64_t>(cfg.warmup + cfg.iters);
       const double ratio =
           mine == 0 ? 1.0
-                    : static_cast<double>(got / static_cast<std::uint64_t>(cfg.warmup + cfg.iters) +
-                                          r.recv_counts[me] + r.forwarded_counts[me]) /
+                    : static_cast<double>(per_call + r.recv_counts[me] + r.forwarded_counts[me]) /
                           static_cast<double>(mine);
       res.received_ratio = 1.0 + b.slowest(std::abs(ratio - 1.0));  // the worst rank's
     }

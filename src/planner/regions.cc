@@ -606,6 +606,8 @@ void split_sides(std::vector<Transfer> all, SrcRank&& src_rank, DstRank&& dst_ra
   });
   std::vector<int> send_peer;
   std::vector<int> recv_peer;
+  send_peer.reserve(sends.size());
+  recv_peer.reserve(receives.size());
   for (const Transfer& x : sends) {
     send_peer.push_back(dst_rank(x));
   }

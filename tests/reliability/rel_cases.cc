@@ -727,6 +727,7 @@ struct DCall {
   std::uint64_t bucket_bytes = 64;  // streams
   int prefetch = 1;                 // streams
   int reshard_shift = 1;            // reshards: rank r wants the shards of rank r + shift
+  bool fan_out = true;              // reshards: RegionOptions::fan_out
 };
 
 struct DRow {
@@ -967,6 +968,13 @@ const DRow kDRows[] = {
      2,
      {.op = DOp::kReshard},
      {.op = DOp::kReshard, .plan_world_delta = 1}},
+    {"D-reshard-fan-out",
+     "a reshard planned without the fan-out inside hosts",
+     "Mismatch",
+     "shapes hint / plan differs",
+     2,
+     {.op = DOp::kReshard},
+     {.op = DOp::kReshard, .fan_out = false}},
     {"D-reshard-timeout",
      "a reshard with a negative timeout",
      "InvalidArgument",
@@ -1058,8 +1066,10 @@ std::vector<TensorRegions> d_layout(const DCall& c, int world) {
 }
 
 void d_reshard(const DCall& c, Communicator& comm, const PlanOptions& po, const Inputs& in) {
+  RegionOptions regions;
+  regions.fan_out = c.fan_out;
   ReshardPlan plan(d_layout(c, comm.size() + c.plan_world_delta), comm.size() + c.plan_world_delta,
-                   comm.rank(), po);
+                   comm.rank(), po, regions);
   std::vector<std::vector<std::byte>> storage;
   std::vector<TensorView> dst;
   for (std::size_t v = 0; v < plan.destination_count(); ++v) {
