@@ -50,6 +50,7 @@ struct Config {
   std::string json;
   bool mpi_yield = false;
   DType dtype = DType::kBFloat16;
+  std::size_t waves = 4;
   [[nodiscard]] bool unshard() const { return layout == "unshard"; }
   [[nodiscard]] int world() const { return unshard() ? sources : sources + tp * replicas; }
 };
@@ -237,19 +238,28 @@ struct Method {
 // executed into the destination views, which are the full tensors.
 struct Unshard {
   std::optional<UnshardPlan> plan;
+  Strategy strategy;
 
-  Unshard(const Config& cfg, const ReshardPlan& reshard, Strategy strategy) {
+  Unshard(const Config& cfg, const ReshardPlan& reshard, Strategy requested) : strategy(requested) {
     std::vector<ShardSpec> specs;
     for (std::size_t i = 0; i < reshard.tensors(); ++i) {
       specs.push_back({cfg.dtype, reshard.tensor(i).shape, 0, {}, 0});
     }
     PlanOptions options;
-    options.strategy = strategy;
+    options.strategy = requested;
     plan.emplace(specs, cfg.world(), reshard.rank(), options);
   }
 
   void run(RankData& data, Communicator& comm) {
     plan->execute(data.src_views, comm, data.dst_views);
+  }
+
+  // auto's trial executions (strategy.h, kAutoTrialRuns), untimed, so that the timed calls run
+  // the strategy it settled on.
+  void settle(RankData& data, Communicator& comm) {
+    for (int k = 0; k < kAutoTrialRuns && strategy == Strategy::kAuto; ++k) {
+      run(data, comm);
+    }
   }
 };
 
@@ -551,7 +561,10 @@ Run run_rank(const Config& cfg, Backend& b) {
   Communicator& comm = *b.comm;
   const std::vector<Tensor> model = make_model(cfg);
   const std::vector<TensorRegions> layout = make_layout(cfg, model);
-  ReshardPlan plan = ReshardPlan::for_communicator(layout, comm);
+  RegionOptions options;
+  options.hosts.assign(comm.hosts().begin(), comm.hosts().end());
+  options.fan_out_waves = cfg.waves;
+  ReshardPlan plan(layout, comm.size(), comm.rank(), {}, options);
   RegionOptions flat_options;
   flat_options.hosts.assign(comm.hosts().begin(), comm.hosts().end());
   flat_options.fan_out = false;
@@ -592,6 +605,7 @@ Run run_rank(const Config& cfg, Backend& b) {
     }
     if (cfg.unshard() && (m == "unshard" || m == "unshard_direct")) {
       un.emplace(cfg, plan, m == "unshard" ? Strategy::kAuto : Strategy::kDirect);
+      un->settle(data, comm);
       fn = [&] { un->run(data, comm); };
     }
 #ifdef SHARDGATHER_BENCH_WITH_MPI
@@ -720,6 +734,7 @@ int report(const Config& cfg, const Run& run) {
                        {"sources", cfg.sources},
                        {"tp", cfg.tp},
                        {"replicas", cfg.replicas},
+                       {"waves", cfg.waves},
                        {"backend", cfg.backend},
                        {"link_rate_bytes_per_s", run.link_rate},
                        {"link_floor_ms", floor},
@@ -761,6 +776,8 @@ std::optional<Config> parse(int argc, char** argv) {
                  "(every source wants every full tensor; methods reshard, unshard,\n"
                  "unshard_direct)");
   app.add_option("--layers", cfg.layers, "decoder layers (default 1)");
+  app.add_option("--waves", cfg.waves,
+                 "the reshard's fan-out waves (RegionOptions::fan_out_waves, default 4)");
   app.add_option("-n,--iters", cfg.iters, "timed iterations (default 5)");
   app.add_option("-w,--warmup", cfg.warmup, "untimed iterations first (default 1)");
   app.add_option_function<std::string>(
@@ -792,8 +809,9 @@ std::optional<Config> parse(int argc, char** argv) {
     throw InvalidArgument("unknown model " + cfg.model + " (qwen3-8b, qwen3-moe)");
   }
   if (cfg.sources < 1 || cfg.tp < 1 || cfg.replicas < 1 || cfg.layers < 1 || cfg.iters < 1 ||
-      cfg.warmup < 0) {
-    throw InvalidArgument("sources, tp, replicas, layers and iters >= 1, warmup >= 0 please");
+      cfg.warmup < 0 || cfg.waves < 1) {
+    throw InvalidArgument(
+        "sources, tp, replicas, layers, iters and waves >= 1, warmup >= 0 please");
   }
   return cfg;
 }

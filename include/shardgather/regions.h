@@ -56,9 +56,14 @@ struct RegionOptions {
   // With hosts known: destination boxes that several ranks of one host want alike (replicas of
   // an engine's TP rank on one host, a replicated norm, an unshard) take their bytes held only
   // on other hosts across the network once per host. One rank of the host receives each piece
-  // (big pieces are split among the host's ranks) and forwards it to the others in a second
-  // exchange inside the host. Off: every destination rank receives its own copy.
+  // (big pieces are split among the host's ranks) and forwards it to the others inside the host
+  // in the next exchange of the same execution, while the next wave crosses (RegionPlan::rounds).
+  // Off: every destination rank receives its own copy, in one exchange.
   bool fan_out = true;
+  // The relayed pieces move in up to this many waves of about equal bytes: exchange e carries
+  // wave e into the hosts and wave e - 1's forwards inside them, so that the forwards overlap
+  // the link (all but the last wave's). 1: every forward after the whole first exchange.
+  std::size_t fan_out_waves = 4;
 };
 
 // One move: the elements of `box` (global coordinates) of tensor `tensor`, from its source entry
@@ -75,6 +80,7 @@ struct Transfer {
   std::size_t dst_view = 0;
   Box box;
   std::uint64_t bytes = 0;
+  std::size_t round = 0;  // the exchange of an execution it moves in (RegionPlan::rounds)
 };
 
 // Where a rank's views sit in the layout: view v of that rank is entry `entry` of tensor
@@ -91,11 +97,16 @@ struct ViewRef {
 struct RegionPlan {
   int world_size = 0;
   int rank = 0;
-  std::vector<Transfer> sends;          // this rank's, grouped by destination rank
-  std::vector<std::size_t> send_first;  // world + 1: sends to rank p are [send_first[p], ..[p + 1])
-  std::vector<Transfer> receives;       // grouped by source rank
-  std::vector<std::size_t> recv_first;  // world + 1
-  std::vector<std::uint64_t> send_counts;  // per peer: bytes this rank sends it
+  // Exchanges per execution: 1, or with a fan-out its waves + 1 (exchange e carries wave e's
+  // pieces into a host and wave e - 1's forwards inside it; RegionOptions::fan_out_waves).
+  std::size_t rounds = 1;
+  // This rank's, grouped by round, then destination rank: rounds * world + 1 entries; its sends
+  // to rank p in round e are [send_first[e * world + p], send_first[e * world + p + 1]).
+  std::vector<Transfer> sends;
+  std::vector<std::size_t> send_first;
+  std::vector<Transfer> receives;          // grouped by round, then source rank
+  std::vector<std::size_t> recv_first;     // rounds * world + 1
+  std::vector<std::uint64_t> send_counts;  // per peer: bytes this rank sends it (every round)
   std::vector<std::uint64_t> recv_counts;  // per peer: bytes this rank receives from it
   // Every rank's totals (the same on every rank): what a bench compares with the links. Sent
   // and received include what a rank copies to itself, which is also in rank_local.
@@ -106,15 +117,15 @@ struct RegionPlan {
   // that leave it for, and reach it from, other hosts.
   std::vector<std::uint64_t> host_sent;
   std::vector<std::uint64_t> host_received;
-  // The fan-out (RegionOptions::fan_out), run after the first exchange: this rank's forwards,
-  // grouped by destination rank, and what it receives forwarded, grouped by forwarding rank.
-  // `forwarding`: some rank forwards (the same on every rank), so every rank joins the second
-  // exchange. Forwards are in rank_sent, rank_received and rank_local too.
+  // The fan-out (RegionOptions::fan_out): this rank's forwards, grouped by round (1 and up) then
+  // destination rank, and what it receives forwarded, grouped by round then forwarding rank.
+  // `forwarding`: some rank forwards (the same on every rank; rounds > 1 then), so every rank
+  // joins every exchange. Forwards are in rank_sent, rank_received and rank_local too.
   bool forwarding = false;
   std::vector<Transfer> forwards;
-  std::vector<std::size_t> forward_first;  // world + 1
+  std::vector<std::size_t> forward_first;  // rounds * world + 1
   std::vector<Transfer> forwarded;
-  std::vector<std::size_t> forwarded_first;     // world + 1
+  std::vector<std::size_t> forwarded_first;     // rounds * world + 1
   std::vector<std::uint64_t> forward_counts;    // per peer: bytes this rank forwards to it
   std::vector<std::uint64_t> forwarded_counts;  // per peer: bytes it forwards to this rank
   std::vector<ViewRef> source_views;            // this rank's, in the order it passes them

@@ -88,11 +88,14 @@ class SHARDGATHER_API ReshardPlan {
   template <typename Emit>
   void walk(const Transfer& tr, const RankBox& held, const TensorView& view, bool packed,
             Emit&& emit);
-  void fill_sends(std::span<const Transfer> sends, std::span<const std::size_t> first,
-                  std::span<const TensorView> views, bool forward);
-  void fill_receives(std::span<const Transfer> receives, std::span<const std::size_t> first,
-                     std::span<const TensorView> destinations);
-  void forward(detail::Call& call, std::span<const TensorView> destinations, ExecStats& stats);
+  void bind_round(std::size_t e, std::span<const TensorView> sources,
+                  std::span<const TensorView> destinations);
+  void append_sends(std::span<const Transfer> sends, std::span<const std::size_t> first,
+                    std::size_t g, std::span<const TensorView> views, bool forward);
+  void append_receives(std::span<const Transfer> receives, std::span<const std::size_t> first,
+                       std::size_t g, std::span<const TensorView> destinations);
+  void run_round(std::size_t e, detail::Call& call, std::span<const TensorView> sources,
+                 std::span<const TensorView> destinations, ExecStats& stats);
 
   std::vector<TensorRegions> tensors_;
   RegionPlan regions_;

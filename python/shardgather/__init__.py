@@ -509,7 +509,9 @@ class ReshardPlan(_PlanState):
     host_received = _from_plan(
         "host_received", "Every host's bytes received from other hosts per execution.")
     forwarding = _from_plan(
-        "forwarding", "Whether the plan fans bytes out inside hosts (a second exchange).")
+        "forwarding", "Whether the plan fans bytes out inside hosts (more than one exchange).")
+    rounds = _from_plan(
+        "rounds", "Exchanges per execution: 1, or with the fan-out its waves + 1.")
     fingerprint = _from_plan("fingerprint")
     rank = _from_plan("rank")
 

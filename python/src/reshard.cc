@@ -88,6 +88,7 @@ void register_reshard_plan(py::module_& m) {
       .def_property_readonly("host_received",
                              [](const P& p) { return p.plan().regions().host_received; })
       .def_property_readonly("forwarding", [](const P& p) { return p.plan().regions().forwarding; })
+      .def_property_readonly("rounds", [](const P& p) { return p.plan().regions().rounds; })
       .def_property_readonly("fingerprint", [](const P& p) { return p.plan().fingerprint(); })
       .def_property_readonly("world_size", [](const P& p) { return p.plan().world_size(); })
       .def_property_readonly("rank", [](const P& p) { return p.plan().rank(); })

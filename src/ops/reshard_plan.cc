@@ -191,8 +191,7 @@ void ReshardPlan::build_job(std::span<const TensorView> sources,
     x.sent_from[v] = inner_strided(t) ? stager.stage(t, checked_nbytes(t.dtype, t.shape))
                                       : static_cast<const std::byte*>(t.data);
   }
-  fill_sends(regions_.sends, regions_.send_first, sources, false);
-  fill_receives(regions_.receives, regions_.recv_first, destinations);
+  bind_round(0, sources, destinations);
 }
 
 // The walk over one transfer's box inside one view that holds `held`: emit(BoxRun) per run.
@@ -210,88 +209,97 @@ void ReshardPlan::walk(const Transfer& tr, const RankBox& held, const TensorView
   detail::for_each_box_run(x.local_offset, tr.box.size, x.strides, elem, x.runs, emit);
 }
 
-// The send segments of `sends` (grouped by peer at `first`) out of `views`: this rank's sources
-// (as staged in sent_from), or for the forwards its destinations, which hold the boxes by then.
-void ReshardPlan::fill_sends(std::span<const Transfer> sends, std::span<const std::size_t> first,
-                             std::span<const TensorView> views, bool forward) {
+// Round e's job in the scratch: to each peer its moves of round e (from this rank's sources, as
+// staged in sent_from), then its forwards of round e (from this rank's destinations, which hold
+// those boxes since round e - 1); from each peer the same two lists into the destinations.
+void ReshardPlan::bind_round(std::size_t e, std::span<const TensorView> sources,
+                             std::span<const TensorView> destinations) {
   detail::ExecScratch& x = scratch_.get();
+  const auto world = static_cast<std::size_t>(regions_.world_size);
   x.segments.clear();
   x.send_first.clear();
-  for (std::size_t p = 0; p + 1 < first.size(); ++p) {
+  for (std::size_t p = 0; p < world; ++p) {
     x.send_first.push_back(x.segments.size());
-    for (std::size_t n = first[p]; n < first[p + 1]; ++n) {
-      const Transfer& tr = sends[n];
-      const TensorView& view = views[tr.src_view];
-      const std::byte* base =
-          forward ? static_cast<const std::byte*>(view.data) : x.sent_from[tr.src_view];
-      const RankBox& held =
-          forward ? tensors_[tr.tensor].destinations[tr.src] : tensors_[tr.tensor].sources[tr.src];
-      walk(tr, held, view, base != view.data, [&](const detail::BoxRun& run) {
-        for (std::uint64_t k = 0; k < run.count; ++k) {
-          const std::byte* at = base + run.offset + static_cast<std::int64_t>(k * run.stride);
-          ConstSegment* last =
-              x.segments.size() > x.send_first.back() ? &x.segments.back() : nullptr;
-          if (last != nullptr && last->data + last->size == at) {
-            last->size += run.block;  // adjacent to the previous run: one segment
-          } else {
-            x.segments.push_back({at, run.block});
-          }
-        }
-      });
-    }
+    append_sends(regions_.sends, regions_.send_first, e * world + p, sources, false);
+    append_sends(regions_.forwards, regions_.forward_first, e * world + p, destinations, true);
   }
   x.send_first.push_back(x.segments.size());
-}
-
-// The receive pieces of `receives` (grouped by peer at `first`) inside this rank's destinations.
-void ReshardPlan::fill_receives(std::span<const Transfer> receives,
-                                std::span<const std::size_t> first,
-                                std::span<const TensorView> destinations) {
-  detail::ExecScratch& x = scratch_.get();
   x.pieces.clear();
   x.first.clear();
-  for (std::size_t q = 0; q + 1 < first.size(); ++q) {
+  for (std::size_t q = 0; q < world; ++q) {
     x.first.push_back(x.pieces.size());
-    for (std::size_t n = first[q]; n < first[q + 1]; ++n) {
-      const Transfer& tr = receives[n];
-      const TensorView& view = destinations[tr.dst_view];
-      auto* base = static_cast<std::byte*>(view.data);
-      walk(tr, tensors_[tr.tensor].destinations[tr.dst], view, false,
-           [&](const detail::BoxRun& run) {
-             std::byte* at = base + run.offset;
-             RecvPiece* last = x.pieces.size() > x.first.back() ? &x.pieces.back() : nullptr;
-             if (last != nullptr && last->count == 1 && run.count == 1 &&
-                 last->data + last->block == at) {
-               last->block += run.block;
-             } else {
-               x.pieces.push_back({at, run.block, run.count, run.stride});
-             }
-           });
-    }
+    append_receives(regions_.receives, regions_.recv_first, e * world + q, destinations);
+    append_receives(regions_.forwarded, regions_.forwarded_first, e * world + q, destinations);
   }
   x.first.push_back(x.pieces.size());
 }
 
-// The fan-out's second exchange: every rank joins (a personal exchange is collective on some
-// transports), once the first one landed every box a rank forwards.
-void ReshardPlan::forward(detail::Call& call, std::span<const TensorView> destinations,
-                          ExecStats& stats) {
-  fill_sends(regions_.forwards, regions_.forward_first, destinations, true);
-  fill_receives(regions_.forwarded, regions_.forwarded_first, destinations);
+// Appends the send segments of group g of `sends` (its transfers [first[g], first[g + 1])) to
+// the scratch's current peer, out of `views`: sources, or for forwards destinations.
+void ReshardPlan::append_sends(std::span<const Transfer> sends, std::span<const std::size_t> first,
+                               std::size_t g, std::span<const TensorView> views, bool forward) {
+  detail::ExecScratch& x = scratch_.get();
+  for (std::size_t n = first[g]; n < first[g + 1]; ++n) {
+    const Transfer& tr = sends[n];
+    const TensorView& view = views[tr.src_view];
+    const std::byte* base =
+        forward ? static_cast<const std::byte*>(view.data) : x.sent_from[tr.src_view];
+    const RankBox& held =
+        forward ? tensors_[tr.tensor].destinations[tr.src] : tensors_[tr.tensor].sources[tr.src];
+    walk(tr, held, view, base != view.data, [&](const detail::BoxRun& run) {
+      for (std::uint64_t k = 0; k < run.count; ++k) {
+        const std::byte* at = base + run.offset + static_cast<std::int64_t>(k * run.stride);
+        ConstSegment* last = x.segments.size() > x.send_first.back() ? &x.segments.back() : nullptr;
+        if (last != nullptr && last->data + last->size == at) {
+          last->size += run.block;  // adjacent to the previous run: one segment
+        } else {
+          x.segments.push_back({at, run.block});
+        }
+      }
+    });
+  }
+}
+
+// Appends the receive pieces of group g of `receives` to the scratch's current peer.
+void ReshardPlan::append_receives(std::span<const Transfer> receives,
+                                  std::span<const std::size_t> first, std::size_t g,
+                                  std::span<const TensorView> destinations) {
+  detail::ExecScratch& x = scratch_.get();
+  for (std::size_t n = first[g]; n < first[g + 1]; ++n) {
+    const Transfer& tr = receives[n];
+    const TensorView& view = destinations[tr.dst_view];
+    auto* base = static_cast<std::byte*>(view.data);
+    walk(tr, tensors_[tr.tensor].destinations[tr.dst], view, false, [&](const detail::BoxRun& run) {
+      std::byte* at = base + run.offset;
+      RecvPiece* last = x.pieces.size() > x.first.back() ? &x.pieces.back() : nullptr;
+      if (last != nullptr && last->count == 1 && run.count == 1 && last->data + last->block == at) {
+        last->block += run.block;
+      } else {
+        x.pieces.push_back({at, run.block, run.count, run.stride});
+      }
+    });
+  }
+}
+
+// A fan-out's later exchange e (>= 1): every rank joins (a personal exchange is collective on
+// some transports), once exchange e - 1 landed every box a rank forwards in it.
+void ReshardPlan::run_round(std::size_t e, detail::Call& call, std::span<const TensorView> sources,
+                            std::span<const TensorView> destinations, ExecStats& stats) {
+  bind_round(e, sources, destinations);
   const detail::ExecScratch& x = scratch_.get();
   const detail::ExchangeJob job{.shape = detail::ExchangeShape::kPersonal,
                                 .send = x.segments,
                                 .send_first = x.send_first,
                                 .pieces = x.pieces,
                                 .first = x.first,
-                                .counts = regions_.forwarded_counts,
+                                .counts = regions_.recv_counts,
                                 .copy_threads = detail::copy_threads(options_, call.comm()),
                                 .entry_synchronized = true,
                                 .device = x.device};
-  ExecStats second;
+  ExecStats round;
   detail::run_payload(call, Strategy::kDirect, Strategy::kDirect, job, scratch_.get().strategy,
-                      second);
-  stats.payload_collectives += second.payload_collectives;
+                      round);
+  stats.payload_collectives += round.payload_collectives;
 }
 
 ExecStats ReshardPlan::execute_now(std::span<const TensorView> sources, Communicator& comm,
@@ -327,8 +335,8 @@ ExecStats ReshardPlan::execute_now(std::span<const TensorView> sources, Communic
   const detail::ExchangeJob job =
       detail::prepare_execution(call, scratch_, facts, std::nullopt, stats, check, bind);
   detail::run_execution(call, scratch_, facts, job, stats);
-  if (regions_.forwarding) {
-    forward(call, destinations, stats);
+  for (std::size_t e = 1; e < regions_.rounds; ++e) {
+    run_round(e, call, sources, destinations, stats);
   }
   return stats;
 }

@@ -182,8 +182,11 @@ class Planner {
         }
       }
     }
+    rounds = assign_rounds();
     return std::move(transfers_);
   }
+
+  std::size_t rounds = 1;  // exchanges per execution (run() sets it)
 
   // The second exchange's transfers (run() first).
   std::vector<Transfer> take_forwards() { return std::move(forwards_); }
@@ -316,10 +319,12 @@ class Planner {
       merge_pieces(direct[m]);
       emit(i, group[m], direct[m], transfers_);
       merge_pieces(relayed[m]);
+      RelayUnit unit{.moves = transfers_.size(), .forwards = forwards_.size()};
       emit(i, group[m], relayed[m], transfers_);
       std::vector<Piece> forward;
       for (const Piece& p : relayed[m]) {
         forward.push_back({group[m], p.box});
+        unit.bytes += box_elements(p.box) * dtype_size(t.dtype);
       }
       merge_pieces(forward);
       for (std::size_t n = 0; n < group.size(); ++n) {
@@ -327,7 +332,40 @@ class Planner {
           emit(i, group[n], forward, forwards_, /*forward=*/true);
         }
       }
+      if (unit.bytes != 0) {
+        unit.moves_end = transfers_.size();
+        unit.forwards_end = forwards_.size();
+        units_.push_back(unit);
+      }
     }
+  }
+
+  // Puts the relayed pieces in waves of about equal bytes, in plan order (a unit: what one rank
+  // relays of one tensor for its group, with its forwards, stays in one wave). A relayed move of
+  // wave w goes in exchange w, its forwards in exchange w + 1; every other move in exchange 0.
+  // Returns the number of exchanges.
+  std::size_t assign_rounds() {
+    if (units_.empty()) {
+      return 1;
+    }
+    const std::size_t waves = std::min(options_.fan_out_waves, units_.size());
+    std::uint64_t total = 0;
+    for (const RelayUnit& u : units_) {
+      total += u.bytes;
+    }
+    const std::uint64_t per_wave = (total + waves - 1) / waves;
+    std::uint64_t before = 0;
+    for (const RelayUnit& u : units_) {
+      const std::size_t wave = std::min<std::uint64_t>(waves - 1, before / per_wave);
+      before += u.bytes;
+      for (std::size_t n = u.moves; n < u.moves_end; ++n) {
+        transfers_[n].round = wave;
+      }
+      for (std::size_t n = u.forwards; n < u.forwards_end; ++n) {
+        forwards_[n].round = wave + 1;
+      }
+    }
+    return waves + 1;
   }
 
   // A cell that crosses to a host, as slabs for members of `group` (indices into it): one slab
@@ -531,6 +569,15 @@ class Planner {
   std::vector<std::uint64_t> relay_load_;  // bytes each rank receives to forward, so far
   std::vector<Transfer> transfers_;
   std::vector<Transfer> forwards_;
+  // What one rank relays of one tensor for its group: its moves and forwards (index ranges).
+  struct RelayUnit {
+    std::size_t moves = 0;
+    std::size_t moves_end = 0;
+    std::size_t forwards = 0;
+    std::size_t forwards_end = 0;
+    std::uint64_t bytes = 0;
+  };
+  std::vector<RelayUnit> units_;
 };
 
 std::uint64_t fingerprint_of(std::span<const TensorRegions> tensors, int world,
@@ -540,6 +587,7 @@ std::uint64_t fingerprint_of(std::span<const TensorRegions> tensors, int world,
   h.add(tensors.size());
   h.add(options.split_bytes);
   h.add(options.fan_out ? 1 : 0);
+  h.add(options.fan_out_waves);
   h.add(options.hosts.size());
   for (const int host : options.hosts) {
     h.add(static_cast<std::uint64_t>(host));
@@ -566,15 +614,17 @@ std::uint64_t fingerprint_of(std::span<const TensorRegions> tensors, int world,
   return h.value() == 0 ? 1 : h.value();
 }
 
-// The transfers of one rank's side, grouped by peer, and where each peer's begin.
+// Where each (round, peer) group of one rank's side (sorted by round, then peer) begins, and the
+// bytes per peer over every round.
 void group_by_peer(std::vector<Transfer>& side, std::vector<std::size_t>& first,
-                   std::vector<std::uint64_t>& counts, int world,
+                   std::vector<std::uint64_t>& counts, int world, std::size_t rounds,
                    const std::vector<int>& peer_of_transfer) {
-  first.assign(static_cast<std::size_t>(world) + 1, 0);
-  counts.assign(static_cast<std::size_t>(world), 0);
+  const auto w = static_cast<std::size_t>(world);
+  first.assign(rounds * w + 1, 0);
+  counts.assign(w, 0);
   for (std::size_t n = 0; n < side.size(); ++n) {
     const auto p = static_cast<std::size_t>(peer_of_transfer[n]);
-    ++first[p + 1];
+    ++first[side[n].round * w + p + 1];
     counts[p] = detail::add_checked(counts[p], side[n].bytes, "bytes per peer");
   }
   std::partial_sum(first.begin(), first.end(), first.begin());
@@ -584,9 +634,10 @@ void group_by_peer(std::vector<Transfer>& side, std::vector<std::size_t>& first,
 // (tensor, destination entry, source entry, box offset), the same on both ends of a pair.
 template <typename SrcRank, typename DstRank>
 void split_sides(std::vector<Transfer> all, SrcRank&& src_rank, DstRank&& dst_rank, int rank,
-                 int world, std::vector<Transfer>& sends, std::vector<std::size_t>& send_first,
-                 std::vector<std::uint64_t>& send_counts, std::vector<Transfer>& receives,
-                 std::vector<std::size_t>& recv_first, std::vector<std::uint64_t>& recv_counts) {
+                 int world, std::size_t rounds, std::vector<Transfer>& sends,
+                 std::vector<std::size_t>& send_first, std::vector<std::uint64_t>& send_counts,
+                 std::vector<Transfer>& receives, std::vector<std::size_t>& recv_first,
+                 std::vector<std::uint64_t>& recv_counts) {
   for (Transfer& x : all) {
     if (src_rank(x) == rank) {
       sends.push_back(x);
@@ -599,10 +650,12 @@ void split_sides(std::vector<Transfer> all, SrcRank&& src_rank, DstRank&& dst_ra
     return std::tie(x.tensor, x.dst, x.src, x.box.offset);
   };
   std::sort(sends.begin(), sends.end(), [&](const Transfer& a, const Transfer& b) {
-    return std::make_tuple(dst_rank(a), canonical(a)) < std::make_tuple(dst_rank(b), canonical(b));
+    return std::make_tuple(a.round, dst_rank(a), canonical(a)) <
+           std::make_tuple(b.round, dst_rank(b), canonical(b));
   });
   std::sort(receives.begin(), receives.end(), [&](const Transfer& a, const Transfer& b) {
-    return std::make_tuple(src_rank(a), canonical(a)) < std::make_tuple(src_rank(b), canonical(b));
+    return std::make_tuple(a.round, src_rank(a), canonical(a)) <
+           std::make_tuple(b.round, src_rank(b), canonical(b));
   });
   std::vector<int> send_peer;
   std::vector<int> recv_peer;
@@ -614,8 +667,8 @@ void split_sides(std::vector<Transfer> all, SrcRank&& src_rank, DstRank&& dst_ra
   for (const Transfer& x : receives) {
     recv_peer.push_back(src_rank(x));
   }
-  group_by_peer(sends, send_first, send_counts, world, send_peer);
-  group_by_peer(receives, recv_first, recv_counts, world, recv_peer);
+  group_by_peer(sends, send_first, send_counts, world, rounds, send_peer);
+  group_by_peer(receives, recv_first, recv_counts, world, rounds, recv_peer);
 }
 
 }  // namespace
@@ -677,6 +730,11 @@ RegionPlan plan_regions(std::span<const TensorRegions> tensors, int world_size, 
                             std::to_string(world_size) + ")");
     }
   }
+  if (options.fan_out_waves < 1) {
+    throw InvalidArgument(
+        "plan_regions: fan_out_waves is 0 (1 or more: 1 forwards after the "
+        "whole first exchange)");
+  }
   check_regions(tensors, world_size);
   Planner planner(tensors, world_size, options);
   std::vector<Transfer> moves = planner.run();
@@ -719,11 +777,13 @@ RegionPlan plan_regions(std::span<const TensorRegions> tensors, int world_size, 
   };
   count(moves, source_rank);
   count(forwards, forwarder_rank);
-  split_sides(std::move(moves), source_rank, dst_rank, plan.rank, world_size, plan.sends,
-              plan.send_first, plan.send_counts, plan.receives, plan.recv_first, plan.recv_counts);
-  split_sides(std::move(forwards), forwarder_rank, dst_rank, plan.rank, world_size, plan.forwards,
-              plan.forward_first, plan.forward_counts, plan.forwarded, plan.forwarded_first,
-              plan.forwarded_counts);
+  plan.rounds = planner.rounds;
+  split_sides(std::move(moves), source_rank, dst_rank, plan.rank, world_size, plan.rounds,
+              plan.sends, plan.send_first, plan.send_counts, plan.receives, plan.recv_first,
+              plan.recv_counts);
+  split_sides(std::move(forwards), forwarder_rank, dst_rank, plan.rank, world_size, plan.rounds,
+              plan.forwards, plan.forward_first, plan.forward_counts, plan.forwarded,
+              plan.forwarded_first, plan.forwarded_counts);
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     for (std::size_t j = 0; j < tensors[i].sources.size(); ++j) {
       if (tensors[i].sources[j].rank == rank) {

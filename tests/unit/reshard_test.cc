@@ -155,6 +155,10 @@ TEST(RegionPlanner, TheFingerprintCoversBoxesRanksAndOptions) {
   flat.fan_out = false;
   EXPECT_NE(plan_regions(std::span(&t, 1), 2, 0, flat).fingerprint,
             plan_regions(std::span(&t, 1), 2, 0, hosts).fingerprint);
+  RegionOptions one_wave = hosts;
+  one_wave.fan_out_waves = 1;
+  EXPECT_NE(plan_regions(std::span(&t, 1), 2, 0, one_wave).fingerprint,
+            plan_regions(std::span(&t, 1), 2, 0, hosts).fingerprint);
 }
 
 // Host 0 (ranks 0-1) holds a [8, 4] float tensor in row halves; host 1's three ranks all want it
@@ -211,6 +215,40 @@ TEST(RegionPlanner, ABigPieceIsRelayedBySeveralRanksOfTheHost) {
   }
 }
 
+TEST(RegionPlanner, RelayedPiecesMoveInWavesWhoseForwardsFollowThemByOneExchange) {
+  // 8 tensors, each wanted whole by ranks 1-2 (host 1) from rank 0 (host 0): 8 relayed units.
+  std::vector<TensorRegions> layout;
+  for (int i = 0; i < 8; ++i) {
+    TensorRegions t{.dtype = DType::kFloat32, .shape = {4, 4}, .sources = {}, .destinations = {}};
+    t.sources = {{0, rows(0, 4, 4)}};
+    t.destinations = {{1, rows(0, 4, 4)}, {2, rows(0, 4, 4)}};
+    layout.push_back(t);
+  }
+  RegionOptions options;
+  options.hosts = {0, 1, 1};
+  for (const std::size_t waves : {1U, 3U, 4U, 20U}) {
+    options.fan_out_waves = waves;
+    const RegionPlan plan = plan_regions(layout, 3, 1, options);
+    EXPECT_EQ(plan.rounds, std::min<std::size_t>(waves, 8) + 1) << waves << " waves";
+    // Every relayed piece this rank receives in round e, it forwards in round e + 1.
+    std::vector<std::size_t> relayed(plan.rounds, 0);
+    std::vector<std::size_t> forwarded(plan.rounds, 0);
+    for (const Transfer& x : plan.receives) {
+      ++relayed[x.round];
+    }
+    for (const Transfer& x : plan.forwards) {
+      ASSERT_GE(x.round, 1U);
+      ++forwarded[x.round - 1];
+    }
+    EXPECT_EQ(relayed, forwarded) << waves << " waves";
+    EXPECT_EQ(relayed.back(), 0U);
+  }
+  options.fan_out_waves = 0;
+  const auto [code, message] = outcome([&] { (void)plan_regions(layout, 3, 0, options); });
+  EXPECT_EQ(code, "InvalidArgument");
+  EXPECT_NE(message.find("fan_out_waves is 0"), std::string::npos) << message;
+}
+
 TEST(RegionPlanner, HostsMustBeNumberedBelowTheWorld) {
   const TensorRegions t = fan_out_tensor();
   RegionOptions options;
@@ -256,20 +294,27 @@ TEST(ReshardOnHosts, FannedOutBytesLandInPlaceAndCrossTheHostsOnce) {
     big.destinations.push_back({r, rows(0, 512, 2048)});
   }
   const std::vector<TensorRegions> layout{fan_out_tensor(), big};
-  for (const int variant : {0, 1, 2}) {
+  for (const int variant : {0, 1, 2, 3}) {
     testing::run_ranks_on_hosts(
         {0, 0, 1, 1, 1, 1},
         [&](int rank, Communicator& comm) {
-          ReshardPlan plan = ReshardPlan::for_communicator(layout, comm);
+          // Six relayed units (two halves, four quarters) in four waves: five exchanges; in
+          // one wave (variant 3), two.
+          RegionOptions options;
+          options.hosts.assign(comm.hosts().begin(), comm.hosts().end());
+          options.fan_out_waves = variant == 3 ? 1 : 4;
+          ReshardPlan plan(layout, comm.size(), comm.rank(), {}, options);
           ASSERT_TRUE(plan.regions().forwarding);
+          const std::size_t rounds = variant == 3 ? 2 : 5;
+          EXPECT_EQ(plan.regions().rounds, rounds);
           EXPECT_EQ(plan.regions().host_received[1], 128U + 64U + 2U * 512U * 2048U);
-          testing::ReshardViews views = make_reshard_views(plan, 77, variant);
+          testing::ReshardViews views = make_reshard_views(plan, 77, variant % 3);
           for (int step = 0; step < 2; ++step) {
             for (std::size_t v = plan.source_count(); v < views.storage.size(); ++v) {
               std::fill(views.storage[v].begin(), views.storage[v].end(), testing::kCanary);
             }
             const ExecStats stats = plan.execute(views.sources, comm, views.destinations);
-            EXPECT_EQ(stats.payload_collectives, 2U) << "rank " << rank;
+            EXPECT_EQ(stats.payload_collectives, rounds) << "rank " << rank;
             EXPECT_EQ(check_reshard(plan, views, 77), "") << "rank " << rank;
           }
         },
