@@ -45,8 +45,8 @@ struct Config {
   int layers = 1;
   int iters = 5;
   int warmup = 1;
-  std::vector<std::string> methods = {"reshard", "reshard_flat", "gather_bcast", "owner_bcast",
-                                      "slice_p2p"};
+  std::vector<std::string> methods = {"reshard",      "reshard_flat", "reshard_a2aw",
+                                      "gather_bcast", "owner_bcast",  "slice_p2p"};
   std::string json;
   bool mpi_yield = false;
   DType dtype = DType::kBFloat16;
@@ -225,6 +225,8 @@ struct Backend {
   std::function<std::uint64_t(std::uint64_t)> sum;
 #ifdef SHARDGATHER_BENCH_WITH_MPI
   MPI_Comm mpi = MPI_COMM_NULL;
+  // The same ranks with MpiOptions::Exchange::kAlltoallw: the reshard_a2aw method's.
+  Communicator* alltoallw = nullptr;
 #endif
 };
 
@@ -603,6 +605,13 @@ Run run_rank(const Config& cfg, Backend& b) {
     if (m == "reshard_flat") {
       fn = [&] { flat.execute(data.src_views, comm, data.dst_views); };
     }
+    Communicator* used = &comm;
+#ifdef SHARDGATHER_BENCH_WITH_MPI
+    if (m == "reshard_a2aw" && b.alltoallw != nullptr) {
+      used = b.alltoallw;
+      fn = [&] { plan.execute(data.src_views, *b.alltoallw, data.dst_views); };
+    }
+#endif
     if (cfg.unshard() && (m == "unshard" || m == "unshard_direct")) {
       un.emplace(cfg, plan, m == "unshard" ? Strategy::kAuto : Strategy::kDirect);
       un->settle(data, comm);
@@ -625,10 +634,10 @@ Run run_rank(const Config& cfg, Backend& b) {
     if (!fn) {
       continue;  // not a method of this layout or backend
     }
-    const std::uint64_t before = comm.exchange_bytes_received();
+    const std::uint64_t before = used->exchange_bytes_received();
     Result res = time_method(cfg, m, b, fn);
-    const std::uint64_t got = comm.exchange_bytes_received() - before;
-    if (m == "reshard" || m == "reshard_flat") {
+    const std::uint64_t got = used->exchange_bytes_received() - before;
+    if (m.starts_with("reshard")) {
       // What reached this rank from others per call, with its local copies, against the plan.
       const RegionPlan& r = (m == "reshard" ? plan : flat).regions();
       const auto me = static_cast<std::size_t>(comm.rank());
@@ -782,8 +791,9 @@ std::optional<Config> parse(int argc, char** argv) {
   app.add_option("-w,--warmup", cfg.warmup, "untimed iterations first (default 1)");
   app.add_option_function<std::string>(
       "--methods", [&cfg](const std::string& list) { cfg.methods = split_list(list); },
-      "reshard,reshard_flat,gather_bcast,owner_bcast,slice_p2p (default: all; the anchors\n"
-      "need mpi; reshard_flat: the reshard without its fan-out inside hosts)");
+      "reshard,reshard_flat,reshard_a2aw,gather_bcast,owner_bcast,slice_p2p (default: all;\n"
+      "reshard_a2aw and the anchors need mpi; reshard_flat: the reshard without its fan-out\n"
+      "inside hosts; reshard_a2aw: the reshard with MPI_Ialltoallw exchanges)");
   app.add_flag_callback(
       "--mpi-yield", [&cfg] { cfg.mpi_yield = true; },
       "MPI waits yield the core (many simulated hosts on few cores)");
@@ -797,8 +807,8 @@ std::optional<Config> parse(int argc, char** argv) {
     throw InvalidArgument(e.what());
   }
   for (const std::string& m : cfg.methods) {
-    if (m != "reshard" && m != "reshard_flat" && m != "gather_bcast" && m != "owner_bcast" &&
-        m != "slice_p2p" && m != "unshard" && m != "unshard_direct") {
+    if (m != "reshard" && m != "reshard_flat" && m != "reshard_a2aw" && m != "gather_bcast" &&
+        m != "owner_bcast" && m != "slice_p2p" && m != "unshard" && m != "unshard_direct") {
       throw InvalidArgument("unknown method " + m);
     }
   }
@@ -886,13 +896,15 @@ int run_mpi(const Config& cfg, int argc, char** argv) {
     return 2;
   }
   {
-    auto comm = make_mpi_communicator(
-        MPI_COMM_WORLD,
-        MpiOptions{.max_chunk_bytes = MpiOptions{}.max_chunk_bytes,
-                   .wait = cfg.mpi_yield ? MpiOptions::Wait::kYield : MpiOptions::Wait::kAuto});
+    MpiOptions options{.max_chunk_bytes = MpiOptions{}.max_chunk_bytes,
+                       .wait = cfg.mpi_yield ? MpiOptions::Wait::kYield : MpiOptions::Wait::kAuto};
+    auto comm = make_mpi_communicator(MPI_COMM_WORLD, options);
+    options.exchange = MpiOptions::Exchange::kAlltoallw;
+    auto alltoallw = make_mpi_communicator(MPI_COMM_WORLD, options);
     Backend b;
     b.comm = comm.get();
     b.mpi = MPI_COMM_WORLD;
+    b.alltoallw = alltoallw.get();
     b.slowest = [](double mine) {
       double worst = 0;
       MPI_Allreduce(&mine, &worst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);

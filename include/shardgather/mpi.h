@@ -37,6 +37,13 @@ struct MpiOptions {
   // cannot see (several simulated hosts, containers, on one machine's cores). kSpin never does.
   enum class Wait : std::uint8_t { kAuto, kYield, kSpin };
   Wait wait = Wait::kAuto;
+  // How a personal exchange (a reshard's) moves. kPointToPoint: one nonblocking send and receive
+  // per pair that has bytes (a rank with nothing to move posts nothing). kAlltoallw: one
+  // MPI_Ialltoallw over the same datatypes, with pairs above max_chunk_bytes sent point to point
+  // after it. Must be the same on every rank: the collective and the point-to-point messages do
+  // not match each other.
+  enum class Exchange : std::uint8_t { kPointToPoint, kAlltoallw };
+  Exchange exchange = Exchange::kPointToPoint;
 };
 
 SHARDGATHER_API std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm,

@@ -8,7 +8,7 @@ set -euo pipefail
 netns_mpirun=$1 python=$2 check=$3 json=$4 bench=$5
 "$(dirname "$netns_mpirun")/test-hosts" probe
 export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
-exec "$python" "$check" "$json" reshard,reshard_flat,gather_bcast,owner_bcast,slice_p2p -- \
+exec "$python" "$check" "$json" reshard,reshard_flat,reshard_a2aw,gather_bcast,owner_bcast,slice_p2p -- \
   "$netns_mpirun" --hosts 2 --per-host 3 --rate 1gbit -- \
   "$bench" reshard --backend mpi --sources 2 --tp 2 --replicas 2 --model qwen3-moe --layers 1 \
   --iters 2 --mpi-yield --json "$json"

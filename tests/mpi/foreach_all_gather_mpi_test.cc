@@ -98,6 +98,10 @@ TEST_P(MpiTeams, PlanRejectsMismatchedTensors) {
   testing::case_plan_rejects_mismatched_tensors(team_.comm());
 }
 TEST_P(MpiTeams, ReshardRandomLayouts) { testing::case_reshard_fuzz(team_.comm(), 25, 900); }
+TEST_P(MpiTeams, ReshardRandomLayoutsOverAlltoallw) {
+  MpiTeam team(GetParam(), MpiOptions{.exchange = MpiOptions::Exchange::kAlltoallw});
+  testing::case_reshard_fuzz(team.comm(), 25, 950);
+}
 TEST_P(MpiTeams, ReshardPlanMismatchRaisesOnEveryRank) {
   testing::case_reshard_mismatch(team_.comm());
 }
@@ -145,6 +149,15 @@ TEST(MpiChunked, SameResultsAsTheSingleCollective) {
   testing::case_plan_steady_state(team.comm());
   testing::case_all_to_all_scatter(team.comm());  // pairs above 1000 bytes go in chunks
   testing::case_hierarchical(team.comm());
+  testing::case_reshard_fuzz(team.comm(), 10, 960);
+}
+
+// MPI_Ialltoallw for the personal exchange, with pairs above 1000 bytes point to point after it.
+TEST(MpiChunked, AlltoallwCarriesThePairsUpToAChunk) {
+  MpiTeam team(Team::kWorld,
+               MpiOptions{.max_chunk_bytes = 1000, .exchange = MpiOptions::Exchange::kAlltoallw});
+  testing::case_all_to_all_scatter(team.comm());
+  testing::case_reshard_fuzz(team.comm(), 10, 970);
 }
 
 TEST(MpiCommunicator, RejectsBadOptions) {

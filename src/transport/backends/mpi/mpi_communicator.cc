@@ -19,7 +19,13 @@ namespace detail {
 
 namespace {
 
+// Cached datatypes: a gather needs one send type per call, a personal exchange one per peer per
+// exchange, and a reshard with a fan-out runs up to its waves + 1 exchanges per execution (5 by
+// default): room for 8 exchanges to every peer keeps a plan's steady state from rebuilding them.
 constexpr std::size_t kTypeCacheSize = 8;
+std::size_t send_cache_size(int world) {
+  return kTypeCacheSize + 8 * static_cast<std::size_t>(world);
+}
 constexpr std::chrono::microseconds kProgressPoll{200};
 constexpr auto kIntMax = static_cast<std::uint64_t>(INT_MAX);
 
@@ -226,7 +232,7 @@ MPI_Datatype MpiCommunicator::send_type(std::span<const ConstSegment> segments) 
   }
   const std::vector<Run> runs = runs_of(segments);
   MPI_Datatype type = build_type(runs, rank_);
-  if (type_cache_.size() == kTypeCacheSize) {
+  if (type_cache_.size() >= send_cache_size(size_)) {
     MPI_Type_free(&type_cache_.front().type);
     type_cache_.erase(type_cache_.begin());
   }
@@ -474,13 +480,27 @@ void MpiCommunicator::do_all_to_all_scatter(std::span<const ConstSegment> send,
                                             std::span<const std::size_t> send_first,
                                             std::span<const RecvPiece> pieces,
                                             std::span<const std::size_t> first, Deadline deadline) {
+  const auto me = static_cast<std::size_t>(rank_);
+  copy_stream(rank_part(send, send_first, me), rank_part(pieces, first, me));
+  if (options_.exchange == MpiOptions::Exchange::kAlltoallw) {
+    personal_alltoallw(send, send_first, pieces, first, deadline);
+    personal_point_to_point(send, send_first, pieces, first, true, deadline);
+  } else {
+    personal_point_to_point(send, send_first, pieces, first, false, deadline);
+  }
+}
+
+void MpiCommunicator::personal_point_to_point(std::span<const ConstSegment> send,
+                                              std::span<const std::size_t> send_first,
+                                              std::span<const RecvPiece> pieces,
+                                              std::span<const std::size_t> first, bool above_chunk,
+                                              Deadline deadline) {
   constexpr int kTag = 0x5348;  // on this communicator's own duplicate, one call at a time
   const std::uint64_t chunk = options_.max_chunk_bytes;
   const auto world = static_cast<std::size_t>(size_);
   const auto me = static_cast<std::size_t>(rank_);
   const auto to = [&](std::size_t p) { return rank_part(send, send_first, p); };
   const auto from = [&](std::size_t q) { return rank_part(pieces, first, q); };
-  copy_stream(to(me), from(me));
   requests_.clear();
   // One message per pair from the datatype caches; above max_chunk_bytes, one per chunk.
   const auto post = [&](MPI_Datatype type, bool owned, int peer, bool recv) {
@@ -508,7 +528,7 @@ void MpiCommunicator::do_all_to_all_scatter(std::span<const ConstSegment> send,
     if (bytes > chunk) {
       post_chunks(std::vector<RecvPiece>(from(q).begin(), from(q).end()), bytes,
                   static_cast<int>(q), true);
-    } else if (bytes != 0) {
+    } else if (bytes != 0 && !above_chunk) {
       recv_dt = recv_dt != nullptr ? recv_dt : &recv_types(pieces, first);
       post((*recv_dt)[q], false, static_cast<int>(q), true);
     }
@@ -518,13 +538,48 @@ void MpiCommunicator::do_all_to_all_scatter(std::span<const ConstSegment> send,
     const std::uint64_t bytes = stream_bytes(to(p));
     if (bytes > chunk) {
       post_chunks(slice_segments(to(p), 0, bytes), bytes, static_cast<int>(p), false);
-    } else if (bytes != 0) {
+    } else if (bytes != 0 && !above_chunk) {
       post(send_type(to(p)), false, static_cast<int>(p), false);
     }
   }
   for (MPI_Request& request : requests_) {
     wait(request, deadline, "all_to_all_scatter");
   }
+}
+
+void MpiCommunicator::personal_alltoallw(std::span<const ConstSegment> send,
+                                         std::span<const std::size_t> send_first,
+                                         std::span<const RecvPiece> pieces,
+                                         std::span<const std::size_t> first, Deadline deadline) {
+  const std::uint64_t chunk = options_.max_chunk_bytes;
+  const auto world = static_cast<std::size_t>(size_);
+  const auto me = static_cast<std::size_t>(rank_);
+  zeros_.assign(world, 0);
+  send_counts_.assign(world, 0);
+  recv_counts_.assign(world, 0);
+  send_types_.assign(2 * world, MPI_BYTE);
+  const std::vector<MPI_Datatype>* recv_dt = nullptr;
+  for (std::size_t p = 0; p < world; ++p) {
+    const std::uint64_t out = stream_bytes(rank_part(send, send_first, p));
+    const std::uint64_t in = stream_bytes(rank_part(pieces, first, p));
+    if (p != me && out != 0 && out <= chunk) {
+      // The cache holds more than world types, so none fetched in this loop is evicted (and
+      // freed) before the collective below has used it.
+      send_counts_[p] = 1;
+      send_types_[p] = send_type(rank_part(send, send_first, p));
+    }
+    if (p != me && in != 0 && in <= chunk) {
+      recv_dt = recv_dt != nullptr ? recv_dt : &recv_types(pieces, first);
+      recv_counts_[p] = 1;
+      send_types_[world + p] = (*recv_dt)[p];
+    }
+  }
+  MPI_Request request = MPI_REQUEST_NULL;
+  SHARDGATHER_CHECK_MPI(
+      rank_, MPI_Ialltoallw(MPI_BOTTOM, send_counts_.data(), zeros_.data(), send_types_.data(),
+                            MPI_BOTTOM, recv_counts_.data(), zeros_.data(),
+                            send_types_.data() + world, comm_, &request));
+  wait(request, deadline, "all_to_all_scatter (alltoallw)");
 }
 
 void MpiCommunicator::do_barrier(Deadline deadline) {

@@ -83,6 +83,17 @@ class MpiCommunicator final : public Communicator {
   void scatter_alltoallw(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                          std::span<const std::size_t> first, std::span<const std::uint64_t> counts,
                          int root, Deadline deadline, const char* what);
+  // A personal exchange's pairs point to point (all of them, or with `above_chunk` only those
+  // above max_chunk_bytes), and its pairs up to max_chunk_bytes in one MPI_Ialltoallw.
+  void personal_point_to_point(std::span<const ConstSegment> send,
+                               std::span<const std::size_t> send_first,
+                               std::span<const RecvPiece> pieces,
+                               std::span<const std::size_t> first, bool above_chunk,
+                               Deadline deadline);
+  void personal_alltoallw(std::span<const ConstSegment> send,
+                          std::span<const std::size_t> send_first,
+                          std::span<const RecvPiece> pieces, std::span<const std::size_t> first,
+                          Deadline deadline);
   // Sender by sender, chunk by chunk point to point to the root: for gathers to one rank above
   // max_chunk_bytes per rank.
   void gather_scatter_chunked(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
