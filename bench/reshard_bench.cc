@@ -52,7 +52,10 @@ struct Config {
   DType dtype = DType::kBFloat16;
   std::size_t waves = 4;
   [[nodiscard]] bool unshard() const { return layout == "unshard"; }
-  [[nodiscard]] int world() const { return unshard() ? sources : sources + tp * replicas; }
+  [[nodiscard]] bool gather() const { return layout == "gather"; }
+  // The layouts of the full tensors (every rank, or rank 0): the sources are the whole world.
+  [[nodiscard]] bool full() const { return unshard() || gather(); }
+  [[nodiscard]] int world() const { return full() ? sources : sources + tp * replicas; }
 };
 
 // How an engine splits a tensor over its TP ranks.
@@ -116,10 +119,10 @@ std::vector<TensorRegions> make_layout(const Config& cfg, const std::vector<Tens
     for (int s = 0; s < cfg.sources; ++s) {
       r.sources.push_back({s, chunk_box(t.shape, 0, s, cfg.sources)});
     }
-    for (int s = 0; cfg.unshard() && s < cfg.sources; ++s) {
+    for (int s = 0; cfg.full() && s < (cfg.gather() ? 1 : cfg.sources); ++s) {
       r.destinations.push_back({s, Box{Shape(t.shape.size(), 0), t.shape}});
     }
-    for (int rep = 0; rep < cfg.replicas && !cfg.unshard(); ++rep) {
+    for (int rep = 0; rep < cfg.replicas && !cfg.full(); ++rep) {
       for (int j = 0; j < cfg.tp; ++j) {
         const int rank = cfg.sources + rep * cfg.tp + j;
         const bool whole =
@@ -236,8 +239,9 @@ struct Method {
   std::function<void()> run;
 };
 
-// The unshard layout's own operation: an UnshardPlan (dim-0 shards of the sources, torch.chunk)
-// executed into the destination views, which are the full tensors.
+// The unshard and gather layouts' own operation: an UnshardPlan (dim-0 shards of the sources,
+// torch.chunk; to rank 0 only for the gather) executed into the destination views, which are the
+// full tensors.
 struct Unshard {
   std::optional<UnshardPlan> plan;
   Strategy strategy;
@@ -249,6 +253,7 @@ struct Unshard {
     }
     PlanOptions options;
     options.strategy = requested;
+    options.dst = cfg.gather() ? 0 : -1;
     plan.emplace(specs, cfg.world(), reshard.rank(), options);
   }
 
@@ -259,7 +264,7 @@ struct Unshard {
   // auto's trial executions (strategy.h, kAutoTrialRuns), untimed, so that the timed calls run
   // the strategy it settled on.
   void settle(RankData& data, Communicator& comm) {
-    for (int k = 0; k < kAutoTrialRuns && strategy == Strategy::kAuto; ++k) {
+    for (int k = 0; k < kAutoTrialRuns && strategy == Strategy::kAuto && plan->dst() < 0; ++k) {
       run(data, comm);
     }
   }
@@ -612,13 +617,13 @@ Run run_rank(const Config& cfg, Backend& b) {
       fn = [&] { plan.execute(data.src_views, *b.alltoallw, data.dst_views); };
     }
 #endif
-    if (cfg.unshard() && (m == "unshard" || m == "unshard_direct")) {
+    if (cfg.full() && (m == "unshard" || m == "unshard_direct")) {
       un.emplace(cfg, plan, m == "unshard" ? Strategy::kAuto : Strategy::kDirect);
       un->settle(data, comm);
       fn = [&] { un->run(data, comm); };
     }
 #ifdef SHARDGATHER_BENCH_WITH_MPI
-    if (b.mpi == MPI_COMM_NULL || cfg.unshard()) {
+    if (b.mpi == MPI_COMM_NULL || cfg.full()) {
       // the anchors' methods are the engine layout's, over MPI
     } else if (m == "gather_bcast") {
       gb.emplace(cfg, plan, data, b.mpi);
@@ -681,9 +686,10 @@ double link_floor_ms(const Run& run, int world) {
 int report(const Config& cfg, const Run& run) {
   const double floor = link_floor_ms(run, cfg.world());
   const std::string dtype(dtype_name(cfg.dtype));
-  if (cfg.unshard()) {
-    std::printf("# reshard as unshard: %s x %d layers, %zu tensors, %d ranks, %s\n",
-                cfg.model.c_str(), cfg.layers, run.tensors, cfg.sources, dtype.c_str());
+  if (cfg.full()) {
+    std::printf("# reshard as %s: %s x %d layers, %zu tensors, %d ranks, %s\n",
+                cfg.unshard() ? "unshard" : "gather to rank 0", cfg.model.c_str(), cfg.layers,
+                run.tensors, cfg.sources, dtype.c_str());
   } else {
     std::printf(
         "# reshard: %s x %d layers, %zu tensors, %d FSDP sources -> TP %d x %d replicas, %s\n",
@@ -781,9 +787,10 @@ std::optional<Config> parse(int argc, char** argv) {
   app.add_option("--replicas", cfg.replicas, "engine replicas (default 2)");
   app.add_option("--model", cfg.model, "qwen3-8b (default) or qwen3-moe");
   app.add_option("--layout", cfg.layout,
-                 "engine (default: sources into a TP engine on other ranks) or unshard\n"
-                 "(every source wants every full tensor; methods reshard, unshard,\n"
-                 "unshard_direct)");
+                 "engine (default: sources into a TP engine on other ranks), unshard\n"
+                 "(every source wants every full tensor) or gather (rank 0 wants them);\n"
+                 "these two: methods reshard, unshard, unshard_direct (UnshardPlan with dst 0\n"
+                 "for the gather)");
   app.add_option("--layers", cfg.layers, "decoder layers (default 1)");
   app.add_option("--waves", cfg.waves,
                  "the reshard's fan-out waves (RegionOptions::fan_out_waves, default 4)");
@@ -812,8 +819,8 @@ std::optional<Config> parse(int argc, char** argv) {
       throw InvalidArgument("unknown method " + m);
     }
   }
-  if (cfg.layout != "engine" && cfg.layout != "unshard") {
-    throw InvalidArgument("unknown layout " + cfg.layout + " (engine, unshard)");
+  if (cfg.layout != "engine" && cfg.layout != "unshard" && cfg.layout != "gather") {
+    throw InvalidArgument("unknown layout " + cfg.layout + " (engine, unshard, gather)");
   }
   if (cfg.model != "qwen3-8b" && cfg.model != "qwen3-moe") {
     throw InvalidArgument("unknown model " + cfg.model + " (qwen3-8b, qwen3-moe)");
