@@ -324,7 +324,9 @@ class Planner {
       std::vector<Piece> forward;
       for (const Piece& p : relayed[m]) {
         forward.push_back({group[m], p.box});
-        unit.bytes += box_elements(p.box) * dtype_size(t.dtype);
+        unit.bytes = detail::add_checked(
+            unit.bytes, detail::mul_checked(box_elements(p.box), dtype_size(t.dtype), "bytes"),
+            "relayed bytes");
       }
       merge_pieces(forward);
       for (std::size_t n = 0; n < group.size(); ++n) {
@@ -343,29 +345,34 @@ class Planner {
   // Puts the relayed pieces in waves of about equal bytes, in plan order (a unit: what one rank
   // relays of one tensor for its group, with its forwards, stays in one wave). A relayed move of
   // wave w goes in exchange w, its forwards in exchange w + 1; every other move in exchange 0.
+  // Waves left empty (one unit larger than a wave) are dropped, so no exchange moves nothing.
   // Returns the number of exchanges.
   std::size_t assign_rounds() {
     if (units_.empty()) {
       return 1;
     }
-    const std::size_t waves = std::min(options_.fan_out_waves, units_.size());
+    const std::uint64_t waves = std::min(options_.fan_out_waves, units_.size());
     std::uint64_t total = 0;
     for (const RelayUnit& u : units_) {
-      total += u.bytes;
+      total = detail::add_checked(total, u.bytes, "relayed bytes");
     }
-    const std::uint64_t per_wave = (total + waves - 1) / waves;
+    const std::uint64_t per_wave = std::max<std::uint64_t>(total / waves + (total % waves != 0), 1);
     std::uint64_t before = 0;
+    std::size_t used = 0;  // waves holding a unit so far
+    std::uint64_t last = waves;
     for (const RelayUnit& u : units_) {
-      const std::size_t wave = std::min<std::uint64_t>(waves - 1, before / per_wave);
+      const std::uint64_t wave = std::min(waves - 1, before / per_wave);
       before += u.bytes;
+      used += wave != last ? 1 : 0;
+      last = wave;
       for (std::size_t n = u.moves; n < u.moves_end; ++n) {
-        transfers_[n].round = wave;
+        transfers_[n].round = used - 1;
       }
       for (std::size_t n = u.forwards; n < u.forwards_end; ++n) {
-        forwards_[n].round = wave + 1;
+        forwards_[n].round = used;
       }
     }
-    return waves + 1;
+    return used + 1;
   }
 
   // A cell that crosses to a host, as slabs for members of `group` (indices into it): one slab
@@ -766,12 +773,15 @@ RegionPlan plan_regions(std::span<const TensorRegions> tensors, int world_size, 
     for (const Transfer& x : all) {
       const auto s = static_cast<std::size_t>(src_rank(x));
       const auto d = static_cast<std::size_t>(dst_rank(x));
-      plan.rank_sent[s] += x.bytes;
-      plan.rank_received[d] += x.bytes;
-      plan.rank_local[s] += s == d ? x.bytes : 0;
+      plan.rank_sent[s] = detail::add_checked(plan.rank_sent[s], x.bytes, "bytes a rank sends");
+      plan.rank_received[d] =
+          detail::add_checked(plan.rank_received[d], x.bytes, "bytes a rank receives");
+      plan.rank_local[s] += s == d ? x.bytes : 0;  // at most rank_sent[s]
       if (!options.hosts.empty() && options.hosts[s] != options.hosts[d]) {
-        plan.host_sent[static_cast<std::size_t>(options.hosts[s])] += x.bytes;
-        plan.host_received[static_cast<std::size_t>(options.hosts[d])] += x.bytes;
+        std::uint64_t& out = plan.host_sent[static_cast<std::size_t>(options.hosts[s])];
+        std::uint64_t& in = plan.host_received[static_cast<std::size_t>(options.hosts[d])];
+        out = detail::add_checked(out, x.bytes, "bytes a host sends");
+        in = detail::add_checked(in, x.bytes, "bytes a host receives");
       }
     }
   };

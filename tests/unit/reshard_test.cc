@@ -249,6 +249,38 @@ TEST(RegionPlanner, RelayedPiecesMoveInWavesWhoseForwardsFollowThemByOneExchange
   EXPECT_NE(message.find("fan_out_waves is 0"), std::string::npos) << message;
 }
 
+TEST(RegionPlanner, WavesLeftEmptyByOneLargeUnitAreDropped) {
+  // Relayed units of 100, 4, 4 and 4 bytes in 4 waves of 28: the small ones all fall in the
+  // last wave, so the plan has two waves (3 exchanges), not four.
+  std::vector<TensorRegions> layout;
+  for (const std::int64_t n : {25, 1, 1, 1}) {
+    TensorRegions t{.dtype = DType::kFloat32, .shape = {n}, .sources = {}, .destinations = {}};
+    t.sources = {{0, box({0}, {n})}};
+    t.destinations = {{1, box({0}, {n})}, {2, box({0}, {n})}};
+    layout.push_back(t);
+  }
+  RegionOptions options;
+  options.hosts = {0, 1, 1};
+  EXPECT_EQ(plan_regions(layout, 3, 1, options).rounds, 3U);
+}
+
+TEST(RegionPlanner, RelayedBytesPastSixtyFourBitsAreCountOverflow) {
+  // Four relayed units of 2^62 bytes (no memory is involved: the planner sees only boxes).
+  std::vector<TensorRegions> layout;
+  for (int i = 0; i < 2; ++i) {
+    const std::int64_t n = std::int64_t{1} << 61;
+    TensorRegions t{.dtype = DType::kFloat32, .shape = {n}, .sources = {}, .destinations = {}};
+    t.sources = {{0, box({0}, {n})}};
+    t.destinations = {{1, box({0}, {n})}, {2, box({0}, {n})}};
+    layout.push_back(t);
+  }
+  RegionOptions options;
+  options.hosts = {0, 1, 1};
+  options.split_bytes = std::uint64_t{1} << 63;
+  const auto [code, message] = outcome([&] { (void)plan_regions(layout, 3, 1, options); });
+  EXPECT_EQ(code, "CountOverflow") << message;
+}
+
 TEST(RegionPlanner, HostsMustBeNumberedBelowTheWorld) {
   const TensorRegions t = fan_out_tensor();
   RegionOptions options;

@@ -19,12 +19,16 @@ namespace detail {
 
 namespace {
 
-// Cached datatypes: a gather needs one send type per call, a personal exchange one per peer per
-// exchange, and a reshard with a fan-out runs up to its waves + 1 exchanges per execution (5 by
-// default): room for 8 exchanges to every peer keeps a plan's steady state from rebuilding them.
-constexpr std::size_t kTypeCacheSize = 8;
+// Cached datatypes: a gather needs one send type and one set of receive types per call, a
+// personal exchange a send type per peer and one set of receive types, and a reshard with a
+// fan-out runs up to its waves + 1 exchanges per execution (5 by default). Room for 16 exchanges
+// to every peer keeps a plan's steady state from rebuilding them, up to 64 peers; the search is
+// linear, so past that the send cache stops growing (and larger groups rebuild their send types
+// per exchange, as every group did before).
+constexpr std::size_t kTypeCacheSize = 16;
+constexpr std::size_t kMaxSendCache = 1024;
 std::size_t send_cache_size(int world) {
-  return kTypeCacheSize + 8 * static_cast<std::size_t>(world);
+  return std::min(kTypeCacheSize * (1 + static_cast<std::size_t>(world)), kMaxSendCache);
 }
 constexpr std::chrono::microseconds kProgressPoll{200};
 constexpr auto kIntMax = static_cast<std::uint64_t>(INT_MAX);
@@ -558,15 +562,24 @@ void MpiCommunicator::personal_alltoallw(std::span<const ConstSegment> send,
   send_counts_.assign(world, 0);
   recv_counts_.assign(world, 0);
   send_types_.assign(2 * world, MPI_BYTE);
+  // Fetched types are the most recently used, and the send cache holds more than world of them
+  // up to 63 peers; past that one could be evicted (and freed) before the collective below, so a
+  // large group's send types are built for this call and freed once it is posted (MPI keeps
+  // them until the exchange completes).
+  const bool cached = send_cache_size(size_) > world;
+  owned_types_.clear();
   const std::vector<MPI_Datatype>* recv_dt = nullptr;
   for (std::size_t p = 0; p < world; ++p) {
     const std::uint64_t out = stream_bytes(rank_part(send, send_first, p));
     const std::uint64_t in = stream_bytes(rank_part(pieces, first, p));
     if (p != me && out != 0 && out <= chunk) {
-      // The cache holds more than world types, so none fetched in this loop is evicted (and
-      // freed) before the collective below has used it.
       send_counts_[p] = 1;
-      send_types_[p] = send_type(rank_part(send, send_first, p));
+      if (cached) {
+        send_types_[p] = send_type(rank_part(send, send_first, p));
+      } else {
+        send_types_[p] = build_type(runs_of(rank_part(send, send_first, p)), rank_);
+        owned_types_.push_back(send_types_[p]);
+      }
     }
     if (p != me && in != 0 && in <= chunk) {
       recv_dt = recv_dt != nullptr ? recv_dt : &recv_types(pieces, first);
@@ -575,10 +588,13 @@ void MpiCommunicator::personal_alltoallw(std::span<const ConstSegment> send,
     }
   }
   MPI_Request request = MPI_REQUEST_NULL;
-  SHARDGATHER_CHECK_MPI(
-      rank_, MPI_Ialltoallw(MPI_BOTTOM, send_counts_.data(), zeros_.data(), send_types_.data(),
-                            MPI_BOTTOM, recv_counts_.data(), zeros_.data(),
-                            send_types_.data() + world, comm_, &request));
+  const int mpi_ialltoallw_rc = MPI_Ialltoallw(
+      MPI_BOTTOM, send_counts_.data(), zeros_.data(), send_types_.data(), MPI_BOTTOM,
+      recv_counts_.data(), zeros_.data(), send_types_.data() + world, comm_, &request);
+  for (MPI_Datatype& type : owned_types_) {
+    MPI_Type_free(&type);
+  }
+  SHARDGATHER_CHECK_MPI(rank_, mpi_ialltoallw_rc);
   wait(request, deadline, "all_to_all_scatter (alltoallw)");
 }
 

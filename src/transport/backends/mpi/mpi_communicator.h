@@ -124,7 +124,8 @@ class MpiCommunicator final : public Communicator {
   std::vector<MPI_Datatype> send_types_;
   std::vector<int> int_counts_;
   std::vector<int> int_displs_;
-  std::vector<MPI_Request> requests_;  // all_to_all_scatter's, one per message
+  std::vector<MPI_Request> requests_;      // all_to_all_scatter's, one per message
+  std::vector<MPI_Datatype> owned_types_;  // a large group's alltoallw send types, this call's
 };
 
 }  // namespace shardgather::detail
