@@ -569,13 +569,10 @@ Run run_rank(const Config& cfg, Backend& b) {
   const std::vector<Tensor> model = make_model(cfg);
   const std::vector<TensorRegions> layout = make_layout(cfg, model);
   RegionOptions options;
-  options.hosts.assign(comm.hosts().begin(), comm.hosts().end());
   options.fan_out_waves = cfg.waves;
-  ReshardPlan plan(layout, comm.size(), comm.rank(), {}, options);
-  RegionOptions flat_options;
-  flat_options.hosts.assign(comm.hosts().begin(), comm.hosts().end());
-  flat_options.fan_out = false;
-  ReshardPlan flat(layout, comm.size(), comm.rank(), {}, flat_options);
+  ReshardPlan plan = ReshardPlan::for_communicator(layout, comm, {}, options);
+  options.fan_out = false;
+  ReshardPlan flat = ReshardPlan::for_communicator(layout, comm, {}, options);
   RankData data(plan, cfg.dtype);
   Run run;
   run.tensors = layout.size();

@@ -48,9 +48,10 @@ class SHARDGATHER_API ReshardPlan {
   ReshardPlan(std::span<const TensorRegions> tensors, int world_size, int rank,
               const PlanOptions& options = {}, const RegionOptions& regions = {});
   // The same, with the communicator's size, rank and hosts (each destination byte then prefers a
-  // source on its own host). Pure: nothing is exchanged.
+  // source on its own host; regions.hosts is replaced by them). Pure: nothing is exchanged.
   static ReshardPlan for_communicator(std::span<const TensorRegions> tensors,
-                                      const Communicator& comm, const PlanOptions& options = {});
+                                      const Communicator& comm, const PlanOptions& options = {},
+                                      RegionOptions regions = {});
 
   [[nodiscard]] const RegionPlan& regions() const noexcept { return regions_; }
   [[nodiscard]] std::size_t tensors() const noexcept { return tensors_.size(); }

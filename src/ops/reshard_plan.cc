@@ -89,8 +89,8 @@ ReshardPlan::ReshardPlan(std::span<const TensorRegions> tensors, int world_size,
 }
 
 ReshardPlan ReshardPlan::for_communicator(std::span<const TensorRegions> tensors,
-                                          const Communicator& comm, const PlanOptions& options) {
-  RegionOptions regions;
+                                          const Communicator& comm, const PlanOptions& options,
+                                          RegionOptions regions) {
   regions.hosts.assign(comm.hosts().begin(), comm.hosts().end());
   return {tensors, comm.size(), comm.rank(), options, regions};
 }

@@ -114,6 +114,28 @@ bool disjoint(std::span<const RankBox> boxes) {
   return true;
 }
 
+// `cell` cut into min(wanted, n) slabs along its first dim of n >= 2 elements, the first ones
+// an element larger where n does not divide; `cell` alone where no dim has two elements.
+std::vector<Box> slabs_of(const Box& cell, std::size_t wanted) {
+  const auto dim = static_cast<std::size_t>(
+      std::find_if(cell.size.begin(), cell.size.end(), [](std::int64_t n) { return n >= 2; }) -
+      cell.size.begin());
+  if (dim == cell.size.size() || wanted < 2) {
+    return {cell};
+  }
+  const std::int64_t n = cell.size[dim];
+  const auto parts = std::min<std::int64_t>(static_cast<std::int64_t>(wanted), n);
+  std::vector<Box> slabs;
+  std::int64_t offset = cell.offset[dim];
+  for (std::int64_t p = 0; p < parts; ++p) {
+    Box& slab = slabs.emplace_back(cell);
+    slab.offset[dim] = offset;
+    slab.size[dim] = n / parts + (p < n % parts ? 1 : 0);
+    offset += slab.size[dim];
+  }
+  return slabs;
+}
+
 // A piece of a destination box and the source entry it comes from.
 struct Piece {
   std::size_t src = 0;
@@ -388,26 +410,13 @@ class Planner {
              std::tie(relay_load_[rank_of_dst(t, group[b])], b);
     });
     const std::uint64_t bytes = box_elements(cell) * dtype_size(t.dtype);
-    std::size_t dim = cell.size.size();
-    for (std::size_t d = 0; d < cell.size.size(); ++d) {
-      if (cell.size[d] >= 2) {
-        dim = d;
-        break;
-      }
-    }
     std::vector<std::pair<std::size_t, Box>> slabs;
-    if (bytes < options_.split_bytes || dim == cell.size.size()) {
+    if (bytes < options_.split_bytes) {
       slabs.emplace_back(members[0], std::move(cell));
     } else {
-      const auto parts =
-          std::min<std::int64_t>(static_cast<std::int64_t>(members.size()), cell.size[dim]);
-      std::int64_t offset = cell.offset[dim];
-      for (std::int64_t p = 0; p < parts; ++p) {
-        Box slab = cell;
-        slab.offset[dim] = offset;
-        slab.size[dim] = cell.size[dim] / parts + (p < cell.size[dim] % parts ? 1 : 0);
-        offset += slab.size[dim];
-        slabs.emplace_back(members[static_cast<std::size_t>(p)], std::move(slab));
+      std::vector<Box> cut = slabs_of(cell, members.size());
+      for (std::size_t p = 0; p < cut.size(); ++p) {
+        slabs.emplace_back(members[p], std::move(cut[p]));
       }
     }
     for (const auto& [m, slab] : slabs) {
@@ -492,29 +501,13 @@ class Planner {
               std::vector<Piece>& pieces) {
     const std::uint64_t bytes = box_elements(cell) * dtype_size(t.dtype);
     std::vector<std::size_t> near = nearest(t, dst_rank, holders);
-    std::size_t dim = cell.size.size();
-    for (std::size_t d = 0; d < cell.size.size(); ++d) {
-      if (cell.size[d] >= 2) {
-        dim = d;
-        break;
-      }
-    }
     const bool local = t.sources[near[0]].rank == dst_rank;
-    if (local || near.size() < 2 || bytes < options_.split_bytes || dim == cell.size.size()) {
+    if (local || near.size() < 2 || bytes < options_.split_bytes) {
       const std::size_t src = charge(t, near, cell);
       pieces.push_back({src, std::move(cell)});
       return;
     }
-    const auto parts =
-        std::min<std::int64_t>(static_cast<std::int64_t>(near.size()), cell.size[dim]);
-    const std::int64_t base = cell.size[dim] / parts;
-    const std::int64_t extra = cell.size[dim] % parts;
-    std::int64_t offset = cell.offset[dim];
-    for (std::int64_t p = 0; p < parts; ++p) {
-      Box slab = cell;
-      slab.offset[dim] = offset;
-      slab.size[dim] = base + (p < extra ? 1 : 0);
-      offset += slab.size[dim];
+    for (Box& slab : slabs_of(cell, near.size())) {
       const std::size_t src = charge(t, near, slab);
       pieces.push_back({src, std::move(slab)});
       // Each replica sends one slab: the chosen one leaves the candidates.

@@ -249,16 +249,23 @@ TEST(RegionPlanner, RelayedPiecesMoveInWavesWhoseForwardsFollowThemByOneExchange
   EXPECT_NE(message.find("fan_out_waves is 0"), std::string::npos) << message;
 }
 
-TEST(RegionPlanner, WavesLeftEmptyByOneLargeUnitAreDropped) {
-  // Relayed units of 100, 4, 4 and 4 bytes in 4 waves of 28: the small ones all fall in the
-  // last wave, so the plan has two waves (3 exchanges), not four.
+// One float32 tensor per size, held whole by rank 0 (host 0) and wanted whole by ranks 1 and 2
+// (host 1): each is relayed by one of them, or split between them from split_bytes up.
+std::vector<TensorRegions> wanted_by_host_one(std::initializer_list<std::int64_t> sizes) {
   std::vector<TensorRegions> layout;
-  for (const std::int64_t n : {25, 1, 1, 1}) {
+  for (const std::int64_t n : sizes) {
     TensorRegions t{.dtype = DType::kFloat32, .shape = {n}, .sources = {}, .destinations = {}};
     t.sources = {{0, box({0}, {n})}};
     t.destinations = {{1, box({0}, {n})}, {2, box({0}, {n})}};
     layout.push_back(t);
   }
+  return layout;
+}
+
+TEST(RegionPlanner, WavesLeftEmptyByOneLargeUnitAreDropped) {
+  // Relayed units of 100, 4, 4 and 4 bytes in 4 waves of 28: the small ones all fall in the
+  // last wave, so the plan has two waves (3 exchanges), not four.
+  const std::vector<TensorRegions> layout = wanted_by_host_one({25, 1, 1, 1});
   RegionOptions options;
   options.hosts = {0, 1, 1};
   EXPECT_EQ(plan_regions(layout, 3, 1, options).rounds, 3U);
@@ -266,14 +273,8 @@ TEST(RegionPlanner, WavesLeftEmptyByOneLargeUnitAreDropped) {
 
 TEST(RegionPlanner, RelayedBytesPastSixtyFourBitsAreCountOverflow) {
   // Four relayed units of 2^62 bytes (no memory is involved: the planner sees only boxes).
-  std::vector<TensorRegions> layout;
-  for (int i = 0; i < 2; ++i) {
-    const std::int64_t n = std::int64_t{1} << 61;
-    TensorRegions t{.dtype = DType::kFloat32, .shape = {n}, .sources = {}, .destinations = {}};
-    t.sources = {{0, box({0}, {n})}};
-    t.destinations = {{1, box({0}, {n})}, {2, box({0}, {n})}};
-    layout.push_back(t);
-  }
+  const std::int64_t n = std::int64_t{1} << 61;
+  const std::vector<TensorRegions> layout = wanted_by_host_one({n, n});
   RegionOptions options;
   options.hosts = {0, 1, 1};
   options.split_bytes = std::uint64_t{1} << 63;
@@ -333,9 +334,8 @@ TEST(ReshardOnHosts, FannedOutBytesLandInPlaceAndCrossTheHostsOnce) {
           // Six relayed units (two halves, four quarters) in four waves: five exchanges; in
           // one wave (variant 3), two.
           RegionOptions options;
-          options.hosts.assign(comm.hosts().begin(), comm.hosts().end());
           options.fan_out_waves = variant == 3 ? 1 : 4;
-          ReshardPlan plan(layout, comm.size(), comm.rank(), {}, options);
+          ReshardPlan plan = ReshardPlan::for_communicator(layout, comm, {}, options);
           ASSERT_TRUE(plan.regions().forwarding);
           const std::size_t rounds = variant == 3 ? 2 : 5;
           EXPECT_EQ(plan.regions().rounds, rounds);
