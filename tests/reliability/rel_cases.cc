@@ -728,6 +728,7 @@ struct DCall {
   int prefetch = 1;                 // streams
   int reshard_shift = 1;            // reshards: rank r wants the shards of rank r + shift
   bool fan_out = true;              // reshards: RegionOptions::fan_out
+  std::size_t fan_out_waves = 4;    // reshards: RegionOptions::fan_out_waves
 };
 
 struct DRow {
@@ -975,6 +976,13 @@ const DRow kDRows[] = {
      2,
      {.op = DOp::kReshard},
      {.op = DOp::kReshard, .fan_out = false}},
+    {"D-reshard-waves",
+     "a reshard planned with another number of fan-out waves",
+     "Mismatch",
+     "shapes hint / plan differs",
+     2,
+     {.op = DOp::kReshard},
+     {.op = DOp::kReshard, .fan_out_waves = 1}},
     {"D-reshard-timeout",
      "a reshard with a negative timeout",
      "InvalidArgument",
@@ -1068,6 +1076,7 @@ std::vector<TensorRegions> d_layout(const DCall& c, int world) {
 void d_reshard(const DCall& c, Communicator& comm, const PlanOptions& po, const Inputs& in) {
   RegionOptions regions;
   regions.fan_out = c.fan_out;
+  regions.fan_out_waves = c.fan_out_waves;
   ReshardPlan plan(d_layout(c, comm.size() + c.plan_world_delta), comm.size() + c.plan_world_delta,
                    comm.rank(), po, regions);
   std::vector<std::vector<std::byte>> storage;
