@@ -9,7 +9,7 @@
 //  3. Every blocking call takes a deadline. Past it the call raises Timeout; after a Timeout,
 //     an abort or a backend failure the communicator is poisoned and every later call raises
 //     CommAborted at once (nothing is sent). Build a new communicator to continue.
-//  4. Buffers are host memory (all_gather_v_device's are device memory); the caller keeps them
+//  4. Buffers are host memory (the *_device calls' are device memory); the caller keeps them
 //     alive and unmodified until the call returns.
 //  5. Operations started asynchronously (Work, work.h) run on this communicator's progress
 //     thread, one after another in the order they were started; a blocking operation runs on
@@ -63,10 +63,10 @@ struct Capabilities {
   // point). False: it raises InvalidArgument, and kHierarchical runs kDirect (kPadded without
   // gather_v) instead.
   bool all_to_all = true;
-  // all_gather_v_device moves device (CUDA) memory: threads in a CUDA build (cudaMemcpyAsync
-  // between the ranks' buffers on one process's devices), torch groups (NCCL on the tensors
-  // themselves; Gloo stages them). False: a call on CUDA tensors raises InvalidArgument on every
-  // rank (MPI: this build does not assume a CUDA-aware MPI).
+  // all_gather_v_device and all_to_all_v_device move device (CUDA) memory: threads in a CUDA build
+  // (cudaMemcpyAsync between the ranks' buffers on one process's devices), torch groups (NCCL on
+  // the tensors themselves; Gloo stages them). False: a call on CUDA tensors raises InvalidArgument
+  // on every rank (MPI: this build does not assume a CUDA-aware MPI).
   bool device_memory = false;
 };
 
@@ -132,6 +132,16 @@ class SHARDGATHER_API Communicator {
   void all_gather_v_device(std::span<const ConstSegment> send, std::byte* recv,
                            std::span<const std::uint64_t> counts,
                            std::span<const std::uint64_t> displs, DeviceGatherForm form,
+                           const Device& device, void* stream, Deadline deadline);
+
+  // The device path's personal exchange (where capabilities().device_memory): `send` holds, in
+  // rank order and adjacent, send_counts[p] bytes for each peer p; from each peer q
+  // recv_counts[q] bytes land in `recv`, adjacent in rank order. This rank's own counts must be 0
+  // (its own bytes are the caller's copy). What q sends to r must be exactly what r expects from
+  // q (the threads backend checks every pair and raises Mismatch on every rank). Device memory
+  // on `device`, ordered on `stream` as all_gather_v_device; returns once enqueued.
+  void all_to_all_v_device(const std::byte* send, std::span<const std::uint64_t> send_counts,
+                           std::byte* recv, std::span<const std::uint64_t> recv_counts,
                            const Device& device, void* stream, Deadline deadline);
 
   // Variable-size gather into scattered destinations (where capabilities().scatter): rank r's
@@ -236,6 +246,11 @@ class SHARDGATHER_API Communicator {
   virtual void do_all_gather_v_device(std::span<const ConstSegment> send, std::byte* recv,
                                       std::span<const std::uint64_t> counts,
                                       std::span<const std::uint64_t> displs, DeviceGatherForm form,
+                                      const Device& device, void* stream, Deadline deadline);
+  // Default: raises InvalidArgument (no device memory); see Capabilities::device_memory.
+  virtual void do_all_to_all_v_device(const std::byte* send,
+                                      std::span<const std::uint64_t> send_counts, std::byte* recv,
+                                      std::span<const std::uint64_t> recv_counts,
                                       const Device& device, void* stream, Deadline deadline);
   virtual void do_barrier(Deadline deadline) = 0;
   virtual void do_abort() noexcept = 0;

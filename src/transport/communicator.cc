@@ -134,6 +134,50 @@ void Communicator::do_all_gather_v_device(std::span<const ConstSegment> /*send*/
                         " backend does not move device memory");
 }
 
+void Communicator::all_to_all_v_device(const std::byte* send,
+                                       std::span<const std::uint64_t> send_counts, std::byte* recv,
+                                       std::span<const std::uint64_t> recv_counts,
+                                       const Device& device, void* stream, Deadline deadline) {
+  const auto fail = [this](const std::string& what) {
+    throw InvalidArgument("rank " + std::to_string(rank()) + ": all_to_all_v_device: " + what);
+  };
+  if (!capabilities().device_memory) {
+    fail("the " + std::string(backend_name()) +
+         " transport moves host memory only (capabilities().device_memory is false)");
+  }
+  const auto world = static_cast<std::size_t>(size());
+  const auto me = static_cast<std::size_t>(rank());
+  if (send_counts.size() != world || recv_counts.size() != world) {
+    fail(std::to_string(send_counts.size()) + " send and " + std::to_string(recv_counts.size()) +
+         " receive counts for " + std::to_string(world) + " ranks");
+  }
+  if (send_counts[me] != 0 || recv_counts[me] != 0) {
+    fail("this rank's own counts are " + std::to_string(send_counts[me]) + " and " +
+         std::to_string(recv_counts[me]) + " (its own bytes are the caller's copy: 0 expected)");
+  }
+  const std::uint64_t sent = std::accumulate(send_counts.begin(), send_counts.end(), 0ULL);
+  const std::uint64_t received = std::accumulate(recv_counts.begin(), recv_counts.end(), 0ULL);
+  if ((sent != 0 && send == nullptr) || (received != 0 && recv == nullptr)) {
+    fail("a null buffer for " + std::to_string(sent) + " bytes sent and " +
+         std::to_string(received) + " received");
+  }
+  run_collective("all_to_all_v_device", [&] {
+    do_all_to_all_v_device(send, send_counts, recv, recv_counts, device, stream, deadline);
+  });
+  p2p_sent_.fetch_add(sent, std::memory_order_relaxed);
+  p2p_received_.fetch_add(received, std::memory_order_relaxed);
+}
+
+void Communicator::do_all_to_all_v_device(const std::byte* /*send*/,
+                                          std::span<const std::uint64_t> /*send_counts*/,
+                                          std::byte* /*recv*/,
+                                          std::span<const std::uint64_t> /*recv_counts*/,
+                                          const Device& /*device*/, void* /*stream*/,
+                                          Deadline /*deadline*/) {
+  throw InvalidArgument("all_to_all_v_device: the " + std::string(backend_name()) +
+                        " backend does not move device memory");
+}
+
 namespace {
 
 // InvalidArgument unless pieces[first[r] .. first[r + 1]) hold exactly counts[r] bytes for every

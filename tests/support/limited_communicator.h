@@ -68,6 +68,12 @@ class LimitedCommunicator final : public Communicator {
     device_forms.push_back(form);
     inner_.all_gather_v_device(send, recv, counts, displs, form, device, stream, deadline);
   }
+  void do_all_to_all_v_device(const std::byte* send, std::span<const std::uint64_t> send_counts,
+                              std::byte* recv, std::span<const std::uint64_t> recv_counts,
+                              const Device& device, void* stream, Deadline deadline) override {
+    EXPECT_TRUE(caps_.device_memory) << "all_to_all_v_device reached on a host-only transport";
+    inner_.all_to_all_v_device(send, send_counts, recv, recv_counts, device, stream, deadline);
+  }
   void do_barrier(Deadline deadline) override { inner_.barrier(deadline); }
   void do_abort() noexcept override { inner_.abort(); }
 

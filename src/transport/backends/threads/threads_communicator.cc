@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <numeric>
 #include <string>
 
 #include "copies/device_runtime.h"
@@ -168,11 +169,10 @@ void ThreadsCommunicator::do_all_gather_v(std::span<const ConstSegment> send, st
            });
 }
 
-void ThreadsCommunicator::do_all_gather_v_device(
-    std::span<const ConstSegment> send, std::byte* recv, std::span<const std::uint64_t> counts,
-    std::span<const std::uint64_t> displs, DeviceGatherForm /*form: one way here*/,
-    const Device& device, void* stream, Deadline deadline) {
-  const char* what = "all_gather_v_device";
+template <typename Verdict, typename Copy>
+void ThreadsCommunicator::device_exchange(GroupState::Slot slot, const Device& device, void* stream,
+                                          Deadline deadline, const char* what, Verdict&& verdict,
+                                          Copy&& copy) {
   GroupState& g = *group_;
   const auto me = static_cast<std::size_t>(rank_);
   // Streams, not the host, keep the order: a reader's copies wait for the sender's `ready`
@@ -187,15 +187,12 @@ void ThreadsCommunicator::do_all_gather_v_device(
   } catch (...) {
     failure = std::current_exception();
   }
-  g.slots[me] = GroupState::Slot{.segments = send,
-                                 .flat = {},
-                                 .bytes = counts[me],
-                                 .counts = counts,
-                                 .failed = !!failure,
-                                 .ready = &ready_,
-                                 .done = &done_};
+  slot.failed = !!failure;
+  slot.ready = &ready_;
+  slot.done = &done_;
+  g.slots[me] = slot;
   meet(deadline, what);
-  const std::string mismatch = count_error(what);
+  const std::string mismatch = verdict();
   std::string peer_failed;
   for (std::size_t q = 0; q < g.slots.size() && peer_failed.empty(); ++q) {
     if (g.slots[q].failed) {
@@ -203,11 +200,12 @@ void ThreadsCommunicator::do_all_gather_v_device(
                     "'s device failed before it could send";
     }
   }
-  const bool copy = mismatch.empty() && peer_failed.empty();
-  if (copy) {
+  const bool copies = mismatch.empty() && peer_failed.empty();
+  if (copies) {
     try {
       const CurrentDevice on(device.index);
-      copy_from_peers(recv, displs, stream);
+      copy();
+      done_.record(stream);
     } catch (...) {
       failure = failure ? failure : std::current_exception();
     }
@@ -221,7 +219,7 @@ void ThreadsCommunicator::do_all_gather_v_device(
   // reader whose enqueue failed raises alone, as the transport cannot undo what it enqueued)
   // before any sender orders its stream after them.
   meet(deadline, what);
-  if (copy) {
+  if (copies) {
     try {
       const CurrentDevice on(device.index);
       for (const DeviceEvent* done : peer_done_) {
@@ -242,6 +240,20 @@ void ThreadsCommunicator::do_all_gather_v_device(
   }
 }
 
+void ThreadsCommunicator::do_all_gather_v_device(
+    std::span<const ConstSegment> send, std::byte* recv, std::span<const std::uint64_t> counts,
+    std::span<const std::uint64_t> displs, DeviceGatherForm /*form: one way here*/,
+    const Device& device, void* stream, Deadline deadline) {
+  const char* what = "all_gather_v_device";
+  device_exchange(
+      GroupState::Slot{.segments = send,
+                       .flat = {},
+                       .bytes = counts[static_cast<std::size_t>(rank_)],
+                       .counts = counts},
+      device, stream, deadline, what, [&] { return count_error(what); },
+      [&] { copy_from_peers(recv, displs, stream); });
+}
+
 void ThreadsCommunicator::copy_from_peers(std::byte* recv, std::span<const std::uint64_t> displs,
                                           void* stream) {
   GroupState& g = *group_;
@@ -255,7 +267,53 @@ void ThreadsCommunicator::copy_from_peers(std::byte* recv, std::span<const std::
       to += segment.size;
     }
   }
-  done_.record(stream);
+}
+
+void ThreadsCommunicator::do_all_to_all_v_device(const std::byte* send,
+                                                 std::span<const std::uint64_t> send_counts,
+                                                 std::byte* recv,
+                                                 std::span<const std::uint64_t> recv_counts,
+                                                 const Device& device, void* stream,
+                                                 Deadline deadline) {
+  const char* what = "all_to_all_v_device";
+  GroupState& g = *group_;
+  const auto me = static_cast<std::size_t>(rank_);
+  const std::uint64_t sent = std::accumulate(send_counts.begin(), send_counts.end(), 0ULL);
+  const auto verdict = [&]() -> std::string {
+    // Every pair, on every rank: the same verdict everywhere.
+    for (std::size_t q = 0; q < g.slots.size(); ++q) {
+      for (std::size_t r = 0; r < g.slots.size(); ++r) {
+        const std::uint64_t out = g.slots[q].counts[r];
+        const std::uint64_t in = g.slots[r].expects[q];
+        if (out != in) {
+          return "rank " + std::to_string(rank_) + ": " + what + ": rank " + std::to_string(q) +
+                 " sends " + std::to_string(out) + " bytes to rank " + std::to_string(r) +
+                 ", which expects " + std::to_string(in);
+        }
+      }
+    }
+    return {};
+  };
+  const auto copy = [&] {
+    std::byte* to = recv;
+    for (std::size_t q = 0; q < g.slots.size(); ++q) {
+      const GroupState::Slot& peer = g.slots[q];
+      if (recv_counts[q] == 0) {
+        continue;
+      }
+      const std::uint64_t at = std::accumulate(
+          peer.counts.begin(), peer.counts.begin() + static_cast<std::ptrdiff_t>(me), 0ULL);
+      peer.ready->order_after(stream);
+      copy_async(to, peer.flat.data() + at, recv_counts[q], stream);
+      to += recv_counts[q];
+    }
+  };
+  device_exchange(GroupState::Slot{.segments = {},
+                                   .flat = {send, static_cast<std::size_t>(sent)},
+                                   .bytes = sent,
+                                   .counts = send_counts,
+                                   .expects = recv_counts},
+                  device, stream, deadline, what, verdict, copy);
 }
 
 void ThreadsCommunicator::do_all_gather_scatter(std::span<const ConstSegment> send,

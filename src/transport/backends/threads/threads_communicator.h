@@ -35,9 +35,11 @@ struct GroupState {
     std::span<const std::size_t> send_first{};
     std::span<const RecvPiece> pieces{};
     std::span<const std::size_t> first{};
-    // all_gather_v_device: this rank's device failed before it could publish ready bytes.
+    // all_to_all_v_device: what this rank expects from each peer (`counts`: what it sends).
+    std::span<const std::uint64_t> expects{};
+    // The device calls: this rank's device failed before it could publish ready bytes.
     bool failed = false;
-    // all_gather_v_device: marks this rank's bytes written (`ready`) and its copies from the
+    // The device calls: marks this rank's bytes written (`ready`) and its copies from the
     // peers enqueued (`done`); the rank's own events, recorded on its stream.
     const DeviceEvent* ready = nullptr;
     const DeviceEvent* done = nullptr;
@@ -96,6 +98,11 @@ class ThreadsCommunicator final : public Communicator {
                               std::span<const std::uint64_t> counts,
                               std::span<const std::uint64_t> displs, DeviceGatherForm form,
                               const Device& device, void* stream, Deadline deadline) override;
+  // The same ordering for the personal exchange: each rank copies from each peer's send buffer
+  // the block addressed to it.
+  void do_all_to_all_v_device(const std::byte* send, std::span<const std::uint64_t> send_counts,
+                              std::byte* recv, std::span<const std::uint64_t> recv_counts,
+                              const Device& device, void* stream, Deadline deadline) override;
   void do_all_gather_scatter(std::span<const ConstSegment> send, std::span<const RecvPiece> pieces,
                              std::span<const std::size_t> first,
                              std::span<const std::uint64_t> counts, Deadline deadline) override;
@@ -121,8 +128,14 @@ class ThreadsCommunicator final : public Communicator {
   [[nodiscard]] std::string count_error(const char* what) const;
   // The group barrier: returns when every rank arrived, or throws Timeout / Aborted.
   void meet(Deadline deadline, const char* what);
-  // all_gather_v_device between its meetings: each peer's bytes into `recv` on `stream`, each
-  // after that peer's `ready`; then records `done_`.
+  // The device calls' skeleton: records `ready_` and publishes `slot`, meets; unless
+  // `verdict()` (a message every rank words the same) or a peer's failed device stops it, runs
+  // `copy()` (device copies on `stream`, each after its peer's `ready`) and records `done_`;
+  // meets again, and orders `stream` after every reader's `done`.
+  template <typename Verdict, typename Copy>
+  void device_exchange(GroupState::Slot slot, const Device& device, void* stream, Deadline deadline,
+                       const char* what, Verdict&& verdict, Copy&& copy);
+  // all_gather_v_device's copies: each peer's bytes into `recv` on `stream`.
   void copy_from_peers(std::byte* recv, std::span<const std::uint64_t> displs, void* stream);
 
   std::shared_ptr<GroupState> group_;

@@ -322,6 +322,36 @@ void ProcessGroupCommunicator::do_all_gather_v_device(std::span<const ConstSegme
   }
 }
 
+void ProcessGroupCommunicator::do_all_to_all_v_device(const std::byte* send,
+                                                      std::span<const std::uint64_t> send_counts,
+                                                      std::byte* recv,
+                                                      std::span<const std::uint64_t> recv_counts,
+                                                      const Device& device, void* stream,
+                                                      Deadline deadline) {
+  const char* what = "all_to_all_v_device";
+  const c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(device.index));
+  const TorchStreamScope on(dev, stream);  // as do_all_gather_v_device: stream order, no host wait
+  std::vector<std::int64_t> input_splits(send_counts.begin(), send_counts.end());
+  std::vector<std::int64_t> output_splits(recv_counts.begin(), recv_counts.end());
+  const std::uint64_t sent = std::accumulate(send_counts.begin(), send_counts.end(), 0ULL);
+  const std::uint64_t received = std::accumulate(recv_counts.begin(), recv_counts.end(), 0ULL);
+  // c10d wants tensors on the device even where this rank moves nothing: an empty one (no
+  // memory) stands in for a null pointer.
+  const auto bytes_on = [&](const std::byte* data, std::uint64_t size) {
+    return size != 0 ? device_bytes(data, size, dev)
+                     : at::empty({0}, at::TensorOptions().dtype(at::kByte).device(dev));
+  };
+  at::Tensor input = bytes_on(send, sent);
+  at::Tensor output = bytes_on(recv, received);
+  c10::intrusive_ptr<c10d::Work> work;
+  try {
+    work = all_to_all_single(*group_, output, input, output_splits, input_splits);
+  } catch (const std::exception& e) {
+    raise_not_issued(e, rank_, what, name_);
+  }
+  wait_device(work, deadline, what);
+}
+
 namespace {
 
 // The widest rank's count, and whether every rank has it.

@@ -10,7 +10,8 @@
 //  3. Any number may coexist; each keeps its group alive. The Python package caches one per
 //     group object (a weak-keyed dict), so sequence numbers and poisoning persist across calls
 //     and a destroyed group releases its communicator.
-//  4. Host memory at this interface, except all_gather_v_device. On NCCL groups host bytes are
+//  4. Host memory at this interface, except all_gather_v_device and all_to_all_v_device. On NCCL
+//  groups host bytes are
 //     staged through device buffers on `device` (the binding passes torch.cuda.current_device()).
 //  5. Device memory (all_gather_v_device, CUDA tensors): the collective is issued on the device
 //     bytes themselves (c10d sends CUDA tensors to the group's CUDA backend: NCCL, or Gloo, which
@@ -162,6 +163,11 @@ class ProcessGroupCommunicator final : public Communicator {
   void do_all_gather_v_device(std::span<const ConstSegment> send, std::byte* recv,
                               std::span<const std::uint64_t> counts,
                               std::span<const std::uint64_t> displs, DeviceGatherForm form,
+                              const Device& device, void* stream, Deadline deadline) override;
+  // One c10d all_to_all_single on the device bytes themselves (NCCL: grouped send/recv; Gloo
+  // stages them), waited for as the device gather is.
+  void do_all_to_all_v_device(const std::byte* send, std::span<const std::uint64_t> send_counts,
+                              std::byte* recv, std::span<const std::uint64_t> recv_counts,
                               const Device& device, void* stream, Deadline deadline) override;
   void do_barrier(Deadline deadline) override;
   void do_abort() noexcept override;

@@ -3,7 +3,9 @@
 // the call the torch it is compiled against has.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include <ATen/Tensor.h>
 #include <c10/core/DeviceType.h>
@@ -20,6 +22,20 @@ c10::intrusive_ptr<c10d::Work> all_gather_single(Group& group, at::Tensor& outpu
     return group.all_gather_single(output, input);
   } else {
     return group._allgather_base(output, input);
+  }
+}
+
+// One personal exchange of contiguous blocks (split sizes per rank): all_to_all_single (torch >=
+// 2.15), alltoall_base before (deprecated from 2.15 on).
+template <typename Group>
+c10::intrusive_ptr<c10d::Work> all_to_all_single(Group& group, at::Tensor& output,
+                                                 at::Tensor& input,
+                                                 std::vector<std::int64_t>& output_splits,
+                                                 std::vector<std::int64_t>& input_splits) {
+  if constexpr (requires { group.all_to_all_single(output, input, output_splits, input_splits); }) {
+    return group.all_to_all_single(output, input, output_splits, input_splits);
+  } else {
+    return group.alltoall_base(output, input, output_splits, input_splits);
   }
 }
 
