@@ -64,6 +64,11 @@ struct RegionOptions {
   // wave e into the hosts and wave e - 1's forwards inside them, so that the forwards overlap
   // the link (all but the last wave's). 1: every forward after the whole first exchange.
   std::size_t fan_out_waves = 4;
+  // Device tensors: a rank stages what it sends and receives in one exchange (the fused copy
+  // kernel packs and unpacks it), so each exchange moves in RegionPlan::device_parts parts of
+  // about this many bytes sent plus received on the busiest rank, and no rank holds more than
+  // about one part of staging (+ 2 bytes per peer of rounding). Host tensors need no staging.
+  std::uint64_t device_bucket_bytes = std::uint64_t{256} << 20;
 };
 
 // One move: the elements of `box` (global coordinates) of tensor `tensor`, from its source entry
@@ -130,6 +135,9 @@ struct RegionPlan {
   std::vector<std::uint64_t> forwarded_counts;  // per peer: bytes it forwards to this rank
   std::vector<ViewRef> source_views;            // this rank's, in the order it passes them
   std::vector<ViewRef> destination_views;       // this rank's
+  // Parts per exchange on a device (RegionOptions::device_bucket_bytes): the busiest rank's
+  // bytes sent plus received to and from other ranks, over the bucket, rounded up; at least 1.
+  std::uint64_t device_parts = 1;
   // A hash of everything the ranks must agree on: world, every tensor's dtype, shape and boxes,
   // the options. Never 0.
   std::uint64_t fingerprint = 0;

@@ -14,8 +14,14 @@
 //
 // Steady state: no allocation and no metadata collective per execution after the first (the
 // header is a check carrying the plan's fingerprint: ranks holding different plans raise
-// Mismatch on every rank before a byte moves). Host memory only for now: CUDA views raise
-// InvalidArgument on every rank.
+// Mismatch on every rank before a byte moves).
+//
+// Device (CUDA) views: every view of a call on one device, on a transport that moves device
+// memory (torch groups: NCCL or Gloo; threads in a CUDA build; MPI refuses on every rank). Each
+// exchange is packed by the fused copy kernel into a contiguous buffer, moved by one
+// all_to_all_v_device per part (RegionOptions::device_bucket_bytes bounds a part's staging) and
+// unpacked into the destination views; all of it stream-ordered on the caller's current stream
+// (torch's), the call returning once enqueued (docs/gpu.md, "Streams").
 //
 // Threading, lifetime: as AllGatherPlan (plan.h): one thread executes a plan at a time; a
 // started execution's views stay alive and unmodified until its Work completed.
@@ -26,10 +32,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
 #include "shardgather/communicator.h"
+#include "shardgather/device.h"
 #include "shardgather/export.h"
 #include "shardgather/plan.h"
 #include "shardgather/regions.h"
@@ -72,18 +80,23 @@ class SHARDGATHER_API ReshardPlan {
   // Moves this rank's sources into every destination. `sources` and `destinations` are this
   // rank's views (source_count() and destination_count() of them, each of its box's shape and
   // its tensor's dtype, any strides; destinations must not overlap each other or a source, which
-  // is checked where one of the two is contiguous). Blocking.
+  // is checked where one of the two is contiguous). `device`: where this call's views are, every
+  // one of them; unset, the first view's (the host for a rank with no views, which in a device
+  // reshard must pass it: every rank of a call moves the same kind of memory). Blocking.
   ExecStats execute(std::span<const TensorView> sources, Communicator& comm,
-                    std::span<const TensorView> destinations);
+                    std::span<const TensorView> destinations,
+                    std::optional<Device> device = std::nullopt);
   // execute(), started (work.h): the lists are copied; the memory stays alive until it completed.
   Work<ExecStats> start(std::span<const TensorView> sources, Communicator& comm,
-                        std::span<const TensorView> destinations);
+                        std::span<const TensorView> destinations,
+                        std::optional<Device> device = std::nullopt);
 
  private:
   ExecStats execute_now(std::span<const TensorView> sources, Communicator& comm,
-                        std::span<const TensorView> destinations);
+                        std::span<const TensorView> destinations, std::optional<Device> device);
   void check_views(const Communicator& comm, std::span<const TensorView> sources,
-                   std::span<const TensorView> destinations, ExecStats& stats);
+                   std::span<const TensorView> destinations, std::optional<Device> device,
+                   ExecStats& stats);
   void build_job(std::span<const TensorView> sources, std::span<const TensorView> destinations,
                  detail::Stager& stager);
   template <typename Emit>
@@ -96,7 +109,7 @@ class SHARDGATHER_API ReshardPlan {
   void append_receives(std::span<const Transfer> receives, std::span<const std::size_t> first,
                        std::size_t g, std::span<const TensorView> destinations);
   void run_round(std::size_t e, detail::Call& call, std::span<const TensorView> sources,
-                 std::span<const TensorView> destinations, ExecStats& stats);
+                 std::span<const TensorView> destinations, void* stream, ExecStats& stats);
 
   std::vector<TensorRegions> tensors_;
   RegionPlan regions_;

@@ -461,32 +461,42 @@ class ReshardPlan(_PlanState):
     :attr:`destination_boxes` order; any strided views, such as rows or columns of a fused
     parameter) are written in place and returned as a new list. Every rank of the group calls
     it, also one with nothing to send or receive. A plan that differs on some rank raises
-    :class:`MismatchError` on every rank before anything moves. CPU tensors for now.
+    :class:`MismatchError` on every rank before anything moves. CPU tensors, or CUDA tensors
+    on a group that moves them (NCCL, or Gloo with CUDA tensors): stream-ordered on the current
+    stream, packed and unpacked on the device (docs/reshard.md, "On the device"); every
+    rank's tensors of a call are on one device, and every rank of the call passes some.
 
     ``hosts`` (rank r's host is ``hosts[r]``, numbered from 0) lets the planner prefer a
     source on the destination's host and, with ``fan_out=True``, send the bytes that several
     ranks of one host want alike across the network once per host: one of them receives each
     piece and forwards it to the others in a second exchange inside the host.
+
+    ``device_bucket_bytes`` (CUDA tensors; default 256 MiB): each exchange moves in
+    :attr:`device_parts` parts, so that no rank holds more than about this many bytes of
+    staging (sent plus received) at a time.
     """
 
     def __init__(self, layouts, world_size, rank, *, hosts=None, fan_out=True, strategy="auto",
-                 preflight=True, timeout=None):
+                 preflight=True, timeout=None, device_bucket_bytes=None):
         self._preflight, self._given_timeout = preflight, timeout
         self._plan, self._error = _deferred(lambda: _C.ReshardPlan(
             _layout_tuples(layouts), check_int("world_size", world_size, 1),
             check_int("rank", rank, 0), None if hosts is None else list(hosts), bool(fan_out),
-            strategy, preflight, timeout))
+            strategy, preflight, timeout,
+            None if device_bucket_bytes is None
+            else check_int("device_bucket_bytes", device_bucket_bytes, 1)))
 
     @classmethod
     def for_group(cls, layouts, group=None, *, fan_out=True, strategy="auto", preflight=True,
-                  timeout=None):
+                  timeout=None, device_bucket_bytes=None):
         """The plan for this rank of ``group`` (a ProcessGroup, a Communicator or None for the
         default group), whose hosts the planner uses: a byte held by several ranks is sent
         from one on the destination's host where there is one, and (``fan_out``) bytes that
         several ranks of a host want cross to that host once."""
         comm = communicator(group, _setup_timeout(timeout))
         return cls(layouts, comm.size, comm.rank, hosts=comm.hosts or None, fan_out=fan_out,
-                   strategy=strategy, preflight=preflight, timeout=timeout)
+                   strategy=strategy, preflight=preflight, timeout=timeout,
+                   device_bucket_bytes=device_bucket_bytes)
 
     def execute(self, sources, destinations, group=None, *, async_op=False):
         """Moves every rank's sources into every rank's destinations (see the class); returns
@@ -512,6 +522,8 @@ class ReshardPlan(_PlanState):
         "forwarding", "Whether the plan fans bytes out inside hosts (more than one exchange).")
     rounds = _from_plan(
         "rounds", "Exchanges per execution: 1, or with the fan-out its waves + 1.")
+    device_parts = _from_plan(
+        "device_parts", "Parts each exchange moves in on a device (device_bucket_bytes).")
     fingerprint = _from_plan("fingerprint")
     rank = _from_plan("rank")
 

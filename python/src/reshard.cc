@@ -39,11 +39,13 @@ std::unique_ptr<PyReshardPlan> make_reshard_plan(const std::vector<PyTensorRegio
                                                  int world_size, int rank,
                                                  std::optional<std::vector<int>> hosts,
                                                  bool fan_out, const std::string& strategy,
-                                                 bool preflight, std::optional<double> timeout) {
+                                                 bool preflight, std::optional<double> timeout,
+                                                 std::optional<std::uint64_t> device_bucket_bytes) {
   const PlanOptions options = plan_options(strategy, preflight, timeout);
   RegionOptions regions;
   regions.hosts = hosts.value_or(std::vector<int>{});
   regions.fan_out = fan_out;
+  regions.device_bucket_bytes = device_bucket_bytes.value_or(regions.device_bucket_bytes);
   return std::make_unique<PyReshardPlan>(
       ReshardPlan(tensor_regions(layouts), world_size, rank, options, regions), options);
 }
@@ -73,7 +75,8 @@ void register_reshard_plan(py::module_& m) {
   py::class_<P>(m, "ReshardPlan")
       .def(py::init(&make_reshard_plan), py::arg("layouts"), py::arg("world_size"), py::arg("rank"),
            py::arg("hosts") = py::none(), py::arg("fan_out") = true, py::arg("strategy") = "auto",
-           py::arg("preflight") = true, py::arg("timeout") = py::none())
+           py::arg("preflight") = true, py::arg("timeout") = py::none(),
+           py::arg("device_bucket_bytes") = py::none())
       .def("execute", &execute_reshard_plan, py::arg("sources"), py::arg("comm"),
            py::arg("destinations"), py::arg("async_op") = false)
       .def_property_readonly("source_boxes", [](const P& p) { return local_boxes(p.plan(), true); })
@@ -89,6 +92,8 @@ void register_reshard_plan(py::module_& m) {
                              [](const P& p) { return p.plan().regions().host_received; })
       .def_property_readonly("forwarding", [](const P& p) { return p.plan().regions().forwarding; })
       .def_property_readonly("rounds", [](const P& p) { return p.plan().regions().rounds; })
+      .def_property_readonly("device_parts",
+                             [](const P& p) { return p.plan().regions().device_parts; })
       .def_property_readonly("fingerprint", [](const P& p) { return p.plan().fingerprint(); })
       .def_property_readonly("world_size", [](const P& p) { return p.plan().world_size(); })
       .def_property_readonly("rank", [](const P& p) { return p.plan().rank(); })

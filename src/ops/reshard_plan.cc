@@ -116,21 +116,24 @@ std::uint64_t ReshardPlan::bytes_received() const noexcept {
 }
 
 ExecStats ReshardPlan::execute(std::span<const TensorView> sources, Communicator& comm,
-                               std::span<const TensorView> destinations) {
-  return detail::run_blocking(comm, [&] { return execute_now(sources, comm, destinations); });
+                               std::span<const TensorView> destinations,
+                               std::optional<Device> device) {
+  return detail::run_blocking(comm,
+                              [&] { return execute_now(sources, comm, destinations, device); });
 }
 
 Work<ExecStats> ReshardPlan::start(std::span<const TensorView> sources, Communicator& comm,
-                                   std::span<const TensorView> destinations) {
+                                   std::span<const TensorView> destinations,
+                                   std::optional<Device> device) {
   return detail::start_on<ExecStats>(
       comm, [this, &comm, srcs = std::vector<TensorView>(sources.begin(), sources.end()),
-             dsts = std::vector<TensorView>(destinations.begin(), destinations.end())] {
-        return execute_now(srcs, comm, dsts);
-      });
+             dsts = std::vector<TensorView>(destinations.begin(), destinations.end()),
+             device] { return execute_now(srcs, comm, dsts, device); });
 }
 
 void ReshardPlan::check_views(const Communicator& comm, std::span<const TensorView> sources,
-                              std::span<const TensorView> destinations, ExecStats& stats) {
+                              std::span<const TensorView> destinations,
+                              std::optional<Device> device, ExecStats& stats) {
   detail::ExecScratch& x = scratch_.get();
   detail::check_plan_world(comm, regions_.world_size, regions_.rank);
   if (sources.size() != source_count() || destinations.size() != destination_count()) {
@@ -140,15 +143,15 @@ void ReshardPlan::check_views(const Communicator& comm, std::span<const TensorVi
                           " destination boxes in the plan, got " + std::to_string(sources.size()) +
                           " sources and " + std::to_string(destinations.size()) + " destinations");
   }
-  if (comm.size() > 1 && !comm.capabilities().all_to_all) {
+  x.device = device             ? *device
+             : !sources.empty() ? sources.front().device
+                                : detail::call_device(destinations);
+  // Device bytes move through all_to_all_v_device (the payload's device checks say where a
+  // transport has none); host bytes point to point.
+  if (x.device.type == DeviceType::kCpu && comm.size() > 1 && !comm.capabilities().all_to_all) {
     throw InvalidArgument("reshard sends each pair its own bytes, which the " +
                           std::string(comm.backend_name()) +
                           " transport cannot (no point-to-point exchange on this group)");
-  }
-  x.device = !sources.empty() ? sources.front().device : detail::call_device(destinations);
-  if (x.device.type != DeviceType::kCpu) {
-    throw InvalidArgument("reshard moves host memory only so far, got tensors on " +
-                          device_name(x.device));
   }
   std::uint64_t staged = 0;
   x.view_extents.clear();
@@ -284,7 +287,8 @@ void ReshardPlan::append_receives(std::span<const Transfer> receives,
 // A fan-out's later exchange e (>= 1): every rank joins (a personal exchange is collective on
 // some transports), once exchange e - 1 landed every box a rank forwards in it.
 void ReshardPlan::run_round(std::size_t e, detail::Call& call, std::span<const TensorView> sources,
-                            std::span<const TensorView> destinations, ExecStats& stats) {
+                            std::span<const TensorView> destinations, void* stream,
+                            ExecStats& stats) {
   bind_round(e, sources, destinations);
   const detail::ExecScratch& x = scratch_.get();
   const detail::ExchangeJob job{.shape = detail::ExchangeShape::kPersonal,
@@ -295,15 +299,19 @@ void ReshardPlan::run_round(std::size_t e, detail::Call& call, std::span<const T
                                 .counts = regions_.recv_counts,
                                 .copy_threads = detail::copy_threads(options_, call.comm()),
                                 .entry_synchronized = true,
-                                .device = x.device};
+                                .device = x.device,
+                                .stream = stream,
+                                .device_parts = regions_.device_parts};
   ExecStats round;
+  scratch_.get().strategy.copy_stage.clear();  // the device's packs ran with the first exchange
   detail::run_payload(call, Strategy::kDirect, Strategy::kDirect, job, scratch_.get().strategy,
                       round);
   stats.payload_collectives += round.payload_collectives;
 }
 
 ExecStats ReshardPlan::execute_now(std::span<const TensorView> sources, Communicator& comm,
-                                   std::span<const TensorView> destinations) {
+                                   std::span<const TensorView> destinations,
+                                   std::optional<Device> device) {
   detail::Call call(comm, Operation::kReshardExecute, options_.timeout, options_.preflight,
                     &scratch_.get().headers);
   const auto me = static_cast<std::size_t>(regions_.rank);
@@ -320,7 +328,7 @@ ExecStats ReshardPlan::execute_now(std::span<const TensorView> sources, Communic
       .dtype_hash = dtype_hash_,
       .personal_sent = regions_.rank_sent.empty() ? 0 : regions_.rank_sent[me]};
   const auto check = [&](ExecStats& stats) {
-    check_views(call.comm(), sources, destinations, stats);
+    check_views(call.comm(), sources, destinations, device, stats);
   };
   const auto bind = [&](detail::Stager& stager) {
     build_job(sources, destinations, stager);
@@ -332,11 +340,12 @@ ExecStats ReshardPlan::execute_now(std::span<const TensorView> sources, Communic
                                .first = x.first};
   };
   ExecStats stats;
-  const detail::ExchangeJob job =
+  detail::ExchangeJob job =
       detail::prepare_execution(call, scratch_, facts, std::nullopt, stats, check, bind);
+  job.device_parts = regions_.device_parts;
   detail::run_execution(call, scratch_, facts, job, stats);
   for (std::size_t e = 1; e < regions_.rounds; ++e) {
-    run_round(e, call, sources, destinations, stats);
+    run_round(e, call, sources, destinations, job.stream, stats);
   }
   return stats;
 }

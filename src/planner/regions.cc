@@ -588,6 +588,7 @@ std::uint64_t fingerprint_of(std::span<const TensorRegions> tensors, int world,
   h.add(options.split_bytes);
   h.add(options.fan_out ? 1 : 0);
   h.add(options.fan_out_waves);
+  h.add(options.device_bucket_bytes);
   h.add(options.hosts.size());
   for (const int host : options.hosts) {
     h.add(static_cast<std::uint64_t>(host));
@@ -735,6 +736,9 @@ RegionPlan plan_regions(std::span<const TensorRegions> tensors, int world_size, 
         "plan_regions: fan_out_waves is 0 (1 or more: 1 forwards after the "
         "whole first exchange)");
   }
+  if (options.device_bucket_bytes < 1) {
+    throw InvalidArgument("plan_regions: device_bucket_bytes is 0 (1 or more)");
+  }
   check_regions(tensors, world_size);
   Planner planner(tensors, world_size, options);
   std::vector<Transfer> moves = planner.run();
@@ -781,6 +785,12 @@ RegionPlan plan_regions(std::span<const TensorRegions> tensors, int world_size, 
   count(moves, source_rank);
   count(forwards, forwarder_rank);
   plan.rounds = planner.rounds;
+  for (std::size_t r = 0; r < world; ++r) {
+    const std::uint64_t moved =
+        plan.rank_sent[r] - plan.rank_local[r] + (plan.rank_received[r] - plan.rank_local[r]);
+    const std::uint64_t bucket = options.device_bucket_bytes;
+    plan.device_parts = std::max(plan.device_parts, moved / bucket + (moved % bucket != 0 ? 1 : 0));
+  }
   split_sides(std::move(moves), source_rank, dst_rank, plan.rank, world_size, plan.rounds,
               plan.sends, plan.send_first, plan.send_counts, plan.receives, plan.recv_first,
               plan.recv_counts);

@@ -28,12 +28,11 @@ namespace {
 // rank (one coalesced group on NCCL). Unmeasured: no GPU has run this path yet.
 constexpr std::uint64_t kPaddingDivisor = 8;
 
-// The three tables (stage, in, out) in one device buffer, uploaded only when a descriptor or
-// the stream changed (a plan over the same tensors on one stream uploads once). Returns each
-// table's device copy.
-std::array<const CopyDesc*, 3> upload_tables(StrategyScratch& s, const Device& device,
-                                             void* stream) {
-  const std::array<const CopyTable*, 3> tables{&s.copy_stage, &s.copy_in, &s.copy_out};
+// The launches' tables in one device buffer, uploaded only when a descriptor or the stream
+// changed (a plan over the same tensors on one stream uploads once). Fills s.on_device with each
+// table's device copy, in the order given.
+void upload_tables(StrategyScratch& s, std::span<const CopyTable* const> tables,
+                   const Device& device, void* stream) {
   std::size_t total = 0;
   // Memory for another stream is given back and allocated anew (DeviceMemory::reserve).
   bool same = s.device_table.stream() == stream;
@@ -59,9 +58,12 @@ std::array<const CopyDesc*, 3> upload_tables(StrategyScratch& s, const Device& d
     copy_async(s.device_table.data(), staged.data(), bytes, stream);
     s.uploaded.swap(staged);
   }
-  const auto* base = reinterpret_cast<const CopyDesc*>(s.device_table.data());
-  return {base, base + s.copy_stage.descs().size(),
-          base + s.copy_stage.descs().size() + s.copy_in.descs().size()};
+  const auto* at = reinterpret_cast<const CopyDesc*>(s.device_table.data());
+  s.on_device.clear();
+  for (const CopyTable* t : tables) {
+    s.on_device.push_back(at);
+    at += t->descs().size();
+  }
 }
 
 void launch(const CopyTable& table, const CopyDesc* on_device, void* stream) {
@@ -279,12 +281,157 @@ void wait_on_host(void* stream, Communicator& comm, Deadline deadline) {
   }
 }
 
+// The end of every device job: the started operation's completion mark, and the host wait
+// where asked.
+void finish_device_job(const ExchangeJob& job, Communicator& comm, Deadline deadline) {
+  if (completion_slot != nullptr) {
+    completion_slot->event.record(job.stream);
+    completion_slot->recorded = true;
+    completion_slot->device = job.device.index;
+  }
+  if (device_wait() == DeviceWait::kHost) {
+    wait_on_host(job.stream, comm, deadline);
+  }
+}
+
+// Appends to `out` bytes [begin, end) of the contiguous segments' concatenation.
+void slice_of(std::span<const ConstSegment> segments, std::uint64_t begin, std::uint64_t end,
+              std::vector<ConstSegment>& out) {
+  std::uint64_t at = 0;
+  for (const ConstSegment& s : segments) {
+    const std::uint64_t lo = std::max(begin, at);
+    const std::uint64_t hi = std::min(end, at + s.size);
+    if (lo < hi) {
+      out.push_back({s.data + (lo - at), hi - lo});
+    }
+    at += s.size;
+    if (at >= end) {
+      return;
+    }
+  }
+}
+
+// Slice k of `parts` of a pair's `bytes`: both sides of the pair cut it alike.
+std::pair<std::uint64_t, std::uint64_t> part_slice(std::uint64_t bytes, std::uint64_t parts,
+                                                   std::uint64_t k) {
+  const std::uint64_t step = (bytes + parts - 1) / parts;
+  const std::uint64_t begin = std::min(bytes, k * step);
+  return {begin, std::min(bytes, begin + step)};
+}
+
+// Part k's tables and counts (see run_device): slice k of each peer's send stream packed into
+// the send buffer, and slice k of each peer's pieces unpacked from the receive buffer.
+void build_part(const ExchangeJob& job, std::size_t me, std::uint64_t k, StrategyScratch& s) {
+  const std::size_t world = job.send_first.size() - 1;
+  const std::uint64_t parts = job.device_parts;
+  CopyTable& in = s.part_tables[2 * k];
+  CopyTable& out = s.part_tables[2 * k + 1];
+  std::uint64_t* send_counts = s.part_counts.data() + 2 * k * world;
+  std::uint64_t* recv_counts = send_counts + world;
+  std::uint64_t sent = 0;
+  std::uint64_t received = 0;
+  for (std::size_t p = 0; p < world; ++p) {
+    send_counts[p] = 0;
+    recv_counts[p] = 0;
+    if (p == me) {
+      continue;
+    }
+    const std::span<const ConstSegment> to = rank_part(job.send, job.send_first, p);
+    const auto [b, e] = part_slice(stream_bytes(to), parts, k);
+    if (b < e) {
+      s.part_segments.clear();
+      slice_of(to, b, e, s.part_segments);
+      const RecvPiece into{s.device_send.data() + sent, e - b, 1, 0};
+      in.add_stream(s.part_segments, std::span(&into, 1));
+      send_counts[p] = e - b;
+      sent += e - b;
+    }
+    const std::span<const RecvPiece> from = rank_part(job.pieces, job.first, p);
+    const auto [rb, re] = part_slice(stream_bytes(from), parts, k);
+    if (rb < re) {
+      const ConstSegment held{s.device_gathered.data() + received, re - rb};
+      if (parts == 1) {
+        out.add_stream(std::span(&held, 1), from);
+      } else {
+        out.add_stream(std::span(&held, 1), slice_pieces(from, rb, re));
+      }
+      recv_counts[p] = re - rb;
+      received += re - rb;
+    }
+  }
+}
+
+// The personal exchange on a device (see run_device).
+void run_device_personal(const ExchangeJob& job, Communicator& comm, Deadline deadline,
+                         StrategyScratch& s) {
+  const auto me = static_cast<std::size_t>(comm.rank());
+  const auto world = static_cast<std::size_t>(comm.size());
+  const std::uint64_t parts = std::max<std::uint64_t>(job.device_parts, 1);
+  ExchangeJob sliced = job;
+  sliced.device_parts = parts;
+  const CurrentDevice on(job.device.index);
+  // The buffers hold the largest part: sized before any table names their addresses.
+  std::uint64_t send_room = 0;
+  std::uint64_t recv_room = 0;
+  for (std::uint64_t k = 0; k < parts; ++k) {
+    std::uint64_t sent = 0;
+    std::uint64_t received = 0;
+    for (std::size_t p = 0; p < world; ++p) {
+      if (p != me) {
+        const auto [b, e] =
+            part_slice(stream_bytes(rank_part(job.send, job.send_first, p)), parts, k);
+        const auto [rb, re] =
+            part_slice(stream_bytes(rank_part(job.pieces, job.first, p)), parts, k);
+        sent += e - b;
+        received += re - rb;
+      }
+    }
+    send_room = std::max(send_room, sent);
+    recv_room = std::max(recv_room, received);
+  }
+  s.device_send.reserve(send_room, job.device.index, job.stream);
+  s.device_gathered.reserve(recv_room, job.device.index, job.stream);
+  s.part_tables.resize(std::max<std::size_t>(s.part_tables.size(), 2 * parts));
+  s.part_counts.resize(2 * parts * world);
+  for (std::size_t t = 0; t < 2 * parts; ++t) {
+    s.part_tables[t].clear();
+  }
+  // This rank's own bytes, straight from its segments to its pieces.
+  s.part_tables[0].add_stream(rank_part(job.send, job.send_first, me),
+                              rank_part(job.pieces, job.first, me));
+  for (std::uint64_t k = 0; k < parts; ++k) {
+    build_part(sliced, me, k, s);
+  }
+  s.copy_stage.finish();
+  s.table_list.assign(1, &s.copy_stage);
+  for (std::size_t t = 0; t < 2 * parts; ++t) {
+    s.part_tables[t].finish();
+    s.table_list.push_back(&s.part_tables[t]);
+  }
+  upload_tables(s, s.table_list, job.device, job.stream);
+  launch(s.copy_stage, s.on_device[0], job.stream);
+  for (std::uint64_t k = 0; k < parts; ++k) {
+    launch(s.part_tables[2 * k], s.on_device[1 + 2 * k], job.stream);
+    if (world > 1) {
+      const std::span<const std::uint64_t> counts(s.part_counts.data() + 2 * k * world, 2 * world);
+      comm.all_to_all_v_device(s.device_send.data(), counts.first(world), s.device_gathered.data(),
+                               counts.last(world), job.device, job.stream, deadline);
+    }
+    launch(s.part_tables[2 * k + 1], s.on_device[2 + 2 * k], job.stream);
+  }
+  finish_device_job(job, comm, deadline);
+}
+
 }  // namespace
 
 void run_device(const ExchangeJob& job, DeviceGather request, Communicator& comm, Deadline deadline,
                 StrategyScratch& s) {
-  if (job.shape == ExchangeShape::kPersonal || job.combine.op != Combine::Op::kNone) {
-    throw InvalidArgument("the device path runs gathers only (all-gather and gather shapes)");
+  if (job.combine.op != Combine::Op::kNone) {
+    throw InvalidArgument("the device path runs gathers and personal exchanges only (no combine)");
+  }
+  if (job.shape == ExchangeShape::kPersonal) {
+    run_device_personal(job, comm, deadline, s);
+    return;
   }
   const int me = comm.rank();
   const std::uint64_t mine = job.counts[static_cast<std::size_t>(me)];
@@ -309,24 +456,18 @@ void run_device(const ExchangeJob& job, DeviceGather request, Communicator& comm
   }
   s.copy_in.finish();
   s.copy_out.finish();
-  const std::array<const CopyDesc*, 3> on_device = upload_tables(s, job.device, job.stream);
-  launch(s.copy_stage, on_device[0], job.stream);
-  launch(s.copy_in, on_device[1], job.stream);
+  s.table_list.assign({&s.copy_stage, &s.copy_in, &s.copy_out});
+  upload_tables(s, s.table_list, job.device, job.stream);
+  launch(s.copy_stage, s.on_device[0], job.stream);
+  launch(s.copy_in, s.on_device[1], job.stream);
   if (comm.size() > 1) {
     const ConstSegment segment{send, mine};
     comm.all_gather_v_device(std::span(&segment, mine == 0 ? 0 : 1), base, job.counts, s.displs,
                              device_gather_form(job.counts, request), job.device, job.stream,
                              deadline);
   }
-  launch(s.copy_out, on_device[2], job.stream);
-  if (completion_slot != nullptr) {
-    completion_slot->event.record(job.stream);
-    completion_slot->recorded = true;
-    completion_slot->device = job.device.index;
-  }
-  if (device_wait() == DeviceWait::kHost) {
-    wait_on_host(job.stream, comm, deadline);
-  }
+  launch(s.copy_out, s.on_device[2], job.stream);
+  finish_device_job(job, comm, deadline);
 }
 
 }  // namespace shardgather::detail

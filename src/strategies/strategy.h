@@ -81,6 +81,10 @@ struct ExchangeJob {
   // payload moves through run_device on `stream`, whatever strategy was asked for.
   Device device{};
   void* stream = nullptr;
+  // kPersonal on a device: the exchange moves in this many parts (the same on every rank), part
+  // k carrying slice k of every pair's bytes, so that its staging is about 1/parts of this
+  // rank's bytes sent and received.
+  std::uint64_t device_parts = 1;
 };
 
 // Whether `strategy` runs jobs of `shape` (kDirect: every shape; the others: kAllGather).
@@ -139,6 +143,13 @@ struct StrategyScratch {
   CopyTable copy_out;
   std::vector<CopyDesc> uploaded;        // what device_table holds
   std::vector<CopyDesc> upload_staging;  // the next upload, assembled
+  // The personal exchange on a device: per part, its copy-in and copy-out tables and its send
+  // and receive counts (size() each); the tables' device copies, in upload order.
+  std::vector<CopyTable> part_tables;  // 2 per part: copy-in, copy-out
+  std::vector<std::uint64_t> part_counts;
+  std::vector<ConstSegment> part_segments;   // one slice of a peer's send stream
+  std::vector<const CopyTable*> table_list;  // the launches' tables, in upload order
+  std::vector<const CopyDesc*> on_device;
 };
 
 // When every rank's pieces form one contiguous run, fills scratch.displs relative to *base and
@@ -233,6 +244,12 @@ DeviceGatherForm device_gather_form(std::span<const std::uint64_t> counts,
 // Launches at most three kernels, never waits for a stream on the host in the first mode, and
 // after the first execution of a plan allocates nothing and uploads nothing while the tensors stay
 // where they were. `request` is the one every rank agreed on (the header's).
+// kPersonal (a reshard): the packs, then per part (job.device_parts) one fused copy-in of that
+// part's slice of each peer's segments into a contiguous send buffer (this rank's own bytes go
+// straight to its pieces, in part 0's), one all_to_all_v_device and one fused copy-out into the
+// pieces; the send and receive buffers hold one part at a time (stream order makes the reuse
+// safe), 1 + 2 x parts launches. A job of more than one part allocates host vectors for its
+// slices of strided pieces.
 void run_device(const ExchangeJob& job, DeviceGather request, Communicator& comm, Deadline deadline,
                 StrategyScratch& scratch);
 

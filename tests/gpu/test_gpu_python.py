@@ -8,7 +8,9 @@
 - a Gloo group at world 2 (two processes on one GPU: NCCL refuses two ranks on one device), with
   CUDA tensors: foreach_all_gather with and without the shapes hint, both forms of an uneven
   device gather (per-rank broadcasts, padded all-gather), a transposed input, a side stream, and
-  unshard along dims 0, 1 and the last, bit-exact against the shards' source tensors.
+  unshard along dims 0, 1 and the last, bit-exact against the shards' source tensors;
+- a reshard on the device at both (row shards into a fused parameter's columns, a transposed
+  source, one part and many), bit-exact.
 """
 import os
 import tempfile
@@ -57,6 +59,36 @@ def _check_unshard(rank, world):
         assert got.is_cuda and torch.equal(got.cpu(), full.cpu()), dim
 
 
+def _check_reshard(rank, world):
+    """FSDP-style row shards to column shards landing in a fused parameter's columns, and a
+    transposed source, in one part and in many (a 64-byte bucket), bit-exact on the device."""
+    from shardgather.layouts import Box, TensorLayout
+
+    group = dist.group.WORLD
+    torch.manual_seed(11)
+    full = torch.randn(12, 10 * world, device="cuda")
+    other = torch.randint(-9, 9, (6 * world, 5), dtype=torch.int32, device="cuda")
+    rows = [(r, Box((r * 12 // world, 0), (12 // world, 10 * world))) for r in range(world)]
+    cols = [(r, Box((0, 10 * r), (12, 10))) for r in range(world)]
+    layouts = [TensorLayout(tuple(full.shape), torch.float32, rows, cols),
+               TensorLayout(tuple(other.shape), torch.int32,
+                            [(r, Box((6 * r, 0), (6, 5))) for r in range(world)],
+                            [(r, Box((0, 0), (6 * world, 5))) for r in range(world)])]
+    mine_rows = full[rank * 12 // world:(rank + 1) * 12 // world]
+    mine_other = other[6 * rank:6 * rank + 6].t().contiguous().t()  # transposed storage
+    for bucket in (None, 64):
+        plan = sg.ReshardPlan.for_group(layouts, group, device_bucket_bytes=bucket)
+        assert bucket is None or world == 1 or plan.device_parts > 1, plan.device_parts
+        fused = torch.full((12, 16), -1.0, device="cuda")  # columns 3..12 are this rank's
+        gathered = torch.zeros(6 * world, 5, dtype=torch.int32, device="cuda")
+        plan.execute([mine_rows, mine_other], [fused[:, 3:13], gathered], group)
+        torch.cuda.synchronize()
+        assert torch.equal(fused[:, 3:13].cpu(), full[:, 10 * rank:10 * rank + 10].cpu()), bucket
+        assert torch.equal(fused[:, :3].cpu(), torch.full((12, 3), -1.0)), "written outside"
+        assert torch.equal(fused[:, 13:].cpu(), torch.full((12, 3), -1.0)), "written outside"
+        assert torch.equal(gathered.cpu(), other.cpu()), bucket
+
+
 def _gloo_worker(rank, world, store_path, errors):
     try:
         torch.cuda.set_device(0)
@@ -76,6 +108,7 @@ def _gloo_worker(rank, world, store_path, errors):
         stream.synchronize()
         _check_gather(out, world, every)
         _check_unshard(rank, world)
+        _check_reshard(rank, world)
         dist.destroy_process_group()
     except BaseException as e:  # reported to the parent, which fails the test
         errors.put("rank %d: %r" % (rank, e))
@@ -108,6 +141,7 @@ def test_nccl_world1():
             _check_gather(sg.foreach_all_gather(mine, None, [[tuple(t.shape) for t in mine]]), 1,
                           [mine])
             _check_unshard(0, 1)
+            _check_reshard(0, 1)
         finally:
             dist.destroy_process_group()
 

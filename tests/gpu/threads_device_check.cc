@@ -3,7 +3,8 @@
 // own. Each call on device memory is compared byte for byte with the same call on host memory
 // (the path the CPU suites cover): foreach_all_gather with a hint (mixed dtypes, uneven shapes,
 // a transposed input, empty tensors), a plan executed three times, unshard along dim 0, 1 and
-// the last (uneven and padded specs), and 1000 small tensors. Prints "N passed, M failed".
+// the last (uneven and padded specs), 1000 small tensors, and a reshard into strided destinations
+// in one part and in many. Prints "N passed, M failed".
 #include <atomic>
 #include <cstdio>
 #include <cstring>
@@ -217,6 +218,71 @@ void tiny_case(int rank, sg::Communicator& comm, int world) {
          "tiny-1000 world " + std::to_string(world) + " rank " + std::to_string(rank));
 }
 
+// A reshard: row shards of a [24, 20] f32 into column blocks landing in a wider buffer's
+// columns (strided destinations), and an i16 [9, 7] held transposed by rank 0 wanted whole by
+// every rank; in one part and in many (a 256-byte device bucket). The destination buffers,
+// untouched bytes included, must equal the same reshard's on host memory.
+void reshard_case(int rank, sg::Communicator& comm, int world, std::uint64_t bucket) {
+  const auto w = static_cast<std::int64_t>(world);
+  sg::TensorRegions a{
+      .dtype = sg::DType::kFloat32, .shape = {24, 20}, .sources = {}, .destinations = {}};
+  sg::TensorRegions b{.dtype = sg::DType::kInt16,
+                      .shape = {9, 7},
+                      .sources = {{0, {{0, 0}, {9, 7}}}},
+                      .destinations = {}};
+  for (std::int64_t r = 0; r < w; ++r) {
+    const std::int64_t lo = 20 * r / w;
+    a.sources.push_back(
+        {static_cast<int>(r), {{24 * r / w, 0}, {24 * (r + 1) / w - 24 * r / w, 20}}});
+    a.destinations.push_back(
+        {static_cast<int>((r + 1) % w), {{0, lo}, {24, 20 * (r + 1) / w - lo}}});
+    b.destinations.push_back({static_cast<int>(r), {{0, 0}, {9, 7}}});
+  }
+  const std::vector<sg::TensorRegions> layout{a, b};
+  sg::RegionOptions regions;
+  regions.device_bucket_bytes = bucket;
+  sg::ReshardPlan plan(layout, world, rank, {}, regions);
+  std::vector<Pair> src(plan.source_count());
+  std::vector<Pair> dst(plan.destination_count());
+  std::vector<sg::TensorView> ds;
+  std::vector<sg::TensorView> hs;
+  std::vector<sg::TensorView> dd;
+  std::vector<sg::TensorView> hd;
+  for (std::size_t v = 0; v < src.size(); ++v) {
+    const sg::Shape& size = plan.source(v).box.size;
+    const std::size_t n = static_cast<std::size_t>(size[0] * size[1]);
+    const bool transposed = plan.regions().source_views[v].tensor == 1;
+    make(src[v], layout[plan.regions().source_views[v].tensor].dtype, size,
+         transposed ? sg::Shape{1, size[0]} : sg::Shape{}, n,
+         900U + 17U * v + 5U * static_cast<std::uint64_t>(rank));
+    ds.push_back(src[v].device_view);
+    hs.push_back(src[v].host_view);
+  }
+  for (std::size_t v = 0; v < dst.size(); ++v) {
+    const sg::Shape& size = plan.destination(v).box.size;
+    // Inside a [rows, cols + 12] buffer at column 5: a fused parameter's columns.
+    const std::int64_t width = size[1] + 12;
+    make(dst[v], layout[plan.regions().destination_views[v].tensor].dtype, size, {width, 1},
+         static_cast<std::size_t>(size[0] * width), 700U + v);
+    const std::int64_t elem = static_cast<std::int64_t>(sg::dtype_size(dst[v].host_view.dtype));
+    dst[v].host_view.data = dst[v].host.data() + 5 * elem;
+    dst[v].device_view.data = dst[v].device + 5 * elem;
+    dd.push_back(dst[v].device_view);
+    hd.push_back(dst[v].host_view);
+  }
+  plan.execute(ds, comm, dd, sg::cuda_device(0));
+  plan.execute(hs, comm, hd);
+  cuda(cudaStreamSynchronize(static_cast<cudaStream_t>(sg::current_cuda_stream())),
+       "cudaStreamSynchronize");
+  const std::string where = "reshard bucket " + std::to_string(bucket) + " world " +
+                            std::to_string(world) + " rank " + std::to_string(rank);
+  expect(bucket > 4096 || world == 1 || plan.regions().device_parts > 1, where + ": parts");
+  for (std::size_t v = 0; v < dst.size(); ++v) {
+    expect(same(to_host(dst[v].device, dst[v].host.size()), dst[v].host.data(), dst[v].host.size()),
+           where + ": destination " + std::to_string(v) + " equals the host reshard");
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -236,6 +302,10 @@ int main() {
       }
     }
     run_world(world, [world](int rank, sg::Communicator& comm) { tiny_case(rank, comm, world); });
+    for (const std::uint64_t bucket : {std::uint64_t{256} << 20, std::uint64_t{256}}) {
+      run_world(world,
+                [=](int rank, sg::Communicator& comm) { reshard_case(rank, comm, world, bucket); });
+    }
   }
   // A CUDA view over host memory is refused on every rank, the device still usable after.
   run_world(2, [](int rank, sg::Communicator& comm) {

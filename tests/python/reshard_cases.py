@@ -216,6 +216,36 @@ def case_a_layout_differing_on_one_rank_raises_mismatch_everywhere(rank, world, 
     raise AssertionError("no MismatchError on rank %d" % rank)
 
 
+def case_device_bucket_is_part_of_the_plan(rank, world, group=None):
+    """device_bucket_bytes sets the device parts, is checked, and ranks that disagree on it
+    raise MismatchError on every rank before anything moves (it is in the fingerprint)."""
+    layout = TensorLayout((8, 8), torch.float32, [(r, Box((0, 0), (8, 8))) for r in range(world)],
+                          [(r, Box((0, r % 8), (8, 1))) for r in range(world)])
+    plan = shardgather.ReshardPlan([layout], world, rank, device_bucket_bytes=8, timeout=T)
+    # With a copy on every rank each takes its column from itself: nothing to move.
+    assert plan.device_parts == 1, plan.device_parts
+    try:
+        shardgather.ReshardPlan([layout], world, rank, device_bucket_bytes=0).fingerprint
+    except shardgather.InvalidArgumentError as e:
+        assert "device_bucket_bytes" in str(e), str(e)
+    else:
+        raise AssertionError("a bucket of 0 bytes was accepted")
+    one = TensorLayout((8, 8), torch.float32, [(0, Box((0, 0), (8, 8)))],
+                       [(r, Box((0, r % 8), (8, 1))) for r in range(world)])
+    bucket = 16 if rank == world - 1 and world > 1 else 8
+    plan = shardgather.ReshardPlan.for_group([one], group, device_bucket_bytes=bucket, timeout=T)
+    # Rank 0 sends 8 x 4 bytes to each other rank, over 8-byte parts.
+    assert world == 1 or plan.device_parts == (4 * (world - 1) if bucket == 8 else 2 * (world - 1))
+    src = [torch.ones(8, 8)] if rank == 0 else []
+    dst = [torch.full((8, 1), 7.0)]
+    try:
+        plan.execute(src, dst, group)
+    except shardgather.MismatchError:
+        assert world > 1 and torch.equal(dst[0], torch.full((8, 1), 7.0)), "written first"
+        return
+    assert world == 1 and torch.equal(dst[0], torch.ones(8, 1)), dst
+
+
 def case_a_bad_destination_on_one_rank_raises_everywhere(rank, world, group=None):
     layout = TensorLayout((4, 2), torch.float32, [(0, Box((0, 0), (4, 2)))],
                           [(r, Box((0, 0), (4, 2))) for r in range(world)])

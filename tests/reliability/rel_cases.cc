@@ -729,6 +729,7 @@ struct DCall {
   int reshard_shift = 1;            // reshards: rank r wants the shards of rank r + shift
   bool fan_out = true;              // reshards: RegionOptions::fan_out
   std::size_t fan_out_waves = 4;    // reshards: RegionOptions::fan_out_waves
+  std::uint64_t device_bucket = std::uint64_t{256} << 20;  // RegionOptions::device_bucket_bytes
 };
 
 struct DRow {
@@ -983,6 +984,13 @@ const DRow kDRows[] = {
      2,
      {.op = DOp::kReshard},
      {.op = DOp::kReshard, .fan_out_waves = 1}},
+    {"D-reshard-device-bucket",
+     "a reshard planned with another device bucket",
+     "Mismatch",
+     "shapes hint / plan differs",
+     2,
+     {.op = DOp::kReshard},
+     {.op = DOp::kReshard, .device_bucket = 4096}},
     {"D-reshard-timeout",
      "a reshard with a negative timeout",
      "InvalidArgument",
@@ -1077,6 +1085,7 @@ void d_reshard(const DCall& c, Communicator& comm, const PlanOptions& po, const 
   RegionOptions regions;
   regions.fan_out = c.fan_out;
   regions.fan_out_waves = c.fan_out_waves;
+  regions.device_bucket_bytes = c.device_bucket;
   ReshardPlan plan(d_layout(c, comm.size() + c.plan_world_delta), comm.size() + c.plan_world_delta,
                    comm.rank(), po, regions);
   std::vector<std::vector<std::byte>> storage;

@@ -1,5 +1,6 @@
 #include "support/fake_device.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
@@ -98,6 +99,7 @@ void* pool_allocate(std::uint64_t bytes, int /*device*/, void* /*stream*/) {
   testing::Registry& r = testing::registry();
   const std::lock_guard<std::mutex> lock(r.mu);
   ++r.counters.allocations;
+  r.counters.largest_allocation = std::max(r.counters.largest_allocation, bytes);
   return p;
 }
 

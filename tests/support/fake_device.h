@@ -16,9 +16,10 @@ struct FakeDeviceCounters {
   // the library calls none.
   std::uint64_t allocations = 0;
   std::uint64_t frees = 0;
-  std::uint64_t launches = 0;        // non-empty kernel launches
-  std::uint64_t copies = 0;          // copy_async calls (uploads and transport moves)
-  std::uint64_t host_to_device = 0;  // of those, from host memory (table uploads, zeros)
+  std::uint64_t largest_allocation = 0;  // bytes of the largest of those
+  std::uint64_t launches = 0;            // non-empty kernel launches
+  std::uint64_t copies = 0;              // copy_async calls (uploads and transport moves)
+  std::uint64_t host_to_device = 0;      // of those, from host memory (table uploads, zeros)
   // The host looking at the device's progress (DeviceEvent::query; the runtime has no other host
   // wait: no stream or device synchronisation).
   std::uint64_t host_waits = 0;
