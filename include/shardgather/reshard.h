@@ -108,6 +108,7 @@ class SHARDGATHER_API ReshardPlan {
                     std::size_t g, std::span<const TensorView> views, bool forward);
   void append_receives(std::span<const Transfer> receives, std::span<const std::size_t> first,
                        std::size_t g, std::span<const TensorView> destinations);
+  void size_device_rooms();
   void run_round(std::size_t e, detail::Call& call, std::span<const TensorView> sources,
                  std::span<const TensorView> destinations, void* stream, ExecStats& stats);
 
@@ -116,6 +117,9 @@ class SHARDGATHER_API ReshardPlan {
   PlanOptions options_;
   std::vector<DType> dtypes_;  // per tensor, for the header
   std::uint64_t dtype_hash_ = 0;
+  // The device path's send and receive buffers: the largest part of any exchange, this rank's.
+  std::uint64_t device_send_room_ = 0;
+  std::uint64_t device_recv_room_ = 0;
   detail::ScratchHolder scratch_;
 };
 

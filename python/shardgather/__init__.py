@@ -327,12 +327,12 @@ class _PlanState:
             self._error.raise_here()
         return self._plan
 
-    def _execute(self, op, args, group, outputs, async_op):
+    def _execute(self, op, args, group, outputs, async_op, **extra):
         comm = communicator(group, self._timeout())
         _check_call(comm, op, async_op=async_op, preflight=self._preflight, hinted=True)
         if self._plan is None:
             self._error.fail_call(comm, op, self._preflight, self._given_timeout)
-        return self._plan.execute(args, comm, outputs, async_op)
+        return self._plan.execute(args, comm, outputs, async_op, **extra)
 
 
 class AllGatherPlan(_PlanState):
@@ -498,11 +498,27 @@ class ReshardPlan(_PlanState):
                    strategy=strategy, preflight=preflight, timeout=timeout,
                    device_bucket_bytes=device_bucket_bytes)
 
-    def execute(self, sources, destinations, group=None, *, async_op=False):
+    def execute(self, sources, destinations, group=None, *, async_op=False, device=None):
         """Moves every rank's sources into every rank's destinations (see the class); returns
         ``destinations`` as a new list, or with ``async_op=True`` a :class:`Work` whose
-        ``wait()`` returns it."""
-        return self._execute("ReshardPlan::execute", sources, group, destinations, async_op)
+        ``wait()`` returns it. ``device`` (a torch.device or its name): where this rank's
+        tensors are; None takes it from them. A rank with no tensors in a CUDA reshard passes
+        its CUDA device (``"cuda"``: the current one)."""
+        index = None
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (TypeError, RuntimeError) as e:
+                device = e
+            if not isinstance(device, torch.device) or device.type not in ("cpu", "cuda"):
+                comm = communicator(group, self._timeout())
+                _C._fail_call(comm, "ReshardPlan::execute",
+                              "device must be a cpu or cuda torch.device, got %r" % (device,),
+                              False, self._preflight is not False, self._given_timeout)
+            index = -1 if device.type == "cpu" else (
+                device.index if device.index is not None else torch.cuda.current_device())
+        return self._execute("ReshardPlan::execute", sources, group, destinations, async_op,
+                             cuda_index=index)
 
     source_boxes = _from_plan(
         "source_boxes", "This rank's sources in execute's order: (tensor index, offset, size).")

@@ -250,8 +250,9 @@ py::object PyPlan<Plan>::run(py::handle inputs, const std::shared_ptr<Communicat
   }
   const std::span<const TensorView> views(parsed.inputs.views);
   ExecStats stats;
-  call_interruptible(
-      [&] { stats = output.into([&](auto into) { return plan_.execute(views, comm, into); }); });
+  call_interruptible([&] {
+    stats = output.into([&](auto... into) { return plan_.execute(views, comm, into...); });
+  });
   last_ = stats;  // with the GIL, as a started execution's wait() writes it
   return output.results();
 }
@@ -262,7 +263,8 @@ py::object PyPlan<Plan>::start(const std::shared_ptr<Communicator>& comm,
                                std::shared_ptr<Parsed> parsed, Output output,
                                const py::object& self) {
   const std::span<const TensorView> views(parsed->inputs.views);
-  Work<ExecStats> work = output.into([&](auto into) { return plan_.start(views, *comm, into); });
+  Work<ExecStats> work =
+      output.into([&](auto... into) { return plan_.start(views, *comm, into...); });
   started_ = work.shared_state();
   started_on_ = comm.get();
   auto finish = [this, parsed = std::move(parsed),
@@ -354,12 +356,12 @@ py::object PyUnshardPlan::execute(py::handle shards, const std::shared_ptr<Commu
 
 py::object PyReshardPlan::execute(py::handle sources, py::handle destinations,
                                   const std::shared_ptr<Communicator>& comm, bool async_op,
-                                  const py::object& self) {
+                                  std::optional<Device> device, const py::object& self) {
   return run(sources, comm, async_op, self, [&](Parsed& parsed, Communicator& c) {
     parse_or_fail(destinations, "destinations", parsed.outputs, c);
     py::list result = first_items(destinations, parsed.outputs.views.size());
     const std::span<const TensorView> views(parsed.outputs.views);
-    return PlanOutput{[views](auto method) { return method(views); },
+    return PlanOutput{[views, device](auto method) { return method(views, device); },
                       [result]() -> py::object { return result; }};
   });
 }

@@ -63,7 +63,8 @@ class ResultLists {
 };
 
 // What an execution hands the core plan and what it returns, as the per-plan part of PyPlan::run
-// builds them: `into(method)` calls method(destination) once, `method` being the plan's execute
+// builds them: `into(method)` calls method(destination...) once (the destination, and for a
+// reshard the device its views are on), `method` being the plan's execute
 // or start bound to the inputs, and `results()` builds the return value (with the GIL, once the
 // execution succeeded). A started execution's Work keeps `results` until wait(), so it must
 // hold values (the output tensor, the caller's list), never references to this call's locals.
@@ -186,10 +187,11 @@ class PyReshardPlan : public PyPlan<ReshardPlan> {
       : PyPlan(std::move(plan), options, {"ReshardPlan", "sources", Operation::kReshardExecute}) {}
 
   // Writes this rank's `destinations` (tensors of its boxes, any strides, in place) from every
-  // rank's sources; returns them as a new list.
+  // rank's sources; returns them as a new list. `device`: where this rank's tensors are (unset:
+  // the first one's; a rank with none in a CUDA reshard passes it).
   pybind11::object execute(pybind11::handle sources, pybind11::handle destinations,
                            const std::shared_ptr<Communicator>& comm, bool async_op,
-                           const pybind11::object& self);
+                           std::optional<Device> device, const pybind11::object& self);
 };
 
 // One-shot unshard: plan, allocate (a torch-owned buffer), execute; returns the full tensors.

@@ -52,8 +52,13 @@ std::unique_ptr<PyReshardPlan> make_reshard_plan(const std::vector<PyTensorRegio
 
 py::object execute_reshard_plan(const py::object& self, py::handle sources,
                                 const std::shared_ptr<Communicator>& comm, py::handle destinations,
-                                bool async_op) {
-  return self.cast<PyReshardPlan&>().execute(sources, destinations, comm, async_op, self);
+                                bool async_op, std::optional<int> cuda_index) {
+  // The Python layer resolves the device: None (the tensors say), -1 (the host), or a CUDA index.
+  std::optional<Device> device;
+  if (cuda_index) {
+    device = *cuda_index < 0 ? kCpu : cuda_device(*cuda_index);
+  }
+  return self.cast<PyReshardPlan&>().execute(sources, destinations, comm, async_op, device, self);
 }
 
 // This rank's boxes of one side: [(tensor index, offset, size)] in the order execute takes them.
@@ -78,7 +83,7 @@ void register_reshard_plan(py::module_& m) {
            py::arg("preflight") = true, py::arg("timeout") = py::none(),
            py::arg("device_bucket_bytes") = py::none())
       .def("execute", &execute_reshard_plan, py::arg("sources"), py::arg("comm"),
-           py::arg("destinations"), py::arg("async_op") = false)
+           py::arg("destinations"), py::arg("async_op") = false, py::arg("cuda_index") = py::none())
       .def_property_readonly("source_boxes", [](const P& p) { return local_boxes(p.plan(), true); })
       .def_property_readonly("destination_boxes",
                              [](const P& p) { return local_boxes(p.plan(), false); })

@@ -3,7 +3,9 @@
 // (strided views whose innermost dim is not contiguous are staged first); from each peer it
 // receives into the runs of the same boxes inside its destination views. Both sides walk the
 // transfers of a pair in the planner's canonical order, so the bytes line up without metadata.
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "copies/box_runs.h"
 #include "copies/local_input.h"
@@ -86,6 +88,39 @@ ReshardPlan::ReshardPlan(std::span<const TensorRegions> tensors, int world_size,
     dtypes_.push_back(t.dtype);
   }
   dtype_hash_ = detail::hash_dtypes(dtypes_);
+  size_device_rooms();
+}
+
+// The device path's buffers hold one part of an exchange: the largest over exchanges, from
+// what this rank sends each peer and receives from it in each (its moves and its forwards).
+void ReshardPlan::size_device_rooms() {
+  const auto world = static_cast<std::size_t>(regions_.world_size);
+  const auto me = static_cast<std::size_t>(regions_.rank);
+  std::vector<std::uint64_t> sent(world);
+  std::vector<std::uint64_t> received(world);
+  const auto total = [&](std::span<const Transfer> list, std::span<const std::size_t> first,
+                         std::size_t g) {
+    std::uint64_t bytes = 0;
+    for (std::size_t n = first[g]; n < first[g + 1]; ++n) {
+      bytes += list[n].bytes;
+    }
+    return bytes;
+  };
+  for (std::size_t e = 0; e < regions_.rounds && world != 0; ++e) {
+    for (std::size_t p = 0; p < world; ++p) {
+      const std::size_t g = e * world + p;
+      sent[p] = p == me ? 0
+                        : total(regions_.sends, regions_.send_first, g) +
+                              total(regions_.forwards, regions_.forward_first, g);
+      received[p] = p == me ? 0
+                            : total(regions_.receives, regions_.recv_first, g) +
+                                  total(regions_.forwarded, regions_.forwarded_first, g);
+    }
+    device_send_room_ =
+        std::max(device_send_room_, detail::device_part_room(sent, regions_.device_parts));
+    device_recv_room_ =
+        std::max(device_recv_room_, detail::device_part_room(received, regions_.device_parts));
+  }
 }
 
 ReshardPlan ReshardPlan::for_communicator(std::span<const TensorRegions> tensors,
@@ -301,7 +336,8 @@ void ReshardPlan::run_round(std::size_t e, detail::Call& call, std::span<const T
                                 .entry_synchronized = true,
                                 .device = x.device,
                                 .stream = stream,
-                                .device_parts = regions_.device_parts};
+                                .device_parts = regions_.device_parts,
+                                .upload_slot = e};
   ExecStats round;
   scratch_.get().strategy.copy_stage.clear();  // the device's packs ran with the first exchange
   detail::run_payload(call, Strategy::kDirect, Strategy::kDirect, job, scratch_.get().strategy,
@@ -330,6 +366,17 @@ ExecStats ReshardPlan::execute_now(std::span<const TensorView> sources, Communic
   const auto check = [&](ExecStats& stats) {
     check_views(call.comm(), sources, destinations, device, stats);
   };
+  // On a device the exchange's buffers are reserved before the agreement, so that a failed
+  // allocation travels in the header to every rank.
+  const auto reserve = [&](ExecStats& /*stats*/) {
+    detail::StrategyScratch& s = scratch_.get().strategy;
+    const Device& on = scratch_.get().device;
+    if (on.type != DeviceType::kCpu && regions_.world_size > 1) {
+      void* stream = current_cuda_stream();
+      s.device_send.reserve(device_send_room_, on.index, stream);
+      s.device_gathered.reserve(device_recv_room_, on.index, stream);
+    }
+  };
   const auto bind = [&](detail::Stager& stager) {
     build_job(sources, destinations, stager);
     const detail::ExecScratch& x = scratch_.get();
@@ -341,7 +388,7 @@ ExecStats ReshardPlan::execute_now(std::span<const TensorView> sources, Communic
   };
   ExecStats stats;
   detail::ExchangeJob job =
-      detail::prepare_execution(call, scratch_, facts, std::nullopt, stats, check, bind);
+      detail::prepare_execution(call, scratch_, facts, std::nullopt, stats, check, bind, reserve);
   job.device_parts = regions_.device_parts;
   detail::run_execution(call, scratch_, facts, job, stats);
   for (std::size_t e = 1; e < regions_.rounds; ++e) {

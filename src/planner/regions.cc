@@ -785,11 +785,25 @@ RegionPlan plan_regions(std::span<const TensorRegions> tensors, int world_size, 
   count(moves, source_rank);
   count(forwards, forwarder_rank);
   plan.rounds = planner.rounds;
-  for (std::size_t r = 0; r < world; ++r) {
-    const std::uint64_t moved =
-        plan.rank_sent[r] - plan.rank_local[r] + (plan.rank_received[r] - plan.rank_local[r]);
-    const std::uint64_t bucket = options.device_bucket_bytes;
-    plan.device_parts = std::max(plan.device_parts, moved / bucket + (moved % bucket != 0 ? 1 : 0));
+  // The busiest rank's bytes sent plus received to and from others, in its busiest exchange.
+  std::vector<std::uint64_t> moved(plan.rounds * world, 0);
+  const auto tally = [&](const std::vector<Transfer>& all, auto&& src_rank) {
+    for (const Transfer& x : all) {
+      const auto s = static_cast<std::size_t>(src_rank(x));
+      const auto d = static_cast<std::size_t>(dst_rank(x));
+      if (s != d) {
+        for (const std::size_t r : {s, d}) {
+          std::uint64_t& m = moved[x.round * world + r];
+          m = detail::add_checked(m, x.bytes, "bytes a rank moves in one exchange");
+        }
+      }
+    }
+  };
+  tally(moves, source_rank);
+  tally(forwards, forwarder_rank);
+  const std::uint64_t bucket = options.device_bucket_bytes;
+  for (const std::uint64_t m : moved) {
+    plan.device_parts = std::max(plan.device_parts, m / bucket + (m % bucket != 0 ? 1 : 0));
   }
   split_sides(std::move(moves), source_rank, dst_rank, plan.rank, world_size, plan.rounds,
               plan.sends, plan.send_first, plan.send_counts, plan.receives, plan.recv_first,

@@ -29,25 +29,29 @@ namespace {
 constexpr std::uint64_t kPaddingDivisor = 8;
 
 // The launches' tables in one device buffer, uploaded only when a descriptor or the stream
-// changed (a plan over the same tensors on one stream uploads once). Fills s.on_device with each
-// table's device copy, in the order given.
-void upload_tables(StrategyScratch& s, std::span<const CopyTable* const> tables,
+// changed (a plan over the same tensors on one stream uploads once per slot). Fills s.on_device
+// with each table's device copy, in the order given.
+void upload_tables(StrategyScratch& s, std::size_t slot, std::span<const CopyTable* const> tables,
                    const Device& device, void* stream) {
+  if (s.uploads.size() <= slot) {
+    s.uploads.resize(slot + 1);
+  }
+  StrategyScratch::Upload& u = s.uploads[slot];
   std::size_t total = 0;
   // Memory for another stream is given back and allocated anew (DeviceMemory::reserve).
-  bool same = s.device_table.stream() == stream;
+  bool same = u.memory.stream() == stream;
   for (const CopyTable* t : tables) {
     const std::span<const CopyDesc> d = t->descs();
-    same = same && total + d.size() <= s.uploaded.size() &&
-           std::equal(d.begin(), d.end(), s.uploaded.begin() + static_cast<std::ptrdiff_t>(total));
+    same = same && total + d.size() <= u.descs.size() &&
+           std::equal(d.begin(), d.end(), u.descs.begin() + static_cast<std::ptrdiff_t>(total));
     total += d.size();
   }
-  if (!same || total != s.uploaded.size()) {
-    // s.uploaded says what the device holds: empty until the upload is enqueued, so that a
-    // failed one is redone, never skipped.
-    s.uploaded.clear();
+  if (!same || total != u.descs.size()) {
+    // u.descs says what the device holds: empty until the upload is enqueued, so that a failed
+    // one is redone, never skipped.
+    u.descs.clear();
     const std::uint64_t bytes = total * sizeof(CopyDesc);
-    s.device_table.reserve(bytes, device.index, stream);
+    u.memory.reserve(bytes, device.index, stream);
     std::vector<CopyDesc>& staged = s.upload_staging;
     staged.clear();
     for (const CopyTable* t : tables) {
@@ -55,10 +59,10 @@ void upload_tables(StrategyScratch& s, std::span<const CopyTable* const> tables,
     }
     // From pageable memory: the runtime has staged the bytes when this returns, so the vector
     // may change afterwards.
-    copy_async(s.device_table.data(), staged.data(), bytes, stream);
-    s.uploaded.swap(staged);
+    copy_async(u.memory.data(), staged.data(), bytes, stream);
+    u.descs.swap(staged);
   }
-  const auto* at = reinterpret_cast<const CopyDesc*>(s.device_table.data());
+  const auto* at = reinterpret_cast<const CopyDesc*>(u.memory.data());
   s.on_device.clear();
   for (const CopyTable* t : tables) {
     s.on_device.push_back(at);
@@ -294,29 +298,32 @@ void finish_device_job(const ExchangeJob& job, Communicator& comm, Deadline dead
   }
 }
 
-// Appends to `out` bytes [begin, end) of the contiguous segments' concatenation.
+// Where a walk over a list of segments or pieces stands (item `item` starts at byte `at` of the
+// list's concatenation): parts are cut in order, so each peer's walk resumes where it stopped.
+using Cursor = StrategyScratch::Cursor;
+
+template <typename Item, typename Bytes>
+void advance(std::span<const Item> items, std::uint64_t begin, Cursor& c, Bytes&& bytes) {
+  while (c.item < items.size() && c.at + bytes(items[c.item]) <= begin) {
+    c.at += bytes(items[c.item]);
+    ++c.item;
+  }
+}
+
+// Appends to `out` bytes [begin, end) of the contiguous segments' concatenation, from `c` on.
 void slice_of(std::span<const ConstSegment> segments, std::uint64_t begin, std::uint64_t end,
-              std::vector<ConstSegment>& out) {
-  std::uint64_t at = 0;
-  for (const ConstSegment& s : segments) {
+              Cursor& c, std::vector<ConstSegment>& out) {
+  advance(segments, begin, c, [](const ConstSegment& s) { return s.size; });
+  std::uint64_t at = c.at;
+  for (std::size_t i = c.item; i < segments.size() && at < end; ++i) {
+    const ConstSegment& s = segments[i];
     const std::uint64_t lo = std::max(begin, at);
     const std::uint64_t hi = std::min(end, at + s.size);
     if (lo < hi) {
       out.push_back({s.data + (lo - at), hi - lo});
     }
     at += s.size;
-    if (at >= end) {
-      return;
-    }
   }
-}
-
-// Slice k of `parts` of a pair's `bytes`: both sides of the pair cut it alike.
-std::pair<std::uint64_t, std::uint64_t> part_slice(std::uint64_t bytes, std::uint64_t parts,
-                                                   std::uint64_t k) {
-  const std::uint64_t step = (bytes + parts - 1) / parts;
-  const std::uint64_t begin = std::min(bytes, k * step);
-  return {begin, std::min(bytes, begin + step)};
 }
 
 // Part k's tables and counts (see run_device): slice k of each peer's send stream packed into
@@ -336,24 +343,26 @@ void build_part(const ExchangeJob& job, std::size_t me, std::uint64_t k, Strateg
     if (p == me) {
       continue;
     }
-    const std::span<const ConstSegment> to = rank_part(job.send, job.send_first, p);
-    const auto [b, e] = part_slice(stream_bytes(to), parts, k);
+    const auto [b, e] = device_part_slice(s.pair_bytes[p], parts, k);
     if (b < e) {
       s.part_segments.clear();
-      slice_of(to, b, e, s.part_segments);
+      slice_of(rank_part(job.send, job.send_first, p), b, e, s.send_cursors[p], s.part_segments);
       const RecvPiece into{s.device_send.data() + sent, e - b, 1, 0};
       in.add_stream(s.part_segments, std::span(&into, 1));
       send_counts[p] = e - b;
       sent += e - b;
     }
     const std::span<const RecvPiece> from = rank_part(job.pieces, job.first, p);
-    const auto [rb, re] = part_slice(stream_bytes(from), parts, k);
+    const auto [rb, re] = device_part_slice(s.pair_bytes[world + p], parts, k);
     if (rb < re) {
       const ConstSegment held{s.device_gathered.data() + received, re - rb};
       if (parts == 1) {
         out.add_stream(std::span(&held, 1), from);
       } else {
-        out.add_stream(std::span(&held, 1), slice_pieces(from, rb, re));
+        Cursor& c = s.recv_cursors[p];
+        advance(from, rb, c, [](const RecvPiece& r) { return r.block * r.count; });
+        out.add_stream(std::span(&held, 1),
+                       slice_pieces(from.subspan(c.item), rb - c.at, re - c.at));
       }
       recv_counts[p] = re - rb;
       received += re - rb;
@@ -370,29 +379,23 @@ void run_device_personal(const ExchangeJob& job, Communicator& comm, Deadline de
   ExchangeJob sliced = job;
   sliced.device_parts = parts;
   const CurrentDevice on(job.device.index);
-  // The buffers hold the largest part: sized before any table names their addresses.
-  std::uint64_t send_room = 0;
-  std::uint64_t recv_room = 0;
-  for (std::uint64_t k = 0; k < parts; ++k) {
-    std::uint64_t sent = 0;
-    std::uint64_t received = 0;
-    for (std::size_t p = 0; p < world; ++p) {
-      if (p != me) {
-        const auto [b, e] =
-            part_slice(stream_bytes(rank_part(job.send, job.send_first, p)), parts, k);
-        const auto [rb, re] =
-            part_slice(stream_bytes(rank_part(job.pieces, job.first, p)), parts, k);
-        sent += e - b;
-        received += re - rb;
-      }
+  s.pair_bytes.assign(2 * world, 0);
+  for (std::size_t p = 0; p < world; ++p) {
+    if (p != me) {
+      s.pair_bytes[p] = stream_bytes(rank_part(job.send, job.send_first, p));
+      s.pair_bytes[world + p] = stream_bytes(rank_part(job.pieces, job.first, p));
     }
-    send_room = std::max(send_room, sent);
-    recv_room = std::max(recv_room, received);
   }
-  s.device_send.reserve(send_room, job.device.index, job.stream);
-  s.device_gathered.reserve(recv_room, job.device.index, job.stream);
+  // The buffers hold the largest part, sized before any table names their addresses (the
+  // operation reserved them before the agreement, so these find them large enough).
+  const std::span<const std::uint64_t> pairs(s.pair_bytes);
+  s.device_send.reserve(device_part_room(pairs.first(world), parts), job.device.index, job.stream);
+  s.device_gathered.reserve(device_part_room(pairs.last(world), parts), job.device.index,
+                            job.stream);
   s.part_tables.resize(std::max<std::size_t>(s.part_tables.size(), 2 * parts));
   s.part_counts.resize(2 * parts * world);
+  s.send_cursors.assign(world, {});
+  s.recv_cursors.assign(world, {});
   for (std::size_t t = 0; t < 2 * parts; ++t) {
     s.part_tables[t].clear();
   }
@@ -408,7 +411,7 @@ void run_device_personal(const ExchangeJob& job, Communicator& comm, Deadline de
     s.part_tables[t].finish();
     s.table_list.push_back(&s.part_tables[t]);
   }
-  upload_tables(s, s.table_list, job.device, job.stream);
+  upload_tables(s, job.upload_slot, s.table_list, job.device, job.stream);
   launch(s.copy_stage, s.on_device[0], job.stream);
   for (std::uint64_t k = 0; k < parts; ++k) {
     launch(s.part_tables[2 * k], s.on_device[1 + 2 * k], job.stream);
@@ -457,7 +460,7 @@ void run_device(const ExchangeJob& job, DeviceGather request, Communicator& comm
   s.copy_in.finish();
   s.copy_out.finish();
   s.table_list.assign({&s.copy_stage, &s.copy_in, &s.copy_out});
-  upload_tables(s, s.table_list, job.device, job.stream);
+  upload_tables(s, job.upload_slot, s.table_list, job.device, job.stream);
   launch(s.copy_stage, s.on_device[0], job.stream);
   launch(s.copy_in, s.on_device[1], job.stream);
   if (comm.size() > 1) {
@@ -468,6 +471,32 @@ void run_device(const ExchangeJob& job, DeviceGather request, Communicator& comm
   }
   launch(s.copy_out, s.on_device[2], job.stream);
   finish_device_job(job, comm, deadline);
+}
+
+std::pair<std::uint64_t, std::uint64_t> device_part_slice(std::uint64_t bytes, std::uint64_t parts,
+                                                          std::uint64_t k) {
+  // A step of whole 16-byte units keeps every slice but a pair's last at the copy kernel's
+  // widest unit wherever the pair's stream is cut.
+  const std::uint64_t even = bytes / parts + (bytes % parts != 0 ? 1 : 0);
+  const std::uint64_t step = even + (16 - even % 16) % 16;
+  if (step == 0 || k >= bytes / step + (bytes % step != 0 ? 1 : 0)) {
+    return {bytes, bytes};  // past the pair's last slice (k * step could overflow)
+  }
+  const std::uint64_t begin = k * step;
+  return {begin, begin + std::min(step, bytes - begin)};
+}
+
+std::uint64_t device_part_room(std::span<const std::uint64_t> pair_bytes, std::uint64_t parts) {
+  std::uint64_t room = 0;
+  for (std::uint64_t k = 0; k < parts; ++k) {
+    std::uint64_t part = 0;
+    for (const std::uint64_t bytes : pair_bytes) {
+      const auto [b, e] = device_part_slice(bytes, parts, k);
+      part += e - b;
+    }
+    room = std::max(room, part);
+  }
+  return room;
 }
 
 }  // namespace shardgather::detail

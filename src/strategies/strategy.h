@@ -22,6 +22,7 @@
 #include <memory>
 #include <span>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "copies/copy_table.h"
@@ -85,6 +86,8 @@ struct ExchangeJob {
   // k carrying slice k of every pair's bytes, so that its staging is about 1/parts of this
   // rank's bytes sent and received.
   std::uint64_t device_parts = 1;
+  // Which of the scratch's table uploads this job's launches reuse (one per exchange of a call).
+  std::size_t upload_slot = 0;
 };
 
 // Whether `strategy` runs jobs of `shape` (kDirect: every shape; the others: kAllGather).
@@ -137,17 +140,29 @@ struct StrategyScratch {
   DeviceMemory device_zeros;
   DeviceMemory device_send;
   DeviceMemory device_gathered;
-  DeviceMemory device_table;
   CopyTable copy_stage;
   CopyTable copy_in;
   CopyTable copy_out;
-  std::vector<CopyDesc> uploaded;        // what device_table holds
+  // The tables' uploads: one per ExchangeJob::upload_slot (a fan-out's exchanges each have
+  // their own tables, so that none re-uploads another's every execution).
+  struct Upload {
+    DeviceMemory memory;
+    std::vector<CopyDesc> descs;  // what `memory` holds
+  };
+  std::vector<Upload> uploads;
   std::vector<CopyDesc> upload_staging;  // the next upload, assembled
   // The personal exchange on a device: per part, its copy-in and copy-out tables and its send
   // and receive counts (size() each); the tables' device copies, in upload order.
   std::vector<CopyTable> part_tables;  // 2 per part: copy-in, copy-out
   std::vector<std::uint64_t> part_counts;
-  std::vector<ConstSegment> part_segments;   // one slice of a peer's send stream
+  std::vector<ConstSegment> part_segments;  // one slice of a peer's send stream
+  std::vector<std::uint64_t> pair_bytes;    // 2 * size(): sent to, then received from, each peer
+  struct Cursor {                           // where slicing a peer's list stands
+    std::size_t item = 0;
+    std::uint64_t at = 0;  // the byte at which `item` starts
+  };
+  std::vector<Cursor> send_cursors;          // size()
+  std::vector<Cursor> recv_cursors;          // size()
   std::vector<const CopyTable*> table_list;  // the launches' tables, in upload order
   std::vector<const CopyDesc*> on_device;
 };
@@ -252,6 +267,14 @@ DeviceGatherForm device_gather_form(std::span<const std::uint64_t> counts,
 // slices of strided pieces.
 void run_device(const ExchangeJob& job, DeviceGather request, Communicator& comm, Deadline deadline,
                 StrategyScratch& scratch);
+
+// The personal exchange's parts on a device: slice k of `parts` of a pair's `bytes` (both sides
+// of the pair cut it alike; every slice but the last a multiple of 16 bytes), and the largest
+// part over pairs of those byte counts (the send or receive buffer's size), which the operation
+// also reserves before the agreement.
+std::pair<std::uint64_t, std::uint64_t> device_part_slice(std::uint64_t bytes, std::uint64_t parts,
+                                                          std::uint64_t k);
+std::uint64_t device_part_room(std::span<const std::uint64_t> pair_bytes, std::uint64_t parts);
 
 // Where run_device marks the end of its work for a started operation (ops/start.h): while a scope
 // is open on a thread, every run_device on it records `event` on its stream after its last

@@ -87,6 +87,15 @@ def _check_reshard(rank, world):
         assert torch.equal(fused[:, :3].cpu(), torch.full((12, 3), -1.0)), "written outside"
         assert torch.equal(fused[:, 13:].cpu(), torch.full((12, 3), -1.0)), "written outside"
         assert torch.equal(gathered.cpu(), other.cpu()), bucket
+    # Rank 0 alone holds and wants a tensor: the other ranks have no tensors and name the device.
+    alone = TensorLayout((5, 3), torch.float32, [(0, Box((0, 0), (5, 3)))],
+                         [(0, Box((0, 0), (5, 3)))])
+    plan = sg.ReshardPlan.for_group([alone], group)
+    src = [full[:5, :3]] if rank == 0 else []
+    dst = [torch.zeros(5, 3, device="cuda")] if rank == 0 else []
+    out = plan.execute(src, dst, group, device="cuda")
+    torch.cuda.synchronize()
+    assert rank != 0 or torch.equal(out[0].cpu(), full[:5, :3].cpu())
 
 
 def _gloo_worker(rank, world, store_path, errors):

@@ -246,6 +246,25 @@ def case_device_bucket_is_part_of_the_plan(rank, world, group=None):
     assert world == 1 and torch.equal(dst[0], torch.ones(8, 1)), dst
 
 
+def case_a_rank_with_no_tensors_may_name_its_device(rank, world, group=None):
+    """device= on execute: "cpu" where the tensors are on the host (what a rank with none in a
+    CUDA reshard does with "cuda"), and an unknown device raised on every rank."""
+    layout = TensorLayout((6,), torch.int32, [(0, Box((0,), (6,)))],
+                          [(world - 1, Box((0,), (6,)))])
+    plan = shardgather.ReshardPlan.for_group([layout], group, timeout=T)
+    src = [torch.arange(6, dtype=torch.int32)] if rank == 0 else []
+    dst = [torch.zeros(6, dtype=torch.int32)] if rank == world - 1 else []
+    out = plan.execute(src, dst, group, device="cpu")
+    if rank == world - 1:
+        assert torch.equal(out[0], torch.arange(6, dtype=torch.int32)), out
+    try:
+        plan.execute(src, dst, group, device="meta" if rank == 0 else "cpu")
+    except shardgather.InvalidArgumentError as e:
+        assert "device must be a cpu or cuda" in str(e) or "rank 0" in str(e), str(e)
+        return
+    raise AssertionError("an unknown device was accepted on rank %d" % rank)
+
+
 def case_a_bad_destination_on_one_rank_raises_everywhere(rank, world, group=None):
     layout = TensorLayout((4, 2), torch.float32, [(0, Box((0, 0), (4, 2)))],
                           [(r, Box((0, 0), (4, 2))) for r in range(world)])

@@ -126,16 +126,16 @@ TEST(DeviceReshard, FannedOutPlansForwardFromDeviceViews) {
   EXPECT_GE(fanned, 3);
 }
 
-// A small bucket cuts every exchange into parts: the same bytes, and no pool allocation larger
-// than the bucket (a part's send and receive buffers hold half of it each; the copy tables'
-// upload is the other allocation), where one part would need 192 KiB each.
+// A small bucket cuts every exchange into parts: the same bytes, every part's copies ordered
+// after the peers' events, and no pool allocation larger than one part's send or receive buffer
+// (half the bucket, + 16 bytes per peer of rounding), where one part would need 192 KiB each. The
+// views are laid out so that the copy tables stay small (one descriptor per peer and side).
 TEST(DeviceReshard, PartsBoundTheStaging) {
-  (void)fuzz(3, one_host(3), 12, 300);  // many parts, every view kind
   constexpr std::uint64_t kBucket = std::uint64_t{96} << 10;
   TensorRegions t{.dtype = DType::kFloat32, .shape = {512, 512}, .sources = {}, .destinations = {}};
   for (int r = 0; r < 4; ++r) {
-    t.sources.push_back({r, Box{{128 * r, 0}, {128, 512}}});
-    t.destinations.push_back({3 - r, Box{{0, 128 * r}, {512, 128}}});
+    t.sources.push_back({r, Box{{0, 128 * r}, {512, 128}}});
+    t.destinations.push_back({3 - r, Box{{128 * r, 0}, {128, 512}}});
   }
   testing::reset_fake_device_counters();
   run_ranks(4, one_host(4), [&](int rank, Communicator& comm) {
@@ -150,40 +150,61 @@ TEST(DeviceReshard, PartsBoundTheStaging) {
     EXPECT_EQ(views.check(plan, 31), "");
   });
   const testing::FakeDeviceCounters c = testing::fake_device_counters();
-  EXPECT_LE(c.largest_allocation, kBucket);
+  EXPECT_LE(c.largest_allocation, kBucket / 2 + 16 * 4);
+  EXPECT_GE(c.largest_allocation, kBucket / 2 - 16 * 4);  // the part, not something smaller
+  // Per part and rank: a wait on each of 3 peers' `ready`, and on each of 4 ranks' `done`.
+  EXPECT_GE(c.event_waits, 4U * 4 * (3 + 4));
   EXPECT_EQ(c.stray, 0U);
 }
 
-// After the first execution: nothing allocated, nothing uploaded, and one packing launch per
-// part on each side.
+// Many parts of a few hundred bytes, with every view kind and, on two hosts, the fan-out's
+// later exchanges cut into parts too.
+TEST(DeviceReshard, ManySmallPartsAreBitExact) {
+  (void)fuzz(3, one_host(3), 12, 300);
+  EXPECT_GE(fuzz(4, {0, 0, 1, 1}, 40, 200), 3);
+}
+
+// After the first execution: nothing allocated, nothing uploaded, no host wait; also for a plan
+// that fans out (one table upload per exchange, each kept).
 TEST(DeviceReshard, SteadyStateAllocatesAndUploadsNothing) {
   TensorRegions t{.dtype = DType::kBFloat16, .shape = {40, 24}, .sources = {}, .destinations = {}};
   for (int r = 0; r < 4; ++r) {
     t.sources.push_back({r, Box{{10 * r, 0}, {10, 24}}});
     t.destinations.push_back({(r + 1) % 4, Box{{0, 6 * r}, {40, 6}}});
   }
-  run_ranks(4, one_host(4), [&](int rank, Communicator& comm) {
-    ReshardPlan plan(std::span(&t, 1), 4, rank);
-    DeviceViews views(plan, 5, 1);
-    plan.execute(views.sources, comm, views.destinations, cuda_device(0));
-    comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
-    if (rank == 0) {
-      testing::reset_fake_device_counters();
-    }
-    comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
-    const ExecStats stats = plan.execute(views.sources, comm, views.destinations, cuda_device(0));
-    comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
-    EXPECT_EQ(views.check(plan, 5), "");
-    EXPECT_EQ(stats.payload_collectives, 1U);
-    EXPECT_EQ(stats.metadata_collectives, 0U);
-    if (rank == 0) {
-      const testing::FakeDeviceCounters c = testing::fake_device_counters();
-      EXPECT_EQ(c.allocations, 0U);
-      EXPECT_EQ(c.host_to_device, 0U);
-      EXPECT_EQ(c.host_waits, 0U);
-      EXPECT_LE(c.launches, 4U * 3);  // per rank: pack (with its own bytes), unpack, staging
-    }
-  });
+  // Held on host 0, wanted alike by both ranks of host 1: relayed once, then forwarded.
+  TensorRegions fan{.dtype = DType::kFloat32, .shape = {64, 64}, .sources = {}, .destinations = {}};
+  fan.sources.push_back({0, Box{{0, 0}, {64, 64}}});
+  fan.destinations.push_back({2, Box{{0, 0}, {64, 64}}});
+  fan.destinations.push_back({3, Box{{0, 0}, {64, 64}}});
+  for (const bool fans : {false, true}) {
+    const std::vector<TensorRegions> layout =
+        fans ? std::vector<TensorRegions>{t, fan} : std::vector<TensorRegions>{t};
+    run_ranks(4, {0, 0, 1, 1}, [&](int rank, Communicator& comm) {
+      RegionOptions regions;
+      regions.split_bytes = 1024;
+      ReshardPlan plan = ReshardPlan::for_communicator(layout, comm, {}, regions);
+      EXPECT_EQ(plan.regions().forwarding, fans);
+      DeviceViews views(plan, 5, 1);
+      plan.execute(views.sources, comm, views.destinations, cuda_device(0));
+      comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
+      if (rank == 0) {
+        testing::reset_fake_device_counters();
+      }
+      comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
+      const ExecStats stats = plan.execute(views.sources, comm, views.destinations, cuda_device(0));
+      comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
+      EXPECT_EQ(views.check(plan, 5), "");
+      EXPECT_EQ(stats.payload_collectives, plan.regions().rounds);
+      EXPECT_EQ(stats.metadata_collectives, 0U);
+      if (rank == 0) {
+        const testing::FakeDeviceCounters c = testing::fake_device_counters();
+        EXPECT_EQ(c.allocations, 0U) << "fan-out " << fans;
+        EXPECT_EQ(c.host_to_device, 0U) << "fan-out " << fans;
+        EXPECT_EQ(c.host_waits, 0U);
+      }
+    });
+  }
 }
 
 // A torch NCCL group's facts (no host point to point, device memory): the reshard needs only

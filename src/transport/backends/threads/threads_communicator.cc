@@ -280,7 +280,15 @@ void ThreadsCommunicator::do_all_to_all_v_device(const std::byte* send,
   const auto me = static_cast<std::size_t>(rank_);
   const std::uint64_t sent = std::accumulate(send_counts.begin(), send_counts.end(), 0ULL);
   const auto verdict = [&]() -> std::string {
-    // Every pair, on every rank: the same verdict everywhere.
+    // Every pair, on every rank: the same verdict everywhere. A peer in another collective
+    // publishes no counts.
+    for (std::size_t q = 0; q < g.slots.size(); ++q) {
+      if (g.slots[q].counts.size() != g.slots.size() ||
+          g.slots[q].expects.size() != g.slots.size()) {
+        return "rank " + std::to_string(rank_) + ": " + what + ": rank " + std::to_string(q) +
+               " is in another collective";
+      }
+    }
     for (std::size_t q = 0; q < g.slots.size(); ++q) {
       for (std::size_t r = 0; r < g.slots.size(); ++r) {
         const std::uint64_t out = g.slots[q].counts[r];
