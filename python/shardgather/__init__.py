@@ -464,7 +464,7 @@ class ReshardPlan(_PlanState):
     :class:`MismatchError` on every rank before anything moves. CPU tensors, or CUDA tensors
     on a group that moves them (NCCL, or Gloo with CUDA tensors): stream-ordered on the current
     stream, packed and unpacked on the device (docs/reshard.md, "On the device"); every
-    rank's tensors of a call are on one device, and every rank of the call passes some.
+    rank's tensors of a call are on one device (a rank with none passes ``device=``).
 
     ``hosts`` (rank r's host is ``hosts[r]``, numbered from 0) lets the planner prefer a
     source on the destination's host and, with ``fan_out=True``, send the bytes that several
