@@ -68,6 +68,10 @@ struct Capabilities {
   // the tensors themselves; Gloo stages them). False: a call on CUDA tensors raises InvalidArgument
   // on every rank (MPI: this build does not assume a CUDA-aware MPI).
   bool device_memory = false;
+  // How all_to_all_scatter moves where a backend has several ways that do not pair with each
+  // other (MPI: 0 point to point, 1 one MPI_Ialltoallw; MpiOptions::exchange); 0 elsewhere. The
+  // pre-flight header carries it, so ranks that differ raise Mismatch before anything moves.
+  std::uint8_t exchange_form = 0;
 };
 
 // Which collectives all_gather_v_device issues where a transport has a choice (torch groups,

@@ -43,6 +43,8 @@ struct MpiOptions {
   // after it. Must be the same on every rank: the collective and the point-to-point messages do
   // not match each other.
   enum class Exchange : std::uint8_t { kPointToPoint, kAlltoallw };
+  // Every rank must make its communicator with the same one: the pre-flight header carries it
+  // (Capabilities::exchange_form), and ranks that differ raise Mismatch before anything moves.
   Exchange exchange = Exchange::kPointToPoint;
 };
 

@@ -58,6 +58,7 @@ Call::Call(Communicator& comm, Operation op, std::optional<std::chrono::millisec
   header_.op = static_cast<std::uint8_t>(op);
   header_.world_size = static_cast<std::uint32_t>(comm.size());
   header_.seq = next_op_seq(comm);
+  set_exchange_form(header_, comm.capabilities().exchange_form);
   if (timeout && timeout->count() < 0) {
     // Told to the peers like any local check: they would otherwise wait out their deadline.
     fail(ErrorCode::kInvalidArgument,

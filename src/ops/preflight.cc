@@ -171,6 +171,12 @@ void check_agrees(const PreflightHeader& h0, const PreflightHeader& h, std::size
                    std::to_string(r) + " " + std::string(device_type_name(device_type_of(h))) +
                    " tensors");
   }
+  if (exchange_form_of(h) != exchange_form_of(h0)) {
+    throw Mismatch(op_prefix(me, h0) + "transport exchange differs: rank 0 moves personal " +
+                   "exchanges in form " + std::to_string(exchange_form_of(h0)) + ", rank " +
+                   std::to_string(r) + " in form " + std::to_string(exchange_form_of(h)) +
+                   " (MpiOptions::exchange must be the same on every rank)");
+  }
   if (device_gather_request_of(h) != device_gather_request_of(h0)) {
     throw Mismatch(op_prefix(me, h0) + "device gather differs: rank 0 asks for " +
                    std::string(device_gather_name(device_gather_request_of(h0))) + ", rank " +

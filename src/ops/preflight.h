@@ -22,13 +22,17 @@ namespace shardgather::detail {
 
 inline constexpr std::uint32_t kHeaderMagic = 0x52484753;  // "SGHR"
 // 3: bits 24-31 of flags carry a device call's DeviceGather request.
-inline constexpr std::uint16_t kHeaderVersion = 3;
+// 4: bits 4-7 carry the transport's exchange form (Capabilities::exchange_form).
+inline constexpr std::uint16_t kHeaderVersion = 4;
 inline constexpr std::size_t kInlineDTypes = 128;
 inline constexpr std::size_t kStatusTextBytes = 160;
 
 enum HeaderFlags : std::uint32_t {
   kHasHint = 1U << 0U,  // hint_hash fingerprints the shapes of every rank (hint or plan)
 };
+// Bits 4-7 of flags: the transport's exchange form (Capabilities::exchange_form), because two
+// ranks moving one personal exchange two ways (MPI point to point and MPI_Ialltoallw) never pair.
+inline constexpr unsigned kExchangeFormShift = 4;
 // Bits 8-15 of flags: the strategy the payload moves with (resolved, so kAuto never travels),
 // because two ranks moving one payload two ways would mis-pair their transfers.
 inline constexpr unsigned kStrategyShift = 8;
@@ -64,6 +68,14 @@ inline void set_strategy(PreflightHeader& header, Strategy strategy) noexcept {
 }
 inline Strategy strategy_of(const PreflightHeader& header) noexcept {
   return static_cast<Strategy>((header.flags >> kStrategyShift) & 0xffU);
+}
+
+inline void set_exchange_form(PreflightHeader& header, std::uint8_t form) noexcept {
+  header.flags = (header.flags & ~(0xfU << kExchangeFormShift)) |
+                 ((static_cast<std::uint32_t>(form) & 0xfU) << kExchangeFormShift);
+}
+inline std::uint8_t exchange_form_of(const PreflightHeader& header) noexcept {
+  return static_cast<std::uint8_t>((header.flags >> kExchangeFormShift) & 0xfU);
 }
 
 inline void set_device_type(PreflightHeader& header, DeviceType type) noexcept {

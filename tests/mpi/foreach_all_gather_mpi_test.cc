@@ -102,6 +102,43 @@ TEST_P(MpiTeams, ReshardRandomLayoutsOverAlltoallw) {
   MpiTeam team(GetParam(), MpiOptions{.exchange = MpiOptions::Exchange::kAlltoallw});
   testing::case_reshard_fuzz(team.comm(), 25, 950);
 }
+// Ranks whose communicators move personal exchanges two ways (one rank alltoallw, the others
+// point to point) would never pair: Mismatch on every rank before anything moves, also for a
+// foreach, whose header carries the same field.
+TEST_P(MpiTeams, ExchangeFormThatDiffersRaisesMismatchOnEveryRank) {
+  int world_rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  MpiOptions options;
+  options.exchange =
+      world_rank == 0 ? MpiOptions::Exchange::kAlltoallw : MpiOptions::Exchange::kPointToPoint;
+  MpiTeam team(GetParam(), options);
+  Communicator& comm = team.comm();
+  if (comm.size() == 1) {
+    GTEST_SKIP() << "one rank";
+  }
+  int first = 0;  // whether world rank 0 is in this team: only then do the forms differ
+  const int mine = world_rank == 0 ? 1 : 0;
+  std::vector<std::byte> buf(sizeof(int) * static_cast<std::size_t>(comm.size()));
+  comm.all_gather(std::as_bytes(std::span(&mine, 1)), buf,
+                  comm.deadline_after(std::chrono::seconds(30)));
+  for (int r = 0; r < comm.size(); ++r) {
+    int v = 0;
+    std::memcpy(&v, buf.data() + sizeof(int) * static_cast<std::size_t>(r), sizeof v);
+    first |= v;
+  }
+  std::vector<float> data(4, 1.0F);
+  const std::vector<TensorView> views{TensorView{data.data(), DType::kFloat32, {4}, {}}};
+  try {
+    (void)foreach_all_gather(views, comm,
+                             std::vector<std::vector<Shape>>(static_cast<std::size_t>(comm.size()),
+                                                             std::vector<Shape>{{4}}));
+    EXPECT_EQ(first, 0) << "the forms differed and the call went through";
+  } catch (const Mismatch& e) {
+    EXPECT_EQ(first, 1);
+    EXPECT_NE(std::string(e.what()).find("transport exchange differs"), std::string::npos)
+        << e.what();
+  }
+}
 TEST_P(MpiTeams, ReshardPlanMismatchRaisesOnEveryRank) {
   testing::case_reshard_mismatch(team_.comm());
 }

@@ -40,7 +40,11 @@ class MpiCommunicator final : public Communicator {
   [[nodiscard]] std::string_view backend_name() const noexcept override { return "mpi"; }
   [[nodiscard]] int ranks_on_host() const noexcept override { return ranks_on_host_; }
   [[nodiscard]] std::span<const int> hosts() const noexcept override { return hosts_; }
-  [[nodiscard]] Capabilities capabilities() const noexcept override { return {}; }
+  [[nodiscard]] Capabilities capabilities() const noexcept override {
+    Capabilities c;
+    c.exchange_form = static_cast<std::uint8_t>(options_.exchange);
+    return c;
+  }
 
  protected:
   void do_all_gather(std::span<const std::byte> send, std::span<std::byte> recv,
