@@ -9,6 +9,7 @@
 #include "shardgather/foreach_all_gather.h"
 #include "shardgather/layout.h"
 #include "shardgather/plan.h"
+#include "shardgather/quantize.h"
 #include "shardgather/regions.h"
 #include "shardgather/reshard.h"
 #include "shardgather/stats.h"

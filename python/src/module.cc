@@ -19,6 +19,7 @@
 
 #include "params.h"
 #include "plans.h"
+#include "quantize.h"
 #include "reshard.h"
 #include "stream.h"
 #include "torch_allocator.h"
@@ -560,5 +561,6 @@ PYBIND11_MODULE(_shardgather, m) {
   register_unshard_plan(m);
   register_reshard_plan(m);
   register_unshard_stream(m);
+  register_quantize(m);
   register_hooks(m);
 }

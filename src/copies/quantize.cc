@@ -1,0 +1,510 @@
+// The host quantizer. Every element goes through the same fp32 operations as the references
+// named in docs/quantization.md, in the same order, so that a block quantized in pieces on
+// several ranks gives the bytes it gives whole. The inner loops are branch-free over one block
+// segment of one row (a constant scale), which the compiler vectorises.
+#include "shardgather/quantize.h"
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shardgather/errors.h"
+
+namespace shardgather {
+namespace {
+
+constexpr std::uint32_t kAbsMask = 0x7FFFFFFFU;
+constexpr std::uint32_t kInfBits = 0x7F800000U;
+constexpr int kE8m0Bias = 127;
+
+// Element loads as fp32, exactly (every bf16 and f16 value is an fp32 value).
+struct LoadF32 {
+  using T = float;
+  static float get(float v) noexcept { return v; }
+};
+struct LoadBf16 {
+  using T = std::uint16_t;
+  static float get(std::uint16_t v) noexcept {
+    return std::bit_cast<float>(static_cast<std::uint32_t>(v) << 16);
+  }
+};
+struct LoadF16 {
+  using T = std::uint16_t;
+  static float get(std::uint16_t h) noexcept {
+    // Branch-free: the magnitude's bits moved to fp32's places, times 2^112, rebias the
+    // exponent (15 to 127) and normalise a subnormal exactly; Inf and NaN keep their payload.
+    const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000U) << 16;
+    const std::uint32_t mag = static_cast<std::uint32_t>(h & 0x7FFFU) << 13;
+    const auto scaled = std::bit_cast<std::uint32_t>(std::bit_cast<float>(mag) * 0x1p112F);
+    const std::uint32_t bits = mag >= (0x7C00U << 13) ? (mag | 0x7F800000U) : scaled;
+    return std::bit_cast<float>(bits | sign);
+  }
+};
+
+// abs(x)'s bits: their order as (non-negative) integers is the order of |x|, and every NaN is above
+// +inf, so a max over them is the max of |x| with a NaN winning.
+inline std::int32_t abs_bits(float x) noexcept {
+  return std::bit_cast<std::int32_t>(x) & 0x7FFFFFFF;
+}
+
+// The strides of a view in elements (a contiguous view's when it has none).
+Shape strides_of(const TensorView& view) {
+  if (!view.strides.empty()) {
+    return view.strides;
+  }
+  Shape strides(view.shape.size(), 1);
+  for (std::size_t d = view.shape.size(); d-- > 1;) {
+    strides[d - 1] = strides[d] * view.shape[d];
+  }
+  return strides;
+}
+
+std::string shape_text(std::span<const std::int64_t> dims) {
+  std::string text = "[";
+  for (std::size_t d = 0; d < dims.size(); ++d) {
+    text += (d == 0 ? "" : ", ") + std::to_string(dims[d]);
+  }
+  return text + "]";
+}
+
+// A box's rows: each leading index of the box, its row in the grid and its first element.
+struct BoxRows {
+  std::int64_t count = 1;     // rows of the box
+  std::int64_t cols = 0;      // elements per row
+  std::int64_t col0 = 0;      // the box's first column in the grid
+  std::int64_t col_step = 1;  // elements between neighbours in a row
+  Shape lead_shape;           // the box's leading dims
+  Shape lead_strides;         // their strides in the view
+  Shape lead_grid;            // and in grid rows
+  Shape lead_offset;          // the box's offset along them
+};
+
+BoxRows box_rows(const QuantGrid& grid, const TensorView& box,
+                 std::span<const std::int64_t> offset) {
+  const std::size_t ndim = grid.shape.size();
+  if (box.shape.size() != ndim || offset.size() != ndim) {
+    throw InvalidArgument("quantize: a box of shape " + shape_text(box.shape) + " at offset " +
+                          shape_text(offset) + " does not have the " + std::to_string(ndim) +
+                          " dims of the tensor " + shape_text(grid.shape));
+  }
+  for (std::size_t d = 0; d < ndim; ++d) {
+    if (offset[d] < 0 || box.shape[d] < 0 || offset[d] + box.shape[d] > grid.shape[d]) {
+      throw InvalidArgument("quantize: a box of shape " + shape_text(box.shape) + " at offset " +
+                            shape_text(offset) + " does not lie inside the tensor " +
+                            shape_text(grid.shape) + " (dim " + std::to_string(d) + ")");
+    }
+  }
+  const Shape strides = strides_of(box);
+  BoxRows rows;
+  rows.cols = box.shape[ndim - 1];
+  rows.col0 = offset[ndim - 1];
+  rows.col_step = strides[ndim - 1];
+  std::int64_t grid_step = 1;
+  for (std::size_t d = ndim - 1; d-- > 0;) {
+    rows.lead_shape.insert(rows.lead_shape.begin(), box.shape[d]);
+    rows.lead_strides.insert(rows.lead_strides.begin(), strides[d]);
+    rows.lead_grid.insert(rows.lead_grid.begin(), grid_step);
+    rows.lead_offset.insert(rows.lead_offset.begin(), offset[d]);
+    rows.count *= box.shape[d];
+    grid_step *= grid.shape[d];
+  }
+  if (rows.cols == 0) {
+    rows.count = 0;
+  }
+  return rows;
+}
+
+// Calls fn(box_row, grid_row, element_offset) for every row of the box, in row-major order.
+template <typename Fn>
+void for_each_row(const BoxRows& rows, Fn&& fn) {
+  const std::size_t lead = rows.lead_shape.size();
+  Shape index(lead, 0);
+  for (std::int64_t r = 0; r < rows.count; ++r) {
+    std::int64_t grid_row = 0;
+    std::int64_t element = 0;
+    for (std::size_t d = 0; d < lead; ++d) {
+      grid_row += (rows.lead_offset[d] + index[d]) * rows.lead_grid[d];
+      element += index[d] * rows.lead_strides[d];
+    }
+    fn(r, grid_row, element);
+    for (std::size_t d = lead; d-- > 0;) {
+      if (++index[d] < rows.lead_shape[d]) {
+        break;
+      }
+      index[d] = 0;
+    }
+  }
+}
+
+// Calls fn(block, first, count) for each block segment of a row: `count` elements of the box
+// row starting at `first`, all in block `block` of the grid.
+template <typename Fn>
+void for_each_segment(const QuantGrid& grid, const BoxRows& rows, std::int64_t grid_row, Fn&& fn) {
+  const std::int64_t block_row = grid_row / grid.block_rows;
+  std::int64_t col = rows.col0;
+  const std::int64_t end = rows.col0 + rows.cols;
+  while (col < end) {
+    const std::int64_t block_col = col / grid.block_cols;
+    const std::int64_t stop = std::min(end, (block_col + 1) * grid.block_cols);
+    fn(static_cast<std::size_t>(block_row * grid.scale_cols() + block_col), col - rows.col0,
+       stop - col);
+    col = stop;
+  }
+}
+
+// Runs `kernel.template operator()<Load, Step>` with the box's element type and, where the
+// row is contiguous, a compile-time step of 1.
+template <typename Kernel>
+void dispatch(DType dtype, std::int64_t step, Kernel&& kernel) {
+  const auto run = [&]<typename Load>() {
+    if (step == 1) {
+      kernel.template operator()<Load, 1>();
+    } else {
+      kernel.template operator()<Load, 0>();
+    }
+  };
+  switch (dtype) {
+    case DType::kFloat32:
+      run.template operator()<LoadF32>();
+      return;
+    case DType::kBFloat16:
+      run.template operator()<LoadBf16>();
+      return;
+    case DType::kFloat16:
+      run.template operator()<LoadF16>();
+      return;
+    default:
+      throw InvalidArgument(std::string("quantize: a tensor of dtype ") +
+                            std::string(dtype_name(dtype)) + " cannot be quantized");
+  }
+}
+
+void check_scales(const QuantGrid& grid, std::size_t bytes) {
+  const auto want = static_cast<std::size_t>(grid.num_blocks()) * grid.scale_size();
+  if (bytes != want) {
+    throw InvalidArgument("quantize: " + std::to_string(bytes) + " bytes of scales for " +
+                          std::to_string(grid.num_blocks()) + " blocks of " +
+                          std::string(quant_format_name(grid.format)) + " (want " +
+                          std::to_string(want) + ")");
+  }
+}
+
+// The fp32 factor a block's elements are multiplied by (MXFP8) or divided by (fp8 blocks),
+// from its encoded scale.
+float block_scale(const QuantGrid& grid, std::span<const std::byte> scales, std::size_t block) {
+  if (grid.format == QuantFormat::kMxfp8) {
+    const auto e = static_cast<int>(std::to_integer<std::uint8_t>(scales[block]));
+    return e == 0 ? 1.0F : std::ldexp(1.0F, kE8m0Bias - e);  // to_mxfp's descale_fp
+  }
+  float s = 0;
+  std::memcpy(&s, scales.data() + block * 4, 4);
+  return s;
+}
+
+// The fp32 value of a block's encoded scale, as a dequantizer multiplies by it.
+float decoded_scale(const QuantGrid& grid, std::span<const std::byte> scales, std::size_t block) {
+  if (grid.format == QuantFormat::kMxfp8) {
+    const auto e = static_cast<int>(std::to_integer<std::uint8_t>(scales[block]));
+    return e == 0xFF ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0F, e - kE8m0Bias);
+  }
+  return block_scale(grid, scales, block);
+}
+
+const std::array<float, 256>& e4m3_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> values{};
+    for (std::size_t code = 0; code < values.size(); ++code) {
+      const int exp = static_cast<int>((code >> 3) & 0xFU);
+      const int man = static_cast<int>(code & 0x7U);
+      float mag = exp == 0 ? std::ldexp(static_cast<float>(man), -9)
+                           : std::ldexp(1.0F + static_cast<float>(man) / 8.0F, exp - 7);
+      if ((code & 0x7FU) == 0x7FU) {
+        mag = std::numeric_limits<float>::quiet_NaN();
+      }
+      values[code] = (code & 0x80U) != 0 ? -mag : mag;
+    }
+    return values;
+  }();
+  return table;
+}
+
+// f32 (within +-448, or NaN) to e4m3fn, round to nearest even. Inline: the exported
+// e4m3_from_float may be interposed, so the loops would call it instead of vectorising it.
+inline std::uint8_t e4m3_code(float value) noexcept {
+  // Signed 32-bit lanes throughout: SSE2 compares and shifts them, not unsigned ones.
+  const auto bits = std::bit_cast<std::int32_t>(value);
+  const std::int32_t mag = bits & 0x7FFFFFFF;
+  const std::int32_t sign = (bits >> 24) & 0x80;
+  constexpr std::int32_t kNanFrom = 0x43F00000;     // 480: rounds past 448
+  constexpr std::int32_t kNormalFrom = 0x3C800000;  // 2^-6, the least normal e4m3
+  // Below 2^-6 the quantum is 2^-9: adding 2^14 (whose ulp is 2^-9) rounds to it, to even.
+  const std::int32_t sub =
+      std::bit_cast<std::int32_t>(std::bit_cast<float>(mag) + 16384.0F) - 0x46800000;
+  // Above it, rebias the exponent (127 to 7) and round the 20 dropped bits to even.
+  const std::int32_t normal = ((mag - (120 << 23)) + 0x7FFFF + ((mag >> 20) & 1)) >> 20;
+  const std::int32_t code = mag >= kNanFrom ? 0x7F : (mag < kNormalFrom ? sub : normal);
+  return static_cast<std::uint8_t>(code | sign);
+}
+
+// clamp(x, -448, 448) (a NaN kept, as torch.clamp keeps it), then e4m3_code: the clamp done on
+// the bits, where the compiler can vectorise it.
+inline std::uint8_t e4m3_saturated(float x) noexcept {
+  const auto bits = std::bit_cast<std::int32_t>(x);
+  const std::int32_t mag = bits & 0x7FFFFFFF;
+  constexpr std::int32_t k448 = 0x43E00000;
+  const std::int32_t clamped = mag > k448 && mag <= 0x7F800000 ? k448 : mag;
+  return e4m3_code(std::bit_cast<float>(clamped | (bits & ~0x7FFFFFFF)));
+}
+
+// The inner loops, over one block segment of one row: free functions with unaliased
+// pointers, so that the compiler vectorises them (kStep 1: a contiguous row).
+template <typename Load, int kStep>
+std::int32_t block_amax(const typename Load::T* __restrict src, std::int64_t step,
+                        std::int64_t count) {
+  if constexpr (kStep == 1) {
+    step = 1;
+  }
+  std::int32_t top = 0;
+  for (std::int64_t j = 0; j < count; ++j) {
+    top = std::max(top, abs_bits(Load::get(src[j * step])));
+  }
+  return top;
+}
+
+template <typename Load, int kStep, bool kMultiply>
+void quantize_run(const typename Load::T* __restrict src, std::int64_t step, std::int64_t count,
+                  float s, std::uint8_t* __restrict dst) {
+  if constexpr (kStep == 1) {
+    step = 1;
+  }
+  for (std::int64_t j = 0; j < count; ++j) {
+    const float x = Load::get(src[j * step]);
+    dst[j] = e4m3_saturated(kMultiply ? x * s : x / s);
+  }
+}
+
+// f32 to bf16, round to nearest even; NaN to a quiet NaN.
+inline std::uint16_t bf16_from_float(float x) noexcept {
+  const auto u = std::bit_cast<std::uint32_t>(x);
+  if ((u & kAbsMask) > kInfBits) {
+    return static_cast<std::uint16_t>((u >> 16) | 0x40U);
+  }
+  return static_cast<std::uint16_t>((u + 0x7FFFU + ((u >> 16) & 1U)) >> 16);
+}
+
+}  // namespace
+
+std::string_view quant_format_name(QuantFormat format) noexcept {
+  switch (format) {
+    case QuantFormat::kNone:
+      return "none";
+    case QuantFormat::kFp8Block128:
+      return "fp8_e4m3_128x128";
+    case QuantFormat::kFp8Row128:
+      return "fp8_e4m3_1x128";
+    case QuantFormat::kMxfp8:
+      return "mxfp8";
+  }
+  return "invalid";
+}
+
+std::optional<QuantFormat> quant_format_from_name(std::string_view name) noexcept {
+  for (const QuantFormat format : {QuantFormat::kNone, QuantFormat::kFp8Block128,
+                                   QuantFormat::kFp8Row128, QuantFormat::kMxfp8}) {
+    if (quant_format_name(format) == name) {
+      return format;
+    }
+  }
+  return std::nullopt;
+}
+
+Shape QuantGrid::scale_shape() const {
+  if (format == QuantFormat::kFp8Block128) {
+    return {scale_rows(), scale_cols()};
+  }
+  Shape out(shape.begin(), shape.end() - 1);
+  out.push_back(scale_cols());
+  return out;
+}
+
+QuantGrid quant_grid(QuantFormat format, const Shape& shape, DType dtype, std::string_view what) {
+  const std::string where = std::string(what) + " (" + std::string(quant_format_name(format)) +
+                            ", shape " + shape_text(shape) + ", " + std::string(dtype_name(dtype)) +
+                            ")";
+  if (dtype != DType::kFloat32 && dtype != DType::kBFloat16 && dtype != DType::kFloat16) {
+    throw InvalidArgument("quantize " + where + ": only f32, bf16 and f16 tensors are quantized");
+  }
+  QuantGrid grid;
+  grid.format = format;
+  grid.shape = shape;
+  switch (format) {
+    case QuantFormat::kFp8Block128:
+      if (shape.size() != 2) {
+        throw InvalidArgument("quantize " + where + ": 128 x 128 blocks need a 2-d tensor");
+      }
+      grid.block_rows = 128;
+      grid.block_cols = 128;
+      break;
+    case QuantFormat::kFp8Row128:
+      grid.block_cols = 128;
+      break;
+    case QuantFormat::kMxfp8:
+      grid.block_cols = 32;
+      if (!shape.empty() && shape.back() % 32 != 0) {
+        throw InvalidArgument("quantize " + where +
+                              ": MXFP8 needs a last dim that is a multiple of 32");
+      }
+      break;
+    default:
+      throw InvalidArgument("quantize " + where + ": not a quantization format");
+  }
+  if (shape.empty()) {
+    throw InvalidArgument("quantize " + where + ": a 0-d tensor has no blocks");
+  }
+  grid.cols = shape.back();
+  grid.rows = 1;
+  for (std::size_t d = 0; d + 1 < shape.size(); ++d) {
+    grid.rows *= shape[d];
+  }
+  return grid;
+}
+
+void fold_amax(const QuantGrid& grid, const TensorView& box, std::span<const std::int64_t> offset,
+               std::span<float> amax) {
+  if (std::cmp_not_equal(amax.size(), grid.num_blocks())) {
+    throw InvalidArgument("quantize: " + std::to_string(amax.size()) + " amaxes for " +
+                          std::to_string(grid.num_blocks()) + " blocks");
+  }
+  const BoxRows rows = box_rows(grid, box, offset);
+  dispatch(box.dtype, rows.col_step, [&]<typename Load, int kStep>() {
+    const auto* base = static_cast<const typename Load::T*>(box.data);
+    const std::int64_t step = kStep == 1 ? 1 : rows.col_step;
+    for_each_row(rows, [&](std::int64_t, std::int64_t grid_row, std::int64_t element) {
+      const auto* row = base + element;
+      for_each_segment(
+          grid, rows, grid_row, [&](std::size_t block, std::int64_t first, std::int64_t count) {
+            const std::int32_t top = block_amax<Load, kStep>(row + first * step, step, count);
+            amax[block] = std::bit_cast<float>(std::max(abs_bits(amax[block]), top));
+          });
+    });
+  });
+}
+
+void combine_amax(std::span<float> into, std::span<const float> other) {
+  if (into.size() != other.size()) {
+    throw InvalidArgument("quantize: combining " + std::to_string(other.size()) + " amaxes into " +
+                          std::to_string(into.size()));
+  }
+  for (std::size_t b = 0; b < into.size(); ++b) {
+    into[b] = std::bit_cast<float>(std::max(abs_bits(into[b]), abs_bits(other[b])));
+  }
+}
+
+std::uint8_t e8m0_from_amax(float amax) noexcept {
+  const float descale = amax / kE4m3Max;
+  if (std::isnan(descale)) {
+    return 0xFF;
+  }
+  // ceil of log2 rounded to fp32 first, as to_mxfp computes it: an exact ceil would differ
+  // where log2 lies within half an fp32 ulp above an integer.
+  const auto log2_f32 = static_cast<float>(std::log2(static_cast<double>(descale)));
+  const float exponent = std::clamp(std::ceil(log2_f32), static_cast<float>(-kE8m0Bias),
+                                    static_cast<float>(kE8m0Bias));
+  return static_cast<std::uint8_t>(static_cast<int>(exponent) + kE8m0Bias);
+}
+
+void encode_scales(const QuantGrid& grid, std::span<const float> amax,
+                   std::span<std::byte> scales) {
+  check_scales(grid, scales.size());
+  if (std::cmp_not_equal(amax.size(), grid.num_blocks())) {
+    throw InvalidArgument("quantize: " + std::to_string(amax.size()) + " amaxes for " +
+                          std::to_string(grid.num_blocks()) + " blocks");
+  }
+  for (std::size_t b = 0; b < amax.size(); ++b) {
+    if (grid.format == QuantFormat::kMxfp8) {
+      scales[b] = std::byte{e8m0_from_amax(amax[b])};
+    } else {
+      // A NaN amax's payload depends on which NaN the block held; the scale is the one quiet
+      // NaN, as torch's amax gives it.
+      const float s = amax[b] == 0.0F       ? 1.0F
+                      : std::isnan(amax[b]) ? std::numeric_limits<float>::quiet_NaN()
+                                            : amax[b] / kE4m3Max;
+      std::memcpy(scales.data() + b * 4, &s, 4);
+    }
+  }
+}
+
+std::uint8_t e4m3_from_float(float value) noexcept { return e4m3_code(value); }
+
+float float_from_e4m3(std::uint8_t code) noexcept { return e4m3_table()[code]; }
+
+void quantize_box(const QuantGrid& grid, const TensorView& box,
+                  std::span<const std::int64_t> offset, std::span<const std::byte> scales,
+                  std::byte* out) {
+  check_scales(grid, scales.size());
+  const BoxRows rows = box_rows(grid, box, offset);
+  const bool multiply = grid.format == QuantFormat::kMxfp8;
+  dispatch(box.dtype, rows.col_step, [&]<typename Load, int kStep>() {
+    const auto* base = static_cast<const typename Load::T*>(box.data);
+    const std::int64_t step = kStep == 1 ? 1 : rows.col_step;
+    for_each_row(rows, [&](std::int64_t r, std::int64_t grid_row, std::int64_t element) {
+      const auto* row = base + element;
+      auto* dst = reinterpret_cast<std::uint8_t*>(out) + r * rows.cols;
+      for_each_segment(
+          grid, rows, grid_row, [&](std::size_t block, std::int64_t first, std::int64_t count) {
+            const float s = block_scale(grid, scales, block);
+            if (multiply) {
+              quantize_run<Load, kStep, true>(row + first * step, step, count, s, dst + first);
+            } else {
+              quantize_run<Load, kStep, false>(row + first * step, step, count, s, dst + first);
+            }
+          });
+    });
+  });
+}
+
+void dequantize_box(const QuantGrid& grid, const std::byte* data,
+                    std::span<const std::int64_t> offset, std::span<const std::byte> scales,
+                    const TensorView& out) {
+  check_scales(grid, scales.size());
+  if (out.dtype != DType::kFloat32 && out.dtype != DType::kBFloat16) {
+    throw InvalidArgument(std::string("dequantize: an output of dtype ") +
+                          std::string(dtype_name(out.dtype)) + " (f32 or bf16 only)");
+  }
+  const BoxRows rows = box_rows(grid, out, offset);
+  const auto& table = e4m3_table();
+  const auto* codes = reinterpret_cast<const std::uint8_t*>(data);
+  for_each_row(rows, [&](std::int64_t r, std::int64_t grid_row, std::int64_t element) {
+    const std::uint8_t* src = codes + r * rows.cols;
+    for_each_segment(grid, rows, grid_row,
+                     [&](std::size_t block, std::int64_t first, std::int64_t count) {
+                       const float s = decoded_scale(grid, scales, block);
+                       for (std::int64_t j = first; j < first + count; ++j) {
+                         const float value = table[src[j]] * s;
+                         const std::int64_t at = element + j * rows.col_step;
+                         if (out.dtype == DType::kFloat32) {
+                           static_cast<float*>(out.data)[at] = value;
+                         } else {
+                           static_cast<std::uint16_t*>(out.data)[at] = bf16_from_float(value);
+                         }
+                       }
+                     });
+  });
+}
+
+void quantize(const QuantGrid& grid, const TensorView& full, std::span<std::byte> scales,
+              std::byte* out) {
+  std::vector<float> amax(static_cast<std::size_t>(grid.num_blocks()), 0.0F);
+  const Shape origin(grid.shape.size(), 0);
+  fold_amax(grid, full, origin, amax);
+  encode_scales(grid, amax, scales);
+  quantize_box(grid, full, origin, scales, out);
+}
+
+}  // namespace shardgather
