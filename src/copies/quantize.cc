@@ -195,12 +195,20 @@ void check_scales(const QuantGrid& grid, std::size_t bytes) {
   }
 }
 
+// 2^k for k in [-149, 127], exactly, from its bits (std::ldexp is a call per block).
+float pow2(int k) noexcept {
+  if (k >= -126) {
+    return std::bit_cast<float>(static_cast<std::uint32_t>(k + 127) << 23);
+  }
+  return std::bit_cast<float>(1U << static_cast<unsigned>(k + 149));  // subnormal
+}
+
 // The fp32 factor a block's elements are multiplied by (MXFP8) or divided by (fp8 blocks),
 // from its encoded scale.
 float block_scale(const QuantGrid& grid, std::span<const std::byte> scales, std::size_t block) {
   if (grid.format == QuantFormat::kMxfp8) {
     const auto e = static_cast<int>(std::to_integer<std::uint8_t>(scales[block]));
-    return e == 0 ? 1.0F : std::ldexp(1.0F, kE8m0Bias - e);  // to_mxfp's descale_fp
+    return e == 0 ? 1.0F : pow2(kE8m0Bias - e);  // to_mxfp's descale_fp
   }
   float s = 0;
   std::memcpy(&s, scales.data() + block * 4, 4);
@@ -211,7 +219,7 @@ float block_scale(const QuantGrid& grid, std::span<const std::byte> scales, std:
 float decoded_scale(const QuantGrid& grid, std::span<const std::byte> scales, std::size_t block) {
   if (grid.format == QuantFormat::kMxfp8) {
     const auto e = static_cast<int>(std::to_integer<std::uint8_t>(scales[block]));
-    return e == 0xFF ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0F, e - kE8m0Bias);
+    return e == 0xFF ? std::numeric_limits<float>::quiet_NaN() : pow2(e - kE8m0Bias);
   }
   return block_scale(grid, scales, block);
 }
