@@ -24,7 +24,8 @@
 //    chosen as torch.testing._internal.common_quantized.to_mxfp chooses them (RCEIL).
 //
 // Inputs are host views of f32, bf16 or f16, any strides. Everything is pure computation on the
-// caller's thread: no allocation, no blocking; concurrent calls on distinct outputs are safe.
+// caller's thread, no blocking; a call allocates only small vectors of the box's dims (quantize()
+// also its amaxes); concurrent calls on distinct outputs are safe. Host views only.
 #pragma once
 
 #include <cstddef>
@@ -95,7 +96,8 @@ SHARDGATHER_API void fold_amax(const QuantGrid& grid, const TensorView& box,
 // Combines the amaxes of another piece of the same blocks into `into` (the same max).
 SHARDGATHER_API void combine_amax(std::span<float> into, std::span<const float> other);
 
-// The encoded scale of every block from its amax: fp32 amax / 448 (1 for an all-zero block) or
+// The encoded scale of every block from its amax: fp32 amax / 448 (1 where that is 0: an all-zero
+// block, or an amax that small; the quiet NaN for a NaN amax) or
 // the E8M0 byte. `scales` holds num_blocks() * scale_size() bytes.
 SHARDGATHER_API void encode_scales(const QuantGrid& grid, std::span<const float> amax,
                                    std::span<std::byte> scales);

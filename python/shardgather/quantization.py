@@ -21,6 +21,7 @@ InvalidArgumentError. The work runs without the GIL.
 import torch
 
 from . import _shardgather as _C
+from ._shardgather import InvalidArgumentError
 
 FORMATS = ("fp8_e4m3_128x128", "fp8_e4m3_1x128", "mxfp8")
 
@@ -39,7 +40,10 @@ def quantize(tensor, format):  # noqa: A002  (the name the docs use)
 
 def dequantize(data, scales, format, dtype=torch.bfloat16):  # noqa: A002
     """The tensor of ``dtype`` (float32 or bfloat16) that ``data`` and ``scales`` encode: each
-    element's e4m3fn value times its block's scale, rounded once."""
-    if scales.element_size() == 1:
+    element's e4m3fn value times its block's scale in float32, then rounded to ``dtype``."""
+    if data.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise InvalidArgumentError(
+            f"dequantize: data of {data.dtype} (float8_e4m3fn, or its bytes as uint8)")
+    if scales.dtype in (torch.float8_e8m0fnu, torch.int8):
         scales = scales.view(torch.uint8)
     return _C._dequantize(data.view(torch.uint8), scales, format, dtype)

@@ -35,6 +35,14 @@ at::Tensor cpu_tensor(const at::Tensor& t, const char* what) {
   return t;
 }
 
+std::string shape_string(at::IntArrayRef dims) {
+  std::string text = "[";
+  for (std::size_t d = 0; d < dims.size(); ++d) {
+    text += (d == 0 ? "" : ", ") + std::to_string(dims[d]);
+  }
+  return text + "]";
+}
+
 std::span<std::byte> bytes_of(const at::Tensor& t) {
   return {static_cast<std::byte*>(t.data_ptr()), static_cast<std::size_t>(t.nbytes())};
 }
@@ -68,6 +76,16 @@ at::Tensor dequantize_py(const at::Tensor& data, const at::Tensor& scales, const
   TensorView view;
   set_view(out, out_dtype, view);
   const QuantGrid grid = quant_grid(format_of(name), view.shape, DType::kFloat32, "the data");
+  const Shape want = grid.scale_shape();
+  const bool right_type = grid.scale_size() == 1 ? encoded.scalar_type() == at::kByte
+                                                 : encoded.scalar_type() == at::kFloat;
+  if (!right_type || encoded.sizes() != at::IntArrayRef(want)) {
+    throw InvalidArgument(
+        "dequantize: scales of " + std::string(at::toString(encoded.scalar_type())) + " " +
+        shape_string(encoded.sizes()) + " for " + name + " data of shape " +
+        shape_string(codes.sizes()) + " (want " +
+        (grid.scale_size() == 1 ? "float8_e8m0fnu " : "float32 ") + shape_string(want) + ")");
+  }
   const Shape origin(view.shape.size(), 0);
   {
     const py::gil_scoped_release unlocked;

@@ -8,6 +8,7 @@
 #include <array>
 #include <bit>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -37,12 +38,16 @@ struct LoadBf16 {
 struct LoadF16 {
   using T = std::uint16_t;
   static float get(std::uint16_t h) noexcept {
-    // Branch-free: the magnitude's bits moved to fp32's places, times 2^112, rebias the
-    // exponent (15 to 127) and normalise a subnormal exactly; Inf and NaN keep their payload.
+    // Branch-free, and with no fp32 subnormal on the way (a DAZ/FTZ mode, which torch's own
+    // conversion ignores, would flush it): a subnormal is its mantissa, a normal fp32, times
+    // 2^-24; a normal is rebiased (15 to 127) on the bits; Inf and NaN keep their payload.
     const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000U) << 16;
-    const std::uint32_t mag = static_cast<std::uint32_t>(h & 0x7FFFU) << 13;
-    const auto scaled = std::bit_cast<std::uint32_t>(std::bit_cast<float>(mag) * 0x1p112F);
-    const std::uint32_t bits = mag >= (0x7C00U << 13) ? (mag | 0x7F800000U) : scaled;
+    const std::uint32_t exp = (h >> 10) & 0x1FU;
+    const std::uint32_t man = h & 0x3FFU;
+    const auto sub = std::bit_cast<std::uint32_t>(static_cast<float>(man) * 0x1p-24F);
+    const std::uint32_t normal = ((exp + (127U - 15U)) << 23) | (man << 13);
+    const std::uint32_t special = 0x7F800000U | (man << 13);
+    const std::uint32_t bits = exp == 0 ? sub : (exp == 0x1FU ? special : normal);
     return std::bit_cast<float>(bits | sign);
   }
 };
@@ -88,13 +93,25 @@ struct BoxRows {
 BoxRows box_rows(const QuantGrid& grid, const TensorView& box,
                  std::span<const std::int64_t> offset) {
   const std::size_t ndim = grid.shape.size();
+  if (grid.format == QuantFormat::kNone || ndim == 0) {
+    throw InvalidArgument("quantize: a grid that quant_grid did not make (no format or no dims)");
+  }
+  if (box.device.type != DeviceType::kCpu) {
+    throw InvalidArgument("quantize: the host quantizer reads host memory only (a box on " +
+                          std::string(device_type_name(box.device.type)) + ")");
+  }
+  if (!box.strides.empty() && box.strides.size() != box.shape.size()) {
+    throw InvalidArgument("quantize: a box of shape " + shape_text(box.shape) + " with strides " +
+                          shape_text(box.strides));
+  }
   if (box.shape.size() != ndim || offset.size() != ndim) {
     throw InvalidArgument("quantize: a box of shape " + shape_text(box.shape) + " at offset " +
                           shape_text(offset) + " does not have the " + std::to_string(ndim) +
                           " dims of the tensor " + shape_text(grid.shape));
   }
   for (std::size_t d = 0; d < ndim; ++d) {
-    if (offset[d] < 0 || box.shape[d] < 0 || offset[d] + box.shape[d] > grid.shape[d]) {
+    if (offset[d] < 0 || box.shape[d] < 0 || box.shape[d] > grid.shape[d] ||
+        offset[d] > grid.shape[d] - box.shape[d]) {
       throw InvalidArgument("quantize: a box of shape " + shape_text(box.shape) + " at offset " +
                             shape_text(offset) + " does not lie inside the tensor " +
                             shape_text(grid.shape) + " (dim " + std::to_string(d) + ")");
@@ -273,8 +290,8 @@ inline std::uint8_t e4m3_saturated(float x) noexcept {
 // The inner loops, over one block segment of one row: free functions with unaliased
 // pointers, so that the compiler vectorises them (kStep 1: a contiguous row).
 template <typename Load, int kStep>
-std::int32_t block_amax(const typename Load::T* __restrict src, std::int64_t step,
-                        std::int64_t count) {
+[[gnu::always_inline]] inline std::int32_t amax_loop(const typename Load::T* __restrict src,
+                                                     std::int64_t step, std::int64_t count) {
   if constexpr (kStep == 1) {
     step = 1;
   }
@@ -286,8 +303,9 @@ std::int32_t block_amax(const typename Load::T* __restrict src, std::int64_t ste
 }
 
 template <typename Load, int kStep, bool kMultiply>
-void quantize_run(const typename Load::T* __restrict src, std::int64_t step, std::int64_t count,
-                  float s, std::uint8_t* __restrict dst) {
+[[gnu::always_inline]] inline void quantize_loop(const typename Load::T* __restrict src,
+                                                 std::int64_t step, std::int64_t count, float s,
+                                                 std::uint8_t* __restrict dst) {
   if constexpr (kStep == 1) {
     step = 1;
   }
@@ -295,6 +313,54 @@ void quantize_run(const typename Load::T* __restrict src, std::int64_t step, std
     const float x = Load::get(src[j * step]);
     dst[j] = e4m3_saturated(kMultiply ? x * s : x / s);
   }
+}
+
+// Each loop twice on x86-64: for the baseline (SSE2) and for AVX2, chosen at run time. The two
+// compute the same IEEE operations (no FMA is enabled), so they give the same bytes;
+// SHARDGATHER_QUANTIZE_BASELINE=1 forces the baseline (the tests run both).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define SHARDGATHER_QUANTIZE_AVX2 1
+bool use_avx2() noexcept {
+  static const bool use = [] {
+    const char* baseline = std::getenv("SHARDGATHER_QUANTIZE_BASELINE");
+    return __builtin_cpu_supports("avx2") && (baseline == nullptr || baseline[0] != '1');
+  }();
+  return use;
+}
+
+template <typename Load, int kStep>
+[[gnu::target("avx2")]] std::int32_t amax_avx2(const typename Load::T* src, std::int64_t step,
+                                               std::int64_t count) {
+  return amax_loop<Load, kStep>(src, step, count);
+}
+
+template <typename Load, int kStep, bool kMultiply>
+[[gnu::target("avx2")]] void quantize_avx2(const typename Load::T* src, std::int64_t step,
+                                           std::int64_t count, float s, std::uint8_t* dst) {
+  quantize_loop<Load, kStep, kMultiply>(src, step, count, s, dst);
+}
+#endif
+
+template <typename Load, int kStep>
+std::int32_t block_amax(const typename Load::T* src, std::int64_t step, std::int64_t count) {
+#ifdef SHARDGATHER_QUANTIZE_AVX2
+  if (use_avx2()) {
+    return amax_avx2<Load, kStep>(src, step, count);
+  }
+#endif
+  return amax_loop<Load, kStep>(src, step, count);
+}
+
+template <typename Load, int kStep, bool kMultiply>
+void quantize_run(const typename Load::T* src, std::int64_t step, std::int64_t count, float s,
+                  std::uint8_t* dst) {
+#ifdef SHARDGATHER_QUANTIZE_AVX2
+  if (use_avx2()) {
+    quantize_avx2<Load, kStep, kMultiply>(src, step, count, s, dst);
+    return;
+  }
+#endif
+  quantize_loop<Load, kStep, kMultiply>(src, step, count, s, dst);
 }
 
 // f32 to bf16, round to nearest even; NaN to a quiet NaN.
@@ -375,6 +441,9 @@ QuantGrid quant_grid(QuantFormat format, const Shape& shape, DType dtype, std::s
   if (shape.empty()) {
     throw InvalidArgument("quantize " + where + ": a 0-d tensor has no blocks");
   }
+  if (std::any_of(shape.begin(), shape.end(), [](std::int64_t d) { return d < 0; })) {
+    throw InvalidArgument("quantize " + where + ": a negative dim");
+  }
   grid.cols = shape.back();
   grid.rows = 1;
   for (std::size_t d = 0; d + 1 < shape.size(); ++d) {
@@ -415,7 +484,7 @@ void combine_amax(std::span<float> into, std::span<const float> other) {
 }
 
 std::uint8_t e8m0_from_amax(float amax) noexcept {
-  const float descale = amax / kE4m3Max;
+  const float descale = std::fabs(amax) / kE4m3Max;  // an amax is not negative; never UB
   if (std::isnan(descale)) {
     return 0xFF;
   }
@@ -435,14 +504,20 @@ void encode_scales(const QuantGrid& grid, std::span<const float> amax,
                           std::to_string(grid.num_blocks()) + " blocks");
   }
   for (std::size_t b = 0; b < amax.size(); ++b) {
+    if (std::signbit(amax[b]) && !std::isnan(amax[b]) && amax[b] != 0.0F) {
+      throw InvalidArgument("quantize: block " + std::to_string(b) + " has a negative amax (" +
+                            std::to_string(amax[b]) + "): amaxes are maxima of |x|");
+    }
     if (grid.format == QuantFormat::kMxfp8) {
       scales[b] = std::byte{e8m0_from_amax(amax[b])};
     } else {
       // A NaN amax's payload depends on which NaN the block held; the scale is the one quiet
-      // NaN, as torch's amax gives it.
-      const float s = amax[b] == 0.0F       ? 1.0F
-                      : std::isnan(amax[b]) ? std::numeric_limits<float>::quiet_NaN()
-                                            : amax[b] / kE4m3Max;
+      // NaN, as torch's amax gives it. A scale that is 0 (an all-zero block, or an amax below
+      // 448 x 2^-150 whose quotient underflows) is 1: x / 0 would make NaN of every zero.
+      const float quotient = amax[b] / kE4m3Max;
+      const float s = std::isnan(amax[b]) ? std::numeric_limits<float>::quiet_NaN()
+                      : quotient == 0.0F  ? 1.0F
+                                          : quotient;
       std::memcpy(scales.data() + b * 4, &s, 4);
     }
   }

@@ -41,7 +41,8 @@ def _fp8_reference(x, block_rows, block_cols):
     blocks = padded.reshape(padded.shape[0] // block_rows, block_rows,
                             padded.shape[1] // block_cols, block_cols)
     amax = blocks.abs().amax(dim=(1, 3))
-    s = torch.where(amax == 0, torch.ones_like(amax), amax / 448.0)
+    quotient = amax / 448.0
+    s = torch.where(quotient == 0, torch.ones_like(amax), quotient)
     full_s = s.repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)[:rows, :cols]
     q = (xf / full_s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     scale_shape = list(s.shape) if block_rows > 1 else list(x.shape[:-1]) + [s.shape[1]]
@@ -62,7 +63,9 @@ SHAPES_2D = [(1, 1), (3, 5), (128, 128), (129, 257), (300, 130), (256, 384), (0,
 @pytest.mark.parametrize("specials", [False, True])
 def test_fp8_blocks_match_the_formula(fmt, dtype, specials):
     for i, shape in enumerate(SHAPES_2D):
-        for scale in (1e-6, 1.0, 3e3):
+        # 1e-44: f32 blocks whose amax / 448 underflows to 0 (their scale is 1, as a zero
+        # block's), and fp32 subnormals on the way.
+        for scale in (1e-44, 1e-6, 1.0, 3e3) if dtype == torch.float32 else (1e-6, 1.0, 3e3):
             x = _values(shape, dtype, seed=i, specials=specials, scale=scale)
             data, scales = quantize(x, fmt)
             want_data, want_scales = _fp8_reference(x, *BLOCKS[fmt])
@@ -77,15 +80,43 @@ def test_row_blocks_take_any_leading_dims_and_strides():
     assert scales.shape == (4, 3, 3)
     _same_bits(data, want_data)
     _same_bits(scales, want_scales)
-    t = _values((300, 130), torch.float32, seed=4).t()  # a transposed view
-    _same_bits(quantize(t, "fp8_e4m3_128x128")[0], _fp8_reference(t.contiguous(), 128, 128)[0])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        t = _values((300, 130), dtype, seed=4, specials=True).t()  # a transposed view
+        for fmt, blocks in BLOCKS.items():
+            for got, want in zip(quantize(t, fmt), _fp8_reference(t.contiguous(), *blocks)):
+                _same_bits(got, want)
+        m = _values((64, 128), dtype, seed=6, specials=True)[:, ::2]  # every other column
+        ref = m.contiguous().float() if dtype == torch.float16 else m.contiguous()
+        for got, want in zip(quantize(m, "mxfp8"), reversed(to_mxfp(ref, 32, "mxfp8"))):
+            _same_bits(got, want)
+
+
+def test_f16_subnormals_survive_flush_to_zero():
+    # Under a DAZ/FTZ mode (torch.set_flush_denormal) the quantizer still reads f16 subnormals
+    # as torch's conversion does (exactly); the rest flushes as the references' own ops do.
+    bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.float16).reshape(-1, 64)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-denormal mode")
+    try:
+        want_scales, want_data = to_mxfp(x.float(), 32, "mxfp8")
+        want_fp8 = _fp8_reference(x, 1, 128)
+        data, scales = quantize(x, "mxfp8")
+        fp8 = quantize(x, "fp8_e4m3_1x128")
+    finally:
+        torch.set_flush_denormal(False)
+    _same_bits(data, want_data)
+    _same_bits(scales, want_scales)
+    for got, want in zip(fp8, want_fp8):
+        _same_bits(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("specials", [False, True])
 def test_mxfp8_matches_to_mxfp(dtype, specials):
     for i, shape in enumerate([(32,), (5, 64), (33, 96), (2, 3, 160), (0, 32), (256, 1024)]):
-        for scale in (1e-30, 1e-6, 1.0, 3e3, 1e30):
+        # 1e-37: blocks whose E8M0 exponent is 0 though not all zero (their factor is 1).
+        for scale in (1e-37, 1e-30, 1e-6, 1.0, 3e3, 1e30):
             if dtype == torch.float16 and not 1e-6 <= scale <= 3e3:
                 continue
             x = _values(shape, dtype, seed=10 + i, specials=specials, scale=scale)
@@ -152,5 +183,15 @@ def test_bad_arguments_raise_invalid_argument():
     with pytest.raises(shardgather.InvalidArgumentError, match="unknown format"):
         quantize(torch.zeros(4, 128), "fp4")
     data, scales = quantize(torch.ones(4, 128), "fp8_e4m3_1x128")
-    with pytest.raises(shardgather.InvalidArgumentError, match="bytes of scales"):
+    with pytest.raises(shardgather.InvalidArgumentError, match="scales of"):
         dequantize(data, scales[:2], "fp8_e4m3_1x128")
+    data, scales = quantize(torch.ones(256, 384), "fp8_e4m3_128x128")
+    with pytest.raises(shardgather.InvalidArgumentError, match=r"want float32 \[2, 3\]"):
+        dequantize(data, scales.t().contiguous(), "fp8_e4m3_128x128")  # transposed scales
+    with pytest.raises(shardgather.InvalidArgumentError, match="float8_e4m3fn"):
+        dequantize(data.view(torch.float8_e5m2), scales, "fp8_e4m3_128x128")
+    data, scales = quantize(torch.ones(4, 64), "mxfp8")
+    with pytest.raises(shardgather.InvalidArgumentError, match="want float8_e8m0fnu"):
+        dequantize(data, scales.view(-1), "mxfp8")  # flattened scales
+    with pytest.raises(shardgather.InvalidArgumentError, match="0-d"):
+        quantize(torch.tensor(1.0), "fp8_e4m3_1x128")

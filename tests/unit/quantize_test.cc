@@ -314,6 +314,55 @@ TEST(Dequantize, IsCodeTimesScaleInTheOutputDtype) {
   }
 }
 
+TEST(Dequantize, BoxesLandAtTheirOffsetsInStridedOutputs) {
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 60; ++trial) {
+    const QuantFormat format = kFormats[static_cast<std::size_t>(trial % 3)];
+    const Shape shape = random_shape(format, rng);
+    const QuantGrid grid = quant_grid(format, shape, DType::kBFloat16, "t");
+    const std::int64_t numel = numel_of(shape);
+    std::vector<std::byte> full = random_tensor(numel, DType::kBFloat16, true, rng);
+    std::vector<std::byte> scales(u(grid.num_blocks()) * grid.scale_size());
+    std::vector<std::byte> data(u(numel));
+    quantize(grid, {full.data(), DType::kBFloat16, shape, {}}, scales, data.data());
+    std::vector<std::byte> want(u(numel) * 4);
+    const Shape origin(shape.size(), 0);
+    dequantize_box(grid, data.data(), origin, scales, {want.data(), DType::kFloat32, shape, {}});
+    // Each tile's codes (row-major in the tile) dequantized into its place of one output.
+    std::vector<std::byte> got(u(numel) * 4, std::byte{0x55});
+    for (const Cut& cut : random_tiling(shape, rng)) {
+      std::vector<std::byte> codes(u(numel_of(cut.size)));
+      quantize_box(grid, box_view(full, DType::kBFloat16, shape, cut), cut.offset, scales,
+                   codes.data());
+      dequantize_box(grid, codes.data(), cut.offset, scales,
+                     box_view(got, DType::kFloat32, shape, cut));
+    }
+    ASSERT_EQ(first_difference(got, want), -1) << "trial " << trial;
+  }
+}
+
+TEST(QuantizeBoxes, RefusesBoxesAndAmaxesOutsideTheContract) {
+  const QuantGrid grid = quant_grid(QuantFormat::kFp8Row128, {4, 128}, DType::kFloat32, "t");
+  std::vector<float> values(4 * 128);
+  std::vector<float> amax(4);
+  const Shape origin{0, 0};
+  TensorView on_gpu{values.data(), DType::kFloat32, {4, 128}, {}, Device{DeviceType::kCuda, 0}};
+  EXPECT_THROW(fold_amax(grid, on_gpu, origin, amax), InvalidArgument);
+  EXPECT_THROW(fold_amax(grid, {values.data(), DType::kFloat32, {4, 128}, {1}}, origin, amax),
+               InvalidArgument);  // strides for one dim of two
+  const Shape far{std::numeric_limits<std::int64_t>::max(), 0};
+  EXPECT_THROW(fold_amax(grid, {values.data(), DType::kFloat32, {1, 128}, {}}, far, amax),
+               InvalidArgument);
+  EXPECT_THROW(fold_amax(QuantGrid{}, {values.data(), DType::kFloat32, {4, 128}, {}}, origin, amax),
+               InvalidArgument);
+  EXPECT_THROW(quant_grid(QuantFormat::kFp8Row128, {-4, 128}, DType::kFloat32, "t"),
+               InvalidArgument);
+  std::vector<std::byte> scales(16);
+  const std::vector<float> negative{1.0F, -2.0F, 0.0F, 3.0F};
+  EXPECT_THROW(encode_scales(grid, negative, scales), InvalidArgument);
+  EXPECT_EQ(e8m0_from_amax(-448.0F), e8m0_from_amax(448.0F));  // no UB on a bad value
+}
+
 TEST(QuantGrid, RefusesWhatAFormatCannotCarry) {
   EXPECT_THROW(quant_grid(QuantFormat::kFp8Block128, {4, 4, 4}, DType::kFloat32, "t"),
                InvalidArgument);
