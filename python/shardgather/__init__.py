@@ -28,6 +28,7 @@ if torch.__version__.split("+")[0] != _BUILT_FOR:
 
 from . import _shardgather as _C  # noqa: E402
 from ._agree import check_int, classify  # noqa: E402
+from .quantized import Quantize  # noqa: E402
 from ._shardgather import (  # noqa: F401  (re-exported)
     AUTO_TRIAL_RUNS,
     AbortedError,
@@ -63,6 +64,7 @@ __all__ = [
     "InvalidTypeError",
     "MismatchError",
     "OutOfMemoryError",
+    "Quantize",
     "RemoteError",
     "ReshardPlan",
     "ShardSpec",
@@ -552,13 +554,19 @@ def reshard(sources, destinations, layouts, group=None, *, timeout=None, async_o
 
 
 def unshard(shards, specs, group=None, *, strategy="auto", preflight=True, timeout=None,
-            async_op=False, dst=None):
+            async_op=False, dst=None, quantize=None):
     """One-shot unshard: the full parameters (new tensors sharing one fresh buffer) from every
     rank's ``shards`` as described by ``specs`` (a list of :class:`ShardSpec`). Shard shapes are
     checked against the specs; a wrong one raises on every rank. ``async_op=True`` returns a
     :class:`Work` whose ``wait()`` returns them. ``dst=r``: only rank r receives the full
     parameters (a gather to one rank, as for :class:`UnshardPlan` and the streams); the others
-    only send and get an empty list."""
+    only send and get an empty list.
+
+    ``quantize``: FP8 on the wire, quantized on send and bit-identical to quantizing each full
+    tensor (:mod:`shardgather.quantized`, docs/quantization.md): a format name or
+    :class:`Quantize` for every tensor it can quantize, or a list or dict (by index) of them.
+    A quantized tensor's entry is ``(data, scales)``, or the dequantized tensor when the spec
+    asks for a dtype. CPU tensors; not with ``async_op``."""
     comm = communicator(group, _setup_timeout(timeout))
     _check_call(comm, "unshard", strategy=strategy, preflight=preflight, async_op=async_op,
                 timeout=timeout, hinted=True)
@@ -570,6 +578,11 @@ def unshard(shards, specs, group=None, *, strategy="auto", preflight=True, timeo
     except TypeError as e:
         _C._fail_call(comm, "unshard", "specs must be a list of ShardSpec: %s" % e, True,
                       preflight is not False, _setup_timeout(timeout))
+    if quantize is not None:
+        from . import quantized
+
+        return quantized.unshard(shards, specs, comm, quantize, strategy=strategy,
+                                 preflight=preflight, timeout=timeout, async_op=async_op, dst=dst)
     return _C.unshard(shards, comm, specs, strategy, preflight, timeout, async_op, dst)
 
 

@@ -26,7 +26,8 @@ from ._shardgather import foreach_all_gather as _gather
 _MESSAGE_BYTES = 480
 _CLASSES = {1: InvalidArgumentError, 2: InvalidTypeError, 3: MismatchError}
 _CODES = {cls: code for code, cls in _CLASSES.items()}
-_NAMES, _SPECS, _OPTIONS = 1, 2, 3  # record: [error, names hash, specs hash, options...]
+# record: [error, names hash, specs hash, quantize hash, options...]
+_NAMES, _SPECS, _QUANTIZE, _OPTIONS = 1, 2, 3, 4
 
 
 class Agreement:
@@ -38,6 +39,7 @@ class Agreement:
         self.error = None  # (class, message): the first local argument error
         self.names = None
         self.specs = None
+        self.quantize = None  # per tensor: None or [format, dequantize dtype] (quantized.py)
         self.options = []
 
     def fail(self, cls, message):
@@ -69,7 +71,7 @@ class Agreement:
                 text = got[1][r].numpy().tobytes().rstrip(b"\0").decode("utf-8", "replace")
                 raise _CLASSES[rec[0]]("%s: rank %d: %s" % (self.what, r, text))
         for r, rec in enumerate(records):
-            if rec[_NAMES] != records[0][_NAMES] or rec[_SPECS] != records[0][_SPECS]:
+            if any(rec[k] != records[0][k] for k in (_NAMES, _SPECS, _QUANTIZE)):
                 self._explain(comm, r, timeout)
         for k, (name, _) in enumerate(self.options):
             for r, rec in enumerate(records):
@@ -82,7 +84,8 @@ class Agreement:
         code, text = 0, ""
         if self.error is not None:
             code, text = _CODES[self.error[0]], self.error[1]
-        record = [code, _digest(self._names_text()), _digest(self._specs_text(world))]
+        record = [code, _digest(self._names_text()), _digest(self._specs_text(world)),
+                  _digest(self.quantize)]
         record += [_wire(name, v) for name, v in self.options]
         raw = text.encode("utf-8")[:_MESSAGE_BYTES - 1]
         message = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
@@ -109,13 +112,32 @@ class Agreement:
     def _explain(self, comm, r, timeout):
         """Every rank's names and specs (one more gather, on this failure path only), and the
         MismatchError naming the first difference between rank 0's and rank ``r``'s."""
-        mine = json.dumps([self._names_text(), self._specs_text(comm.size)]).encode("utf-8")
+        mine = json.dumps([self._names_text(), self._specs_text(comm.size),
+                           self.quantize]).encode("utf-8")
         mine = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
         got = _gather([mine], comm, None, timeout, True, "auto", False)[0]
-        names0, specs0 = json.loads(got[0].numpy().tobytes())
-        names, specs = json.loads(got[r].numpy().tobytes())
+        names0, specs0, quantize0 = json.loads(got[0].numpy().tobytes())
+        names, specs, quantize = json.loads(got[r].numpy().tobytes())
+        if names0 == names and specs0 == specs:
+            raise MismatchError("%s: %s" % (self.what, _quantize_difference(quantize0, quantize,
+                                                                              r)))
         raise MismatchError("%s: %s" % (self.what, _first_difference(names0, specs0, names,
                                                                        specs, r)))
+
+
+def _quantize_difference(quantize0, quantize, r):
+    """The first tensor whose quantize spec ([format, dequantize dtype] or None) differs."""
+    for i, (a, b) in enumerate(zip(quantize0 or [], quantize or [])):
+        if a != b:
+            return ("the quantize spec of tensor %d differs: %s on rank 0, %s on rank %d"
+                    % (i, _quantize_text(a), _quantize_text(b), r))
+    return "the quantize specs differ between rank 0 and rank %d" % r
+
+
+def _quantize_text(spec):
+    if spec is None:
+        return "none"
+    return spec[0] if spec[1] == "None" else "%s dequantized to %s" % (spec[0], spec[1])
 
 
 def _first_difference(names0, specs0, names, specs, r):

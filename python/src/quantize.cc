@@ -95,12 +95,70 @@ at::Tensor dequantize_py(const at::Tensor& data, const at::Tensor& scales, const
   return out;
 }
 
+QuantGrid box_grid(const std::string& name, const TensorView& box, const Shape& hull,
+                   const Shape& offset) {
+  if (hull.size() != box.shape.size() || offset.size() != box.shape.size()) {
+    throw InvalidArgument("quantize: a box of " + std::to_string(box.shape.size()) +
+                          " dims with a window of " + std::to_string(hull.size()) +
+                          " dims and an offset of " + std::to_string(offset.size()));
+  }
+  return quant_grid(format_of(name), hull, box.dtype, "the window");
+}
+
+// The absolute maxima of `box` (at `offset` inside a window of shape `hull`, whose block grid
+// is the global tensor's there) per block of the window, in the scales' shape.
+at::Tensor fold_amax_py(const at::Tensor& t, const std::string& name, const Shape& hull,
+                        const Shape& offset) {
+  const at::Tensor input = cpu_tensor(t, "the box");
+  TensorView view;
+  set_view(input, dtype_of(input.scalar_type(), "the box"), view);
+  const QuantGrid grid = box_grid(name, view, hull, offset);
+  at::Tensor amax = at::zeros(grid.scale_shape(), at::TensorOptions().dtype(at::kFloat));
+  {
+    const py::gil_scoped_release unlocked;
+    fold_amax(grid, view, offset, {amax.data_ptr<float>(), static_cast<std::size_t>(amax.numel())});
+  }
+  return amax;
+}
+
+// (the box's e4m3fn bytes as uint8 in its shape, the window's encoded scales) from the window's
+// agreed amaxes (fold_amax_py's shape, combined with the other ranks' pieces of cut blocks).
+std::tuple<at::Tensor, at::Tensor> quantize_box_py(const at::Tensor& t, const std::string& name,
+                                                   const Shape& hull, const Shape& offset,
+                                                   const at::Tensor& amax) {
+  const at::Tensor input = cpu_tensor(t, "the box");
+  TensorView view;
+  set_view(input, dtype_of(input.scalar_type(), "the box"), view);
+  const QuantGrid grid = box_grid(name, view, hull, offset);
+  const at::Tensor maxima = cpu_tensor(amax, "the amaxes").contiguous();
+  if (maxima.scalar_type() != at::kFloat || maxima.sizes() != at::IntArrayRef(grid.scale_shape())) {
+    throw InvalidArgument("quantize: amaxes of " + std::string(at::toString(maxima.scalar_type())) +
+                          " " + shape_string(maxima.sizes()) + " (want float32 " +
+                          shape_string(grid.scale_shape()) + ")");
+  }
+  at::Tensor data = at::empty(input.sizes(), at::TensorOptions().dtype(at::kByte));
+  at::Tensor scales =
+      at::empty(grid.scale_shape(),
+                at::TensorOptions().dtype(grid.scale_size() == 1 ? at::kByte : at::kFloat));
+  {
+    const py::gil_scoped_release unlocked;
+    encode_scales(grid, {maxima.data_ptr<float>(), static_cast<std::size_t>(maxima.numel())},
+                  bytes_of(scales));
+    quantize_box(grid, view, offset, bytes_of(scales), static_cast<std::byte*>(data.data_ptr()));
+  }
+  return {data, scales};
+}
+
 }  // namespace
 
 void register_quantize(py::module_& m) {
   m.def("_quantize", &quantize_py, py::arg("tensor"), py::arg("format"));
   m.def("_dequantize", &dequantize_py, py::arg("data"), py::arg("scales"), py::arg("format"),
         py::arg("dtype"));
+  m.def("_fold_amax", &fold_amax_py, py::arg("box"), py::arg("format"), py::arg("window"),
+        py::arg("offset"));
+  m.def("_quantize_box", &quantize_box_py, py::arg("box"), py::arg("format"), py::arg("window"),
+        py::arg("offset"), py::arg("amax"));
 }
 
 }  // namespace shardgather::python

@@ -1,0 +1,233 @@
+"""Quantized unshards (shardgather.quantized): each check takes (rank, world, group) and runs on
+the threads backend, MPI and Gloo groups. Every rank builds the same full tensors from a seed,
+sends its shard quantized, and compares what it receives bit for bit with the references run
+on the full tensor: the FP8 block formula in torch and
+torch.testing._internal.common_quantized.to_mxfp (test_quantize.py ties the host quantizer
+to the same two)."""
+
+import torch
+from torch.testing._internal.common_quantized import to_mxfp
+
+import shardgather
+from shardgather import Quantize, ShardSpec
+from test_quantize import _fp8_reference, _values
+
+T = 30.0  # per-call deadline: a broken case fails instead of hanging the harness
+BLOCKS = {"fp8_e4m3_128x128": (128, 128), "fp8_e4m3_1x128": (1, 128)}
+
+
+def _same_bits(a, b):
+    """Equal bytes (a NaN equal to the same NaN), dtype and shape alike."""
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    assert torch.equal(a.view(bits), b.view(bits))
+
+
+def reference(full, fmt):
+    """(data, scales) of the full tensor by the named reference."""
+    if fmt == "mxfp8":
+        scales, data = to_mxfp(full.float() if full.dtype == torch.float16 else full,
+                               block_size=32, format="mxfp8")
+        return data, scales
+    return _fp8_reference(full, *BLOCKS[fmt])
+
+
+def _cuts(n, world, seed):
+    """Uneven sizes along a dim of n rows: cuts inside blocks, on block edges, empty shards."""
+    g = torch.Generator().manual_seed(seed)
+    if world == 1:
+        return [n]
+    points = sorted(torch.randint(0, n + 1, (world - 1,), generator=g).tolist())
+    if seed % 3 == 0 and world > 2:  # a cut on a block edge
+        points[0] = min(n, 128)
+        points.sort()
+    edges = [0] + points + [n]
+    return [edges[r + 1] - edges[r] for r in range(world)]
+
+
+def _case_tensors(world):
+    """(name, full tensor, ShardSpec, quantize spec) of a mixed list."""
+    out = []
+    shapes = [
+        ("fp8_e4m3_128x128", (300, 260), 0), ("fp8_e4m3_128x128", (257, 400), 1),
+        ("fp8_e4m3_128x128", (5, 7), 0), ("fp8_e4m3_128x128", (128, 256), 0),
+        ("fp8_e4m3_1x128", (6, 300), 1), ("fp8_e4m3_1x128", (3, 4, 200), 1),
+        ("fp8_e4m3_1x128", (2, 129), 0),
+        ("mxfp8", (9, 160), 1), ("mxfp8", (40, 96), 0), ("mxfp8", (2, 3, 64), 2),
+        ("mxfp8", (64,), 0),
+    ]
+    dtypes = [torch.bfloat16, torch.float32, torch.float16]
+    for k, (fmt, shape, dim) in enumerate(shapes):
+        dtype = dtypes[k % 3]
+        full = _values(shape, dtype, seed=100 + k, specials=k % 2 == 0,
+                       scale=[1.0, 1e-6, 3e3][k % 3])
+        if k == 3:  # a zero block row and an infinity
+            full[128:] = 0.0
+            full[5, 5] = float("inf")
+        spec = ShardSpec(dtype, shape, dim, _cuts(shape[dim], world, seed=k))
+        out.append(("q%d" % k, full, spec, fmt))
+        if k % 4 == 1:  # plain tensors between the quantized ones
+            plain = torch.arange(12 * world, dtype=torch.int32).reshape(4 * world, 3)
+            out.append(("p%d" % k, plain, ShardSpec(torch.int32, plain.shape, 0), None))
+    return out
+
+
+def _shard(full, spec, rank, world):
+    sizes = list(spec.sizes) or shardgather.chunk_sizes(full.shape[spec.shard_dim], world)
+    return full.narrow(spec.shard_dim, sum(sizes[:rank]), sizes[rank]).clone()
+
+
+def check_unshard_bit_exact(rank, world, group):
+    """Raw outputs (data, scales) and dequantized ones, against the references."""
+    cases = _case_tensors(world)
+    shards = [_shard(full, spec, rank, world) for _, full, spec, _ in cases]
+    specs = [spec for _, _, spec, _ in cases]
+    raw = shardgather.unshard(shards, specs, group, timeout=T,
+                              quantize=[fmt for _, _, _, fmt in cases])
+    for (name, full, _, fmt), got in zip(cases, raw):
+        if fmt is None:
+            assert torch.equal(got, full), name
+            continue
+        data, scales = got
+        want_data, want_scales = reference(full, fmt)
+        assert data.dtype == torch.float8_e4m3fn, name
+        _same_bits(data, want_data)
+        _same_bits(scales, want_scales)
+    out = torch.float32 if world % 2 else torch.bfloat16
+    deq = shardgather.unshard(shards, specs, group, timeout=T,
+                              quantize={i: Quantize(fmt, out) for i, (_, _, _, fmt)
+                                        in enumerate(cases) if fmt})
+    for (name, full, _, fmt), got in zip(cases, deq):
+        if fmt is None:
+            assert torch.equal(got, full), name
+            continue
+        data, scales = reference(full, fmt)
+        want = shardgather.quantization.dequantize(data, scales, fmt, out)
+        assert got.dtype == out, name
+        _same_bits(got, want)
+
+
+def check_one_spec_for_every_tensor(rank, world, group):
+    """A single format quantizes every tensor it applies to; the others travel as they are."""
+    w = _values((256, 192), torch.bfloat16, seed=7)
+    norm = _values((192,), torch.bfloat16, seed=8)
+    ids = torch.arange(5 * world, dtype=torch.int64)
+    specs = [ShardSpec(w.dtype, w.shape, 0), ShardSpec(norm.dtype, norm.shape, 0),
+             ShardSpec(ids.dtype, ids.shape, 0)]
+    fulls = [w, norm, ids]
+    shards = [_shard(f, s, rank, world) for f, s in zip(fulls, specs)]
+    got = shardgather.unshard(shards, specs, group, timeout=T, quantize="fp8_e4m3_128x128")
+    data, scales = got[0]
+    want_data, want_scales = reference(w, "fp8_e4m3_128x128")
+    _same_bits(data, want_data)
+    _same_bits(scales, want_scales)
+    assert torch.equal(got[1], norm) and torch.equal(got[2], ids)
+
+
+def check_gather_to_one_rank(rank, world, group):
+    """dst=0: rank 0 gets the quantized tensors, the others only send."""
+    full = _values((300, 256), torch.float32, seed=9, specials=True)
+    spec = ShardSpec(full.dtype, full.shape, 0, _cuts(300, world, seed=4))
+    got = shardgather.unshard([_shard(full, spec, rank, world)], [spec], group, timeout=T,
+                              dst=0, quantize="mxfp8")
+    if rank != 0:
+        assert got == [], got
+        return
+    want_data, want_scales = reference(full, "mxfp8")
+    _same_bits(got[0][0], want_data)
+    _same_bits(got[0][1], want_scales)
+
+
+def check_padded_shards(rank, world, group):
+    """FSDP's padded shards: only the real rows are quantized and sent."""
+    full = _values((130, 256), torch.bfloat16, seed=11)
+    sizes = shardgather.chunk_sizes(130, world)
+    padded = max(sizes)
+    spec = ShardSpec(full.dtype, full.shape, 0, sizes, padded)
+    shard = torch.full((padded, 256), float("nan"), dtype=full.dtype)
+    shard[:sizes[rank]] = _shard(full, spec, rank, world)
+    got = shardgather.unshard([shard], [spec], group, timeout=T, quantize="fp8_e4m3_128x128")
+    want_data, want_scales = reference(full, "fp8_e4m3_128x128")
+    _same_bits(got[0][0], want_data)
+    _same_bits(got[0][1], want_scales)
+
+
+def _raises_everywhere(cls, text, call):
+    try:
+        call()
+    except cls as e:
+        assert text in str(e), str(e)
+    else:
+        raise AssertionError("no %s" % cls.__name__)
+
+
+def check_disagreement(rank, world, group):
+    """RELIABILITY 2.8b: a quantize spec that differs on one rank, or is bad on one rank, raises
+    the same class on every rank before anything moves; the group works afterwards."""
+    full = _values((256, 128), torch.bfloat16, seed=12)
+    spec = ShardSpec(full.dtype, full.shape, 0)
+    shard = _shard(full, spec, rank, world)
+    last = world - 1
+    other = "mxfp8" if rank == last else "fp8_e4m3_128x128"
+    if world > 1:
+        _raises_everywhere(shardgather.MismatchError, "quantize spec of tensor 0 differs",
+                           lambda: shardgather.unshard([shard], [spec], group, timeout=T,
+                                                       quantize=[other]))
+        out = torch.float32 if rank == last else None
+        _raises_everywhere(shardgather.MismatchError, "dequantized to torch.float32",
+                           lambda: shardgather.unshard(
+                               [shard], [spec], group, timeout=T,
+                               quantize=[Quantize("mxfp8", out)]))
+        plain = None if rank == last else ["mxfp8"]
+        _raises_everywhere(shardgather.MismatchError, "none",
+                           lambda: shardgather.unshard([shard], [spec], group, timeout=T,
+                                                       quantize=plain or [None]))
+    bad = "fp8_e5m2" if rank == last else "mxfp8"
+    _raises_everywhere(shardgather.InvalidArgumentError, "rank %d: quantize[0]: unknown" % last,
+                       lambda: shardgather.unshard([shard], [spec], group, timeout=T,
+                                                   quantize=[bad]))
+    one_d = ShardSpec(torch.bfloat16, (world * 4,), 0)
+    _raises_everywhere(shardgather.InvalidArgumentError, "blocks need 2 dims",
+                       lambda: shardgather.unshard([torch.ones(4, dtype=torch.bfloat16)],
+                                                   [one_d], group, timeout=T,
+                                                   quantize=["fp8_e4m3_128x128"]))
+    wrong = shard if rank != last else shard[:, :64]
+    _raises_everywhere(shardgather.InvalidArgumentError, "the spec wants",
+                       lambda: shardgather.unshard([wrong], [spec], group, timeout=T,
+                                                   quantize="mxfp8"))
+    got = shardgather.unshard([shard], [spec], group, timeout=T, quantize="mxfp8")
+    _same_bits(got[0][0], reference(full, "mxfp8")[0])
+
+
+def check_bytes_on_the_wire(rank, world, group):
+    """What the ranks hand to the payload is exactly data + scales: 1 + 1/32 bytes per element
+    for MXFP8, 1 + 4/16384 for 128 x 128 (whole blocks), summed over every rank's sends."""
+    from shardgather import quantized
+
+    comm = shardgather.communicator(group)
+    for fmt, shape, per_element in (("mxfp8", (256, 1024), 1.03125),
+                                    ("fp8_e4m3_128x128", (512, 1024), 1 + 4 / 16384)):
+        full = _values(shape, torch.bfloat16, seed=13)
+        spec = ShardSpec(full.dtype, shape, 0, _cuts(shape[0], world, seed=5))
+        sent, _, _ = quantized.encode([_shard(full, spec, rank, world)], [spec], comm, fmt,
+                                      timeout=T)
+        mine = torch.tensor([sum(t.nbytes for t in sent)], dtype=torch.int64)
+        every = shardgather.foreach_all_gather([mine], comm, timeout=T)[0]
+        assert sum(int(x) for x in every) == shape[0] * shape[1] * per_element, (fmt, every)
+
+
+CHECKS = [check_unshard_bit_exact, check_one_spec_for_every_tensor, check_gather_to_one_rank,
+          check_padded_shards, check_disagreement, check_bytes_on_the_wire]
+
+
+def _on_default_group(check):
+    def case(rank, world):
+        check(rank, world, None)
+
+    case.__name__ = "case_" + check.__name__[len("check_"):]
+    return case
+
+
+for _check in CHECKS:
+    globals()[_on_default_group(_check).__name__] = _on_default_group(_check)
+CASES = ["case_" + c.__name__[len("check_"):] for c in CHECKS]
