@@ -613,13 +613,13 @@ class ThreadGroup:
 
 
 def unshard_stream(shards, specs=None, group=None, *, bucket_bytes=1 << 30, prefetch=1,
-                   dst=None, copy=False, strategy="auto", timeout=None):
+                   dst=None, copy=False, strategy="auto", timeout=None, quantize=None):
     """The full parameters of a whole model, bucket by bucket, in bounded memory: see
-    :mod:`shardgather.stream`."""
+    :mod:`shardgather.stream` (``quantize``: FP8 on the wire, :mod:`shardgather.quantized`)."""
     from .stream import unshard_stream as stream
 
     return stream(shards, specs, group, bucket_bytes=bucket_bytes, prefetch=prefetch, dst=dst,
-                  copy=copy, strategy=strategy, timeout=timeout)
+                  copy=copy, strategy=strategy, timeout=timeout, quantize=quantize)
 
 
 def has_mpi():

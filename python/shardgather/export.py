@@ -34,7 +34,7 @@ __all__ = ["save_safetensors", "INDEX_NAME"]
 
 def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
                      bucket_bytes=1 << 30, prefetch=1, progress=True, timeout=None,
-                     metadata=None, writers=1):
+                     metadata=None, writers=1, quantize=None):
     """Writes the full tensors of ``state_dict`` (shards with ``specs``, or DTensors with
     ``specs=None``, as for :func:`shardgather.unshard_stream`) to ``out_dir`` on rank ``dst``.
     ``state_dict`` may also be an UnshardStream made with the same ``dst``: a checkpoint saved
@@ -49,6 +49,13 @@ def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
     it by a reshard from the ranks that hold its shards (every byte crosses the network once).
     The writers write into ``dst``'s staging directory, so ``out_dir`` must be one filesystem
     that every writer sees (a shared one across hosts); ``dst`` commits.
+
+    ``quantize`` (:mod:`shardgather.quantized`; one writer): an FP8 checkpoint, quantized on
+    send. ``"fp8_e4m3_128x128"`` writes each 2-d floating tensor ``w`` (or those a dict from
+    name to format names) as ``w`` in F8_E4M3 and ``w_scale_inv`` in F32, the layout Hugging
+    Face FP8 checkpoints (DeepSeek-V3, Qwen3 FP8) ship, bit-identical to quantizing the full
+    tensor; the index's metadata gains the ``quantization_config`` a loader reads from
+    ``config.json`` (:func:`shardgather.quantized.quantization_config`), to be merged there.
 
     The checkpoint replaces an older one in ``out_dir`` atomically (see
     :mod:`shardgather.checkpoint_dir`): until it is complete the older one stays intact, and
@@ -69,7 +76,8 @@ def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
     else:
         world = _world_of(state_dict, specs, group, timeout)
         stream = UnshardStream(state_dict, specs, group, bucket_bytes=bucket_bytes,
-                               prefetch=prefetch, dst=dst, timeout=timeout, _checks=(check,),
+                               prefetch=prefetch, dst=dst, timeout=timeout, quantize=quantize,
+                               _checks=(check, lambda _: _one_writer(quantize, writers)),
                                _options=[("writers", writers)])
     if writers != 1:
         return _save_with_writers(stream, out_dir, writers, progress, metadata, timeout)
@@ -113,7 +121,28 @@ def _write_buckets(stream, out_dir, writer, progress, metadata):
             _close_quietly(bar)
     if not receives:
         return None
-    return {"metadata": {"total_size": total}, "weight_map": weight_map}
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    config = _quantization_config(stream)
+    if config is not None:
+        index["metadata"]["quantization_config"] = config
+    return index
+
+
+def _one_writer(quantize, writers):
+    if quantize is not None and writers != 1:
+        raise InvalidArgumentError("quantize: an FP8 export has one writer (writers=%d)"
+                                   % writers)
+
+
+def _quantization_config(stream):
+    """The quantization_config of a stream's quantized tensors (one format), or None."""
+    from .quantized import quantization_config
+
+    quantizer = stream._quantizer
+    formats = {q.format for q in quantizer.specs_q if q is not None} if quantizer else set()
+    if len(formats) != 1:
+        return None if not formats else {"formats": sorted(formats)}
+    return quantization_config(formats.pop())
 
 
 def _file_names(n):
@@ -346,6 +375,7 @@ def _check_premade(stream, dst, check, timeout, writers):
     if agreement.error is None and stream.dst != dst:
         agreement.fail(InvalidArgumentError, "the stream gathers to %s, not dst=%s"
                        % (stream.dst, dst))
+    agreement.capture(lambda: _one_writer(stream._quantizer, writers))
     agreement.run(stream._comm, _setup_timeout(timeout))
 
 

@@ -64,6 +64,18 @@ def _spec(value, what):
     return spec
 
 
+def quantization_config(fmt):
+    """The ``quantization_config`` of a model's ``config.json`` for a checkpoint in ``fmt``.
+    For 128 x 128 blocks it is what Hugging Face's fine-grained FP8 loader and vLLM's ``fp8``
+    method read; the 1 x 128 and MXFP8 ones only state their block shape and scale format in
+    the same keys (no loader is known to read them as such)."""
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": list(_BLOCKS[fmt])}
+    if fmt == "mxfp8":
+        config["scale_fmt"] = "ue8m0"
+    return config
+
+
 def _why_not(fmt, dtype, shape):
     """Why ``fmt`` cannot quantize a tensor of this dtype and shape, or None when it can."""
     if dtype not in _INPUTS:
@@ -77,10 +89,11 @@ def _why_not(fmt, dtype, shape):
     return None
 
 
-def resolve(quantize, specs):
+def resolve(quantize, specs, names=None):
     """One spec (or None) per tensor from the ``quantize`` argument: a single spec applies to
     every tensor it can quantize (the others travel plain); a list (one entry per tensor) or a
-    dict from index to spec names each one, and a spec that cannot apply is an error."""
+    dict from name (or, without names, index) to spec names each one, and a spec that cannot
+    apply is an error."""
     n = len(specs)
     if quantize is None or isinstance(quantize, (str, Quantize)):
         spec = _spec(quantize, "quantize")
@@ -88,13 +101,14 @@ def resolve(quantize, specs):
             return [None] * n
         return [None if _why_not(spec.format, s.dtype, tuple(s.full_shape)) else spec
                 for s in specs]
+    keys = list(range(n)) if names is None else list(names)
     if isinstance(quantize, dict):
-        bad = [k for k in quantize if isinstance(k, bool) or not isinstance(k, int)
-               or not 0 <= k < n]
+        where = {k: i for i, k in enumerate(keys)}
+        bad = [k for k in quantize if isinstance(k, bool) or k not in where]
         if bad:
-            raise InvalidArgumentError("quantize: key %r is not a tensor index in [0, %d)"
-                                       % (bad[0], n))
-        given = [quantize.get(i) for i in range(n)]
+            raise InvalidArgumentError("quantize: key %r is not %s" % (
+                bad[0], "a tensor index in [0, %d)" % n if names is None else "a tensor's name"))
+        given = [quantize.get(k) for k in keys]
     elif isinstance(quantize, (list, tuple)):
         if len(quantize) != n:
             raise InvalidArgumentError("quantize: %d entries for %d tensors" % (len(quantize), n))
@@ -103,12 +117,12 @@ def resolve(quantize, specs):
         raise InvalidTypeError("quantize must be a format name, a Quantize, a list or a dict, "
                                "got %s" % type(quantize).__name__)
     out = []
-    for i, (value, s) in enumerate(zip(given, specs)):
-        spec = _spec(value, "quantize[%d]" % i)
+    for key, value, s in zip(keys, given, specs):
+        what = "quantize[%r]" % (key,)
+        spec = _spec(value, what)
         why = spec and _why_not(spec.format, s.dtype, tuple(s.full_shape))
         if why:
-            raise InvalidArgumentError("quantize[%d]: %s cannot quantize %s"
-                                       % (i, spec.format, why))
+            raise InvalidArgumentError("%s: %s cannot quantize %s" % (what, spec.format, why))
         out.append(spec)
     return out
 
@@ -222,67 +236,129 @@ def _check_shard(shard, s, t, rank, world):
 
 def unshard(shards, specs, comm, quantize, *, strategy, preflight, timeout, async_op, dst):
     """shardgather.unshard with ``quantize`` given (see the module)."""
-    sent, payload_specs, specs_q = encode(shards, specs, comm, quantize, timeout=timeout,
-                                          options=[("dst", dst), ("strategy", strategy)],
-                                          async_op=async_op)
-    got = _C.unshard(sent, comm, payload_specs, strategy, preflight, timeout, False, dst)
-    return _outputs(got, specs_q) if got else got
+    quantizer, sent = encode(shards, specs, comm, quantize, timeout=timeout,
+                             options=[("dst", dst), ("strategy", strategy)], async_op=async_op)
+    got = _C.unshard(sent, comm, quantizer.payload_specs, strategy, preflight, timeout, False,
+                     dst)
+    return quantizer.outputs(got) if got else got
 
 
 def encode(shards, specs, comm, quantize, *, timeout=None, options=(), async_op=False):
-    """Steps 1 to 4 of the module, collective over ``comm``: (what this rank sends, the specs
-    of the payload, the quantize spec of every tensor). A quantized tensor becomes two entries
-    of the payload, its FP8 bytes (uint8, sharded as the tensor) and the scales of the blocks
-    that start in each rank's rows (sharded along the same dim); a plain one stays as it is.
-    ``options``: (name, int or None) pairs every rank must pass alike, agreed with the specs."""
-    rank, world = comm.rank, comm.size
+    """Steps 1 to 4 of the module, collective over ``comm``: (the :class:`Quantizer`, what this
+    rank sends in the payload). ``options``: (name, int or None) pairs that every rank must
+    pass alike, agreed on with the specs."""
     agreement = Agreement("unshard")
-    if all(isinstance(s, _C.ShardSpec) for s in specs):
-        agreement.specs = specs
-    else:
-        agreement.fail(InvalidTypeError, "specs must be a list of ShardSpec")
-    plan = agreement.capture(lambda: _plan(shards, specs, quantize, rank, world, async_op))
-    agreement.quantize = None if plan is None else [_text(q) for q in plan[0]]
+    quantizer = agree(agreement, comm, lambda: (None, list(shards), list(specs)), quantize,
+                      async_op)
     agreement.options = list(options)
     agreement.run(comm, timeout)
-    specs_q, tensors = plan
-    amax = {t.index: _C._fold_amax(_real_rows(shards[t.index], t, rank), t.spec.format,
-                                   t.window(rank)[1], _in_window(t, rank))
-            for t in tensors if t.sizes[rank]}
-    _agree_amax(tensors, amax, comm, timeout)
-    sent, payload_specs = [], []
-    by_index = {t.index: t for t in tensors}
-    for i, s in enumerate(specs):
-        t = by_index.get(i)
-        if t is None:
-            sent.append(shards[i])
-            payload_specs.append(s)
-            continue
-        sent += _encode(t, shards[i], amax.get(i), rank)
-        payload_specs += _payload_specs(t)
-    return sent, payload_specs, specs_q
+    return quantizer, quantizer.encode(list(shards), comm, timeout)
 
 
-def _plan(shards, specs, quantize, rank, world, async_op):
-    if async_op:
-        raise InvalidArgumentError("quantize: async_op=True is not supported with quantize yet")
-    specs = list(specs)
-    shards = list(shards)
-    if len(shards) != len(specs):
-        raise InvalidArgumentError("%d shards for %d specs" % (len(shards), len(specs)))
-    specs_q = resolve(quantize, specs)
-    tensors = [_plan_tensor(i, q, s, world) for i, (q, s) in enumerate(zip(specs_q, specs))
-               if q is not None]
-    for t in tensors:
-        if sum(t.sizes) != t.shape[t.dim] or len(t.sizes) != world:
-            return specs_q, []  # a bad spec: the unshard names it, on every rank
-        _check_shard(shards[t.index], specs[t.index], t, rank, world)
-    column = 0
-    for t in tensors:
-        if any(t.cut_slabs(r) for r in range(world)):
-            t.column = column
-            column += 2 * t.slot
-    return specs_q, tensors
+def agree(agreement, comm, inputs, quantize, async_op=False, raw_only=False):
+    """Adds a quantized transfer's checks to ``agreement`` (before its ``run``): ``inputs()``
+    gives (names or None, shards, specs); returns the :class:`Quantizer` (None where a check
+    failed: ``run`` then raises on every rank). ``raw_only``: a spec may not ask to
+    dequantize (streams yield data and scales as they arrive)."""
+    def build():
+        names, shards, specs = inputs()
+        if not all(isinstance(s, _C.ShardSpec) for s in specs):
+            raise InvalidTypeError("specs must be a list of ShardSpec")
+        agreement.specs = specs
+        if async_op:
+            raise InvalidArgumentError("quantize: async_op=True is not supported yet")
+        quantizer = Quantizer(names, shards, specs, quantize, comm.rank, comm.size)
+        if raw_only and any(q is not None and q.dequantize for q in quantizer.specs_q):
+            raise InvalidArgumentError("quantize: %s yields the FP8 data and scales as they "
+                                       "arrive; dequantize is for unshard" % agreement.what)
+        return quantizer
+
+    quantizer = agreement.capture(build)
+    agreement.quantize = None if quantizer is None else [_text(q) for q in quantizer.specs_q]
+    return quantizer
+
+
+class Quantizer:
+    """One quantized transfer's plan, the same on every rank but for ``rank``: which tensors are
+    quantized (``specs_q``), what the payload carries (``payload_specs``; with names,
+    ``payload_names``: a quantized tensor ``w`` travels as ``w`` and ``w_scale_inv``, or
+    ``w_scale`` for mxfp8's E8M0 scales), and the arithmetic of each quantized tensor."""
+
+    def __init__(self, names, shards, specs, quantize, rank, world):
+        if len(shards) != len(specs):
+            raise InvalidArgumentError("%d shards for %d specs" % (len(shards), len(specs)))
+        for i, s in enumerate(specs):
+            _check_spec(i, s, world)
+        self.specs_q = resolve(quantize, specs, names)
+        self.rank = rank
+        self.tensors = [_plan_tensor(i, q, s, world)
+                        for i, (q, s) in enumerate(zip(self.specs_q, specs)) if q is not None]
+        for t in self.tensors:
+            _check_shard(shards[t.index], specs[t.index], t, rank, world)
+        column = 0
+        for t in self.tensors:
+            if any(t.cut_slabs(r) for r in range(world)):
+                t.column = column
+                column += 2 * t.slot
+        by_index = {t.index: t for t in self.tensors}
+        taken = set() if names is None else {str(n) for n in names}
+        self.payload_specs, self.payload_names, self.views = [], [], {}
+        for i, s in enumerate(specs):
+            t = by_index.get(i)
+            name = None if names is None else names[i]
+            if t is None:
+                self.payload_specs.append(s)
+                self.payload_names.append(name)
+                continue
+            self.payload_specs += _payload_specs(t)
+            if names is None:
+                continue
+            scale = "%s_scale%s" % (name, "" if t.spec.format == "mxfp8" else "_inv")
+            if scale in taken:
+                raise InvalidArgumentError("quantize: the scales of %r would be named %r, "
+                                           "which is a tensor of its own" % (name, scale))
+            self.payload_names += [name, scale]
+            self.views[name] = torch.float8_e4m3fn
+            if t.spec.format == "mxfp8":
+                self.views[scale] = torch.float8_e8m0fnu
+
+    def encode(self, shards, comm, timeout):
+        """Steps 2 to 4 of the module, collective over ``comm``: the payload this rank sends
+        (a quantized tensor's FP8 bytes as uint8 and its owned scales; plain tensors as they
+        are), from the shards' current values."""
+        rank = self.rank
+        amax = {t.index: _C._fold_amax(_real_rows(shards[t.index], t, rank), t.spec.format,
+                                       t.window(rank)[1], _in_window(t, rank))
+                for t in self.tensors if t.sizes[rank]}
+        _agree_amax(self.tensors, amax, comm, timeout)
+        by_index = {t.index: t for t in self.tensors}
+        sent = []
+        for i, shard in enumerate(shards):
+            t = by_index.get(i)
+            sent += [shard] if t is None else _encode(t, shard, amax.get(i), rank)
+        return sent
+
+    def outputs(self, got):
+        """The receiver's entries from the payload's: (data, scales) or dequantized."""
+        return _outputs(got, self.specs_q)
+
+
+def _check_spec(i, s, world):
+    """What the quantizer's arithmetic reads of a spec, checked as the unshard checks it."""
+    ndim = len(s.full_shape)
+    if ndim and not -ndim <= s.shard_dim < ndim:
+        raise InvalidArgumentError("specs[%d]: shard_dim %d of a %d-d tensor"
+                                   % (i, s.shard_dim, ndim))
+    if not ndim:
+        return
+    full = s.full_shape[s.shard_dim % ndim]
+    sizes = list(s.sizes) or _C.chunk_sizes(full, world)
+    if len(sizes) != world or min(sizes) < 0 or sum(sizes) != full:
+        raise InvalidArgumentError("specs[%d]: sizes %s for %d rows over %d ranks"
+                                   % (i, sizes, full, world))
+    if s.padded_size and s.padded_size < max(sizes):
+        raise InvalidArgumentError("specs[%d]: padded_size %d < the largest shard %d"
+                                   % (i, s.padded_size, max(sizes)))
 
 
 def _in_window(t, rank):

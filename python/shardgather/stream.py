@@ -37,7 +37,7 @@ __all__ = ["UnshardStream", "unshard_stream"]
 
 
 def unshard_stream(shards, specs=None, group=None, *, bucket_bytes=1 << 30, prefetch=1,
-                   dst=None, copy=False, strategy="auto", timeout=None):
+                   dst=None, copy=False, strategy="auto", timeout=None, quantize=None):
     """A stream of the full parameters of ``shards``, bucket by bucket; see the module.
 
     ``shards``: a list of this rank's shard tensors with ``specs`` (a list of ShardSpec), or a
@@ -45,9 +45,16 @@ def unshard_stream(shards, specs=None, group=None, *, bucket_bytes=1 << 30, pref
     list or dict of DTensors (``specs=None``: each DTensor's layout is its spec, as for
     :func:`shardgather.full_tensors`). Collective over ``group`` (for DTensors: their mesh).
     Each bucket is a dict from name (the dict's keys, or list indices) to full tensor.
+
+    ``quantize`` (:mod:`shardgather.quantized`): a format name or ``Quantize`` for every
+    tensor it can quantize, or a dict from name to one. A quantized tensor ``w`` arrives as
+    ``w`` (float8_e4m3fn) and ``w_scale_inv`` (float32; ``w_scale``, float8_e8m0fnu, for
+    mxfp8), bit-identical to quantizing the full tensor; each iteration quantizes the shards'
+    current values. Streams yield the raw data and scales (no ``dequantize``).
     """
     return UnshardStream(shards, specs, group, bucket_bytes=bucket_bytes, prefetch=prefetch,
-                         dst=dst, copy=copy, strategy=strategy, timeout=timeout)
+                         dst=dst, copy=copy, strategy=strategy, timeout=timeout,
+                         quantize=quantize)
 
 
 class UnshardStream:
@@ -60,18 +67,30 @@ class UnshardStream:
     """
 
     def __init__(self, shards, specs=None, group=None, *, bucket_bytes=1 << 30, prefetch=1,
-                 dst=None, copy=False, strategy="auto", timeout=None, _checks=(), _options=()):
+                 dst=None, copy=False, strategy="auto", timeout=None, quantize=None, _checks=(),
+                 _options=()):
         agreement = Agreement("unshard_stream")
         group = _stream_group(shards, specs, group)
         self._comm = communicator(group, _setup_timeout(timeout))
         names, tensors, specs = agreement.capture(lambda: _inputs(shards, specs, group)) or (
             None, None, None)
+        self._quantizer, self._timeout = None, timeout
+        moved_names, moved_specs = names, specs  # what the stream moves
+        if quantize is not None and specs is not None:
+            from . import quantized
+
+            self._quantizer = quantized.agree(agreement, self._comm,
+                                              lambda: (names, tensors, specs), quantize,
+                                              raw_only=True)
+            if self._quantizer is not None:  # the payload's entries: data and scales
+                moved_names = self._quantizer.payload_names
+                moved_specs = self._quantizer.payload_specs
         for check in _checks:  # the export's own arguments (its dst domain is narrower)
             agreement.capture(lambda: check(names))
         agreement.capture(lambda: _check_options(bucket_bytes, prefetch, dst, copy, strategy,
                                                  self._comm.size))
         self._stream = agreement.capture(lambda: _C.UnshardStream(
-            list(specs), self._comm.size, self._comm.rank, bucket_bytes, prefetch, dst,
+            list(moved_specs), self._comm.size, self._comm.rank, bucket_bytes, prefetch, dst,
             strategy, timeout))
         agreement.names = names if isinstance(shards, dict) else None
         agreement.specs = specs
@@ -81,16 +100,17 @@ class UnshardStream:
         if agreement.error is not None:
             agreement.options = [(k, None) for k, _ in agreement.options]
         agreement.run(self._comm, _setup_timeout(timeout))
-        self._names = names
+        self._names = moved_names
         self._tensors = tensors
-        self._specs = specs
+        self._specs = moved_specs
         self._copy = copy
         self._begun = False
         self._ended = False
         self._at = 0  # buckets yielded
         self.rank = self._comm.rank
         self.dst = dst
-        self.total_bytes = sum(math.prod(sp.full_shape) * sp.dtype.itemsize for sp in specs)
+        self.total_bytes = sum(math.prod(sp.full_shape) * sp.dtype.itemsize
+                               for sp in moved_specs)
 
     @property
     def num_buckets(self):
@@ -139,7 +159,11 @@ class UnshardStream:
         self._at = index + 1
         if self._copy:
             full = [t.clone() for t in full]
-        return dict(zip(self._names[first:first + len(full)], full))
+        bucket = dict(zip(self._names[first:first + len(full)], full))
+        if self._quantizer is not None:
+            views = self._quantizer.views
+            bucket = {k: t.view(views[k]) if k in views else t for k, t in bucket.items()}
+        return bucket
 
     def _begin(self):
         """Begins the stream, or begins it again once it ran to its end (a weight sync every
@@ -149,7 +173,10 @@ class UnshardStream:
             return
         self._begun, self._ended, self._at = True, False, 0
         try:
-            self._stream.begin(self._tensors, self._comm)
+            tensors = self._tensors
+            if self._quantizer is not None:  # the shards' current values, quantized
+                tensors = self._quantizer.encode(tensors, self._comm, self._timeout)
+            self._stream.begin(tensors, self._comm)
         except BaseException:
             self._ended = True
             raise

@@ -5,7 +5,13 @@ on the full tensor: the FP8 block formula in torch and
 torch.testing._internal.common_quantized.to_mxfp (test_quantize.py ties the host quantizer
 to the same two)."""
 
+import json
+import os
+import shutil
+import tempfile
+
 import torch
+from safetensors.torch import load_file
 from torch.testing._internal.common_quantized import to_mxfp
 
 import shardgather
@@ -209,15 +215,106 @@ def check_bytes_on_the_wire(rank, world, group):
                                     ("fp8_e4m3_128x128", (512, 1024), 1 + 4 / 16384)):
         full = _values(shape, torch.bfloat16, seed=13)
         spec = ShardSpec(full.dtype, shape, 0, _cuts(shape[0], world, seed=5))
-        sent, _, _ = quantized.encode([_shard(full, spec, rank, world)], [spec], comm, fmt,
+        _, sent = quantized.encode([_shard(full, spec, rank, world)], [spec], comm, fmt,
                                       timeout=T)
         mine = torch.tensor([sum(t.nbytes for t in sent)], dtype=torch.int64)
         every = shardgather.foreach_all_gather([mine], comm, timeout=T)[0]
         assert sum(int(x) for x in every) == shape[0] * shape[1] * per_element, (fmt, every)
 
 
+def _model(world, rank, scale=1.0):
+    """A small model's state dict of shards, its specs and its full tensors."""
+    shapes = {"layers.0.q.weight": ((300, 256), 0), "layers.0.norm.weight": ((256,), 0),
+              "layers.0.up.weight": ((200, 160), 1), "layers.0.down.weight": ((160, 200), 0),
+              "embed.weight": ((100, 64), 0)}
+    full, specs, state = {}, {}, {}
+    for k, (name, (shape, dim)) in enumerate(shapes.items()):
+        full[name] = _values(shape, torch.bfloat16, seed=200 + k, specials=k == 2,
+                             scale=scale)
+        specs[name] = ShardSpec(torch.bfloat16, shape, dim, _cuts(shape[dim], world, seed=k))
+        state[name] = _shard(full[name], specs[name], rank, world)
+    return state, specs, full
+
+
+def _check_quantized_dict(got, full, formats):
+    """got: every name of a quantized stream or checkpoint; full: the tensors; formats: which
+    are quantized, in which format."""
+    want_names = []
+    for name, t in full.items():
+        fmt = formats.get(name)
+        if fmt is None:
+            assert torch.equal(got[name], t), name
+            want_names.append(name)
+            continue
+        data, scales = reference(t, fmt)
+        scale_name = name + ("_scale" if fmt == "mxfp8" else "_scale_inv")
+        _same_bits(got[name], data)
+        _same_bits(got[scale_name], scales)
+        want_names += [name, scale_name]
+    assert list(got) == want_names, (list(got), want_names)
+
+
+def check_stream_quantized(rank, world, group):
+    """A stream of a state dict with quantize by name: the data and scales of every quantized
+    tensor, small buckets (data and scales in different ones), again after the shards change
+    (each iteration quantizes their current values)."""
+    state, specs, full = _model(world, rank)
+    formats = {"layers.0.q.weight": "fp8_e4m3_128x128", "layers.0.up.weight": "mxfp8",
+               "layers.0.down.weight": "fp8_e4m3_1x128"}
+    stream = shardgather.unshard_stream(state, specs, group, bucket_bytes=20000, copy=True,
+                                        timeout=T, quantize=formats)
+    for step in range(2):
+        got = {}
+        with stream:
+            for bucket in stream:
+                got.update(bucket)
+        _check_quantized_dict(got, full, formats)
+        for name in state:  # a training step
+            state[name].mul_(-3.0)
+            full[name].mul_(-3.0)
+    other = "mxfp8" if rank == world - 1 and world > 1 else "fp8_e4m3_128x128"
+    if world > 1:
+        _raises_everywhere(shardgather.MismatchError, "quantize spec of tensor 0 differs",
+                           lambda: shardgather.unshard_stream(
+                               state, specs, group, timeout=T,
+                               quantize={"layers.0.q.weight": other}))
+    _raises_everywhere(shardgather.InvalidArgumentError, "dequantize is for unshard",
+                       lambda: shardgather.unshard_stream(
+                           state, specs, group, timeout=T,
+                           quantize=Quantize("mxfp8", torch.float32)))
+
+
+def check_export_fp8(rank, world, group):
+    """save_safetensors(quantize=): F8_E4M3 weights and F32 weight_scale_inv, bit-identical to
+    the reference on the full tensors; the 1-d norm stays bf16; the index names the config."""
+    from shardgather.export import save_safetensors
+
+    state, specs, full = _model(world, rank, scale=0.05)
+    out = tempfile.mkdtemp(prefix="sg-fp8-export-")
+    try:
+        index = save_safetensors(state, out, specs, group, progress=False, timeout=T,
+                                 bucket_bytes=50000, quantize="fp8_e4m3_128x128")
+        if rank != 0:
+            assert index is None
+            return
+        with open(index) as f:
+            meta = json.load(f)
+        assert meta["metadata"]["quantization_config"] == {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128]}, meta
+        got = {}
+        for name in sorted(set(meta["weight_map"].values())):
+            got.update(load_file(os.path.join(out, name)))
+        got = {k: got[k] for k in meta["weight_map"]}
+        formats = {k: "fp8_e4m3_128x128" for k, t in full.items() if t.dim() == 2}
+        _check_quantized_dict(got, full, formats)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
 CHECKS = [check_unshard_bit_exact, check_one_spec_for_every_tensor, check_gather_to_one_rank,
-          check_padded_shards, check_disagreement, check_bytes_on_the_wire]
+          check_padded_shards, check_disagreement, check_bytes_on_the_wire,
+          check_stream_quantized, check_export_fp8]
 
 
 def _on_default_group(check):

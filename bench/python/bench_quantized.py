@@ -1,0 +1,106 @@
+"""Quantized unshards against the bf16 unshard of the same tensors (issue 26's bars).
+
+    mpirun -np 2 .venv/bin/python bench/python/bench_quantized.py              # one host
+    tools/netns-mpirun --hosts 2 --per-host 1 --rate 1gbit -- \\
+        .venv/bin/python bench/python/bench_quantized.py                     # link-bound
+
+(PYTHONPATH=build/ci/python in both.) The tensors are a Qwen3-8B decoder layer (hidden 4096,
+32 query and 8 key/value heads of 128, MLP 12288; its norms travel plain), bf16, sharded along
+dim 0 torch.chunk-style as FSDP2 shards them. Methods, every one returning what an FP8 engine
+loads or what the trainer had:
+  bf16          shardgather.unshard, the full bf16 tensors;
+  fp8-on-send   unshard(quantize="fp8_e4m3_128x128"): each rank quantizes its rows, FP8 data
+                and 128 x 128 scales cross the wire;
+  mxfp8-on-send unshard(quantize="mxfp8");
+  bf16+quantize the bf16 unshard, then every receiver quantizes the full tensors to 128 x 128
+                FP8 itself (what a gather without quantized transfers costs an FP8 engine).
+Per call: an MPI barrier (not timed), then the call; each iteration takes the max over ranks,
+and the methods take turns in a shuffled order. Prints medians and the ratios the bars name:
+fp8-on-send / bf16 (<= 0.60 link-bound, <= 1.10 on one host) and bf16+quantize / fp8-on-send
+(>= 1.8 link-bound). The first call of every method checks the FP8 results bit for bit against
+bf16+quantize's.
+"""
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+from mpi4py import MPI
+
+import shardgather as sg
+from shardgather.quantization import quantize
+
+FMT = "fp8_e4m3_128x128"
+
+
+def qwen3_8b_layer():
+    h, kv, f = 4096, 8 * 128, 12288
+    return [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f), (h,), (h,), (128,), (128,)]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--json", action="store_true", help="one JSON line instead of the table")
+    args = p.parse_args()
+    mpi = MPI.COMM_WORLD
+    comm = sg.mpi_communicator(mpi)
+    rank, world = comm.rank, comm.size
+    shapes = qwen3_8b_layer()
+    specs = [sg.ShardSpec(torch.bfloat16, s, 0) for s in shapes]
+    g = torch.Generator().manual_seed(7)
+    shards = []
+    for s in specs:
+        sizes = sg.chunk_sizes(s.full_shape[0], world)
+        rows = (sizes[rank],) + tuple(s.full_shape[1:])
+        shards.append((torch.randn(rows, generator=g) * 0.02).to(torch.bfloat16))
+
+    def bf16_then_quantize():
+        full = sg.unshard(shards, specs, comm)
+        return [quantize(t, FMT) if t.dim() == 2 else t for t in full]
+
+    methods = {
+        "bf16": lambda: sg.unshard(shards, specs, comm),
+        "fp8-on-send": lambda: sg.unshard(shards, specs, comm, quantize=FMT),
+        "mxfp8-on-send": lambda: sg.unshard(shards, specs, comm, quantize="mxfp8"),
+        "bf16+quantize": bf16_then_quantize,
+    }
+    times = {m: [] for m in methods}
+    first = {m: fn() for m, fn in methods.items()}  # warm-up, and the results to compare
+    for a, b in zip(first["fp8-on-send"], first["bf16+quantize"]):
+        if isinstance(a, tuple):
+            assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
+            assert torch.equal(a[1], b[1])
+    del first
+    order = list(methods)
+    rnd = random.Random(11)
+    for _ in range(args.iters):
+        rnd.shuffle(order)
+        for m in order:
+            mpi.Barrier()
+            t0 = time.perf_counter()
+            methods[m]()
+            dt = time.perf_counter() - t0
+            times[m].append(mpi.allreduce(dt, op=MPI.MAX))
+    if rank != 0:
+        return
+    med = {m: statistics.median(v) for m, v in times.items()}
+    ratios = {"fp8-on-send/bf16": med["fp8-on-send"] / med["bf16"],
+              "mxfp8-on-send/bf16": med["mxfp8-on-send"] / med["bf16"],
+              "bf16+quantize/fp8-on-send": med["bf16+quantize"] / med["fp8-on-send"]}
+    if args.json:
+        print(json.dumps({"world": world, "median_s": med, "all_s": times, "ratios": ratios}))
+        return
+    print("world %d, Qwen3-8B layer, %d timed calls each (max over ranks)" % (world, args.iters))
+    for m in methods:
+        print("  %-14s median %8.1f ms   (%s)" % (m, med[m] * 1e3,
+                                                  " ".join("%.0f" % (t * 1e3) for t in times[m])))
+    for k, v in ratios.items():
+        print("  %-26s %.3f" % (k, v))
+
+
+if __name__ == "__main__":
+    main()
