@@ -4,7 +4,9 @@
     tools/netns-mpirun --hosts 2 --per-host 1 --rate 1gbit -- \\
         .venv/bin/python bench/python/bench_quantized.py                     # link-bound
 
-(PYTHONPATH=build/ci/python in both.) The tensors are a Qwen3-8B decoder layer (hidden 4096,
+    .venv/bin/python bench/python/bench_quantized.py --kernel               # the quantizer
+
+(PYTHONPATH=build/ci/python in each.) The tensors are a Qwen3-8B decoder layer (hidden 4096,
 32 query and 8 key/value heads of 128, MLP 12288; its norms travel plain), bf16, sharded along
 dim 0 torch.chunk-style as FSDP2 shards them. Methods, every one returning what an FP8 engine
 loads or what the trainer had:
@@ -13,11 +15,15 @@ loads or what the trainer had:
                 and 128 x 128 scales cross the wire;
   mxfp8-on-send unshard(quantize="mxfp8");
   bf16+quantize the bf16 unshard, then every receiver quantizes the full tensors to 128 x 128
-                FP8 itself (what a gather without quantized transfers costs an FP8 engine).
+                FP8 itself (what a gather without quantized transfers costs an FP8 engine);
+  bf16-stream, fp8-stream
+                an unshard_stream of the layer in one bucket, without and with quantize,
+                iterated every time (a weight sync every step: the steady state, where the
+                stream reuses its buffers and the quantizer its FP8 staging).
 Per call: an MPI barrier (not timed), then the call; each iteration takes the max over ranks,
 and the methods take turns in a shuffled order. Prints medians and the ratios the bars name:
-fp8-on-send / bf16 (<= 0.60 link-bound, <= 1.10 on one host) and bf16+quantize / fp8-on-send
-(>= 1.8 link-bound). The first call of every method checks the FP8 results bit for bit against
+fp8-on-send / bf16 (<= 0.60 link-bound, <= 1.10 on one host), bf16+quantize / fp8-on-send
+(>= 1.8 link-bound), and fp8-stream / bf16-stream. The first call of every method checks the FP8 results bit for bit against
 bf16+quantize's.
 """
 
@@ -28,7 +34,6 @@ import statistics
 import time
 
 import torch
-from mpi4py import MPI
 
 import shardgather as sg
 from shardgather.quantization import quantize
@@ -41,11 +46,42 @@ def qwen3_8b_layer():
     return [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f), (h,), (h,), (128,), (128,)]
 
 
+def kernel(iters):
+    """The host quantizer alone, one core: the amax pass and the quantize pass over a 6144 x
+    4096 tensor (half a Qwen3-8B gate_proj) per format and dtype, warm buffers (the data into a
+    reused output), medians; SHARDGATHER_QUANTIZE_ISA=sse2 or avx2 caps the loops."""
+    from shardgather import _shardgather as C
+
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        x = (torch.randn(6144, 4096) * 0.02).to(dtype)
+        out = torch.empty(x.shape, dtype=torch.uint8)
+        out.fill_(0)
+        for fmt in ("fp8_e4m3_128x128", "fp8_e4m3_1x128", "mxfp8"):
+            fold, quant = [], []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                amax = C._fold_amax(x, fmt, list(x.shape), [0, 0])
+                t1 = time.perf_counter()
+                C._quantize_box(x, fmt, list(x.shape), [0, 0], amax, out)
+                t2 = time.perf_counter()
+                fold.append(t1 - t0)
+                quant.append(t2 - t1)
+            f, q = statistics.median(fold), statistics.median(quant)
+            print("  %-9s %-17s amax %6.1f ms  quantize %6.1f ms  (%.2f G elements/s)"
+                  % (str(dtype).split(".")[1], fmt, f * 1e3, q * 1e3, x.numel() / q / 1e9))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", action="store_true", help="one JSON line instead of the table")
+    p.add_argument("--kernel", action="store_true",
+                   help="time the host quantizer alone, on one rank (no MPI)")
     args = p.parse_args()
+    if args.kernel:
+        return kernel(args.iters)
+    from mpi4py import MPI
+
     mpi = MPI.COMM_WORLD
     comm = sg.mpi_communicator(mpi)
     rank, world = comm.rank, comm.size
@@ -62,11 +98,20 @@ def main():
         full = sg.unshard(shards, specs, comm)
         return [quantize(t, FMT) if t.dim() == 2 else t for t in full]
 
+    streams = {fmt: sg.unshard_stream(shards, specs, comm, bucket_bytes=1 << 31, quantize=fmt)
+               for fmt in (None, FMT)}
+
+    def drain(stream):
+        with stream:
+            return [dict(b) for b in stream]
+
     methods = {
         "bf16": lambda: sg.unshard(shards, specs, comm),
         "fp8-on-send": lambda: sg.unshard(shards, specs, comm, quantize=FMT),
         "mxfp8-on-send": lambda: sg.unshard(shards, specs, comm, quantize="mxfp8"),
         "bf16+quantize": bf16_then_quantize,
+        "bf16-stream": lambda: drain(streams[None]),
+        "fp8-stream": lambda: drain(streams[FMT]),
     }
     times = {m: [] for m in methods}
     first = {m: fn() for m, fn in methods.items()}  # warm-up, and the results to compare
@@ -90,16 +135,17 @@ def main():
     med = {m: statistics.median(v) for m, v in times.items()}
     ratios = {"fp8-on-send/bf16": med["fp8-on-send"] / med["bf16"],
               "mxfp8-on-send/bf16": med["mxfp8-on-send"] / med["bf16"],
-              "bf16+quantize/fp8-on-send": med["bf16+quantize"] / med["fp8-on-send"]}
+              "bf16+quantize/fp8-on-send": med["bf16+quantize"] / med["fp8-on-send"],
+              "fp8-stream/bf16-stream": med["fp8-stream"] / med["bf16-stream"]}
     if args.json:
         print(json.dumps({"world": world, "median_s": med, "all_s": times, "ratios": ratios}))
         return
     print("world %d, Qwen3-8B layer, %d timed calls each (max over ranks)" % (world, args.iters))
     for m in methods:
-        print("  %-14s median %8.1f ms   (%s)" % (m, med[m] * 1e3,
+        print("  %-15s median %8.1f ms   (%s)" % (m, med[m] * 1e3,
                                                   " ".join("%.0f" % (t * 1e3) for t in times[m])))
     for k, v in ratios.items():
-        print("  %-26s %.3f" % (k, v))
+        print("  %-27s %.3f" % (k, v))
 
 
 if __name__ == "__main__":

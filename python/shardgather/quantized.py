@@ -291,6 +291,7 @@ class Quantizer:
             _check_spec(i, s, world)
         self.specs_q = resolve(quantize, specs, names)
         self.rank = rank
+        self._staging = None
         self.tensors = [_plan_tensor(i, q, s, world)
                         for i, (q, s) in enumerate(zip(self.specs_q, specs)) if q is not None]
         for t in self.tensors:
@@ -325,8 +326,13 @@ class Quantizer:
     def encode(self, shards, comm, timeout):
         """Steps 2 to 4 of the module, collective over ``comm``: the payload this rank sends
         (a quantized tensor's FP8 bytes as uint8 and its owned scales; plain tensors as they
-        are), from the shards' current values."""
+        are), from the shards' current values. The FP8 bytes go into one buffer that the
+        quantizer keeps and reuses on its next encode (a stream's every iteration): the
+        payload of the previous encode must be done with by then."""
         rank = self.rank
+        if self._staging is None:
+            self._staging = _C._host_staging(sum(_rows_numel(t, rank) for t in self.tensors))
+        at = 0
         amax = {t.index: _C._fold_amax(_real_rows(shards[t.index], t, rank), t.spec.format,
                                        t.window(rank)[1], _in_window(t, rank))
                 for t in self.tensors if t.sizes[rank]}
@@ -335,7 +341,12 @@ class Quantizer:
         sent = []
         for i, shard in enumerate(shards):
             t = by_index.get(i)
-            sent += [shard] if t is None else _encode(t, shard, amax.get(i), rank)
+            if t is None:
+                sent.append(shard)
+                continue
+            n = _rows_numel(t, rank)
+            sent += _encode(t, shard, amax.get(i), rank, self._staging[at:at + n])
+            at += n
         return sent
 
     def outputs(self, got):
@@ -410,8 +421,16 @@ def _agree_amax(tensors, amax, comm, timeout):
         view.copy_(torch.maximum(view, piece.reshape(view.shape)))
 
 
-def _encode(t, shard, amax, rank):
-    """[FP8 bytes of the real rows, the scales of the slabs that start in them]."""
+def _rows_numel(t, rank):
+    n = t.sizes[rank]
+    for d, s in enumerate(t.shape):
+        n *= 1 if d == t.dim else s
+    return n
+
+
+def _encode(t, shard, amax, rank, out):
+    """[FP8 bytes of the real rows (into ``out``, flat), the scales of the slabs that start in
+    them]."""
     if amax is None:  # no rows: nothing to send
         empty = list(t.shape)
         empty[t.dim] = 0
@@ -420,8 +439,9 @@ def _encode(t, shard, amax, rank):
         return [torch.empty(empty, dtype=torch.uint8),
                 torch.empty(scales, dtype=torch.uint8 if t.spec.format == "mxfp8"
                             else torch.float32)]
-    data, scales = _C._quantize_box(_real_rows(shard, t, rank), t.spec.format,
-                                    t.window(rank)[1], _in_window(t, rank), amax)
+    rows = _real_rows(shard, t, rank)
+    data, scales = _C._quantize_box(rows, t.spec.format, t.window(rank)[1], _in_window(t, rank),
+                                    amax, out.view(rows.shape))
     n = t.owned(rank)
     return [data, scales.narrow(t.dim, scales.shape[t.dim] - n, n)]
 

@@ -1,6 +1,7 @@
 #include "quantize.h"
 
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -10,6 +11,7 @@
 #include "plans.h"
 #include "torch_tensors.h"
 
+#include "shardgather/buffer.h"
 #include "shardgather/errors.h"
 #include "shardgather/quantize.h"
 
@@ -123,9 +125,12 @@ at::Tensor fold_amax_py(const at::Tensor& t, const std::string& name, const Shap
 
 // (the box's e4m3fn bytes as uint8 in its shape, the window's encoded scales) from the window's
 // agreed amaxes (fold_amax_py's shape, combined with the other ranks' pieces of cut blocks).
+// `out`: where the data goes (a contiguous uint8 tensor of the box's shape, reused by a caller
+// that quantizes every step), or None for a new one.
 std::tuple<at::Tensor, at::Tensor> quantize_box_py(const at::Tensor& t, const std::string& name,
                                                    const Shape& hull, const Shape& offset,
-                                                   const at::Tensor& amax) {
+                                                   const at::Tensor& amax,
+                                                   const std::optional<at::Tensor>& out) {
   const at::Tensor input = cpu_tensor(t, "the box");
   TensorView view;
   set_view(input, dtype_of(input.scalar_type(), "the box"), view);
@@ -136,7 +141,14 @@ std::tuple<at::Tensor, at::Tensor> quantize_box_py(const at::Tensor& t, const st
                           " " + shape_string(maxima.sizes()) + " (want float32 " +
                           shape_string(grid.scale_shape()) + ")");
   }
-  at::Tensor data = at::empty(input.sizes(), at::TensorOptions().dtype(at::kByte));
+  if (out && (!out->device().is_cpu() || out->scalar_type() != at::kByte ||
+              out->sizes() != input.sizes() || !out->is_contiguous())) {
+    throw InvalidArgument("quantize: out must be a contiguous CPU uint8 tensor of shape " +
+                          shape_string(input.sizes()) + ", got " +
+                          std::string(at::toString(out->scalar_type())) + " " +
+                          shape_string(out->sizes()));
+  }
+  at::Tensor data = out ? *out : at::empty(input.sizes(), at::TensorOptions().dtype(at::kByte));
   at::Tensor scales =
       at::empty(grid.scale_shape(),
                 at::TensorOptions().dtype(grid.scale_size() == 1 ? at::kByte : at::kFloat));
@@ -149,16 +161,31 @@ std::tuple<at::Tensor, at::Tensor> quantize_box_py(const at::Tensor& t, const st
   return {data, scales};
 }
 
+// A uint8 CPU tensor of `bytes` over a huge-page-advised AlignedBuffer: the FP8 staging of a
+// quantized transfer, written once per call (first touch of 4 KiB pages costs about 40x more
+// than of huge pages on the machines this targets; torch's own empty() does not advise them).
+at::Tensor host_staging_py(std::int64_t bytes) {
+  if (bytes < 0) {
+    throw InvalidArgument("quantize: staging of " + std::to_string(bytes) + " bytes");
+  }
+  auto buffer = std::make_unique<AlignedBuffer>(static_cast<std::uint64_t>(bytes));
+  std::byte* data = buffer->data();
+  const c10::Storage storage =
+      adopt_storage(std::move(buffer), data, static_cast<std::uint64_t>(bytes));
+  return at::empty({0}, at::TensorOptions().dtype(at::kByte)).set_(storage, 0, {bytes}, {1});
+}
+
 }  // namespace
 
 void register_quantize(py::module_& m) {
   m.def("_quantize", &quantize_py, py::arg("tensor"), py::arg("format"));
   m.def("_dequantize", &dequantize_py, py::arg("data"), py::arg("scales"), py::arg("format"),
         py::arg("dtype"));
+  m.def("_host_staging", &host_staging_py, py::arg("bytes"));
   m.def("_fold_amax", &fold_amax_py, py::arg("box"), py::arg("format"), py::arg("window"),
         py::arg("offset"));
   m.def("_quantize_box", &quantize_box_py, py::arg("box"), py::arg("format"), py::arg("window"),
-        py::arg("offset"), py::arg("amax"));
+        py::arg("offset"), py::arg("amax"), py::arg("out") = py::none());
 }
 
 }  // namespace shardgather::python

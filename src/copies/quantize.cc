@@ -12,8 +12,14 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
 
 #include "shardgather/errors.h"
 
@@ -163,15 +169,15 @@ void for_each_row(const BoxRows& rows, Fn&& fn) {
 // row starting at `first`, all in block `block` of the grid.
 template <typename Fn>
 void for_each_segment(const QuantGrid& grid, const BoxRows& rows, std::int64_t grid_row, Fn&& fn) {
-  const std::int64_t block_row = grid_row / grid.block_rows;
-  std::int64_t col = rows.col0;
+  const std::int64_t first_block = grid_row / grid.block_rows * grid.scale_cols();
   const std::int64_t end = rows.col0 + rows.cols;
+  std::int64_t block_col = rows.col0 / grid.block_cols;  // one division per row, not per block
+  std::int64_t col = rows.col0;
   while (col < end) {
-    const std::int64_t block_col = col / grid.block_cols;
     const std::int64_t stop = std::min(end, (block_col + 1) * grid.block_cols);
-    fn(static_cast<std::size_t>(block_row * grid.scale_cols() + block_col), col - rows.col0,
-       stop - col);
+    fn(static_cast<std::size_t>(first_block + block_col), col - rows.col0, stop - col);
     col = stop;
+    ++block_col;
   }
 }
 
@@ -315,17 +321,42 @@ template <typename Load, int kStep, bool kMultiply>
   }
 }
 
-// Each loop twice on x86-64: for the baseline (SSE2) and for AVX2, chosen at run time. The two
-// compute the same IEEE operations (no FMA is enabled), so they give the same bytes;
-// SHARDGATHER_QUANTIZE_BASELINE=1 forces the baseline (the tests run both).
+// A run of one row inside one block: `count` elements from column `first` of the row, all
+// quantized with `scale`.
+struct Segment {
+  std::int64_t first = 0;
+  std::int64_t count = 0;
+  float scale = 1.0F;
+};
+
+// Each loop for the baseline (SSE2) and for AVX2, and the quantize loop of contiguous rows also
+// written with AVX-512 intrinsics (GCC's own vectorisation of it spills; the intrinsics narrow
+// with one vpmovdb), chosen at run time by what the CPU has. All compute the same IEEE
+// operations (no FMA), so they give the same bytes. SHARDGATHER_QUANTIZE_ISA=sse2 or avx2 caps
+// the choice; the tests run each.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define SHARDGATHER_QUANTIZE_AVX2 1
-bool use_avx2() noexcept {
-  static const bool use = [] {
-    const char* baseline = std::getenv("SHARDGATHER_QUANTIZE_BASELINE");
-    return __builtin_cpu_supports("avx2") && (baseline == nullptr || baseline[0] != '1');
+
+enum class Isa : std::uint8_t { kSse2, kAvx2, kAvx512 };
+
+Isa isa() noexcept {
+  static const Isa chosen = [] {
+    Isa best = Isa::kSse2;
+    if (__builtin_cpu_supports("avx2")) {
+      best = Isa::kAvx2;
+    }
+    if (best == Isa::kAvx2 && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
+      best = Isa::kAvx512;
+    }
+    const char* cap = std::getenv("SHARDGATHER_QUANTIZE_ISA");
+    const std::string_view name = cap == nullptr ? "" : cap;
+    if (name == "sse2") {
+      return Isa::kSse2;
+    }
+    return name == "avx2" ? std::min(best, Isa::kAvx2) : best;
   }();
-  return use;
+  return chosen;
 }
 
 template <typename Load, int kStep>
@@ -339,28 +370,120 @@ template <typename Load, int kStep, bool kMultiply>
                                            std::int64_t count, float s, std::uint8_t* dst) {
   quantize_loop<Load, kStep, kMultiply>(src, step, count, s, dst);
 }
+
+#define SG_AVX512 gnu::target("avx512f,avx512bw,avx512vl")
+// GCC 12's AVX-512 headers start some intrinsics from _mm512_undefined_*(), which its
+// -Wmaybe-uninitialized reports once inlined (GCC bug 105593); nothing here reads one.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+// 16 elements as fp32, exactly as Load::get gives them; lanes outside `mask` are 0.
+template <typename Load>
+[[SG_AVX512]] inline __m512 load16(const typename Load::T* src, __mmask16 mask) noexcept {
+  if constexpr (std::is_same_v<Load, LoadF32>) {
+    return _mm512_maskz_loadu_ps(mask, src);
+  } else {
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, src));
+    if constexpr (std::is_same_v<Load, LoadBf16>) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+    } else {  // LoadF16's bit rule, lane by lane
+      const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(h, _mm512_set1_epi32(0x8000)), 16);
+      const __m512i exp = _mm512_and_si512(_mm512_srli_epi32(h, 10), _mm512_set1_epi32(0x1F));
+      const __m512i man = _mm512_and_si512(h, _mm512_set1_epi32(0x3FF));
+      const __m512i sub =
+          _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(man), _mm512_set1_ps(0x1p-24F)));
+      const __m512i man_bits = _mm512_slli_epi32(man, 13);
+      const __m512i normal = _mm512_or_si512(
+          _mm512_slli_epi32(_mm512_add_epi32(exp, _mm512_set1_epi32(127 - 15)), 23), man_bits);
+      const __m512i special = _mm512_or_si512(_mm512_set1_epi32(0x7F800000), man_bits);
+      __m512i bits = _mm512_mask_mov_epi32(
+          normal, _mm512_cmpeq_epi32_mask(exp, _mm512_set1_epi32(0x1F)), special);
+      bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(exp, _mm512_setzero_si512()), sub);
+      return _mm512_castsi512_ps(_mm512_or_si512(bits, sign));
+    }
+  }
+}
+
+// e4m3_saturated, 16 lanes at a time.
+[[SG_AVX512]] inline __m512i e4m3_16(__m512 y) noexcept {
+  const __m512i bits = _mm512_castps_si512(y);
+  const __m512i k448 = _mm512_set1_epi32(0x43E00000);
+  __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
+  const __mmask16 over = _mm512_cmpgt_epi32_mask(mag, k448) &
+                         _mm512_cmple_epi32_mask(mag, _mm512_set1_epi32(0x7F800000));
+  mag = _mm512_mask_mov_epi32(mag, over, k448);
+  const __m512i sub = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(16384.0F))),
+      _mm512_set1_epi32(0x46800000));
+  const __m512i round = _mm512_and_si512(_mm512_srli_epi32(mag, 20), _mm512_set1_epi32(1));
+  const __m512i normal = _mm512_srai_epi32(
+      _mm512_add_epi32(_mm512_sub_epi32(mag, _mm512_set1_epi32(0x3C000000 - 0x7FFFF)), round), 20);
+  __m512i code = _mm512_mask_mov_epi32(
+      normal, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(0x3C800000)), sub);
+  code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epi32_mask(mag, _mm512_set1_epi32(0x43F00000)),
+                               _mm512_set1_epi32(0x7F));
+  return _mm512_or_si512(code, sign);
+}
+
+// quantize_loop over the block segments of one contiguous row, in one call (MXFP8's segments
+// are 32 elements: a call per segment would cost as much as its work).
+template <typename Load, bool kMultiply>
+[[SG_AVX512]] void quantize_row_avx512(const typename Load::T* row,
+                                       std::span<const Segment> segments, std::uint8_t* dst) {
+  for (const Segment& segment : segments) {
+    const __m512 scale = _mm512_set1_ps(segment.scale);
+    const typename Load::T* src = row + segment.first;
+    std::uint8_t* out = dst + segment.first;
+    for (std::int64_t j = 0; j < segment.count; j += 16) {
+      const std::int64_t left = segment.count - j;
+      const auto mask = static_cast<__mmask16>(left >= 16 ? 0xFFFFU : (1U << left) - 1U);
+      const __m512 x = load16<Load>(src + j, mask);
+      const __m512 y = kMultiply ? _mm512_mul_ps(x, scale) : _mm512_div_ps(x, scale);
+      _mm512_mask_cvtepi32_storeu_epi8(out + j, mask, e4m3_16(y));
+    }
+  }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#undef SG_AVX512
 #endif
 
 template <typename Load, int kStep>
 std::int32_t block_amax(const typename Load::T* src, std::int64_t step, std::int64_t count) {
 #ifdef SHARDGATHER_QUANTIZE_AVX2
-  if (use_avx2()) {
+  if (isa() != Isa::kSse2) {
     return amax_avx2<Load, kStep>(src, step, count);
   }
 #endif
   return amax_loop<Load, kStep>(src, step, count);
 }
 
+// Quantizes one row's block segments (`step`: the row's element stride).
 template <typename Load, int kStep, bool kMultiply>
-void quantize_run(const typename Load::T* src, std::int64_t step, std::int64_t count, float s,
+void quantize_row(const typename Load::T* row, std::int64_t step, std::span<const Segment> segments,
                   std::uint8_t* dst) {
 #ifdef SHARDGATHER_QUANTIZE_AVX2
-  if (use_avx2()) {
-    quantize_avx2<Load, kStep, kMultiply>(src, step, count, s, dst);
+  const Isa chosen = isa();
+  if (kStep == 1 && chosen == Isa::kAvx512) {
+    quantize_row_avx512<Load, kMultiply>(row, segments, dst);
+    return;
+  }
+  if (chosen != Isa::kSse2) {
+    for (const Segment& g : segments) {
+      quantize_avx2<Load, kStep, kMultiply>(row + g.first * step, step, g.count, g.scale,
+                                            dst + g.first);
+    }
     return;
   }
 #endif
-  quantize_loop<Load, kStep, kMultiply>(src, step, count, s, dst);
+  for (const Segment& g : segments) {
+    quantize_loop<Load, kStep, kMultiply>(row + g.first * step, step, g.count, g.scale,
+                                          dst + g.first);
+  }
 }
 
 // f32 to bf16, round to nearest even; NaN to a quiet NaN.
@@ -533,21 +656,22 @@ void quantize_box(const QuantGrid& grid, const TensorView& box,
   check_scales(grid, scales.size());
   const BoxRows rows = box_rows(grid, box, offset);
   const bool multiply = grid.format == QuantFormat::kMxfp8;
+  std::vector<Segment> segments;
   dispatch(box.dtype, rows.col_step, [&]<typename Load, int kStep>() {
     const auto* base = static_cast<const typename Load::T*>(box.data);
     const std::int64_t step = kStep == 1 ? 1 : rows.col_step;
     for_each_row(rows, [&](std::int64_t r, std::int64_t grid_row, std::int64_t element) {
-      const auto* row = base + element;
+      segments.clear();
+      for_each_segment(grid, rows, grid_row,
+                       [&](std::size_t block, std::int64_t first, std::int64_t count) {
+                         segments.push_back({first, count, block_scale(grid, scales, block)});
+                       });
       auto* dst = reinterpret_cast<std::uint8_t*>(out) + r * rows.cols;
-      for_each_segment(
-          grid, rows, grid_row, [&](std::size_t block, std::int64_t first, std::int64_t count) {
-            const float s = block_scale(grid, scales, block);
-            if (multiply) {
-              quantize_run<Load, kStep, true>(row + first * step, step, count, s, dst + first);
-            } else {
-              quantize_run<Load, kStep, false>(row + first * step, step, count, s, dst + first);
-            }
-          });
+      if (multiply) {
+        quantize_row<Load, kStep, true>(base + element, step, segments, dst);
+      } else {
+        quantize_row<Load, kStep, false>(base + element, step, segments, dst);
+      }
     });
   });
 }
