@@ -546,9 +546,22 @@ class ReshardPlan(_PlanState):
     rank = _from_plan("rank")
 
 
-def reshard(sources, destinations, layouts, group=None, *, timeout=None, async_op=False):
+def reshard(sources, destinations, layouts, group=None, *, timeout=None, async_op=False,
+            quantize=None):
     """One-shot :class:`ReshardPlan`: plans ``layouts`` for ``group`` and executes once; returns
-    ``destinations`` (written in place). Build a plan instead to reshard every step."""
+    ``destinations`` (written in place). Build a plan instead to reshard every step.
+
+    ``quantize`` (a format name or :class:`Quantize` for every tensor it can quantize, or a list
+    or dict by index): FP8 on the wire, bit-identical to quantizing each full tensor
+    (:func:`shardgather.quantized.reshard`: the sources of a quantized tensor split one dim, and
+    its destinations are (data, scales) pairs or float32 / bfloat16 tensors to dequantize
+    into; :func:`shardgather.quantized.scale_box` gives a destination's scale shape)."""
+    if quantize is not None:
+        from . import quantized
+
+        comm = communicator(group, _setup_timeout(timeout))
+        return quantized.reshard(sources, destinations, layouts, comm, quantize,
+                                 timeout=timeout, async_op=async_op)
     plan = ReshardPlan.for_group(layouts, group, timeout=timeout)
     return plan.execute(sources, destinations, group, async_op=async_op)
 
@@ -586,13 +599,14 @@ def unshard(shards, specs, group=None, *, strategy="auto", preflight=True, timeo
     return _C.unshard(shards, comm, specs, strategy, preflight, timeout, async_op, dst)
 
 
-def full_tensors(tensors, group=None, *, strategy="auto", timeout=None):
+def full_tensors(tensors, group=None, *, strategy="auto", timeout=None, quantize=None):
     """The full tensors of a list (or dict) of DTensors in one collective; see
-    :func:`shardgather.dtensor.full_tensors`. (torch.distributed.tensor is imported on first
-    use, not with shardgather.)"""
+    :func:`shardgather.dtensor.full_tensors` (``quantize``: FP8 on the wire,
+    :mod:`shardgather.quantized`). (torch.distributed.tensor is imported on first use, not
+    with shardgather.)"""
     from .dtensor import full_tensors as gather_full
 
-    return gather_full(tensors, group, strategy=strategy, timeout=timeout)
+    return gather_full(tensors, group, strategy=strategy, timeout=timeout, quantize=quantize)
 
 
 class ThreadGroup:

@@ -27,7 +27,7 @@ class _Unsupported(ValueError):
     pass
 
 
-def full_tensors(tensors, group=None, *, strategy="auto", timeout=None):
+def full_tensors(tensors, group=None, *, strategy="auto", timeout=None, quantize=None):
     """The full tensors of ``tensors`` (a list, or a dict returned as a dict with the same keys),
     bit-exact with ``t.full_tensor()`` for each DTensor, gathered in one collective over their
     mesh; plain tensors are passed through as they are. Collective over the mesh's ranks: every
@@ -44,10 +44,17 @@ def full_tensors(tensors, group=None, *, strategy="auto", timeout=None):
     does. Errors: as for
     :func:`shardgather.unshard`, on every rank: lists whose layouts differ across ranks raise
     MismatchError, an unsupported layout raises InvalidArgumentError.
+
+    ``quantize`` (:mod:`shardgather.quantized`): a format name or ``Quantize`` for every tensor
+    it can quantize, or a dict (by key; by index for a list) or a list of them. A quantized
+    entry is ``(data, scales)`` (or the dequantized tensor), bit-identical to quantizing
+    ``t.full_tensor()``: sharded DTensors are quantized on send, replicated and plain ones here.
     """
     is_dict = isinstance(tensors, dict)
     items = list(tensors.values()) if is_dict else list(tensors)
     where = [i for i, t in enumerate(items) if isinstance(t, DTensor)]
+    if quantize is not None:
+        return _full_quantized(tensors, items, where, group, strategy, timeout, quantize)
     out = list(items)
     if where:
         mesh = items[where[0]].device_mesh
@@ -69,6 +76,62 @@ def full_tensors(tensors, group=None, *, strategy="auto", timeout=None):
     if is_dict:
         return dict(zip(tensors.keys(), out))
     return out
+
+
+class _Like:
+    """What resolve() reads of a spec: a tensor's dtype and global shape."""
+
+    def __init__(self, t):
+        self.dtype, self.full_shape = t.dtype, tuple(t.shape)
+
+
+def _full_quantized(tensors, items, where, group, strategy, timeout, quantize):
+    """full_tensors with ``quantize``: one agreement (keys, specs, quantize specs, strategy),
+    then the sharded DTensors quantized on send in one unshard and the others quantized here."""
+    from . import quantized
+
+    keys = list(tensors.keys()) if isinstance(tensors, dict) else list(range(len(items)))
+    if not where:
+        raise InvalidArgumentError("full_tensors: quantize needs DTensors (a list of plain "
+                                   "tensors has no group to agree over)")
+    mesh = items[where[0]].device_mesh
+    try:
+        mesh_group = _mesh_group(mesh, group)
+    except _Unsupported as e:
+        raise InvalidArgumentError("full_tensors: " + str(e)) from None
+    comm = communicator(mesh_group, _setup_timeout(timeout))
+    agreement = Agreement("full_tensors")
+    agreement.capture(lambda: check_str("strategy", strategy))
+    per_item, sharded = [], []
+
+    def inputs():
+        per_item.extend(quantized.resolve(quantize, [_Like(t) for t in items],
+                                          keys if isinstance(tensors, dict) else None))
+        for i, q in enumerate(per_item):
+            if q is not None and items[i].device.type != "cpu":
+                raise InvalidArgumentError("full_tensors: quantize runs on CPU tensors (the "
+                                           "host quantizer); %r is on %s" % (keys[i],
+                                                                            items[i].device))
+        sharded.extend(_layouts([items[i] for i in where], mesh, mesh_group))
+        return None, [sh for _, sh, _ in sharded], [spec for _, _, spec in sharded]
+
+    quantizer = quantized.agree(agreement, comm, inputs,
+                                lambda specs: [per_item[where[k]] for k, _, _ in sharded])
+    agreement.names = keys if isinstance(tensors, dict) else None
+    agreement.run(comm, _setup_timeout(timeout))
+    shards = [sh for _, sh, _ in sharded]
+    sent = quantizer.encode(shards, comm, timeout)
+    got = _C.unshard(sent, comm, quantizer.payload_specs, strategy, True, timeout, False, None)
+    out = list(items)
+    for (k, _, _), t in zip(sharded, quantizer.outputs(got)):
+        out[where[k]] = t
+    gathered = {where[k] for k, _, _ in sharded}
+    for i, t in enumerate(items):
+        if i in gathered:
+            continue
+        local = t.to_local() if isinstance(t, DTensor) else t
+        out[i] = local if per_item[i] is None else quantized.quantize_here(local, per_item[i])
+    return dict(zip(keys, out)) if isinstance(tensors, dict) else out
 
 
 def _agreed_layouts(comm, dtensors, mesh, mesh_group, names, strategy, timeout):

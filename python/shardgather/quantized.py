@@ -82,6 +82,8 @@ def _why_not(fmt, dtype, shape):
         return "a %s tensor (float32, bfloat16 or float16 only)" % dtype
     if not shape:
         return "a 0-d tensor"
+    if 0 in shape:
+        return "an empty tensor"
     if fmt == "fp8_e4m3_128x128" and len(shape) != 2:
         return "a %d-d tensor (128 x 128 blocks need 2 dims)" % len(shape)
     if fmt == "mxfp8" and shape[-1] % 32:
@@ -203,35 +205,68 @@ def _scale_shape(fmt, shape):
     return tuple(shape[:-1]) + (-(-shape[-1] // cols),)
 
 
-def _plan_tensor(i, spec, s, world):
+def _blocks(fmt, ndim):
+    """The block's extent along each dim of an ndim-d tensor."""
+    rows, cols = _BLOCKS[fmt]
+    extent = [1] * ndim
+    extent[-1] = cols
+    if fmt == "fp8_e4m3_128x128":
+        extent[0] = rows
+    return extent
+
+
+def _plan_tensor(i, spec, shape, dim, sizes, offsets):
+    return _Tensor(i, spec, tuple(shape), dim, list(sizes), list(offsets),
+                   _blocks(spec.format, len(shape))[dim], _scale_shape(spec.format, shape))
+
+
+def _from_spec(i, spec, s, world):
     shape = tuple(s.full_shape)
     dim = s.shard_dim % len(shape)
     sizes = list(s.sizes) or _C.chunk_sizes(shape[dim], world)
-    offsets = [sum(sizes[:r]) for r in range(world)]
-    rows, cols = _BLOCKS[spec.format]
-    block = cols if dim == len(shape) - 1 else (rows if spec.format == "fp8_e4m3_128x128" else 1)
-    return _Tensor(i, spec, shape, dim, sizes, offsets, block,
-                   _scale_shape(spec.format, shape))
+    return _plan_tensor(i, spec, shape, dim, sizes, [sum(sizes[:r]) for r in range(world)])
+
+
+def scale_box(fmt, shape, box):
+    """The box of the scale tensor that holds the scales of every block a box of a tensor of
+    ``shape`` touches: what a quantized reshard's destination receives with its data."""
+    offset, size = box
+    lo, n = [], []
+    for o, k, b in zip(offset, size, _blocks(fmt, len(shape))):
+        lo.append(o // b)
+        n.append(0 if k == 0 else -(-(o + k) // b) - o // b)
+    return Box(tuple(lo), tuple(n))
+
+
+def _window_of(fmt, shape, box):
+    """(window shape, the box's offset inside it): the box widened to block edges."""
+    window, inside = [], []
+    for o, k, b, g in zip(box[0], box[1], _blocks(fmt, len(shape)), shape):
+        lo = o // b * b
+        hi = min(-(-(o + k) // b) * b, g) if k else lo
+        window.append(hi - lo)
+        inside.append(o - lo)
+    return window, inside
 
 
 def _real_rows(shard, t, rank):
     return shard.narrow(t.dim, 0, t.sizes[rank])
 
 
-def _check_shard(shard, s, t, rank, world):
-    """The checks the quantizer needs before it reads a shard (the unshard checks the rest)."""
+def _check_shard(shard, dtype, padded, t, rank, world, what="shards"):
+    """The checks the quantizer needs before it reads a shard (the transfer checks the rest)."""
     if not isinstance(shard, torch.Tensor):
-        raise InvalidTypeError("shards[%d] must be a tensor, got %s"
-                               % (t.index, type(shard).__name__))
+        raise InvalidTypeError("%s[%d] must be a tensor, got %s"
+                               % (what, t.index, type(shard).__name__))
     if shard.device.type != "cpu":
-        raise InvalidArgumentError("shards[%d]: quantize runs on CPU tensors (the host "
-                                   "quantizer), got one on %s" % (t.index, shard.device))
+        raise InvalidArgumentError("%s[%d]: quantize runs on CPU tensors (the host "
+                                   "quantizer), got one on %s" % (what, t.index, shard.device))
     want = list(t.shape)
-    want[t.dim] = s.padded_size or t.sizes[rank]
-    if list(shard.shape) != want or shard.dtype != s.dtype:
+    want[t.dim] = padded or t.sizes[rank]
+    if list(shard.shape) != want or shard.dtype != dtype:
         raise InvalidArgumentError(
-            "shards[%d] on rank %d: %s %s, the spec wants %s %s (world %d)"
-            % (t.index, rank, shard.dtype, list(shard.shape), s.dtype, want, world))
+            "%s[%d] on rank %d: %s %s, the layout wants %s %s (world %d)"
+            % (what, t.index, rank, shard.dtype, list(shard.shape), dtype, want, world))
 
 
 def unshard(shards, specs, comm, quantize, *, strategy, preflight, timeout, async_op, dst):
@@ -278,7 +313,42 @@ def agree(agreement, comm, inputs, quantize, async_op=False, raw_only=False):
     return quantizer
 
 
-class Quantizer:
+class _Encoder:
+    """The send side every quantized transfer shares: ``tensors`` (the :class:`_Tensor` of each
+    quantized one) and this rank; ``encode_quantized`` folds, agrees and quantizes."""
+
+    def __init__(self, tensors, rank, world):
+        self.tensors, self.rank, self._staging = tensors, rank, None
+        column = 0
+        for t in tensors:
+            if any(t.cut_slabs(r) for r in range(world)):
+                t.column = column
+                column += 2 * t.slot
+
+    def encode_quantized(self, shards, comm, timeout, preflight=False):
+        """{tensor index: [FP8 bytes of this rank's rows, the scales of the blocks that start
+        in them]} from ``shards`` (indexable by tensor index), collective over ``comm``. The
+        FP8 bytes go into one buffer that the encoder keeps and reuses on its next encode (a
+        stream's every iteration): the payload of the previous encode must be done with by
+        then. ``preflight``: the amax exchange checks its plan first (where nothing else
+        agreed the layouts)."""
+        rank = self.rank
+        if self._staging is None:
+            self._staging = _C._host_staging(sum(_rows_numel(t, rank) for t in self.tensors))
+        amax = {t.index: _C._fold_amax(_real_rows(shards[t.index], t, rank), t.spec.format,
+                                       t.window(rank)[1], _in_window(t, rank))
+                for t in self.tensors if t.sizes[rank]}
+        _agree_amax(self.tensors, amax, comm, timeout, preflight)
+        out, at = {}, 0
+        for t in self.tensors:
+            n = _rows_numel(t, rank)
+            shard = shards[t.index] if t.sizes[rank] else None
+            out[t.index] = _encode(t, shard, amax.get(t.index), rank, self._staging[at:at + n])
+            at += n
+        return out
+
+
+class Quantizer(_Encoder):
     """One quantized transfer's plan, the same on every rank but for ``rank``: which tensors are
     quantized (``specs_q``), what the payload carries (``payload_specs``; with names,
     ``payload_names``: a quantized tensor ``w`` travels as ``w`` and ``w_scale_inv``, or
@@ -289,18 +359,13 @@ class Quantizer:
             raise InvalidArgumentError("%d shards for %d specs" % (len(shards), len(specs)))
         for i, s in enumerate(specs):
             _check_spec(i, s, world)
-        self.specs_q = resolve(quantize, specs, names)
-        self.rank = rank
-        self._staging = None
-        self.tensors = [_plan_tensor(i, q, s, world)
-                        for i, (q, s) in enumerate(zip(self.specs_q, specs)) if q is not None]
-        for t in self.tensors:
-            _check_shard(shards[t.index], specs[t.index], t, rank, world)
-        column = 0
-        for t in self.tensors:
-            if any(t.cut_slabs(r) for r in range(world)):
-                t.column = column
-                column += 2 * t.slot
+        self.specs_q = quantize(specs) if callable(quantize) else resolve(quantize, specs, names)
+        tensors = [_from_spec(i, q, s, world)
+                   for i, (q, s) in enumerate(zip(self.specs_q, specs)) if q is not None]
+        for t in tensors:
+            s = specs[t.index]
+            _check_shard(shards[t.index], s.dtype, s.padded_size, t, rank, world)
+        super().__init__(tensors, rank, world)
         by_index = {t.index: t for t in self.tensors}
         taken = set() if names is None else {str(n) for n in names}
         self.payload_specs, self.payload_names, self.views = [], [], {}
@@ -326,27 +391,11 @@ class Quantizer:
     def encode(self, shards, comm, timeout):
         """Steps 2 to 4 of the module, collective over ``comm``: the payload this rank sends
         (a quantized tensor's FP8 bytes as uint8 and its owned scales; plain tensors as they
-        are), from the shards' current values. The FP8 bytes go into one buffer that the
-        quantizer keeps and reuses on its next encode (a stream's every iteration): the
-        payload of the previous encode must be done with by then."""
-        rank = self.rank
-        if self._staging is None:
-            self._staging = _C._host_staging(sum(_rows_numel(t, rank) for t in self.tensors))
-        at = 0
-        amax = {t.index: _C._fold_amax(_real_rows(shards[t.index], t, rank), t.spec.format,
-                                       t.window(rank)[1], _in_window(t, rank))
-                for t in self.tensors if t.sizes[rank]}
-        _agree_amax(self.tensors, amax, comm, timeout)
-        by_index = {t.index: t for t in self.tensors}
+        are), from the shards' current values (see ``encode_quantized``)."""
+        quantized = self.encode_quantized(shards, comm, timeout)
         sent = []
         for i, shard in enumerate(shards):
-            t = by_index.get(i)
-            if t is None:
-                sent.append(shard)
-                continue
-            n = _rows_numel(t, rank)
-            sent += _encode(t, shard, amax.get(i), rank, self._staging[at:at + n])
-            at += n
+            sent += quantized[i] if i in quantized else [shard]
         return sent
 
     def outputs(self, got):
@@ -382,7 +431,7 @@ def _slab(amax, t, slot):
     return amax.select(t.dim, 0 if slot == 0 else amax.shape[t.dim] - 1)
 
 
-def _agree_amax(tensors, amax, comm, timeout):
+def _agree_amax(tensors, amax, comm, timeout, preflight=False):
     """Step 3 of the module: the partial maxima of shared blocks, exchanged between the ranks
     that share them (one reshard of a [world, K] table, where rank r's row holds, per tensor,
     the slabs it shares: its first and its last), then combined by max (a NaN wins)."""
@@ -409,7 +458,7 @@ def _agree_amax(tensors, amax, comm, timeout):
                           [(q, Box((q, 0), (1, width))) for q in range(world)], destinations)
     from . import ReshardPlan  # the package imports this module
 
-    plan = ReshardPlan([layout], world, rank, preflight=False, timeout=timeout)
+    plan = ReshardPlan([layout], world, rank, preflight=preflight, timeout=timeout)
     order = {(tuple(o), tuple(n)): k for k, (_, o, n) in enumerate(plan.destination_boxes)}
     pieces = [torch.empty(1, t.slot) for t, _, _ in wanted]
     ordered = [None] * len(wanted)
@@ -419,6 +468,16 @@ def _agree_amax(tensors, amax, comm, timeout):
     for piece, (t, slot, _) in zip(pieces, wanted):
         view = _slab(amax[t.index], t, slot)
         view.copy_(torch.maximum(view, piece.reshape(view.shape)))
+
+
+def quantize_here(tensor, spec):
+    """One whole tensor quantized on this rank, in the form a transfer returns it."""
+    from .quantization import dequantize, quantize
+
+    data, scales = quantize(tensor, spec.format)
+    if spec.dequantize is not None:
+        return dequantize(data, scales, spec.format, spec.dequantize)
+    return data, scales
 
 
 def _rows_numel(t, rank):
@@ -470,3 +529,209 @@ def _outputs(got, specs_q):
             scales = scales.view(torch.float8_e8m0fnu)
         out.append((data.view(torch.float8_e4m3fn), scales))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The reshard: sources that split one dim (FSDP's rows, a column or row split), destinations
+# of any boxes.
+
+
+def reshard(sources, destinations, layouts, comm, quantize, *, timeout, async_op=False):
+    """shardgather.reshard with ``quantize`` given: each source quantizes its box (the ranks
+    sharing a block agree on its amax first), and one reshard moves the FP8 bytes of every
+    destination box with the scales of the blocks that box touches (:func:`scale_box`). A
+    quantized tensor's destination is a ``(data, scales)`` pair, written in place (float8_e4m3fn
+    or uint8 data of the box's shape; the scales of the scale box's shape: float32, or
+    float8_e8m0fnu / uint8 for mxfp8), or a float32 / bfloat16 tensor, which receives the
+    dequantized values."""
+    agreement = Agreement("reshard")
+    if async_op:
+        agreement.fail(InvalidArgumentError, "quantize: async_op=True is not supported yet")
+    plan = agreement.capture(lambda: ReshardQuantizer(layouts, quantize, comm.rank, comm.size,
+                                                      sources, destinations))
+    agreement.quantize = None if plan is None else [_text(q) for q in plan.specs_q]
+    agreement.run(comm, timeout)
+    return plan.execute(list(sources), list(destinations), comm, timeout)
+
+
+class _LayoutLike:
+    def __init__(self, layout):
+        self.dtype, self.full_shape = layout.dtype, tuple(layout.shape)
+
+
+def _from_sources(i, spec, layout, world):
+    """The arithmetic of a quantized tensor from its source boxes, which must split one dim
+    into disjoint pieces, one per rank (the shape the amax agreement works on)."""
+    shape = tuple(layout.shape)
+    held = {}
+    for r, box in layout.sources:
+        offset, size = tuple(box[0]), tuple(box[1])
+        if not 0 <= r < world:
+            raise InvalidArgumentError("quantize[%d]: a source on rank %d of %d" % (i, r, world))
+        if 0 in size:
+            continue
+        if r in held:
+            raise InvalidArgumentError("quantize[%d]: rank %d holds two source boxes (a "
+                                       "quantized reshard needs one per rank)" % (i, r))
+        held[r] = (offset, size)
+    split = sorted({d for _, n in held.values() for d in range(len(shape)) if n[d] != shape[d]})
+    dim = split[0] if split else 0
+    pieces = sorted((o[dim], n[dim], r) for r, (o, n) in held.items())
+    at = 0
+    for o, n, _ in pieces:
+        if o != at:
+            break
+        at += n
+    if len(split) > 1 or at != shape[dim] or len(pieces) > 1 and not split:
+        raise InvalidArgumentError(
+            "quantize[%d]: the sources must split one dim into disjoint pieces that cover it "
+            "(as FSDP's rows or a column or row split do), got %s"
+            % (i, [(r, o, n) for r, (o, n) in sorted(held.items())]))
+    sizes, offsets = [0] * world, [0] * world
+    for o, n, r in pieces:
+        sizes[r], offsets[r] = n, o
+    return _plan_tensor(i, spec, shape, dim, sizes, offsets)
+
+
+def _mine(entries, rank):
+    return [k for k, (r, _) in enumerate(entries) if r == rank]
+
+
+class ReshardQuantizer(_Encoder):
+    """A quantized reshard's plan on this rank (one call's: it checks the call's tensors)."""
+
+    def __init__(self, layouts, quantize, rank, world, sources, destinations):
+        self.layouts = list(layouts)
+        self.specs_q = resolve(quantize, [_LayoutLike(t) for t in self.layouts])
+        tensors = [_from_sources(i, q, t, world)
+                   for i, (q, t) in enumerate(zip(self.specs_q, self.layouts)) if q is not None]
+        self.src_order = [(i, j) for i, t in enumerate(self.layouts) for j in _mine(t.sources,
+                                                                                     rank)]
+        self.dst_order = [(i, k) for i, t in enumerate(self.layouts)
+                          for k in _mine(t.destinations, rank)]
+        sources, destinations = list(sources), list(destinations)
+        if len(sources) != len(self.src_order) or len(destinations) != len(self.dst_order):
+            raise InvalidArgumentError(
+                "rank %d: %d sources and %d destinations for %d source and %d destination boxes"
+                % (rank, len(sources), len(destinations), len(self.src_order),
+                   len(self.dst_order)))
+        self.by_index = {t.index: t for t in tensors}
+        for pos, (i, j) in enumerate(self.src_order):
+            t = self.by_index.get(i)
+            if t is not None and t.sizes[rank] and 0 not in tuple(self.layouts[i].sources[j][1][1]):
+                _check_shard(sources[pos], self.layouts[i].dtype, 0, t, rank, world, "sources")
+        for pos, (i, k) in enumerate(self.dst_order):
+            if i in self.by_index:
+                _check_destination(destinations[pos], self.by_index[i],
+                                   self.layouts[i].destinations[k][1], pos)
+        super().__init__(tensors, rank, world)
+        self.payload = self._payload_layouts(world)
+
+    def _payload_layouts(self, world):
+        out = []
+        for i, layout in enumerate(self.layouts):
+            t = self.by_index.get(i)
+            if t is None:
+                out.append(TensorLayout(tuple(layout.shape), layout.dtype, list(layout.sources),
+                                        list(layout.destinations)))
+                continue
+            out.append(TensorLayout(t.shape, torch.uint8, list(layout.sources),
+                                    list(layout.destinations)))
+            scale_sources = []
+            for r in range(world):
+                if t.owned(r):
+                    offset, size = [0] * len(t.scale_shape), list(t.scale_shape)
+                    offset[t.dim], size[t.dim] = -(-t.offsets[r] // t.block), t.owned(r)
+                    scale_sources.append((r, Box(tuple(offset), tuple(size))))
+            out.append(TensorLayout(t.scale_shape, _scale_dtype(t), scale_sources,
+                                    [(r, scale_box(t.spec.format, t.shape, box))
+                                     for r, box in layout.destinations]))
+        return out
+
+    def execute(self, sources, destinations, comm, timeout):
+        """Encodes, moves and (where asked) dequantizes; returns ``destinations``."""
+        rank = self.rank
+        mine = {}
+        for pos, (i, j) in enumerate(self.src_order):
+            if i in self.by_index and 0 not in tuple(self.layouts[i].sources[j][1][1]):
+                mine[i] = sources[pos]
+        quantized = self.encode_quantized(mine, comm, timeout, preflight=True)
+        sent, got, unpack = [], [], []
+        src_at = {key: pos for pos, key in enumerate(self.src_order)}
+        dst_at = {key: pos for pos, key in enumerate(self.dst_order)}
+        for i, layout in enumerate(self.layouts):
+            t = self.by_index.get(i)
+            src = [(j, src_at[(i, j)]) for j in _mine(layout.sources, rank)]
+            dst = [(k, dst_at[(i, k)]) for k in _mine(layout.destinations, rank)]
+            if t is None:
+                sent += [sources[pos] for _, pos in src]
+                got += [destinations[pos] for _, pos in dst]
+                continue
+            for j, _ in src:  # the data: this rank's box, or an empty one
+                box = layout.sources[j][1]
+                sent.append(quantized[i][0] if i in mine else
+                            torch.empty(tuple(box[1]), dtype=torch.uint8))
+            data_in = [self._landing(destinations[pos], t, layout.destinations[k][1], 0)
+                       for k, pos in dst]
+            got += data_in
+            if t.owned(rank):
+                sent.append(quantized[i][1])
+            scales_in = [self._landing(destinations[pos], t, layout.destinations[k][1], 1)
+                         for k, pos in dst]
+            got += scales_in
+            unpack += [(destinations[pos], t, layout.destinations[k][1], d, s)
+                       for (k, pos), d, s in zip(dst, data_in, scales_in)]
+        from . import ReshardPlan  # the package imports this module
+
+        plan = ReshardPlan(self.payload, comm.size, rank, hosts=comm.hosts or None,
+                           timeout=timeout)
+        plan.execute(sent, got, comm)
+        for dest, t, box, data, scales in unpack:
+            if not isinstance(dest, tuple):
+                window, inside = _window_of(t.spec.format, t.shape, box)
+                _C._dequantize_box(data, scales, t.spec.format, window, inside, dest)
+        return list(destinations)
+
+    @staticmethod
+    def _landing(dest, t, box, part):
+        """Where part 0 (data) or 1 (scales) of a destination box lands: the caller's tensor of
+        a (data, scales) pair, or a new one to dequantize from."""
+        if isinstance(dest, tuple):
+            return dest[part].view(torch.uint8) if dest[part].element_size() == 1 else dest[part]
+        if part == 0:
+            return torch.empty(tuple(box[1]), dtype=torch.uint8)
+        return torch.empty(scale_box(t.spec.format, t.shape, box).size, dtype=_scale_dtype(t))
+
+
+def _scale_dtype(t):
+    return torch.uint8 if t.spec.format == "mxfp8" else torch.float32
+
+
+def _check_destination(dest, t, box, pos):
+    """A quantized destination: a (data, scales) pair of the box's and its scale box's shapes,
+    or a float32 / bfloat16 tensor of the box's shape to dequantize into."""
+    size = tuple(box[1])
+    want = scale_box(t.spec.format, t.shape, box).size
+    if isinstance(dest, tuple):
+        ok = len(dest) == 2 and all(isinstance(x, torch.Tensor) and x.device.type == "cpu"
+                                    for x in dest)
+        if ok:
+            data, scales = dest
+            mx = t.spec.format == "mxfp8"
+            ok = (tuple(data.shape) == size and data.dtype in (torch.float8_e4m3fn, torch.uint8)
+                  and tuple(scales.shape) == tuple(want)
+                  and (scales.dtype in (torch.float8_e8m0fnu, torch.uint8) if mx
+                       else scales.dtype == torch.float32))
+        if not ok:
+            raise InvalidArgumentError(
+                "destinations[%d] (tensor %d, box %s): a (data, scales) pair of %s e4m3fn and "
+                "%s %s scales, or a float32 / bfloat16 tensor of %s" % (
+                    pos, t.index, tuple(box), list(size), list(want),
+                    "e8m0" if t.spec.format == "mxfp8" else "float32", list(size)))
+        return
+    if not (isinstance(dest, torch.Tensor) and dest.device.type == "cpu"
+            and dest.dtype in (torch.float32, torch.bfloat16) and tuple(dest.shape) == size):
+        raise InvalidArgumentError(
+            "destinations[%d] (tensor %d, box %s): a (data, scales) pair, or a float32 / "
+            "bfloat16 CPU tensor of %s to dequantize into" % (pos, t.index, tuple(box),
+                                                              list(size)))

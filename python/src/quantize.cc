@@ -161,6 +161,39 @@ std::tuple<at::Tensor, at::Tensor> quantize_box_py(const at::Tensor& t, const st
   return {data, scales};
 }
 
+// Dequantizes a box's e4m3fn bytes (`data`, uint8 in the box's shape) into `out` (f32 or bf16,
+// the box's shape, any strides): the box lies at `offset` inside a window of shape `hull`
+// whose encoded scales are `scales` (the window's scale shape).
+void dequantize_box_py(const at::Tensor& data, const at::Tensor& scales, const std::string& name,
+                       const Shape& hull, const Shape& offset, const at::Tensor& out) {
+  const at::Tensor codes = cpu_tensor(data, "the data").contiguous();
+  const at::Tensor encoded = cpu_tensor(scales, "the scales").contiguous();
+  cpu_tensor(out, "the output");
+  TensorView view;
+  set_view(out, dtype_of(out.scalar_type(), "the output"), view);
+  if (codes.element_size() != 1 || codes.sizes() != out.sizes()) {
+    throw InvalidArgument("dequantize: data of " + shape_string(codes.sizes()) +
+                          " (one byte per element) for an output of " +
+                          shape_string(out.sizes()));
+  }
+  if (hull.size() != view.shape.size()) {
+    throw InvalidArgument("dequantize: a window of " + std::to_string(hull.size()) +
+                          " dims for an output of " + std::to_string(view.shape.size()));
+  }
+  const QuantGrid grid = quant_grid(format_of(name), hull, DType::kFloat32, "the window");
+  const bool right_type = grid.scale_size() == 1 ? encoded.element_size() == 1
+                                                 : encoded.scalar_type() == at::kFloat;
+  if (!right_type || encoded.sizes() != at::IntArrayRef(grid.scale_shape())) {
+    throw InvalidArgument("dequantize: scales of " +
+                          std::string(at::toString(encoded.scalar_type())) + " " +
+                          shape_string(encoded.sizes()) + " (want " +
+                          shape_string(grid.scale_shape()) + ")");
+  }
+  const py::gil_scoped_release unlocked;
+  dequantize_box(grid, static_cast<const std::byte*>(codes.data_ptr()), offset,
+                 bytes_of(encoded), view);
+}
+
 // A uint8 CPU tensor of `bytes` over a huge-page-advised AlignedBuffer: the FP8 staging of a
 // quantized transfer, written once per call (first touch of 4 KiB pages costs about 40x more
 // than of huge pages on the machines this targets; torch's own empty() does not advise them).
@@ -182,6 +215,8 @@ void register_quantize(py::module_& m) {
   m.def("_dequantize", &dequantize_py, py::arg("data"), py::arg("scales"), py::arg("format"),
         py::arg("dtype"));
   m.def("_host_staging", &host_staging_py, py::arg("bytes"));
+  m.def("_dequantize_box", &dequantize_box_py, py::arg("data"), py::arg("scales"),
+        py::arg("format"), py::arg("window"), py::arg("offset"), py::arg("out"));
   m.def("_fold_amax", &fold_amax_py, py::arg("box"), py::arg("format"), py::arg("window"),
         py::arg("offset"));
   m.def("_quantize_box", &quantize_box_py, py::arg("box"), py::arg("format"), py::arg("window"),

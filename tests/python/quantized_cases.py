@@ -198,7 +198,7 @@ def check_disagreement(rank, world, group):
                                                    [one_d], group, timeout=T,
                                                    quantize=["fp8_e4m3_128x128"]))
     wrong = shard if rank != last else shard[:, :64]
-    _raises_everywhere(shardgather.InvalidArgumentError, "the spec wants",
+    _raises_everywhere(shardgather.InvalidArgumentError, "the layout wants",
                        lambda: shardgather.unshard([wrong], [spec], group, timeout=T,
                                                    quantize="mxfp8"))
     got = shardgather.unshard([shard], [spec], group, timeout=T, quantize="mxfp8")
@@ -328,3 +328,147 @@ def _on_default_group(check):
 for _check in CHECKS:
     globals()[_on_default_group(_check).__name__] = _on_default_group(_check)
 CASES = ["case_" + c.__name__[len("check_"):] for c in CHECKS]
+
+
+def case_full_tensors_quantized(rank, world):
+    """full_tensors(quantize=) on a state dict sharded by FSDP2 (cuts inside 128-row blocks),
+    on a 1-D mesh with Shard(1) (cuts along the last dim) and a replicated DTensor: bit-exact
+    with quantizing each full_tensor(); a 1-d bias and the norm travel plain."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 130),
+                                torch.nn.LayerNorm(130))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    state = model.state_dict()
+    fmt = "fp8_e4m3_128x128"
+    got = shardgather.full_tensors(state, timeout=T, quantize=fmt)
+    assert list(got) == list(state)
+    for name, t in state.items():
+        full = t.full_tensor()
+        if full.dim() != 2:
+            assert torch.equal(got[name], full), name
+            continue
+        data, scales = reference(full, fmt)
+        _same_bits(got[name][0], data)
+        _same_bits(got[name][1], scales)
+    g = torch.Generator().manual_seed(3)
+    whole = [torch.randn(40, 96, generator=g), torch.randn(64, 96, generator=g)]
+    tensors = [distribute_tensor(whole[0], mesh, [Shard(1)]),
+               distribute_tensor(whole[1], mesh, [Replicate()])]
+    got = shardgather.full_tensors(tensors, timeout=T,
+                                   quantize=[Quantize("mxfp8", torch.bfloat16), "mxfp8"])
+    want = shardgather.quantization.dequantize(*reference(whole[0], "mxfp8"), "mxfp8",
+                                               torch.bfloat16)
+    _same_bits(got[0], want)
+    data, scales = reference(whole[1], "mxfp8")
+    _same_bits(got[1][0], data)
+    _same_bits(got[1][1], scales)
+
+
+CASES.append("case_full_tensors_quantized")
+
+
+def _region(t, box):
+    for d, (o, n) in enumerate(zip(box[0], box[1])):
+        t = t.narrow(d, o, n)
+    return t
+
+
+def check_reshard_quantized(rank, world, group):
+    """reshard(quantize=) from FSDP rows (cuts inside blocks) to column- and row-parallel TP
+    boxes (uneven), and from a last-dim split to rows: every destination's FP8 bytes and the scales of
+    the blocks its box touches equal the reference's, raw in place or dequantized into a view
+    of a larger (fused) tensor whose other bytes stay as they were."""
+    from shardgather import quantized
+    from shardgather.layouts import Box, TensorLayout
+
+    fulls = [_values((300, 256), torch.bfloat16, seed=21, specials=True),
+             _values((200, 192), torch.float32, seed=22),
+             _values((96, 160), torch.bfloat16, seed=23)]
+    fmts = ["fp8_e4m3_128x128", "mxfp8", "fp8_e4m3_1x128"]
+    ranks = list(range(world))
+
+    def rows(shape, sizes):
+        at, out = 0, []
+        for r, n in enumerate(sizes):
+            out.append((r, Box((at, 0), (n, shape[1]))))
+            at += n
+        return out
+
+    def cols(shape, sizes):
+        at, out = 0, []
+        for r, n in enumerate(sizes):
+            out.append((r, Box((0, at), (shape[0], n))))
+            at += n
+        return out
+
+    layouts = [
+        TensorLayout(fulls[0].shape, fulls[0].dtype, rows(fulls[0].shape, _cuts(300, world, 31)),
+                     rows(fulls[0].shape, _cuts(300, world, 35))),  # column-parallel
+        TensorLayout(fulls[1].shape, fulls[1].dtype, rows(fulls[1].shape, _cuts(200, world, 32)),
+                     cols(fulls[1].shape, _cuts(192, world, 36))),  # row-parallel
+        TensorLayout(fulls[2].shape, fulls[2].dtype, cols(fulls[2].shape, _cuts(160, world, 33)),
+                     rows(fulls[2].shape, _cuts(96, world, 34))),
+    ]
+    plain = torch.arange(6 * world, dtype=torch.int64).reshape(2 * world, 3)
+    layouts.insert(1, TensorLayout(plain.shape, plain.dtype, rows(plain.shape, [2] * world),
+                                   [(r, Box((0, 0), tuple(plain.shape))) for r in ranks]))
+    fulls.insert(1, plain)
+    fmts.insert(1, None)
+    sources, destinations, checks = [], [], []
+    for i, layout in enumerate(layouts):
+        for r, box in layout.sources:
+            if r == rank:
+                sources.append(_region(fulls[i], box).clone())
+        for r, box in layout.destinations:
+            if r != rank:
+                continue
+            size = tuple(box[1])
+            if fmts[i] is None:
+                dest = torch.zeros(size, dtype=plain.dtype)
+            elif i % 2:  # dequantized into the middle rows of a larger bf16 parameter
+                fused = torch.full((size[0] + 4,) + size[1:], 7.0, dtype=torch.bfloat16)
+                dest = fused.narrow(0, 2, size[0])
+            else:
+                sbox = quantized.scale_box(fmts[i], layout.shape, box)
+                dest = (torch.empty(size, dtype=torch.float8_e4m3fn),
+                        torch.empty(sbox.size, dtype=torch.float8_e8m0fnu if fmts[i] == "mxfp8"
+                                    else torch.float32))
+            destinations.append(dest)
+            checks.append((i, box, dest, fused if fmts[i] and i % 2 else None))
+    out = shardgather.reshard(sources, destinations, layouts, group, timeout=T,
+                              quantize=fmts)
+    assert len(out) == len(destinations)
+    for i, box, dest, fused in checks:
+        if fmts[i] is None:
+            assert torch.equal(dest, _region(fulls[i], box))
+            continue
+        data, scales = reference(fulls[i], fmts[i])
+        if fused is None:
+            _same_bits(dest[0], _region(data, box))
+            _same_bits(dest[1], _region(scales, quantized.scale_box(fmts[i], fulls[i].shape,
+                                                                    box)))
+            continue
+        want = _region(shardgather.quantization.dequantize(data, scales, fmts[i],
+                                                           torch.bfloat16), box)
+        _same_bits(dest, want)
+        assert torch.all(fused[:2] == 7.0) and torch.all(fused[-2:] == 7.0)
+    # Sources that do not split one dim are refused on every rank.
+    bad = TensorLayout(fulls[0].shape, fulls[0].dtype,
+                       [(r, Box((0, 0), tuple(fulls[0].shape))) for r in ranks],
+                       [(0, Box((0, 0), (128, 128)))])
+    if world > 1:
+        _raises_everywhere(shardgather.InvalidArgumentError, "split one dim",
+                           lambda: shardgather.reshard(
+                               [fulls[0].clone()], [] if rank else [torch.empty(128, 128)],
+                               [bad], group, timeout=T, quantize="fp8_e4m3_128x128"))
+
+
+CHECKS.append(check_reshard_quantized)
+globals()["case_reshard_quantized"] = _on_default_group(check_reshard_quantized)
+CASES.append("case_reshard_quantized")
