@@ -137,7 +137,8 @@ def _quantize_difference(quantize0, quantize, r):
 def _quantize_text(spec):
     if spec is None:
         return "none"
-    return spec[0] if spec[1] == "None" else "%s dequantized to %s" % (spec[0], spec[1])
+    text = spec[0] if spec[1] == "None" else "%s dequantized to %s" % (spec[0], spec[1])
+    return text + "".join(", " + str(x) for x in spec[2:])
 
 
 def _first_difference(names0, specs0, names, specs, r):

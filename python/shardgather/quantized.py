@@ -130,7 +130,7 @@ def resolve(quantize, specs, names=None):
 
 
 def _text(spec):
-    return None if spec is None else [spec.format, str(spec.dequantize)]
+    return [spec.format, str(spec.dequantize)]
 
 
 @dataclass
@@ -273,9 +273,20 @@ def unshard(shards, specs, comm, quantize, *, strategy, preflight, timeout, asyn
     """shardgather.unshard with ``quantize`` given (see the module)."""
     quantizer, sent = encode(shards, specs, comm, quantize, timeout=timeout,
                              options=[("dst", dst), ("strategy", strategy)], async_op=async_op)
+    if quantizer.passthrough:  # its header is where a disagreement of given scales travels
+        preflight = True
+    if quantizer.disagreement is not None:
+        _C._fail_call(comm, "unshard", quantizer.disagreement, False, True,
+                      _timeout_seconds(timeout))
     got = _C.unshard(sent, comm, quantizer.payload_specs, strategy, preflight, timeout, False,
                      dst)
     return quantizer.outputs(got) if got else got
+
+
+def _timeout_seconds(timeout):
+    from . import _setup_timeout  # the package imports this module
+
+    return _setup_timeout(timeout)
 
 
 def encode(shards, specs, comm, quantize, *, timeout=None, options=(), async_op=False):
@@ -306,10 +317,15 @@ def agree(agreement, comm, inputs, quantize, async_op=False, raw_only=False):
         if raw_only and any(q is not None and q.dequantize for q in quantizer.specs_q):
             raise InvalidArgumentError("quantize: %s yields the FP8 data and scales as they "
                                        "arrive; dequantize is for unshard" % agreement.what)
+        if raw_only and quantizer.passthrough:
+            raise InvalidArgumentError("quantize: FP8 data passed through (a (data, scales) "
+                                       "shard) is for unshard, not %s" % agreement.what)
         return quantizer
 
     quantizer = agreement.capture(build)
-    agreement.quantize = None if quantizer is None else [_text(q) for q in quantizer.specs_q]
+    agreement.quantize = None if quantizer is None else [
+        _text(q) + (["passed through"] if i in quantizer.passthrough else [])
+        if q is not None else None for i, q in enumerate(quantizer.specs_q)]
     return quantizer
 
 
@@ -317,8 +333,10 @@ class _Encoder:
     """The send side every quantized transfer shares: ``tensors`` (the :class:`_Tensor` of each
     quantized one) and this rank; ``encode_quantized`` folds, agrees and quantizes."""
 
-    def __init__(self, tensors, rank, world):
+    def __init__(self, tensors, rank, world, passthrough=()):
         self.tensors, self.rank, self._staging = tensors, rank, None
+        self.passthrough = set(passthrough)  # indices whose shards are (FP8 data, scales)
+        self.disagreement = None  # pass-through scales that differ from a peer's (a message)
         column = 0
         for t in tensors:
             if any(t.cut_slabs(r) for r in range(world)):
@@ -334,18 +352,44 @@ class _Encoder:
         agreed the layouts)."""
         rank = self.rank
         if self._staging is None:
-            self._staging = _C._host_staging(sum(_rows_numel(t, rank) for t in self.tensors))
-        amax = {t.index: _C._fold_amax(_real_rows(shards[t.index], t, rank), t.spec.format,
-                                       t.window(rank)[1], _in_window(t, rank))
-                for t in self.tensors if t.sizes[rank]}
-        _agree_amax(self.tensors, amax, comm, timeout, preflight)
+            self._staging = _C._host_staging(sum(_rows_numel(t, rank) for t in self.tensors
+                                                 if t.index not in self.passthrough))
+        amax = {}
+        for t in self.tensors:
+            if not t.sizes[rank]:
+                continue
+            if t.index in self.passthrough:  # the table carries the given scales, to compare
+                amax[t.index] = _scales_as_f32(shards[t.index][1], t)
+                continue
+            amax[t.index] = _C._fold_amax(_real_rows(shards[t.index], t, rank), t.spec.format,
+                                          t.window(rank)[1], _in_window(t, rank))
+        self.disagreement = None
+        _agree_amax(self.tensors, amax, comm, timeout, preflight, self._compare)
         out, at = {}, 0
         for t in self.tensors:
-            n = _rows_numel(t, rank)
             shard = shards[t.index] if t.sizes[rank] else None
+            if t.index in self.passthrough:
+                out[t.index] = _pass_through(t, shard, rank)
+                continue
+            n = _rows_numel(t, rank)
             out[t.index] = _encode(t, shard, amax.get(t.index), rank, self._staging[at:at + n])
             at += n
         return out
+
+    def _compare(self, t, slot, mine, theirs, peer):
+        """Pass-through: the scales a peer gave for a block both hold must be these, bit for
+        bit (the first difference is kept for the payload call to report on every rank)."""
+        if t.index not in self.passthrough:
+            return False
+        differ = mine.view(torch.int32) != theirs.view(torch.int32)
+        if self.disagreement is None and bool(differ.any()):
+            at = int(differ.reshape(-1).nonzero()[0])
+            self.disagreement = (
+                "quantize[%d]: given scales of a block shared with rank %d differ (%.9g here, "
+                "%.9g there; block %d of the slab along dim %d)"
+                % (t.index, peer, mine.reshape(-1)[at].item(), theirs.reshape(-1)[at].item(),
+                   at, t.dim))
+        return True
 
 
 class Quantizer(_Encoder):
@@ -362,10 +406,13 @@ class Quantizer(_Encoder):
         self.specs_q = quantize(specs) if callable(quantize) else resolve(quantize, specs, names)
         tensors = [_from_spec(i, q, s, world)
                    for i, (q, s) in enumerate(zip(self.specs_q, specs)) if q is not None]
+        passthrough = [t.index for t in tensors if isinstance(shards[t.index], tuple)
+                       and len(shards[t.index]) == 2]
         for t in tensors:
             s = specs[t.index]
-            _check_shard(shards[t.index], s.dtype, s.padded_size, t, rank, world)
-        super().__init__(tensors, rank, world)
+            check = _check_given if t.index in passthrough else _check_shard
+            check(shards[t.index], s.dtype, s.padded_size, t, rank, world)
+        super().__init__(tensors, rank, world, passthrough)
         by_index = {t.index: t for t in self.tensors}
         taken = set() if names is None else {str(n) for n in names}
         self.payload_specs, self.payload_names, self.views = [], [], {}
@@ -431,10 +478,12 @@ def _slab(amax, t, slot):
     return amax.select(t.dim, 0 if slot == 0 else amax.shape[t.dim] - 1)
 
 
-def _agree_amax(tensors, amax, comm, timeout, preflight=False):
+def _agree_amax(tensors, amax, comm, timeout, preflight=False, combine=None):
     """Step 3 of the module: the partial maxima of shared blocks, exchanged between the ranks
     that share them (one reshard of a [world, K] table, where rank r's row holds, per tensor,
-    the slabs it shares: its first and its last), then combined by max (a NaN wins)."""
+    the slabs it shares: its first and its last), then combined by max (a NaN wins), or by
+    ``combine(t, slot, mine, theirs, peer)`` where it is given and returns True (pass-through
+    tensors, whose table holds their given scales)."""
     rank, world = comm.rank, comm.size
     width = sum(2 * t.slot for t in tensors if any(t.cut_slabs(r) for r in range(world)))
     if width == 0:
@@ -465,9 +514,11 @@ def _agree_amax(tensors, amax, comm, timeout, preflight=False):
     for piece, (_, _, box) in zip(pieces, wanted):
         ordered[order[(tuple(box.offset), tuple(box.size))]] = piece
     plan.execute([row], ordered, comm)
-    for piece, (t, slot, _) in zip(pieces, wanted):
+    for piece, (t, slot, box) in zip(pieces, wanted):
         view = _slab(amax[t.index], t, slot)
-        view.copy_(torch.maximum(view, piece.reshape(view.shape)))
+        theirs = piece.reshape(view.shape)
+        if combine is None or not combine(t, slot, view, theirs, box.offset[0]):
+            view.copy_(torch.maximum(view, theirs))
 
 
 def quantize_here(tensor, spec):
@@ -478,6 +529,50 @@ def quantize_here(tensor, spec):
     if spec.dequantize is not None:
         return dequantize(data, scales, spec.format, spec.dequantize)
     return data, scales
+
+
+def _scales_as_f32(scales, t):
+    """Given scales as the amax table carries them: fp32, or E8M0 bytes as their fp32 values."""
+    if t.spec.format == "mxfp8":
+        return scales.view(torch.uint8).float()
+    return scales.float()
+
+
+def _pass_through(t, given, rank):
+    """[the FP8 bytes of the real rows, the scales of the blocks that start in them] from a
+    caller's (data, scales)."""
+    data, scales = given
+    data = _real_rows(data, t, rank).view(torch.uint8)
+    if scales.element_size() == 1:
+        scales = scales.view(torch.uint8)
+    n = t.owned(rank)
+    return [data, scales.narrow(t.dim, scales.shape[t.dim] - n, n)]
+
+
+def _check_given(given, dtype, padded, t, rank, world):
+    """A pass-through shard: (FP8 data of the shard's shape, the scales of every block its
+    real rows touch, in the format's layout)."""
+    data, scales = given
+    want = list(t.shape)
+    want[t.dim] = padded or t.sizes[rank]
+    wide = _scale_shape(t.spec.format, t.window(rank)[1]) if t.sizes[rank] else None
+    mx = t.spec.format == "mxfp8"
+    ok = (isinstance(data, torch.Tensor) and isinstance(scales, torch.Tensor)
+          and data.device.type == "cpu" and scales.device.type == "cpu"
+          and data.dtype in (torch.float8_e4m3fn, torch.uint8) and list(data.shape) == want)
+    if ok and wide is not None:
+        ok = tuple(scales.shape) == tuple(wide) and (
+            scales.dtype in (torch.float8_e8m0fnu, torch.uint8) if mx
+            else scales.dtype == torch.float32)
+    if not ok:
+        raise InvalidArgumentError(
+            "shards[%d] on rank %d: FP8 data passed through is a (data, scales) pair of "
+            "float8_e4m3fn %s and %s scales of %s (the blocks its rows touch), got %s"
+            % (t.index, rank, want, "E8M0" if mx else "float32",
+               list(wide) if wide is not None else "any shape",
+               tuple((x.dtype, list(x.shape)) if isinstance(x, torch.Tensor) else type(x)
+                     for x in given)))
+    del dtype, world  # the spec's dtype names the values the data encodes, not the data's
 
 
 def _rows_numel(t, rank):
@@ -549,7 +644,8 @@ def reshard(sources, destinations, layouts, comm, quantize, *, timeout, async_op
         agreement.fail(InvalidArgumentError, "quantize: async_op=True is not supported yet")
     plan = agreement.capture(lambda: ReshardQuantizer(layouts, quantize, comm.rank, comm.size,
                                                       sources, destinations))
-    agreement.quantize = None if plan is None else [_text(q) for q in plan.specs_q]
+    agreement.quantize = None if plan is None else [None if q is None else _text(q)
+                                                    for q in plan.specs_q]
     agreement.run(comm, timeout)
     return plan.execute(list(sources), list(destinations), comm, timeout)
 

@@ -472,3 +472,50 @@ def check_reshard_quantized(rank, world, group):
 CHECKS.append(check_reshard_quantized)
 globals()["case_reshard_quantized"] = _on_default_group(check_reshard_quantized)
 CASES.append("case_reshard_quantized")
+
+
+def check_pass_through(rank, world, group):
+    """FP8 data held already (an FP8-trained model's shard: its data rows and the scales of
+    every block they touch) travels as it is, beside a tensor quantized on send; scales that
+    differ from a peer's for a block both hold, or of the wrong shape, raise on every rank."""
+    from shardgather import quantized
+
+    fmt = "fp8_e4m3_128x128"
+    held = _values((300, 256), torch.bfloat16, seed=41)  # finite scales: x2 changes them
+    other = _values((260, 128), torch.float32, seed=42)
+    specs = [ShardSpec(held.dtype, held.shape, 0, _cuts(300, world, 43)),
+             ShardSpec(other.dtype, other.shape, 0, _cuts(260, world, 44))]
+    data, scales = reference(held, fmt)
+    lo = sum(specs[0].sizes[:rank])
+    n = specs[0].sizes[rank]
+    k0, k1 = lo // 128, -(-(lo + n) // 128)
+    given = (data[lo:lo + n], scales[k0:k1].clone())
+    shards = [given, _shard(other, specs[1], rank, world)]
+    got = shardgather.unshard(shards, specs, group, timeout=T, quantize=fmt)
+    _same_bits(got[0][0], data)
+    _same_bits(got[0][1], scales)
+    want = reference(other, fmt)
+    _same_bits(got[1][0], want[0])
+    _same_bits(got[1][1], want[1])
+    # The last rank with rows that share a block with another rank perturbs its copy.
+    sharing = [r for r in range(world)
+               if quantized._from_spec(0, quantized.Quantize(fmt), specs[0], world).cut_slabs(r)]
+    if sharing:
+        bad = given[1].clone()
+        if rank == sharing[-1]:
+            bad.mul_(2.0)
+        _raises_everywhere(shardgather.InvalidArgumentError, "given scales of a block shared with rank",
+                           lambda: shardgather.unshard([(given[0], bad), shards[1]], specs,
+                                                       group, timeout=T, quantize=fmt))
+    victim = max(r for r in range(world) if specs[0].sizes[r])
+    wrong = (given[0], given[1][:0]) if rank == victim else given
+    _raises_everywhere(shardgather.InvalidArgumentError, "passed through",
+                       lambda: shardgather.unshard([wrong, shards[1]], specs, group, timeout=T,
+                                                   quantize=fmt))
+    got = shardgather.unshard(shards, specs, group, timeout=T, quantize=fmt)
+    _same_bits(got[0][0], data)
+
+
+CHECKS.append(check_pass_through)
+globals()["case_pass_through"] = _on_default_group(check_pass_through)
+CASES.append("case_pass_through")
