@@ -173,25 +173,23 @@ void dequantize_box_py(const at::Tensor& data, const at::Tensor& scales, const s
   set_view(out, dtype_of(out.scalar_type(), "the output"), view);
   if (codes.element_size() != 1 || codes.sizes() != out.sizes()) {
     throw InvalidArgument("dequantize: data of " + shape_string(codes.sizes()) +
-                          " (one byte per element) for an output of " +
-                          shape_string(out.sizes()));
+                          " (one byte per element) for an output of " + shape_string(out.sizes()));
   }
   if (hull.size() != view.shape.size()) {
     throw InvalidArgument("dequantize: a window of " + std::to_string(hull.size()) +
                           " dims for an output of " + std::to_string(view.shape.size()));
   }
   const QuantGrid grid = quant_grid(format_of(name), hull, DType::kFloat32, "the window");
-  const bool right_type = grid.scale_size() == 1 ? encoded.element_size() == 1
-                                                 : encoded.scalar_type() == at::kFloat;
+  const bool right_type =
+      grid.scale_size() == 1 ? encoded.element_size() == 1 : encoded.scalar_type() == at::kFloat;
   if (!right_type || encoded.sizes() != at::IntArrayRef(grid.scale_shape())) {
-    throw InvalidArgument("dequantize: scales of " +
-                          std::string(at::toString(encoded.scalar_type())) + " " +
-                          shape_string(encoded.sizes()) + " (want " +
-                          shape_string(grid.scale_shape()) + ")");
+    throw InvalidArgument(
+        "dequantize: scales of " + std::string(at::toString(encoded.scalar_type())) + " " +
+        shape_string(encoded.sizes()) + " (want " + shape_string(grid.scale_shape()) + ")");
   }
   const py::gil_scoped_release unlocked;
-  dequantize_box(grid, static_cast<const std::byte*>(codes.data_ptr()), offset,
-                 bytes_of(encoded), view);
+  dequantize_box(grid, static_cast<const std::byte*>(codes.data_ptr()), offset, bytes_of(encoded),
+                 view);
 }
 
 // A uint8 CPU tensor of `bytes` over a huge-page-advised AlignedBuffer: the FP8 staging of a
