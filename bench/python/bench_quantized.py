@@ -23,8 +23,8 @@ loads or what the trainer had:
 Per call: an MPI barrier (not timed), then the call; each iteration takes the max over ranks,
 and the methods take turns in a shuffled order. Prints medians and the ratios the bars name:
 fp8-on-send / bf16 (<= 0.60 link-bound, <= 1.10 on one host), bf16+quantize / fp8-on-send
-(>= 1.8 link-bound), and fp8-stream / bf16-stream. The first call of every method checks the FP8 results bit for bit against
-bf16+quantize's.
+(>= 1.8 link-bound), and fp8-stream / bf16-stream. The first call of every method is checked:
+each FP8 and MXFP8 result bit for bit against the bf16 gather's full tensors quantized here.
 """
 
 import argparse
@@ -115,11 +115,18 @@ def main():
     }
     times = {m: [] for m in methods}
     first = {m: fn() for m, fn in methods.items()}  # warm-up, and the results to compare
-    for a, b in zip(first["fp8-on-send"], first["bf16+quantize"]):
-        if isinstance(a, tuple):
-            assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
-            assert torch.equal(a[1], b[1])
-    del first
+    full = first["bf16"]
+    streamed = {k: v for b in first["fp8-stream"] for k, v in b.items()}
+    for i, (t, fp8, mx) in enumerate(zip(full, first["fp8-on-send"], first["mxfp8-on-send"])):
+        if t.dim() != 2:
+            assert torch.equal(fp8, t) and torch.equal(mx, t) and torch.equal(streamed[i], t)
+            continue
+        for (data, scales), fmt in ((fp8, FMT), (mx, "mxfp8"),
+                                    ((streamed[i], streamed["%d_scale_inv" % i]), FMT)):
+            want = quantize(t, fmt)
+            assert torch.equal(data.view(torch.uint8), want[0].view(torch.uint8)), (i, fmt)
+            assert torch.equal(scales.view(torch.uint8), want[1].view(torch.uint8)), (i, fmt)
+    del first, full, streamed
     order = list(methods)
     rnd = random.Random(11)
     for _ in range(args.iters):

@@ -581,6 +581,11 @@ def unshard(shards, specs, group=None, *, strategy="auto", preflight=True, timeo
     A quantized tensor's entry is ``(data, scales)``, or the dequantized tensor when the spec
     asks for a dtype. CPU tensors; not with ``async_op``."""
     comm = communicator(group, _setup_timeout(timeout))
+    if quantize is not None:  # its agreement checks every argument, on every rank
+        from . import quantized
+
+        return quantized.unshard(shards, specs, comm, quantize, strategy=strategy,
+                                 preflight=preflight, timeout=timeout, async_op=async_op, dst=dst)
     _check_call(comm, "unshard", strategy=strategy, preflight=preflight, async_op=async_op,
                 timeout=timeout, hinted=True)
     if dst is not None and (isinstance(dst, bool) or not isinstance(dst, int)):
@@ -591,11 +596,6 @@ def unshard(shards, specs, group=None, *, strategy="auto", preflight=True, timeo
     except TypeError as e:
         _C._fail_call(comm, "unshard", "specs must be a list of ShardSpec: %s" % e, True,
                       preflight is not False, _setup_timeout(timeout))
-    if quantize is not None:
-        from . import quantized
-
-        return quantized.unshard(shards, specs, comm, quantize, strategy=strategy,
-                                 preflight=preflight, timeout=timeout, async_op=async_op, dst=dst)
     return _C.unshard(shards, comm, specs, strategy, preflight, timeout, async_op, dst)
 
 

@@ -102,6 +102,7 @@ def _full_quantized(tensors, items, where, group, strategy, timeout, quantize):
     comm = communicator(mesh_group, _setup_timeout(timeout))
     agreement = Agreement("full_tensors")
     agreement.capture(lambda: check_str("strategy", strategy))
+    agreement.capture(lambda: quantized.check_keywords(timeout=timeout))
     per_item, sharded = [], []
 
     def inputs():
@@ -117,6 +118,8 @@ def _full_quantized(tensors, items, where, group, strategy, timeout, quantize):
 
     quantizer = quantized.agree(agreement, comm, inputs,
                                 lambda specs: [per_item[where[k]] for k, _, _ in sharded])
+    if quantizer is not None:  # every entry's spec, replicated and plain ones too
+        agreement.quantize = [None if q is None else quantized._text(q) for q in per_item]
     agreement.names = keys if isinstance(tensors, dict) else None
     agreement.run(comm, _setup_timeout(timeout))
     shards = [sh for _, sh, _ in sharded]

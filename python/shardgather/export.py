@@ -72,7 +72,7 @@ def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
     if isinstance(state_dict, UnshardStream):  # one made once, run again on every save
         stream = state_dict
         world = stream._comm.size
-        _check_premade(stream, dst, check, timeout, writers)
+        _check_premade(stream, dst, check, timeout, writers, quantize)
     else:
         world = _world_of(state_dict, specs, group, timeout)
         stream = UnshardStream(state_dict, specs, group, bucket_bytes=bucket_bytes,
@@ -365,7 +365,7 @@ def _check_export(out_dir, dst, progress, metadata, names, world):
         seen[str(k)] = k
 
 
-def _check_premade(stream, dst, check, timeout, writers):
+def _check_premade(stream, dst, check, timeout, writers, quantize):
     """The export's arguments against a stream made beforehand: one agreement on every rank,
     so that an error raises everywhere and leaves the stream usable for the next save."""
     agreement = Agreement("save_safetensors")
@@ -376,6 +376,9 @@ def _check_premade(stream, dst, check, timeout, writers):
         agreement.fail(InvalidArgumentError, "the stream gathers to %s, not dst=%s"
                        % (stream.dst, dst))
     agreement.capture(lambda: _one_writer(stream._quantizer, writers))
+    if agreement.error is None and quantize is not None:
+        agreement.fail(InvalidArgumentError, "quantize: a stream made beforehand quantizes as "
+                       "it was made to (pass quantize= to unshard_stream)")
     agreement.run(stream._comm, _setup_timeout(timeout))
 
 

@@ -272,7 +272,8 @@ def _check_shard(shard, dtype, padded, t, rank, world, what="shards"):
 def unshard(shards, specs, comm, quantize, *, strategy, preflight, timeout, async_op, dst):
     """shardgather.unshard with ``quantize`` given (see the module)."""
     quantizer, sent = encode(shards, specs, comm, quantize, timeout=timeout,
-                             options=[("dst", dst), ("strategy", strategy)], async_op=async_op)
+                             options=[("dst", dst), ("strategy", strategy),
+                                      ("preflight", preflight)], async_op=async_op)
     if quantizer.passthrough:  # its header is where a disagreement of given scales travels
         preflight = True
     if quantizer.disagreement is not None:
@@ -281,6 +282,30 @@ def unshard(shards, specs, comm, quantize, *, strategy, preflight, timeout, asyn
     got = _C.unshard(sent, comm, quantizer.payload_specs, strategy, preflight, timeout, False,
                      dst)
     return quantizer.outputs(got) if got else got
+
+
+def check_keywords(*, timeout=None, strategy="auto", preflight=True, async_op=False,
+                   dst=None, world=None):
+    """The keywords' types and domains, as an agreement's step (every rank hears of a bad one
+    before anything moves)."""
+    from numbers import Real
+
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, Real)):
+        raise InvalidTypeError("timeout must be a number of seconds or None, got %s"
+                               % type(timeout).__name__)
+    if timeout is not None and not timeout >= 0:
+        raise InvalidArgumentError("timeout must be >= 0, got %s" % timeout)
+    if not isinstance(strategy, str):
+        raise InvalidTypeError("strategy must be a str, got %s" % type(strategy).__name__)
+    for name, value in (("preflight", preflight), ("async_op", async_op)):
+        if not isinstance(value, bool):
+            raise InvalidTypeError("%s must be a bool, got %s" % (name, type(value).__name__))
+    if async_op:
+        raise InvalidArgumentError("quantize: async_op=True is not supported yet")
+    if dst is not None and (isinstance(dst, bool) or not isinstance(dst, int)
+                            or not 0 <= dst < world):
+        raise InvalidArgumentError("dst must be a rank of the group's %d, or None, got %r"
+                                   % (world, dst))
 
 
 def _timeout_seconds(timeout):
@@ -294,14 +319,16 @@ def encode(shards, specs, comm, quantize, *, timeout=None, options=(), async_op=
     rank sends in the payload). ``options``: (name, int or None) pairs that every rank must
     pass alike, agreed on with the specs."""
     agreement = Agreement("unshard")
-    quantizer = agree(agreement, comm, lambda: (None, list(shards), list(specs)), quantize,
-                      async_op)
-    agreement.options = list(options)
-    agreement.run(comm, timeout)
+    agreement.capture(lambda: check_keywords(timeout=timeout, async_op=async_op,
+                                             **dict(options), world=comm.size))
+    quantizer = agree(agreement, comm, lambda: (None, list(shards), list(specs)), quantize)
+    valid = agreement.error is None
+    agreement.options = [(k, v if valid else None) for k, v in options]
+    agreement.run(comm, _timeout_seconds(timeout))
     return quantizer, quantizer.encode(list(shards), comm, timeout)
 
 
-def agree(agreement, comm, inputs, quantize, async_op=False, raw_only=False):
+def agree(agreement, comm, inputs, quantize, raw_only=False):
     """Adds a quantized transfer's checks to ``agreement`` (before its ``run``): ``inputs()``
     gives (names or None, shards, specs); returns the :class:`Quantizer` (None where a check
     failed: ``run`` then raises on every rank). ``raw_only``: a spec may not ask to
@@ -311,8 +338,6 @@ def agree(agreement, comm, inputs, quantize, async_op=False, raw_only=False):
         if not all(isinstance(s, _C.ShardSpec) for s in specs):
             raise InvalidTypeError("specs must be a list of ShardSpec")
         agreement.specs = specs
-        if async_op:
-            raise InvalidArgumentError("quantize: async_op=True is not supported yet")
         quantizer = Quantizer(names, shards, specs, quantize, comm.rank, comm.size)
         if raw_only and any(q is not None and q.dequantize for q in quantizer.specs_q):
             raise InvalidArgumentError("quantize: %s yields the FP8 data and scales as they "
@@ -334,9 +359,13 @@ class _Encoder:
     quantized one) and this rank; ``encode_quantized`` folds, agrees and quantizes."""
 
     def __init__(self, tensors, rank, world, passthrough=()):
-        self.tensors, self.rank, self._staging = tensors, rank, None
+        self.tensors, self.rank = tensors, rank
         self.passthrough = set(passthrough)  # indices whose shards are (FP8 data, scales)
         self.disagreement = None  # pass-through scales that differ from a peer's (a message)
+        # Allocated here, inside the agreement's step, so that running out of memory is an
+        # error every rank hears of.
+        self._staging = _C._host_staging(sum(_rows_numel(t, rank) for t in tensors
+                                             if t.index not in self.passthrough))
         column = 0
         for t in tensors:
             if any(t.cut_slabs(r) for r in range(world)):
@@ -351,28 +380,36 @@ class _Encoder:
         then. ``preflight``: the amax exchange checks its plan first (where nothing else
         agreed the layouts)."""
         rank = self.rank
-        if self._staging is None:
-            self._staging = _C._host_staging(sum(_rows_numel(t, rank) for t in self.tensors
-                                                 if t.index not in self.passthrough))
-        amax = {}
+        amax, bad = {}, set()
         for t in self.tensors:
             if not t.sizes[rank]:
                 continue
-            if t.index in self.passthrough:  # the table carries the given scales, to compare
+            window = t.window(rank)[1]
+            if not _still_fits(shards[t.index], t, rank, t.index in self.passthrough):
+                # A shard changed since the plan was checked (a stream's): it joins the
+                # exchange with nothing and travels as it is, so that the payload call's own
+                # check of it raises on every rank.
+                bad.add(t.index)
+                amax[t.index] = torch.zeros(_scale_shape(t.spec.format, window))
+            elif t.index in self.passthrough:  # the table carries the given scales, to compare
                 amax[t.index] = _scales_as_f32(shards[t.index][1], t)
-                continue
-            amax[t.index] = _C._fold_amax(_real_rows(shards[t.index], t, rank), t.spec.format,
-                                          t.window(rank)[1], _in_window(t, rank))
+            else:
+                amax[t.index] = _C._fold_amax(_real_rows(shards[t.index], t, rank),
+                                              t.spec.format, window, _in_window(t, rank))
         self.disagreement = None
         _agree_amax(self.tensors, amax, comm, timeout, preflight, self._compare)
         out, at = {}, 0
         for t in self.tensors:
-            shard = shards[t.index] if t.sizes[rank] else None
-            if t.index in self.passthrough:
-                out[t.index] = _pass_through(t, shard, rank)
-                continue
-            n = _rows_numel(t, rank)
-            out[t.index] = _encode(t, shard, amax.get(t.index), rank, self._staging[at:at + n])
+            n = 0 if t.index in self.passthrough else _rows_numel(t, rank)
+            if t.index in bad:
+                out[t.index] = [shards[t.index] if isinstance(shards[t.index], torch.Tensor)
+                                else torch.empty(0), torch.empty(0)]
+            elif t.index in self.passthrough:
+                out[t.index] = _pass_through(t, shards[t.index], rank)
+            else:
+                shard = shards[t.index] if t.sizes[rank] else None
+                out[t.index] = _encode(t, shard, amax.get(t.index), rank,
+                                       self._staging[at:at + n])
             at += n
         return out
 
@@ -531,6 +568,20 @@ def quantize_here(tensor, spec):
     return data, scales
 
 
+def _still_fits(shard, t, rank, given):
+    """Whether a shard still has the shape and dtype its plan was checked with."""
+    try:
+        if given:
+            return _real_rows(shard[0], t, rank).shape[t.dim] == t.sizes[rank]
+        rows = _real_rows(shard, t, rank)
+    except (TypeError, IndexError, RuntimeError, AttributeError):
+        return False
+    want = list(t.shape)
+    want[t.dim] = t.sizes[rank]
+    return (isinstance(shard, torch.Tensor) and shard.device.type == "cpu"
+            and shard.dtype in _INPUTS and list(rows.shape) == want)
+
+
 def _scales_as_f32(scales, t):
     """Given scales as the amax table carries them: fp32, or E8M0 bytes as their fp32 values."""
     if t.spec.format == "mxfp8":
@@ -543,9 +594,13 @@ def _pass_through(t, given, rank):
     caller's (data, scales)."""
     data, scales = given
     data = _real_rows(data, t, rank).view(torch.uint8)
+    n = t.owned(rank)
+    if n == 0:  # no block starts in these rows (or there are none): no scales to send
+        empty = list(t.scale_shape)
+        empty[t.dim] = 0
+        return [data, torch.empty(empty, dtype=_scale_dtype(t))]
     if scales.element_size() == 1:
         scales = scales.view(torch.uint8)
-    n = t.owned(rank)
     return [data, scales.narrow(t.dim, scales.shape[t.dim] - n, n)]
 
 
@@ -640,13 +695,12 @@ def reshard(sources, destinations, layouts, comm, quantize, *, timeout, async_op
     float8_e8m0fnu / uint8 for mxfp8), or a float32 / bfloat16 tensor, which receives the
     dequantized values."""
     agreement = Agreement("reshard")
-    if async_op:
-        agreement.fail(InvalidArgumentError, "quantize: async_op=True is not supported yet")
+    agreement.capture(lambda: check_keywords(timeout=timeout, async_op=async_op))
     plan = agreement.capture(lambda: ReshardQuantizer(layouts, quantize, comm.rank, comm.size,
                                                       sources, destinations))
     agreement.quantize = None if plan is None else [None if q is None else _text(q)
                                                     for q in plan.specs_q]
-    agreement.run(comm, timeout)
+    agreement.run(comm, _timeout_seconds(timeout))
     return plan.execute(list(sources), list(destinations), comm, timeout)
 
 
@@ -674,10 +728,9 @@ def _from_sources(i, spec, layout, world):
     dim = split[0] if split else 0
     pieces = sorted((o[dim], n[dim], r) for r, (o, n) in held.items())
     at = 0
-    for o, n, _ in pieces:
-        if o != at:
-            break
-        at += n
+    for o, n, _ in pieces:  # they must tile the dim: each starts where the last ended
+        at = at if o == at else -1
+        at = at + n if at >= 0 else -1
     if len(split) > 1 or at != shape[dim] or len(pieces) > 1 and not split:
         raise InvalidArgumentError(
             "quantize[%d]: the sources must split one dim into disjoint pieces that cover it "
@@ -764,9 +817,9 @@ class ReshardQuantizer(_Encoder):
                 got += [destinations[pos] for _, pos in dst]
                 continue
             for j, _ in src:  # the data: this rank's box, or an empty one
-                box = layout.sources[j][1]
-                sent.append(quantized[i][0] if i in mine else
-                            torch.empty(tuple(box[1]), dtype=torch.uint8))
+                size = tuple(layout.sources[j][1][1])
+                sent.append(quantized[i][0] if 0 not in size else
+                            torch.empty(size, dtype=torch.uint8))
             data_in = [self._landing(destinations[pos], t, layout.destinations[k][1], 0)
                        for k, pos in dst]
             got += data_in

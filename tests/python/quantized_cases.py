@@ -65,10 +65,17 @@ def _case_tensors(world):
     dtypes = [torch.bfloat16, torch.float32, torch.float16]
     for k, (fmt, shape, dim) in enumerate(shapes):
         dtype = dtypes[k % 3]
-        full = _values(shape, dtype, seed=100 + k, specials=k % 2 == 0,
+        # NaN and Inf specials everywhere but in 128 x 128 blocks, where one NaN would make
+        # every block NaN and hide a wrong amax exchange; those get sparse specials instead.
+        block128 = fmt == "fp8_e4m3_128x128"
+        full = _values(shape, dtype, seed=100 + k, specials=k % 2 == 0 and not block128,
                        scale=[1.0, 1e-6, 3e3][k % 3])
-        if k == 3:  # a zero block row and an infinity
-            full[128:] = 0.0
+        if k == 0:  # one NaN block, one Inf block, values that saturate, elsewhere finite
+            full[3, 7] = float("nan")
+            full[200, 140] = float("-inf")
+            full[150, 20] = 1e30
+        if k == 3:  # a zero block and an infinity
+            full[:, 128:] = 0.0
             full[5, 5] = float("inf")
         spec = ShardSpec(dtype, shape, dim, _cuts(shape[dim], world, seed=k))
         out.append(("q%d" % k, full, spec, fmt))
@@ -188,6 +195,14 @@ def check_disagreement(rank, world, group):
         _raises_everywhere(shardgather.MismatchError, "none",
                            lambda: shardgather.unshard([shard], [spec], group, timeout=T,
                                                        quantize=plain or [None]))
+        # quantize=None on one rank takes the plain call: its header meets the others'
+        # agreement, and every rank raises MismatchError (the operations differ).
+        _raises_everywhere(shardgather.MismatchError, "differs",
+                           lambda: shardgather.unshard([shard], [spec], group, timeout=T,
+                                                       quantize=plain))
+        _raises_everywhere(shardgather.InvalidTypeError, "timeout must be a number",
+                           lambda: shardgather.unshard([shard], [spec], group, quantize="mxfp8",
+                                                       timeout="3" if rank == last else T))
     bad = "fp8_e5m2" if rank == last else "mxfp8"
     _raises_everywhere(shardgather.InvalidArgumentError, "rank %d: quantize[0]: unknown" % last,
                        lambda: shardgather.unshard([shard], [spec], group, timeout=T,
@@ -387,10 +402,13 @@ def check_reshard_quantized(rank, world, group):
     from shardgather import quantized
     from shardgather.layouts import Box, TensorLayout
 
-    fulls = [_values((300, 256), torch.bfloat16, seed=21, specials=True),
-             _values((200, 192), torch.float32, seed=22),
-             _values((96, 160), torch.bfloat16, seed=23)]
-    fmts = ["fp8_e4m3_128x128", "mxfp8", "fp8_e4m3_1x128"]
+    fulls = [_values((300, 256), torch.bfloat16, seed=21),
+             _values((200, 192), torch.float32, seed=22, specials=True),
+             _values((96, 160), torch.bfloat16, seed=23, specials=True),
+             _values((260, 300), torch.float32, seed=24)]
+    fulls[0][7, 9] = float("nan")  # one NaN block; the others finite, so a wrong amax shows
+    fmts = ["fp8_e4m3_128x128", "mxfp8", "fp8_e4m3_1x128", "fp8_e4m3_128x128"]
+    dequantized = [False, False, True, True]
     ranks = list(range(world))
 
     def rows(shape, sizes):
@@ -408,18 +426,23 @@ def check_reshard_quantized(rank, world, group):
         return out
 
     layouts = [
-        TensorLayout(fulls[0].shape, fulls[0].dtype, rows(fulls[0].shape, _cuts(300, world, 31)),
+        TensorLayout(fulls[0].shape, fulls[0].dtype,
+                     # rank 0 also lists an empty box: it sends nothing for it
+                     [(0, Box((0, 0), (0, 256)))] + rows(fulls[0].shape, _cuts(300, world, 31)),
                      rows(fulls[0].shape, _cuts(300, world, 35))),  # column-parallel
-        TensorLayout(fulls[1].shape, fulls[1].dtype, rows(fulls[1].shape, _cuts(200, world, 32)),
-                     cols(fulls[1].shape, _cuts(192, world, 36))),  # row-parallel
+        TensorLayout(fulls[1].shape, fulls[1].dtype, cols(fulls[1].shape, _cuts(192, world, 32)),
+                     rows(fulls[1].shape, _cuts(200, world, 36))),
         TensorLayout(fulls[2].shape, fulls[2].dtype, cols(fulls[2].shape, _cuts(160, world, 33)),
                      rows(fulls[2].shape, _cuts(96, world, 34))),
+        TensorLayout(fulls[3].shape, fulls[3].dtype, cols(fulls[3].shape, _cuts(300, world, 37)),
+                     cols(fulls[3].shape, _cuts(300, world, 38))),  # row-parallel
     ]
     plain = torch.arange(6 * world, dtype=torch.int64).reshape(2 * world, 3)
     layouts.insert(1, TensorLayout(plain.shape, plain.dtype, rows(plain.shape, [2] * world),
                                    [(r, Box((0, 0), tuple(plain.shape))) for r in ranks]))
     fulls.insert(1, plain)
     fmts.insert(1, None)
+    dequantized.insert(1, None)
     sources, destinations, checks = [], [], []
     for i, layout in enumerate(layouts):
         for r, box in layout.sources:
@@ -431,7 +454,7 @@ def check_reshard_quantized(rank, world, group):
             size = tuple(box[1])
             if fmts[i] is None:
                 dest = torch.zeros(size, dtype=plain.dtype)
-            elif i % 2:  # dequantized into the middle rows of a larger bf16 parameter
+            elif dequantized[i]:  # into the middle rows of a larger bf16 parameter
                 fused = torch.full((size[0] + 4,) + size[1:], 7.0, dtype=torch.bfloat16)
                 dest = fused.narrow(0, 2, size[0])
             else:
@@ -440,7 +463,7 @@ def check_reshard_quantized(rank, world, group):
                         torch.empty(sbox.size, dtype=torch.float8_e8m0fnu if fmts[i] == "mxfp8"
                                     else torch.float32))
             destinations.append(dest)
-            checks.append((i, box, dest, fused if fmts[i] and i % 2 else None))
+            checks.append((i, box, dest, fused if dequantized[i] else None))
     out = shardgather.reshard(sources, destinations, layouts, group, timeout=T,
                               quantize=fmts)
     assert len(out) == len(destinations)
@@ -459,13 +482,17 @@ def check_reshard_quantized(rank, world, group):
         _same_bits(dest, want)
         assert torch.all(fused[:2] == 7.0) and torch.all(fused[-2:] == 7.0)
     # Sources that do not split one dim are refused on every rank.
-    bad = TensorLayout(fulls[0].shape, fulls[0].dtype,
-                       [(r, Box((0, 0), tuple(fulls[0].shape))) for r in ranks],
-                       [(0, Box((0, 0), (128, 128)))])
-    if world > 1:
+    # Sources that do not split one dim into disjoint pieces are refused on every rank:
+    # replicas, and a piece inside pieces that already tile the dim.
+    replicas = [(r, Box((0, 0), tuple(fulls[0].shape))) for r in ranks]
+    inside = rows(fulls[0].shape, [128, 172] + [0] * (world - 2)) + [
+        (world - 1, Box((150, 0), (50, 256)))]
+    for held in ([replicas] if world > 1 else []) + ([inside] if world > 2 else []):
+        bad = TensorLayout(fulls[0].shape, fulls[0].dtype, held, [(0, Box((0, 0), (128, 128)))])
+        mine = [_region(fulls[0], box).clone() for r, box in held if r == rank]
         _raises_everywhere(shardgather.InvalidArgumentError, "split one dim",
                            lambda: shardgather.reshard(
-                               [fulls[0].clone()], [] if rank else [torch.empty(128, 128)],
+                               mine, [] if rank else [torch.empty(128, 128)],
                                [bad], group, timeout=T, quantize="fp8_e4m3_128x128"))
 
 
@@ -507,6 +534,16 @@ def check_pass_through(rank, world, group):
         _raises_everywhere(shardgather.InvalidArgumentError, "given scales of a block shared with rank",
                            lambda: shardgather.unshard([(given[0], bad), shards[1]], specs,
                                                        group, timeout=T, quantize=fmt))
+    # A tensor of 4 rows: ranks past the fourth hold none (FSDP's chunks of a small tensor).
+    small = _values((4, 256), torch.bfloat16, seed=45)
+    sdata, sscales = reference(small, fmt)
+    sizes = shardgather.chunk_sizes(4, world)
+    at = sum(sizes[:rank])
+    pair = (sdata[at:at + sizes[rank]], sscales if sizes[rank] else sscales[:0])
+    got = shardgather.unshard([pair], [ShardSpec(small.dtype, small.shape, 0)], group,
+                              timeout=T, quantize=fmt)
+    _same_bits(got[0][0], sdata)
+    _same_bits(got[0][1], sscales)
     victim = max(r for r in range(world) if specs[0].sizes[r])
     wrong = (given[0], given[1][:0]) if rank == victim else given
     _raises_everywhere(shardgather.InvalidArgumentError, "passed through",
