@@ -7,7 +7,7 @@
     .venv/bin/python bench/python/bench_quantized.py --kernel               # the quantizer
 
 (PYTHONPATH=build/ci/python in each.) The tensors are a Qwen3-8B decoder layer (hidden 4096,
-32 query and 8 key/value heads of 128, MLP 12288; its norms travel plain), bf16, sharded along
+32 query and 8 key/value heads of 128, MLP 12288; its 1-d norms travel plain), bf16, sharded along
 dim 0 torch.chunk-style as FSDP2 shards them. Methods, every one returning what an FP8 engine
 loads or what the trainer had:
   bf16          shardgather.unshard, the full bf16 tensors;
@@ -118,7 +118,7 @@ def main():
     full = first["bf16"]
     streamed = {k: v for b in first["fp8-stream"] for k, v in b.items()}
     for i, (t, fp8, mx) in enumerate(zip(full, first["fp8-on-send"], first["mxfp8-on-send"])):
-        if t.dim() != 2:
+        if t.dim() != 2:  # a single format leaves the 1-d norms plain
             assert torch.equal(fp8, t) and torch.equal(mx, t) and torch.equal(streamed[i], t)
             continue
         for (data, scales), fmt in ((fp8, FMT), (mx, "mxfp8"),

@@ -551,11 +551,12 @@ def reshard(sources, destinations, layouts, group=None, *, timeout=None, async_o
     """One-shot :class:`ReshardPlan`: plans ``layouts`` for ``group`` and executes once; returns
     ``destinations`` (written in place). Build a plan instead to reshard every step.
 
-    ``quantize`` (a format name or :class:`Quantize` for every tensor it can quantize, or a list
-    or dict by index): FP8 on the wire, bit-identical to quantizing each full tensor
-    (:func:`shardgather.quantized.reshard`: the sources of a quantized tensor split one dim, and
-    its destinations are (data, scales) pairs or float32 / bfloat16 tensors to dequantize
-    into; :func:`shardgather.quantized.scale_box` gives a destination's scale shape)."""
+    ``quantize`` (a format name or :class:`Quantize` for every tensor of 2 or more dims it can
+    quantize, or a list or dict by index): FP8 on the wire, bit-identical to quantizing each
+    full tensor (:func:`shardgather.quantized.reshard`: the sources of a quantized tensor split
+    one dim, and its destinations are (data, scales) pairs or float32 / bfloat16 tensors to
+    dequantize into; :func:`shardgather.quantized.scale_box` gives a destination's scale
+    shape)."""
     if quantize is not None:
         from . import quantized
 
@@ -577,7 +578,8 @@ def unshard(shards, specs, group=None, *, strategy="auto", preflight=True, timeo
 
     ``quantize``: FP8 on the wire, quantized on send and bit-identical to quantizing each full
     tensor (:mod:`shardgather.quantized`, docs/quantization.md): a format name or
-    :class:`Quantize` for every tensor it can quantize, or a list or dict (by index) of them.
+    :class:`Quantize` for every tensor of 2 or more dims it can quantize, or a list or dict (by
+    index) of them.
     A quantized tensor's entry is ``(data, scales)``, or the dequantized tensor when the spec
     asks for a dtype. CPU tensors; not with ``async_op``."""
     comm = communicator(group, _setup_timeout(timeout))

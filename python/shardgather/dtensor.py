@@ -46,9 +46,10 @@ def full_tensors(tensors, group=None, *, strategy="auto", timeout=None, quantize
     MismatchError, an unsupported layout raises InvalidArgumentError.
 
     ``quantize`` (:mod:`shardgather.quantized`): a format name or ``Quantize`` for every tensor
-    it can quantize, or a dict (by key; by index for a list) or a list of them. A quantized
-    entry is ``(data, scales)`` (or the dequantized tensor), bit-identical to quantizing
-    ``t.full_tensor()``: sharded DTensors are quantized on send, replicated and plain ones here.
+    of 2 or more dims it can quantize, or a dict (by key; by index for a list) or a list of
+    them. A quantized entry is ``(data, scales)`` (or the dequantized tensor), bit-identical to
+    quantizing ``t.full_tensor()``: sharded DTensors are quantized on send, replicated and plain
+    ones here.
     """
     is_dict = isinstance(tensors, dict)
     items = list(tensors.values()) if is_dict else list(tensors)

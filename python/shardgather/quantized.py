@@ -93,7 +93,8 @@ def _why_not(fmt, dtype, shape):
 
 def resolve(quantize, specs, names=None):
     """One spec (or None) per tensor from the ``quantize`` argument: a single spec applies to
-    every tensor it can quantize (the others travel plain); a list (one entry per tensor) or a
+    every tensor of 2 or more dims it can quantize (the others travel plain); a list (one entry
+    per tensor) or a
     dict from name (or, without names, index) to spec names each one, and a spec that cannot
     apply is an error."""
     n = len(specs)
@@ -101,7 +102,10 @@ def resolve(quantize, specs, names=None):
         spec = _spec(quantize, "quantize")
         if spec is None:
             return [None] * n
-        return [None if _why_not(spec.format, s.dtype, tuple(s.full_shape)) else spec
+        # A model's weights, not its 1-d norms and biases (which FP8 checkpoints and engines
+        # keep in high precision): those are quantized only where named.
+        return [None if len(s.full_shape) < 2 or _why_not(spec.format, s.dtype,
+                                                           tuple(s.full_shape)) else spec
                 for s in specs]
     keys = list(range(n)) if names is None else list(names)
     if isinstance(quantize, dict):

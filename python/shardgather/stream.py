@@ -46,11 +46,11 @@ def unshard_stream(shards, specs=None, group=None, *, bucket_bytes=1 << 30, pref
     :func:`shardgather.full_tensors`). Collective over ``group`` (for DTensors: their mesh).
     Each bucket is a dict from name (the dict's keys, or list indices) to full tensor.
 
-    ``quantize`` (:mod:`shardgather.quantized`): a format name or ``Quantize`` for every
-    tensor it can quantize, or a dict from name to one. A quantized tensor ``w`` arrives as
-    ``w`` (float8_e4m3fn) and ``w_scale_inv`` (float32; ``w_scale``, float8_e8m0fnu, for
-    mxfp8), bit-identical to quantizing the full tensor; each iteration quantizes the shards'
-    current values. Streams yield the raw data and scales (no ``dequantize``).
+    ``quantize`` (:mod:`shardgather.quantized`): a format name or ``Quantize`` for every tensor
+    of 2 or more dims it can quantize, or a dict from name to one. A quantized tensor ``w``
+    arrives as ``w`` (float8_e4m3fn) and ``w_scale_inv`` (float32; ``w_scale``, float8_e8m0fnu,
+    for mxfp8), bit-identical to quantizing the full tensor; each iteration quantizes the
+    shards' current values. Streams yield the raw data and scales (no ``dequantize``).
     """
     return UnshardStream(shards, specs, group, bucket_bytes=bucket_bytes, prefetch=prefetch,
                          dst=dst, copy=copy, strategy=strategy, timeout=timeout,

@@ -396,7 +396,8 @@ def _region(t, box):
 
 def check_reshard_quantized(rank, world, group):
     """reshard(quantize=) from FSDP rows (cuts inside blocks) to column- and row-parallel TP
-    boxes (uneven), and from a last-dim split to rows: every destination's FP8 bytes and the scales of
+    boxes (uneven), and from a last-dim split to rows: every destination's FP8 bytes and the
+    scales of
     the blocks its box touches equal the reference's, raw in place or dequantized into a view
     of a larger (fused) tensor whose other bytes stay as they were."""
     from shardgather import quantized
@@ -531,7 +532,8 @@ def check_pass_through(rank, world, group):
         bad = given[1].clone()
         if rank == sharing[-1]:
             bad.mul_(2.0)
-        _raises_everywhere(shardgather.InvalidArgumentError, "given scales of a block shared with rank",
+        _raises_everywhere(shardgather.InvalidArgumentError,
+                           "given scales of a block shared with rank",
                            lambda: shardgather.unshard([(given[0], bad), shards[1]], specs,
                                                        group, timeout=T, quantize=fmt))
     # A tensor of 4 rows: ranks past the fourth hold none (FSDP's chunks of a small tensor).
