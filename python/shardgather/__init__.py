@@ -149,6 +149,7 @@ def foreach_all_gather(
     strategy="auto",
     async_op=False,
     shapes_across_group=None,
+    quantize=None,
 ):
     """Gathers ``params`` from every rank of ``group`` in one collective.
 
@@ -187,8 +188,23 @@ def foreach_all_gather(
     CUDA tensors (all on one device) are gathered on the device, on the current CUDA stream
     (docs/gpu.md); the results are on that device. Without the shapes hint, the shapes are first
     gathered on the host in one small call of their own.
+
+    ``quantize`` (:mod:`shardgather.quantized`; CPU tensors, not with ``async_op``): FP8 on the
+    wire. Tensor i of every rank is read as rank r's rows of one tensor (their concatenation
+    along dim 0, FSDP's reading), quantized bit-identically to quantizing that tensor whole;
+    ``out[i][r]`` is ``(data, scales)``: rank r's FP8 rows and the scales of the blocks they
+    touch (a block two ranks' rows share is in both entries), or with a dequantizing spec those
+    rows dequantized. A format name or ``Quantize`` applies to every index whose tensors form
+    a tensor of 2 or more dims it can quantize; a list or a dict by index names them.
     """
     comm = communicator(group, _setup_timeout(timeout))
+    if quantize is not None:  # its agreement checks every argument, on every rank
+        from . import quantized
+
+        given = [h for h in (params_shapes_across_group, shapes_across_group) if h is not None]
+        return quantized.foreach_all_gather(
+            params, comm, given[0] if given else None, quantize, timeout=timeout,
+            preflight=preflight, strategy=strategy, async_op=async_op, twice=len(given) > 1)
     params_shapes_across_group = _one_hint(comm, "foreach_all_gather", params_shapes_across_group,
                                            shapes_across_group, preflight, timeout)
     _check_call(comm, "foreach_all_gather", strategy=strategy, preflight=preflight,
@@ -479,8 +495,11 @@ class ReshardPlan(_PlanState):
     """
 
     def __init__(self, layouts, world_size, rank, *, hosts=None, fan_out=True, strategy="auto",
-                 preflight=True, timeout=None, device_bucket_bytes=None):
+                 preflight=True, timeout=None, device_bucket_bytes=None, quantize=None):
         self._preflight, self._given_timeout = preflight, timeout
+        # quantize: each execute quantizes on send (shardgather.quantized.reshard), over the
+        # same layouts; the plan below still checks them.
+        self._quantize, self._layouts = quantize, layouts
         self._plan, self._error = _deferred(lambda: _C.ReshardPlan(
             _layout_tuples(layouts), check_int("world_size", world_size, 1),
             check_int("rank", rank, 0), None if hosts is None else list(hosts), bool(fan_out),
@@ -490,7 +509,7 @@ class ReshardPlan(_PlanState):
 
     @classmethod
     def for_group(cls, layouts, group=None, *, fan_out=True, strategy="auto", preflight=True,
-                  timeout=None, device_bucket_bytes=None):
+                  timeout=None, device_bucket_bytes=None, quantize=None):
         """The plan for this rank of ``group`` (a ProcessGroup, a Communicator or None for the
         default group), whose hosts the planner uses: a byte held by several ranks is sent
         from one on the destination's host where there is one, and (``fan_out``) bytes that
@@ -498,14 +517,25 @@ class ReshardPlan(_PlanState):
         comm = communicator(group, _setup_timeout(timeout))
         return cls(layouts, comm.size, comm.rank, hosts=comm.hosts or None, fan_out=fan_out,
                    strategy=strategy, preflight=preflight, timeout=timeout,
-                   device_bucket_bytes=device_bucket_bytes)
+                   device_bucket_bytes=device_bucket_bytes, quantize=quantize)
 
     def execute(self, sources, destinations, group=None, *, async_op=False, device=None):
         """Moves every rank's sources into every rank's destinations (see the class); returns
         ``destinations`` as a new list, or with ``async_op=True`` a :class:`Work` whose
         ``wait()`` returns it. ``device`` (a torch.device or its name): where this rank's
         tensors are; None takes it from them. A rank with no tensors in a CUDA reshard passes
-        its CUDA device (``"cuda"``: the current one)."""
+        its CUDA device (``"cuda"``: the current one).
+
+        A plan made with ``quantize`` quantizes on send (:func:`shardgather.quantized.reshard`:
+        its quantized tensors' destinations are (data, scales) pairs or float32 / bfloat16
+        tensors to dequantize into; CPU tensors, not ``async_op``)."""
+        if self._quantize is not None:
+            from . import quantized
+
+            comm = communicator(group, self._timeout())
+            return quantized.reshard(sources, destinations, self._layouts, comm, self._quantize,
+                                     timeout=self._given_timeout, async_op=async_op,
+                                     error=self._error)
         index = None
         if device is not None:
             try:
@@ -557,13 +587,7 @@ def reshard(sources, destinations, layouts, group=None, *, timeout=None, async_o
     one dim, and its destinations are (data, scales) pairs or float32 / bfloat16 tensors to
     dequantize into; :func:`shardgather.quantized.scale_box` gives a destination's scale
     shape)."""
-    if quantize is not None:
-        from . import quantized
-
-        comm = communicator(group, _setup_timeout(timeout))
-        return quantized.reshard(sources, destinations, layouts, comm, quantize,
-                                 timeout=timeout, async_op=async_op)
-    plan = ReshardPlan.for_group(layouts, group, timeout=timeout)
+    plan = ReshardPlan.for_group(layouts, group, timeout=timeout, quantize=quantize)
     return plan.execute(sources, destinations, group, async_op=async_op)
 
 

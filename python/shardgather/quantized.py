@@ -483,7 +483,7 @@ class Quantizer(_Encoder):
         quantized = self.encode_quantized(shards, comm, timeout)
         sent = []
         for i, shard in enumerate(shards):
-            sent += quantized[i] if i in quantized else [shard]
+            sent += quantized[i][:2] if i in quantized else [shard]
         return sent
 
     def outputs(self, got):
@@ -644,19 +644,18 @@ def _rows_numel(t, rank):
 def _encode(t, shard, amax, rank, out):
     """[FP8 bytes of the real rows (into ``out``, flat), the scales of the slabs that start in
     them]."""
-    if amax is None:  # no rows: nothing to send
+    if amax is None:  # no rows: nothing to send (data, owned scales, window scales)
         empty = list(t.shape)
         empty[t.dim] = 0
         scales = list(t.scale_shape)
         scales[t.dim] = 0
-        return [torch.empty(empty, dtype=torch.uint8),
-                torch.empty(scales, dtype=torch.uint8 if t.spec.format == "mxfp8"
-                            else torch.float32)]
+        no_scales = torch.empty(scales, dtype=_scale_dtype(t))
+        return [torch.empty(empty, dtype=torch.uint8), no_scales, no_scales]
     rows = _real_rows(shard, t, rank)
     data, scales = _C._quantize_box(rows, t.spec.format, t.window(rank)[1], _in_window(t, rank),
                                     amax, out.view(rows.shape))
     n = t.owned(rank)
-    return [data, scales.narrow(t.dim, scales.shape[t.dim] - n, n)]
+    return [data, scales.narrow(t.dim, scales.shape[t.dim] - n, n), scales]
 
 
 def _payload_specs(t):
@@ -690,7 +689,8 @@ def _outputs(got, specs_q):
 # of any boxes.
 
 
-def reshard(sources, destinations, layouts, comm, quantize, *, timeout, async_op=False):
+def reshard(sources, destinations, layouts, comm, quantize, *, timeout, async_op=False,
+            error=None):
     """shardgather.reshard with ``quantize`` given: each source quantizes its box (the ranks
     sharing a block agree on its amax first), and one reshard moves the FP8 bytes of every
     destination box with the scales of the blocks that box touches (:func:`scale_box`). A
@@ -699,6 +699,8 @@ def reshard(sources, destinations, layouts, comm, quantize, *, timeout, async_op
     float8_e8m0fnu / uint8 for mxfp8), or a float32 / bfloat16 tensor, which receives the
     dequantized values."""
     agreement = Agreement("reshard")
+    if error is not None:  # a plan's constructor found it (shardgather._Deferred)
+        agreement.fail(error.cls, error.message)
     agreement.capture(lambda: check_keywords(timeout=timeout, async_op=async_op))
     plan = agreement.capture(lambda: ReshardQuantizer(layouts, quantize, comm.rank, comm.size,
                                                       sources, destinations))
@@ -888,3 +890,132 @@ def _check_destination(dest, t, box, pos):
             "destinations[%d] (tensor %d, box %s): a (data, scales) pair, or a float32 / "
             "bfloat16 CPU tensor of %s to dequantize into" % (pos, t.index, tuple(box),
                                                               list(size)))
+
+
+# ---------------------------------------------------------------------------------------------
+# foreach_all_gather: each index's tensors, one per rank, are the rows of one tensor (FSDP's
+# reading: rank r's rows follow rank r-1's along dim 0).
+
+
+def foreach_all_gather(params, comm, shapes, quantize, *, timeout, preflight, strategy,
+                       async_op, twice=False):
+    """shardgather.foreach_all_gather with ``quantize`` given: ``out[i][r]`` is rank r's rows of
+    the quantized tensor that tensor i of every rank forms along dim 0, with the scales of the
+    blocks those rows touch (a block shared by two ranks' rows is in both entries), or those
+    rows dequantized. ``shapes``: the shapes hint, or None (one small gather of the shapes)."""
+    agreement = Agreement("foreach_all_gather")
+    agreement.capture(lambda: check_keywords(timeout=timeout, strategy=strategy,
+                                             preflight=preflight, async_op=async_op))
+    if twice:
+        agreement.fail(InvalidArgumentError, "the shapes hint was given twice "
+                       "(shapes_across_group and params_shapes_across_group)")
+    if shapes is None:
+        from . import _gather_shapes  # the package imports this module
+
+        shapes = _gather_shapes(list(params) if isinstance(params, (list, tuple)) else [],
+                                comm, _timeout_seconds(timeout))
+    plan = agreement.capture(lambda: _RowsQuantizer(list(params), shapes, quantize, comm.rank,
+                                                    comm.size))
+    agreement.quantize = None if plan is None else plan.agreed
+    agreement.run(comm, _timeout_seconds(timeout))
+    params = list(params)
+    quantized = plan.encode_quantized(params, comm, timeout)
+    sent = []
+    for i, t in enumerate(params):
+        sent += [quantized[i][0], quantized[i][2]] if i in quantized else [t]
+    got = _C.foreach_all_gather(sent, comm, plan.payload_shapes, timeout, preflight, strategy,
+                                False)
+    return plan.outputs(got)
+
+
+class _GlobalSpec:
+    """What resolve() reads of a spec: the dtype and the shape the ranks' rows form."""
+
+    def __init__(self, dtype, shape):
+        self.dtype, self.full_shape = dtype, tuple(shape)
+
+
+class _RowsQuantizer(_Encoder):
+    def __init__(self, params, shapes, quantize, rank, world):
+        if len(shapes) != world or any(len(row) != len(params) for row in shapes):
+            raise InvalidArgumentError("quantize: the shapes hint has not %d tensors for each "
+                                       "of %d ranks" % (len(params), world))
+        for i, t in enumerate(params):
+            if not isinstance(t, torch.Tensor):
+                raise InvalidTypeError("params[%d] must be a tensor, got %s"
+                                       % (i, type(t).__name__))
+        self.world = world
+        shapes = [[tuple(s) for s in row] for row in shapes]
+        formed = [self._formed(i, t.dtype, [row[i] for row in shapes])
+                  for i, t in enumerate(params)]
+        self.specs_q = resolve(quantize, [_GlobalSpec(t.dtype, f or (1, 32))
+                                          for t, f in zip(params, formed)])
+        tensors = []
+        for i, (q, f) in enumerate(zip(self.specs_q, formed)):
+            if q is not None and f is None and isinstance(quantize, (str, Quantize)):
+                self.specs_q[i] = q = None  # ragged pieces travel plain under one format
+            if q is None:
+                continue
+            if f is None:
+                raise InvalidArgumentError("quantize[%d]: the ranks' tensors must differ only "
+                                           "along dim 0 to form one tensor, got %s"
+                                           % (i, [row[i] for row in shapes]))
+            sizes = [row[i][0] for row in shapes]
+            tensors.append(_plan_tensor(i, q, f, 0, sizes,
+                                        [sum(sizes[:r]) for r in range(world)]))
+        for t in tensors:
+            _check_shard(params[t.index], params[t.index].dtype, 0, t, rank, world, "params")
+        super().__init__(tensors, rank, world)
+        self.by_index = {t.index: t for t in tensors}
+        # What every rank must agree on: each quantized index's spec, dtype and formed shape.
+        self.agreed = [None if q is None else _text(q) + [str(params[i].dtype), list(formed[i])]
+                       for i, q in enumerate(self.specs_q)]
+        self.payload_shapes = [[] for _ in range(world)]
+        for r in range(world):
+            for i in range(len(params)):
+                t = self.by_index.get(i)
+                if t is None:
+                    self.payload_shapes[r].append(shapes[r][i])
+                else:
+                    self.payload_shapes[r] += [shapes[r][i], self._scales_shape(t, r)]
+
+    @staticmethod
+    def _formed(i, dtype, per_rank):
+        """The shape the ranks' tensors form along dim 0, or None where they cannot."""
+        del i, dtype
+        if any(len(s) != len(per_rank[0]) or not s or s[1:] != per_rank[0][1:]
+               for s in per_rank):
+            return None
+        return (sum(s[0] for s in per_rank),) + tuple(per_rank[0][1:])
+
+    @staticmethod
+    def _scales_shape(t, r):
+        if not t.sizes[r]:
+            empty = list(t.scale_shape)
+            empty[0] = 0
+            return tuple(empty)
+        return _scale_shape(t.spec.format, t.window(r)[1])
+
+    def outputs(self, got):
+        out, k = [], 0
+        for i, spec in enumerate(self.specs_q):
+            if spec is None:
+                out.append(got[k])
+                k += 1
+                continue
+            t = self.by_index[i]
+            pieces = []
+            for r, (data, scales) in enumerate(zip(got[k], got[k + 1])):
+                if spec.dequantize is not None:
+                    full = torch.empty(data.shape, dtype=spec.dequantize)
+                    if data.numel():
+                        _C._dequantize_box(data, scales, spec.format, t.window(r)[1],
+                                           _in_window(t, r), full)
+                    pieces.append(full)
+                else:
+                    if spec.format == "mxfp8":
+                        scales = scales.view(torch.float8_e8m0fnu)
+                    pieces.append((data.view(torch.float8_e4m3fn), scales))
+            out.append(pieces)
+            k += 2
+        return out

@@ -558,3 +558,89 @@ def check_pass_through(rank, world, group):
 CHECKS.append(check_pass_through)
 globals()["case_pass_through"] = _on_default_group(check_pass_through)
 CASES.append("case_pass_through")
+
+
+def check_foreach_quantized(rank, world, group):
+    """foreach_all_gather(quantize=): each index's tensors are one tensor's rows (cuts inside
+    128-row blocks, ranks with none); out[i][r] is rank r's FP8 rows and the scales of the
+    blocks they touch, or those rows dequantized; with and without the shapes hint, beside
+    plain tensors of other shapes on every rank."""
+    fulls = [_values((300, 256), torch.bfloat16, seed=51),
+             _values((90, 64), torch.float32, seed=52, specials=True)]
+    fulls[0][11, 3] = float("nan")
+    cuts = [_cuts(300, world, 53), _cuts(90, world, 54)]
+    fmts = ["fp8_e4m3_128x128", "mxfp8"]
+
+    def rows(i, r):
+        lo = sum(cuts[i][:r])
+        return fulls[i][lo:lo + cuts[i][r]]
+
+    def ragged(r):
+        return torch.arange(r + 2, dtype=torch.int32)
+
+    params = [rows(0, rank).clone(), ragged(rank), rows(1, rank).clone()]
+    hint = [[tuple(rows(0, r).shape), tuple(ragged(r).shape), tuple(rows(1, r).shape)]
+            for r in range(world)]
+    for shapes in (hint, None):
+        got = shardgather.foreach_all_gather(params, group, shapes_across_group=shapes,
+                                             timeout=T, quantize=[fmts[0], None, fmts[1]])
+        for r in range(world):
+            assert torch.equal(got[1][r], ragged(r))
+        for k, i in ((0, 0), (2, 1)):
+            data, scales = reference(fulls[i], fmts[i])
+            block = 128 if i == 0 else 1
+            for r in range(world):
+                lo, n = sum(cuts[i][:r]), cuts[i][r]
+                _same_bits(got[k][r][0], data[lo:lo + n])
+                if n:
+                    _same_bits(got[k][r][1],
+                               scales[lo // block:-(-(lo + n) // block)])
+    deq = shardgather.foreach_all_gather(params, group, timeout=T,
+                                         quantize={0: Quantize(fmts[0], torch.float32)})
+    want = shardgather.quantization.dequantize(*reference(fulls[0], fmts[0]), fmts[0],
+                                               torch.float32)
+    for r in range(world):
+        lo = sum(cuts[0][:r])
+        _same_bits(deq[0][r], want[lo:lo + cuts[0][r]])
+        _same_bits(deq[2][r], rows(1, r))  # not named: plain (NaN included)
+    if world > 1:  # tensors that cannot form one tensor, quantized by name: refused everywhere
+        odd = torch.zeros(2, 3 if rank == world - 1 else 4)
+        _raises_everywhere(shardgather.InvalidArgumentError, "differ only along dim 0",
+                           lambda: shardgather.foreach_all_gather([odd], group, timeout=T,
+                                                                  quantize=["mxfp8"]))
+
+
+CHECKS.append(check_foreach_quantized)
+globals()["case_foreach_quantized"] = _on_default_group(check_foreach_quantized)
+CASES.append("case_foreach_quantized")
+
+
+def check_reshard_plan_quantized(rank, world, group):
+    """A ReshardPlan made once with quantize, executed every step: each execute quantizes the
+    sources' current values (a weight sync), bit-identical to the reference each time."""
+    from shardgather import quantized
+    from shardgather.layouts import Box, TensorLayout
+
+    full = _values((300, 256), torch.bfloat16, seed=61)
+    fmt = "fp8_e4m3_128x128"
+    src, dst = _cuts(300, world, 62), _cuts(300, world, 63)
+    layout = TensorLayout(full.shape, full.dtype,
+                          [(r, Box((sum(src[:r]), 0), (src[r], 256))) for r in range(world)],
+                          [(r, Box((sum(dst[:r]), 0), (dst[r], 256))) for r in range(world)])
+    plan = shardgather.ReshardPlan.for_group([layout], group, timeout=T, quantize=fmt)
+    mine = full[sum(src[:rank]):sum(src[:rank + 1])].clone()
+    box = layout.destinations[rank][1]
+    out = (torch.empty(tuple(box.size), dtype=torch.float8_e4m3fn),
+           torch.empty(quantized.scale_box(fmt, full.shape, box).size))
+    for step in range(2):
+        plan.execute([mine], [out], group)
+        data, scales = reference(full, fmt)
+        _same_bits(out[0], _region(data, box))
+        _same_bits(out[1], _region(scales, quantized.scale_box(fmt, full.shape, box)))
+        mine.mul_(-3.0)
+        full.mul_(-3.0)
+
+
+CHECKS.append(check_reshard_plan_quantized)
+globals()["case_reshard_plan_quantized"] = _on_default_group(check_reshard_plan_quantized)
+CASES.append("case_reshard_plan_quantized")
