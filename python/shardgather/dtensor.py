@@ -79,13 +79,6 @@ def full_tensors(tensors, group=None, *, strategy="auto", timeout=None, quantize
     return out
 
 
-class _Like:
-    """What resolve() reads of a spec: a tensor's dtype and global shape."""
-
-    def __init__(self, t):
-        self.dtype, self.full_shape = t.dtype, tuple(t.shape)
-
-
 def _full_quantized(tensors, items, where, group, strategy, timeout, quantize):
     """full_tensors with ``quantize``: one agreement (keys, specs, quantize specs, strategy),
     then the sharded DTensors quantized on send in one unshard and the others quantized here."""
@@ -107,7 +100,8 @@ def _full_quantized(tensors, items, where, group, strategy, timeout, quantize):
     per_item, sharded = [], []
 
     def inputs():
-        per_item.extend(quantized.resolve(quantize, [_Like(t) for t in items],
+        described = [quantized.Described(t.dtype, t.shape) for t in items]
+        per_item.extend(quantized.resolve(quantize, described,
                                           keys if isinstance(tensors, dict) else None))
         for i, q in enumerate(per_item):
             if q is not None and items[i].device.type != "cpu":

@@ -46,6 +46,14 @@ class Quantize(NamedTuple):
     dequantize: Optional[torch.dtype] = None
 
 
+class Described:
+    """What resolve() reads of a spec: a dtype and the full shape (a layout's, a DTensor's, or
+    the one the ranks' rows form)."""
+
+    def __init__(self, dtype, shape):
+        self.dtype, self.full_shape = dtype, tuple(shape)
+
+
 def _spec(value, what):
     """A :class:`Quantize`, or None, from what a caller gave."""
     if value is None or isinstance(value, Quantize):
@@ -710,11 +718,6 @@ def reshard(sources, destinations, layouts, comm, quantize, *, timeout, async_op
     return plan.execute(list(sources), list(destinations), comm, timeout)
 
 
-class _LayoutLike:
-    def __init__(self, layout):
-        self.dtype, self.full_shape = layout.dtype, tuple(layout.shape)
-
-
 def _from_sources(i, spec, layout, world):
     """The arithmetic of a quantized tensor from its source boxes, which must split one dim
     into disjoint pieces, one per rank (the shape the amax agreement works on)."""
@@ -757,7 +760,7 @@ class ReshardQuantizer(_Encoder):
 
     def __init__(self, layouts, quantize, rank, world, sources, destinations):
         self.layouts = list(layouts)
-        self.specs_q = resolve(quantize, [_LayoutLike(t) for t in self.layouts])
+        self.specs_q = resolve(quantize, [Described(t.dtype, t.shape) for t in self.layouts])
         tensors = [_from_sources(i, q, t, world)
                    for i, (q, t) in enumerate(zip(self.specs_q, self.layouts)) if q is not None]
         self.src_order = [(i, j) for i, t in enumerate(self.layouts) for j in _mine(t.sources,
@@ -928,13 +931,6 @@ def foreach_all_gather(params, comm, shapes, quantize, *, timeout, preflight, st
     return plan.outputs(got)
 
 
-class _GlobalSpec:
-    """What resolve() reads of a spec: the dtype and the shape the ranks' rows form."""
-
-    def __init__(self, dtype, shape):
-        self.dtype, self.full_shape = dtype, tuple(shape)
-
-
 class _RowsQuantizer(_Encoder):
     def __init__(self, params, shapes, quantize, rank, world):
         if len(shapes) != world or any(len(row) != len(params) for row in shapes):
@@ -948,7 +944,7 @@ class _RowsQuantizer(_Encoder):
         shapes = [[tuple(s) for s in row] for row in shapes]
         formed = [self._formed(i, t.dtype, [row[i] for row in shapes])
                   for i, t in enumerate(params)]
-        self.specs_q = resolve(quantize, [_GlobalSpec(t.dtype, f or (1, 32))
+        self.specs_q = resolve(quantize, [Described(t.dtype, f or (1, 32))
                                           for t, f in zip(params, formed)])
         tensors = []
         for i, (q, f) in enumerate(zip(self.specs_q, formed)):

@@ -115,6 +115,15 @@ class CaseResults:
             pytest.fail("ranks %s never reported (hung or died)" % missing, pytrace=False)
 
 
+def on_default_group(check):
+    """A check(rank, world, group) as a case(rank, world) of run_cases, on the default group."""
+    def case(rank, world):
+        check(rank, world, None)
+
+    case.__name__ = "case_" + check.__name__[len("check_"):]
+    return case
+
+
 def run_ranks(world, fn):
     """fn(rank, comm) on one Python thread per rank of a ThreadGroup; returns the results."""
     import shardgather

@@ -16,6 +16,7 @@ from torch.testing._internal.common_quantized import to_mxfp
 
 import shardgather
 from shardgather import Quantize, ShardSpec
+from conftest import on_default_group
 from test_quantize import _fp8_reference, _values
 
 T = 30.0  # per-call deadline: a broken case fails instead of hanging the harness
@@ -327,24 +328,6 @@ def check_export_fp8(rank, world, group):
         shutil.rmtree(out, ignore_errors=True)
 
 
-CHECKS = [check_unshard_bit_exact, check_one_spec_for_every_tensor, check_gather_to_one_rank,
-          check_padded_shards, check_disagreement, check_bytes_on_the_wire,
-          check_stream_quantized, check_export_fp8]
-
-
-def _on_default_group(check):
-    def case(rank, world):
-        check(rank, world, None)
-
-    case.__name__ = "case_" + check.__name__[len("check_"):]
-    return case
-
-
-for _check in CHECKS:
-    globals()[_on_default_group(_check).__name__] = _on_default_group(_check)
-CASES = ["case_" + c.__name__[len("check_"):] for c in CHECKS]
-
-
 def case_full_tensors_quantized(rank, world):
     """full_tensors(quantize=) on a state dict sharded by FSDP2 (cuts inside 128-row blocks),
     on a 1-D mesh with Shard(1) (cuts along the last dim) and a replicated DTensor: bit-exact
@@ -385,7 +368,6 @@ def case_full_tensors_quantized(rank, world):
     _same_bits(got[1][1], scales)
 
 
-CASES.append("case_full_tensors_quantized")
 
 
 def _region(t, box):
@@ -497,9 +479,6 @@ def check_reshard_quantized(rank, world, group):
                                [bad], group, timeout=T, quantize="fp8_e4m3_128x128"))
 
 
-CHECKS.append(check_reshard_quantized)
-globals()["case_reshard_quantized"] = _on_default_group(check_reshard_quantized)
-CASES.append("case_reshard_quantized")
 
 
 def check_pass_through(rank, world, group):
@@ -555,9 +534,6 @@ def check_pass_through(rank, world, group):
     _same_bits(got[0][0], data)
 
 
-CHECKS.append(check_pass_through)
-globals()["case_pass_through"] = _on_default_group(check_pass_through)
-CASES.append("case_pass_through")
 
 
 def check_foreach_quantized(rank, world, group):
@@ -610,9 +586,6 @@ def check_foreach_quantized(rank, world, group):
                                                                   quantize=["mxfp8"]))
 
 
-CHECKS.append(check_foreach_quantized)
-globals()["case_foreach_quantized"] = _on_default_group(check_foreach_quantized)
-CASES.append("case_foreach_quantized")
 
 
 def check_reshard_plan_quantized(rank, world, group):
@@ -641,6 +614,11 @@ def check_reshard_plan_quantized(rank, world, group):
         full.mul_(-3.0)
 
 
-CHECKS.append(check_reshard_plan_quantized)
-globals()["case_reshard_plan_quantized"] = _on_default_group(check_reshard_plan_quantized)
-CASES.append("case_reshard_plan_quantized")
+CHECKS = [check_unshard_bit_exact, check_one_spec_for_every_tensor, check_gather_to_one_rank,
+          check_padded_shards, check_disagreement, check_bytes_on_the_wire,
+          check_stream_quantized, check_export_fp8, check_reshard_quantized, check_pass_through,
+          check_foreach_quantized, check_reshard_plan_quantized]
+for _check in CHECKS:
+    globals()[on_default_group(_check).__name__] = on_default_group(_check)
+# full_tensors needs DTensors on a torch group: Gloo only.
+CASES = ["case_" + c.__name__[len("check_"):] for c in CHECKS] + ["case_full_tensors_quantized"]

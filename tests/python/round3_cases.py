@@ -20,6 +20,7 @@ import tempfile
 import torch
 
 import shardgather
+from conftest import on_default_group
 from shardgather.export import INDEX_NAME, save_safetensors
 
 T = 20.0
@@ -516,15 +517,8 @@ CHECKS = [check_stream_rows, check_export_rows, check_plan_rows, check_zero_elem
           check_export_key_collision, check_export_premade_stream]
 
 
-def _gloo(check):
-    def case(rank, world):
-        check(rank, world, None)
-    case.__name__ = "case_" + check.__name__[len("check_"):]
-    return case
-
-
 for _check in CHECKS + [check_export_replaces_atomically]:
-    globals()["case_" + _check.__name__[len("check_"):]] = _gloo(_check)
+    globals()["case_" + _check.__name__[len("check_"):]] = on_default_group(_check)
 
 
 def case_full_tensors_rows(rank, world):
