@@ -3,6 +3,7 @@
 
 #include "shardgather/buffer.h"
 #include "shardgather/communicator.h"
+#include "shardgather/delta.h"
 #include "shardgather/device_allocator.h"
 #include "shardgather/embedding.h"
 #include "shardgather/errors.h"

@@ -572,6 +572,10 @@ class ReshardPlan(_PlanState):
         "rounds", "Exchanges per execution: 1, or with the fan-out its waves + 1.")
     device_parts = _from_plan(
         "device_parts", "Parts each exchange moves in on a device (device_bucket_bytes).")
+    transfers = _from_plan(
+        "transfers",
+        "(sends, receives) of this rank: (peer, tensor, source view, destination view, offset, "
+        "size) per transfer, grouped by peer in the plan's order (the first exchange's).")
     fingerprint = _from_plan("fingerprint")
     rank = _from_plan("rank")
 

@@ -17,6 +17,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include "delta.h"
 #include "params.h"
 #include "plans.h"
 #include "quantize.h"
@@ -562,5 +563,6 @@ PYBIND11_MODULE(_shardgather, m) {
   register_reshard_plan(m);
   register_unshard_stream(m);
   register_quantize(m);
+  register_delta(m);
   register_hooks(m);
 }

@@ -2,6 +2,7 @@
 
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include <pybind11/stl.h>
 
@@ -73,6 +74,28 @@ py::list local_boxes(const ReshardPlan& plan, bool sources) {
   return out;
 }
 
+// This rank's transfers of the first exchange on one side, in the plan's order: [(peer, tensor
+// index, source view, destination view, box offset, box size)]. The peer is the rank at the other
+// end (this rank itself for a local copy); it comes from the grouping (send_first, recv_first),
+// since a Transfer's src and dst are entries of the layout, not ranks.
+py::list round0_transfers(const RegionPlan& regions, bool sends) {
+  const std::vector<Transfer>& transfers = sends ? regions.sends : regions.receives;
+  const std::vector<std::size_t>& first = sends ? regions.send_first : regions.recv_first;
+  py::list out;
+  for (int peer = 0; peer < regions.world_size; ++peer) {
+    const auto p = static_cast<std::size_t>(peer);
+    for (std::size_t k = first[p]; k < first[p + 1]; ++k) {
+      const Transfer& t = transfers[k];
+      if (t.round == 0) {
+        out.append(py::make_tuple(peer, t.tensor, t.src_view, t.dst_view,
+                                  py::tuple(py::cast(t.box.offset)),
+                                  py::tuple(py::cast(t.box.size))));
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 void register_reshard_plan(py::module_& m) {
@@ -97,6 +120,15 @@ void register_reshard_plan(py::module_& m) {
                              [](const P& p) { return p.plan().regions().host_received; })
       .def_property_readonly("forwarding", [](const P& p) { return p.plan().regions().forwarding; })
       .def_property_readonly("rounds", [](const P& p) { return p.plan().regions().rounds; })
+      .def_property_readonly(
+          "transfers",
+          [](const P& p) {
+            const RegionPlan& regions = p.plan().regions();
+            return py::make_tuple(round0_transfers(regions, true),
+                                  round0_transfers(regions, false));
+          },
+          "(sends, receives): this rank's transfers of the first exchange, in the plan's order, "
+          "each (peer, tensor, src_view, dst_view, offset, size)")
       .def_property_readonly("device_parts",
                              [](const P& p) { return p.plan().regions().device_parts; })
       .def_property_readonly("fingerprint", [](const P& p) { return p.plan().fingerprint(); })

@@ -1,0 +1,758 @@
+"""Weight sync for RL (docs/weight-sync.md): a trainer's shards into an engine's layout, every
+step, sending only what changed, with versions, a two-phase commit and readers that never see a
+torn tensor.
+
+    ws = WeightSync(layouts, group, mode="staged")      # every rank of group, the same layouts
+    ws.sync(step, sources)                                # every rank; sources: this rank's shards
+    with ws.read() as (version, tensors): ...             # an engine rank, any thread
+
+One sync, on every rank of the group (each round a reshard-plan call: a deadline, a pre-flight
+check, the error on every rank):
+
+1. **State.** Every rank publishes the version asked for, the version its snapshot (a source) or
+   its tensors (a destination) hold, and whether its tensors are mixed (a failed in-place
+   apply). All ranks must ask for the same version, not older than any snapshot.
+2. **Deltas.** Each source compares the copy of its shards taken when the sync started with its
+   snapshot of what it last committed, bucket by bucket along each transfer of the reshard
+   plan (src/copies/delta.cc: bitwise; dense bytes, (index, value) pairs or runs, the smallest,
+   dense from ``dense_ratio`` up), and sends each destination only the records of the buckets
+   that changed in its boxes. A destination whose version is not the snapshot's (new,
+   restarted, or left behind by a failed sync) gets its boxes dense, from a destination that
+   holds them at the snapshot's version (a replica) where one exists, else from the source.
+3. **Apply and vote.** A destination applies every record (staged: into its second buffer;
+   in place: into its tensors, under the readers' lock) and checks each bucket's checksum of
+   the full new bytes. Buckets that fail are resent dense (twice at most); then every rank
+   publishes its vote.
+4. **Commit.** All votes good: sources make their copy the snapshot, staged destinations
+   switch buffers, every rank's version becomes the new one. Anything else: nothing commits,
+   and every rank raises. The next sync is a delta from the last committed snapshot (dense to
+   whoever is not at it).
+"""
+
+import threading
+import time
+from contextlib import contextmanager
+
+import torch
+
+from . import _shardgather as _C
+from ._exchange import Exchange
+from ._shardgather import InvalidArgumentError, RemoteError, ShardgatherError
+
+# A sparse record is sent while it is at most this fraction of the dense bytes: measured with
+# bench/python/bench_weight_sync.py --crossover (docs/weight-sync.md, "Where dense wins").
+DENSE_RATIO = 0.9
+_SEGMENT = 16  # u32 origin source, u32 0, u64 bytes of records that follow
+_STATE = 5  # version asked, snapshot version, tensors' version, mixed, roles
+_NONE = -1
+_INVALID = -2  # a buffer a failed sync wrote part of
+
+
+def _slices(outer, inner):
+    """Index of box ``inner`` (offset, size) inside a view of box ``outer``."""
+    return tuple(slice(o - p, o - p + n) for o, p, n in zip(inner[0], outer[0], inner[1]))
+
+
+def _numel(size):
+    n = 1
+    for s in size:
+        n *= s
+    return n
+
+
+def _contains(outer, inner):
+    return all(p <= o and o + n <= p + m
+               for o, n, p, m in zip(inner[0], inner[1], outer[0], outer[1]))
+
+
+class _Readers:
+    """Which buffer readers hold, so that a sync never writes bytes a reader is reading: per
+    buffer a count of readers; a writer waits (bounded) until its buffer has none, and in place
+    (one buffer) new readers wait while it writes."""
+
+    def __init__(self, buffers):
+        self._cond = threading.Condition()
+        self._count = [0] * buffers
+        self._writing = None
+        self.active = 0
+
+    @contextmanager
+    def reading(self):
+        with self._cond:
+            while self._writing == self.active:
+                self._cond.wait()
+            held = self.active
+            self._count[held] += 1
+        try:
+            yield held
+        finally:
+            with self._cond:
+                self._count[held] -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def writing(self, buffer, timeout):
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._writing = buffer
+            try:
+                while self._count[buffer]:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ShardgatherError(
+                            "weight sync: readers held buffer %d for more than %.3g s; it "
+                            "cannot be written" % (buffer, timeout))
+                    self._cond.wait(left)
+            except BaseException:
+                self._writing = None
+                self._cond.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing = None
+                self._cond.notify_all()
+
+    def switch(self):
+        with self._cond:
+            self.active = 1 - self.active
+            self._cond.notify_all()
+
+
+class SyncWork:
+    """A started sync (:meth:`WeightSync.start`): the sources' copy is taken; the rest runs on a
+    thread of its own. ``wait()`` returns the sync's stats or raises its error."""
+
+    def __init__(self, run):
+        self._result, self._error = None, None
+        self._thread = threading.Thread(target=self._body, args=(run,), daemon=True)
+        self._thread.start()
+
+    def _body(self, run):
+        try:
+            self._result = run()
+        except BaseException as e:  # noqa: B902  (handed to wait())
+            self._error = e
+
+    def is_completed(self):
+        return not self._thread.is_alive()
+
+    def wait(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class WeightSync:
+    """Sync of one model's tensors from source ranks (a trainer's shards) to destination ranks
+    (an engine's boxes) of one group, by version (module docstring; docs/weight-sync.md).
+
+    ``layouts``: as for :class:`shardgather.ReshardPlan` (one TensorLayout per tensor, the same
+    on every rank). ``group``: a ProcessGroup, a Communicator, or None (the default group),
+    used by this object only while a sync runs; give it a group of its own (a sync may run on
+    a thread while the trainer uses its group).
+
+    ``mode``: where destinations receive.
+    - ``"staged"``: this object holds two buffers per destination box; a sync writes the one
+      readers do not see and switches on commit. Readers (:meth:`read`) always see one
+      committed version whole.
+    - ``"in_place"``: ``destinations`` (this rank's views, one per destination box in
+      :attr:`destination_boxes` order, any strides) are written in place while a sync applies
+      (:attr:`mixed` names their tensors meanwhile); :meth:`read` and :meth:`fence` wait for
+      the apply to end.
+
+    ``bucket_bytes``: the unit of change detection, encoding and checksum (default 1 MiB).
+    ``dense_ratio``: see :data:`DENSE_RATIO`. ``timeout``: each round's deadline, in seconds.
+
+    Memory, stated in advance (:meth:`memory`): a source holds two copies of its shards (the
+    committed snapshot and the copy a running sync reads, so the trainer may write its shards
+    as soon as :meth:`start` returns); a staged destination two buffers of its boxes; an
+    in-place one none. Messages: a delta's records, dense at worst (a new destination's boxes).
+
+    Threading: one sync at a time per object; :meth:`read`, :meth:`fence`, :attr:`version`
+    from any thread.
+    """
+
+    def __init__(self, layouts, group=None, *, mode="staged", destinations=None,
+                 bucket_bytes=1 << 20, dense_ratio=DENSE_RATIO, timeout=None, _state=None):
+        from . import ReshardPlan, communicator, _setup_timeout
+
+        if mode not in ("staged", "in_place"):
+            raise InvalidArgumentError("mode must be 'staged' or 'in_place', got %r" % (mode,))
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 8:
+            raise InvalidArgumentError("bucket_bytes must be an int >= 8, got %r"
+                                       % (bucket_bytes,))
+        if not 0.0 <= float(dense_ratio) <= 1.0:
+            raise InvalidArgumentError("dense_ratio must be in [0, 1], got %r" % (dense_ratio,))
+        self.comm = communicator(group, _setup_timeout(timeout))
+        self.layouts, self.mode = list(layouts), mode
+        self.bucket_bytes, self.dense_ratio = bucket_bytes, float(dense_ratio)
+        self.timeout = 300.0 if timeout is None else float(timeout)
+        world, rank = self.comm.size, self.comm.rank
+        self._hosts = list(self.comm.hosts or [0] * world)
+
+        def plan(r):
+            return ReshardPlan(self.layouts, world, r, hosts=self._hosts, fan_out=False,
+                               timeout=timeout)
+
+        self._plan_for = plan
+        self._plans = {rank: plan(rank)}
+        self.plan = self._plans[rank]
+        self.source_boxes = [(t, tuple(o), tuple(n)) for t, o, n in self.plan.source_boxes]
+        self.destination_boxes = [(t, tuple(o), tuple(n))
+                                  for t, o, n in self.plan.destination_boxes]
+        self._sends, self._receives = self.plan.transfers
+        self._exchange = Exchange(self.comm, timeout)
+        self._init_sources(_state)
+        self._init_destinations(destinations, _state)
+        self.last_stats = None
+        self._corrupt = None  # test hook: (peer, message) -> None, may flip bytes in flight
+
+    # --- state -------------------------------------------------------------------------------
+
+    def _key(self, box):
+        return box  # (tensor, offset, size): what survives a rebuild on a new group
+
+    def _init_sources(self, state):
+        self._snapshot = [None] * len(self.source_boxes)
+        self._pending = [None] * len(self.source_boxes)
+        self.snapshot_version = _NONE
+        if state is not None and state["snapshot_version"] != _NONE:
+            kept = state["snapshot"]
+            if all(self._key(b) in kept for b in self.source_boxes):
+                self._snapshot = [kept[self._key(b)] for b in self.source_boxes]
+                self.snapshot_version = state["snapshot_version"]
+
+    def _init_destinations(self, destinations, state):
+        shapes = [(self.layouts[t].dtype, n) for t, _, n in self.destination_boxes]
+        self.version, self._mixed, self._writing = _NONE, set(), set()
+        if self.mode == "in_place":
+            destinations = list(destinations or [])
+            if len(destinations) != len(shapes):
+                raise InvalidArgumentError(
+                    "in_place: rank %d has %d destination boxes but %d destinations were given"
+                    % (self.comm.rank, len(shapes), len(destinations)))
+            for v, (d, (dtype, size)) in enumerate(zip(destinations, shapes)):
+                if d.dtype != dtype or tuple(d.shape) != tuple(size) or d.device.type != "cpu":
+                    raise InvalidArgumentError(
+                        "in_place: destination %d of rank %d is %s %s on %s; its box wants "
+                        "%s %s on the host" % (v, self.comm.rank, d.dtype, tuple(d.shape),
+                                               d.device, dtype, tuple(size)))
+            self._buffers = [destinations]
+            self._readers = _Readers(1)
+        else:
+            self._buffers = [[torch.zeros(size, dtype=dtype) for dtype, size in shapes]
+                             for _ in range(2)]
+            self._readers = _Readers(2)
+        self._buffer_version = [_NONE] * len(self._buffers)
+        self._touched_last = None  # transfers the last commit wrote (staged refresh)
+        self._replaced_version = _INVALID  # the version of the buffer that commit replaced
+        if state is not None and state["version"] != _NONE:
+            kept = state["buffers"]
+            if all(self._key(b) in kept for b in self.destination_boxes):
+                for v, b in enumerate(self.destination_boxes):
+                    self._buffers[0][v].copy_(kept[self._key(b)])
+                self.version = self._buffer_version[0] = state["version"]
+
+    def rebuild(self, layouts, group=None, **kwargs):
+        """The same sync over a changed set of ranks (a new or restarted engine, a new group):
+        a new WeightSync for ``layouts`` on ``group`` that keeps this one's snapshot and
+        committed tensors for the boxes both layouts share (matched by tensor and box, not by
+        rank). A rank new to the group constructs a WeightSync instead; its first sync fills it
+        from replicas where they exist. Collective over the new group, as the constructor."""
+        state = {"snapshot_version": self.snapshot_version, "version": self.version,
+                 "snapshot": {self._key(b): s for b, s in zip(self.source_boxes, self._snapshot)
+                              if s is not None},
+                 "buffers": {self._key(b): t for b, t in
+                             zip(self.destination_boxes, self._buffers[self._readers.active])}}
+        kwargs.setdefault("mode", self.mode)
+        kwargs.setdefault("bucket_bytes", self.bucket_bytes)
+        kwargs.setdefault("dense_ratio", self.dense_ratio)
+        kwargs.setdefault("timeout", self.timeout)
+        return WeightSync(layouts, group, _state=state, **kwargs)
+
+    def memory(self):
+        """Bytes this object holds, stated in advance: sources (snapshot + copy), destinations
+        (two buffers staged, none in place)."""
+        def nbytes(boxes):
+            return sum(_numel(n) * self.layouts[t].dtype.itemsize for t, _, n in boxes)
+
+        staged = self.mode == "staged"
+        return {"sources": 2 * nbytes(self.source_boxes),
+                "destinations": (2 if staged else 0) * nbytes(self.destination_boxes)}
+
+    # --- readers -----------------------------------------------------------------------------
+
+    @contextmanager
+    def read(self):
+        """``with ws.read() as (version, tensors):`` this rank's destination tensors (in
+        :attr:`destination_boxes` order) and the version they hold, whole: no sync writes them
+        until the block ends (a sync that needs them waits, up to its timeout). In place, a
+        tensor a failed apply left mixed is in :attr:`mixed`."""
+        with self._readers.reading() as held:
+            yield self._buffer_version[held], list(self._buffers[held])
+
+    def fence(self):
+        """Waits until no sync is writing this rank's tensors; returns the version they hold
+        (in place, ``mixed`` names any a failed apply left half written)."""
+        with self.read() as (version, _):
+            return version
+
+    @property
+    def mixed(self):
+        """Indices of the tensors (into ``layouts``) that may hold two versions at once now:
+        those an in-place apply is writing, and those a failed one left half written (the next
+        sync sends them dense). Always empty when staged."""
+        return sorted(self._writing | self._mixed)
+
+    # --- the sync ----------------------------------------------------------------------------
+
+    def sync(self, version, sources=()):
+        """One sync at ``version`` (an int, the same on every rank; not older than the last
+        committed one: the same version again only brings new or restarted destinations up to
+        it). ``sources``: this rank's shards, one per :attr:`source_boxes` entry. Blocking;
+        returns this rank's stats."""
+        return self.start(version, sources).wait()
+
+    def start(self, version, sources=()):
+        """:meth:`sync`, started: returns once this rank's sources are copied (the trainer may
+        write them from then on), the rest runs on a thread; a :class:`SyncWork`."""
+        version = self._check_sources(version, sources)
+        fresh = version != self.snapshot_version
+        if fresh:
+            for v, s in enumerate(sources):
+                if self._pending[v] is None:
+                    self._pending[v] = torch.empty_like(s, memory_format=torch.contiguous_format)
+                self._pending[v].copy_(s)
+        return SyncWork(lambda: self._run(version, fresh))
+
+    def _check_sources(self, version, sources):
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise InvalidArgumentError("version must be an int >= 0, got %r" % (version,))
+        sources = list(sources)
+        if len(sources) != len(self.source_boxes):
+            raise InvalidArgumentError("rank %d has %d source boxes but %d sources were given"
+                                       % (self.comm.rank, len(self.source_boxes), len(sources)))
+        for v, (s, (t, _, size)) in enumerate(zip(sources, self.source_boxes)):
+            dtype = self.layouts[t].dtype
+            if not isinstance(s, torch.Tensor) or s.dtype != dtype or \
+                    tuple(s.shape) != tuple(size) or s.device.type != "cpu":
+                raise InvalidArgumentError(
+                    "source %d of rank %d (tensor %d) must be a host %s tensor of shape %s, "
+                    "got %s" % (v, self.comm.rank, t, dtype, tuple(size),
+                                _describe(s)))
+        return version
+
+    def _run(self, version, fresh):
+        began = time.perf_counter()
+        states = self._exchange_state(version)
+        outgoing, stats = self._encode(version, fresh, states)
+        t0 = time.perf_counter()
+        received, sizes = self._exchange.messages(outgoing)
+        stats["exchange_seconds"] = time.perf_counter() - t0
+        rank = self.comm.rank
+        # to and from other ranks (what crosses a link); this rank's own records are not counted
+        stats["bytes_received"] = int(sizes[:, rank].sum() - sizes[rank, rank])
+        stats["bytes_sent"] = int(sizes[rank].sum() - sizes[rank, rank])
+        touched = self._apply_and_vote(received, version, fresh, stats)
+        self._commit(version, fresh, touched)
+        stats["seconds"] = time.perf_counter() - began
+        self.last_stats = stats
+        return stats
+
+    def _exchange_state(self, version):
+        row = torch.tensor([version, self.snapshot_version, self.version,
+                            1 if self._mixed else 0,
+                            (1 if self.source_boxes else 0) | (2 if self.destination_boxes else 0)],
+                           dtype=torch.int64)
+        table = self._exchange.all_rows(row)
+        asked = table[:, 0].tolist()
+        if len(set(asked)) != 1:
+            r = next(r for r, v in enumerate(asked) if v != asked[0])
+            raise InvalidArgumentError("WeightSync.sync: rank %d asked for version %d, rank 0 "
+                                       "for %d" % (r, asked[r], asked[0]))
+        newest = int(table[:, 1].max())
+        if version < newest:
+            r = int(table[:, 1].argmax())
+            raise InvalidArgumentError(
+                "WeightSync.sync: version %d is older than rank %d's committed snapshot %d"
+                % (version, r, newest))
+        return table
+
+    # --- sending ---------------------------------------------------------------------------
+
+    def _buckets(self, transfers):
+        """Per transfer (peer, tensor, src view, dst view, offset, size): its buckets as
+        (transfer index, start, elements), numbered in this order within the pair."""
+        out = []
+        for k, (_, t, _, _, _, size) in enumerate(transfers):
+            n = _numel(size)
+            step = max(1, self.bucket_bytes // self.layouts[t].dtype.itemsize)
+            out.extend((k, at, min(step, n - at)) for at in range(0, n, step))
+        return out
+
+    def _receives_of(self, d, s):
+        """The transfers destination ``d`` receives from source ``s`` (d's plan, built once)."""
+        if d not in self._plans:
+            self._plans[d] = self._plan_for(d)
+        return [tr for tr in self._plans[d].transfers[1] if tr[0] == s]
+
+    def _encode(self, version, fresh, states):
+        rank = self.comm.rank
+        stats = {"version": version, "records": 0, "dense_records": 0, "changed_sent": 0,
+                 "changed_received": 0, "resent_buckets": 0, "encode_seconds": 0.0,
+                 "from_sources": 0, "from_replicas": 0}
+        t0 = time.perf_counter()
+        writer = _Writer()
+        self._encode_sources(fresh, states, writer, stats)
+        self._encode_replicas(states, writer, stats)
+        stats["encode_seconds"] = time.perf_counter() - t0
+        messages = writer.finish()
+        if self._corrupt is not None:
+            for peer, m in messages.items():
+                self._corrupt(rank, peer, m)
+        return messages, stats
+
+    def _is_current(self, states, d, version_of_source):
+        return int(states[d, 2]) == version_of_source and not int(states[d, 3])
+
+    def _encode_sources(self, fresh, states, writer, stats):
+        """This rank's records as a source: per destination, the buckets of its transfers that
+        changed (nothing on a sync at the snapshot's version), dense where the destination is
+        not at the snapshot and no replica sends it."""
+        snap_v = self.snapshot_version
+        packed = {}
+        by_dest = {}
+        for k, tr in enumerate(self._sends):
+            by_dest.setdefault(tr[0], []).append(k)
+        for d, ks in by_dest.items():
+            current = self._is_current(states, d, snap_v) and snap_v != _NONE
+            replicas = {} if current else self._replica_map(states, d, self.comm.rank)
+            transfers = [self._sends[k] for k in ks]
+            writer.segment(d, self.comm.rank)
+            for b, (j, start, n) in enumerate(self._buckets(transfers)):
+                tr = transfers[j]
+                after, before = self._regions(tr, packed, fresh)
+                if current or j in replicas:
+                    if not fresh:
+                        continue  # the destination's bytes are the snapshot's already
+                    writer.record(d, after[start:start + n], before[start:start + n], b,
+                                  self.dense_ratio, stats)
+                else:
+                    writer.record(d, after[start:start + n], None, b, 1.0, stats)
+
+    def _regions(self, tr, packed, fresh):
+        """(after, before) of one transfer's box as flat contiguous tensors: the sync's copy
+        (or the snapshot, on a sync at its version) and the snapshot (None before the first
+        commit). Packed once per sync where the box is not contiguous in the shard."""
+        key = (tr[2], tr[4], tr[5])
+        if key in packed:
+            return packed[key]
+        v = tr[2]
+        box = self.source_boxes[v][1:]
+        index = _slices(box, (tr[4], tr[5]))
+        after = (self._pending[v] if fresh else self._snapshot[v])[index].reshape(-1)  # a view where the box is contiguous
+        snap = self._snapshot[v]
+        before = None if snap is None else snap[index].reshape(-1)
+        packed[key] = (after, before)
+        return after, before
+
+    def _replica_map(self, states, d, s):
+        """For destination ``d`` not at source ``s``'s snapshot: which of s's transfers to d a
+        replica sends instead (index into the pair's transfers -> replica rank): a destination
+        at that snapshot, unmixed, holding the whole box; one on d's host first, then the one
+        with the fewest bytes given so far, then the lowest rank. The same on every rank."""
+        snap_v = int(states[s, 1])
+        if snap_v == _NONE:
+            return {}
+        holders = []  # (rank, tensor, box)
+        for t, layout in enumerate(self.layouts):
+            for r, box in layout.destinations:
+                if r != d and self._is_current(states, r, snap_v):
+                    holders.append((r, t, (tuple(box[0]), tuple(box[1]))))
+        load, out = {}, {}
+        for j, (_, t, _, _, offset, size) in enumerate(self._receives_of(d, s)):
+            cands = sorted({r for r, tt, box in holders
+                            if tt == t and _contains(box, (tuple(offset), tuple(size)))},
+                           key=lambda r: (self._hosts[r] != self._hosts[d], load.get(r, 0), r))
+            if cands:
+                out[j] = cands[0]
+                load[cands[0]] = load.get(cands[0], 0) + _numel(size)
+        return out
+
+    def _encode_replicas(self, states, writer, stats):
+        """This rank's records as a replica: the boxes of destinations behind the snapshot
+        that _replica_map gives it, dense from its committed tensors."""
+        if not self.destination_boxes or self.version == _NONE or self._mixed:
+            return
+        rank, world = self.comm.rank, self.comm.size
+        sources = [s for s in range(world) if int(states[s, 4]) & 1]
+        for d in range(world):
+            if d == rank or not int(states[d, 4]) & 2:
+                continue
+            for s in sources:
+                snap_v = int(states[s, 1])
+                if self._is_current(states, d, snap_v) or self.version != snap_v:
+                    continue
+                mine = [j for j, r in self._replica_map(states, d, s).items() if r == rank]
+                if not mine:
+                    continue
+                transfers = self._receives_of(d, s)
+                writer.segment(d, s)
+                with self._readers.reading() as held:
+                    for b, (j, start, n) in enumerate(self._buckets(transfers)):
+                        if j in mine:
+                            region = self._held_region(held, transfers[j])
+                            writer.record(d, region[start:start + n], None, b, 1.0, stats)
+
+    def _held_region(self, buffer, tr):
+        _, t, _, _, offset, size = tr
+        for v, (tv, o, n) in enumerate(self.destination_boxes):
+            if tv == t and _contains((o, n), (tuple(offset), tuple(size))):
+                view = self._buffers[buffer][v][_slices((o, n), (offset, size))]
+                return view.reshape(-1)
+        raise AssertionError("replica holds no box for %r" % (tr,))
+
+    # --- receiving ---------------------------------------------------------------------------
+
+    def _apply_and_vote(self, received, version, fresh, stats):
+        """Applies every record received, resends failed buckets dense (twice at most), and
+        returns the transfers written once every rank voted good; raises on every rank
+        otherwise."""
+        target = 0 if self.mode == "in_place" else 1 - self._readers.active
+        touched, error, failed = set(), None, {}
+        if self.destination_boxes:
+            try:
+                self._prepare(target)
+                if self.mode == "staged":
+                    self._buffer_version[target] = _INVALID  # until this sync commits
+                failed = self._apply(received, target, touched, stats, version)
+            except ShardgatherError as e:
+                error = e
+            if self.mode == "in_place":
+                # Written but not committed: the next sync sends these tensors dense unless
+                # this one commits.
+                self._mixed |= {self._receives[k][1] for k in touched}
+        for attempt in range(3):
+            vote = torch.tensor([1 if error is not None else 0, sum(map(len, failed.values()))],
+                                dtype=torch.int64)
+            table = self._exchange.all_rows(vote)
+            if bool(table[:, 0].any()):
+                self._raise_failed(table, error)
+            if not bool(table[:, 1].any()):
+                return touched
+            if attempt == 2:
+                r = int(table[:, 1].argmax())
+                raise ShardgatherError(
+                    "WeightSync.sync: rank %d still had %d buckets whose checksum failed after "
+                    "2 dense resends" % (r, int(table[r, 1])))
+            failed, error = self._resend(failed, target, touched, version, fresh, stats)
+        return touched
+
+    def _raise_failed(self, table, error):
+        if error is not None:
+            raise error
+        r = int(table[:, 0].nonzero()[0])
+        raise RemoteError("WeightSync.sync: rank %d could not apply what it received (its "
+                          "error names the cause); nothing was committed" % r)
+
+    def _prepare(self, target):
+        """Staged: brings the buffer about to be written to the active one's bytes: nothing where
+        it holds them, the transfers the last commit wrote where it is the buffer that commit
+        replaced, everything otherwise (first sync, after a failed one)."""
+        if self.mode == "in_place":
+            return
+        active = self._readers.active
+        versions = self._buffer_version
+        if versions[target] == versions[active] and versions[target] != _INVALID:
+            return
+        with self._readers.writing(target, self.timeout):
+            if versions[target] == self._replaced_version and self._touched_last is not None:
+                for k in self._touched_last:
+                    self._transfer_view(target, k).copy_(self._transfer_view(active, k))
+            else:
+                for a, b in zip(self._buffers[active], self._buffers[target]):
+                    b.copy_(a)
+            versions[target] = versions[active]
+
+    def _transfer_view(self, buffer, k):
+        _, _, _, dv, offset, size = self._receives[k]
+        box = self.destination_boxes[dv][1:]
+        return self._buffers[buffer][dv][_slices(box, (offset, size))]
+
+    def _apply(self, received, target, touched, stats, version):
+        """Applies the segments received: replicas' first (their dense bytes are the snapshot's
+        version, which the sources' deltas then bring to the new one), then the sources' own.
+        Returns origin source -> the set of its buckets whose checksum failed."""
+        replicas, direct = [], []
+        for sender, message in received.items():
+            for origin, body in _segments(sender, message):
+                (direct if origin == sender else replicas).append((sender, origin, body))
+                if sender != self.comm.rank:
+                    key = "from_sources" if origin == sender else "from_replicas"
+                    stats[key] += _SEGMENT + body.numel()
+        failed = {}
+        with self._readers.writing(target, self.timeout):
+            if self.mode == "in_place":
+                self._writing = {tr[1] for tr in self._receives}
+            try:
+                if self.mode == "in_place":
+                    self._buffer_version[0] = _INVALID  # readers wait meanwhile
+                for sender, origin, body in replicas + direct:
+                    self._apply_segment(sender, origin, body, target, touched, failed, stats)
+                if self.mode == "in_place" and not failed:
+                    # Whole and checked: what a reader sees is this version's bytes, though
+                    # the sync may still fail to commit (then `mixed` names them).
+                    self._buffer_version[0] = version
+            finally:
+                self._writing = set()
+        return failed
+
+    def _apply_segment(self, sender, origin, body, target, touched, failed, stats):
+        mine = [k for k, tr in enumerate(self._receives) if tr[0] == origin]
+        buckets = self._buckets([self._receives[k] for k in mine])
+        at = 0
+        while at < body.numel():
+            bucket = int(body[at + 4:at + 8].view(torch.int32)[0]) & 0xFFFFFFFF
+            if bucket >= len(buckets):
+                raise InvalidArgumentError(
+                    "WeightSync.sync: rank %d sent rank %d bucket %d of source %d, which has "
+                    "%d" % (sender, self.comm.rank, bucket, origin, len(buckets)))
+            j, start, n = buckets[bucket]
+            k = mine[j]
+            view = self._transfer_view(target, k)
+            _, ok, nbytes, changed = _C._delta_apply(body[at:], view, start, n)
+            touched.add(k)
+            stats["changed_received"] += changed
+            if not ok:
+                failed.setdefault(origin, set()).add(bucket)
+            at += nbytes
+
+    def _resend(self, failed, target, touched, version, fresh, stats):
+        """One repair round: each destination asks the origin sources of the buckets whose
+        checksum failed for them again; each source sends those buckets dense (the new
+        version's bytes, so that a bad replica record is repaired too); the destination applies
+        them. Returns what _apply returns, and an error of this rank's apply or None."""
+        asks = {s: torch.tensor(sorted(b), dtype=torch.int64).view(torch.uint8)
+                for s, b in failed.items()}
+        got, _ = self._exchange.messages(asks)
+        writer = _Writer()
+        for d, ask in got.items():
+            transfers = [tr for tr in self._sends if tr[0] == d]
+            buckets = self._buckets(transfers)
+            writer.segment(d, self.comm.rank)
+            for bucket in ask.view(torch.int64).tolist():
+                if not 0 <= bucket < len(buckets):
+                    raise InvalidArgumentError(
+                        "WeightSync.sync: rank %d asked rank %d again for bucket %d of %d"
+                        % (d, self.comm.rank, bucket, len(buckets)))
+                j, start, n = buckets[bucket]
+                after, _ = self._regions(transfers[j], {}, fresh)
+                writer.record(d, after[start:start + n], None, bucket, 1.0, stats)
+                stats["resent_buckets"] += 1
+        received, _ = self._exchange.messages(writer.finish())
+        if not self.destination_boxes:
+            return {}, None
+        try:
+            return self._apply(received, target, touched, stats, version), None
+        except ShardgatherError as e:
+            return {}, e
+
+    def _commit(self, version, fresh, touched):
+        if self.source_boxes and fresh:
+            self._snapshot, self._pending = self._pending, self._snapshot
+            self.snapshot_version = version
+        if self.destination_boxes:
+            if self.mode == "staged":
+                target = 1 - self._readers.active
+                self._replaced_version = self._buffer_version[self._readers.active]
+                self._buffer_version[target] = version
+                self._touched_last = touched
+                self._readers.switch()
+            else:
+                self._buffer_version[0] = version
+                self._mixed = set()
+            self.version = version
+
+
+def _describe(x):
+    if isinstance(x, torch.Tensor):
+        return "%s %s on %s" % (x.dtype, tuple(x.shape), x.device)
+    return type(x).__name__
+
+
+def _segments(sender, message):
+    """(origin source, records) of each segment of one message."""
+    at, out = 0, []
+    while at < message.numel():
+        if message.numel() - at < _SEGMENT:
+            raise InvalidArgumentError("WeightSync.sync: rank %d sent a truncated segment "
+                                       "header" % sender)
+        head = message[at:at + _SEGMENT].view(torch.int64)
+        origin, nbytes = int(head[0]) & 0xFFFFFFFF, int(head[1])
+        if nbytes < 0 or at + _SEGMENT + nbytes > message.numel():
+            raise InvalidArgumentError("WeightSync.sync: rank %d sent a segment of %d bytes "
+                                       "where %d remain" % (sender, nbytes,
+                                                            message.numel() - at - _SEGMENT))
+        out.append((origin, message[at + _SEGMENT:at + _SEGMENT + nbytes]))
+        at += _SEGMENT + nbytes
+    return out
+
+
+class _Writer:
+    """Builds each peer's message: segments (origin source, records), records encoded straight
+    into a growing per-peer buffer."""
+
+    def __init__(self):
+        self._bufs, self._used, self._head = {}, {}, {}
+
+    def segment(self, peer, origin):
+        self._close(peer)
+        self._reserve(peer, _SEGMENT)
+        at = self._used[peer]
+        self._head[peer] = (at, origin)
+        self._used[peer] = at + _SEGMENT
+
+    def _reserve(self, peer, nbytes):
+        buf = self._bufs.get(peer)
+        used = self._used.setdefault(peer, 0)
+        if buf is None or buf.numel() < used + nbytes:
+            grown = torch.empty(max(2 * (used + nbytes), 1 << 16), dtype=torch.uint8)
+            if buf is not None:
+                grown[:used] = buf[:used]
+            self._bufs[peer] = grown
+
+    def record(self, peer, after, before, bucket, ratio, stats):
+        room = _C._delta_max_record_bytes(after.numel(), after.element_size())
+        self._reserve(peer, room)
+        at = self._used[peer]
+        if not after.is_contiguous():
+            after = after.contiguous()
+        if before is not None and not before.is_contiguous():
+            before = before.contiguous()
+        nbytes, encoding, changed = _C._delta_encode(before, after,
+                                                     self._bufs[peer][at:at + room], bucket, ratio)
+        self._used[peer] = at + nbytes
+        if nbytes:
+            stats["records"] += 1
+            stats["dense_records"] += encoding == 1
+            stats["changed_sent"] += changed
+
+    def _close(self, peer):
+        head = self._head.pop(peer, None)
+        if head is None:
+            return
+        at, origin = head
+        nbytes = self._used[peer] - at - _SEGMENT
+        if nbytes == 0:
+            self._used[peer] = at  # an empty segment is dropped
+            return
+        self._bufs[peer][at:at + _SEGMENT].view(torch.int64)[:] = torch.tensor(
+            [origin, nbytes], dtype=torch.int64)
+
+    def finish(self):
+        for peer in list(self._head):
+            self._close(peer)
+        return {p: self._bufs[p][:n] for p, n in self._used.items() if n}

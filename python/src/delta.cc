@@ -1,0 +1,115 @@
+#include "delta.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "shardgather/delta.h"
+#include "shardgather/errors.h"
+
+namespace py = pybind11;
+
+namespace shardgather::python {
+namespace {
+
+std::string describe(const at::Tensor& t) {
+  return std::string(at::toString(t.scalar_type())) + " on " + t.device().str() +
+         (t.is_contiguous() ? "" : ", not contiguous");
+}
+
+// A strided CPU tensor (`what` names it in errors); contiguous too where asked.
+void check_cpu(const at::Tensor& t, const char* what, bool contiguous) {
+  if (!t.device().is_cpu() || t.layout() != at::kStrided || (contiguous && !t.is_contiguous())) {
+    throw InvalidArgument(std::string("delta: ") + what + " must be a " +
+                          (contiguous ? "contiguous " : "") + "strided CPU tensor, got " +
+                          describe(t));
+  }
+}
+
+// A contiguous 1-d uint8 CPU tensor: a record's bytes.
+std::span<std::byte> record_bytes(const at::Tensor& t, const char* what) {
+  check_cpu(t, what, true);
+  if (t.scalar_type() != at::kByte || t.dim() != 1) {
+    throw InvalidArgument(std::string("delta: ") + what + " must be a 1-d uint8 tensor, got " +
+                          std::to_string(t.dim()) + "-d " + describe(t));
+  }
+  return {static_cast<std::byte*>(t.data_ptr()), static_cast<std::size_t>(t.numel())};
+}
+
+delta::StridedView view_of(const at::Tensor& t) {
+  check_cpu(t, "the tensor", false);
+  return {.data = t.data_ptr(),
+          .es = static_cast<std::size_t>(t.element_size()),
+          .sizes = t.sizes().vec(),
+          .strides = t.strides().vec()};
+}
+
+// (record bytes, encoding code, changed elements): the record of after against before (None:
+// dense) at out[0:nbytes].
+std::tuple<std::size_t, int, std::uint64_t> encode_py(const std::optional<at::Tensor>& before,
+                                                      const at::Tensor& after,
+                                                      const at::Tensor& out, std::uint32_t bucket,
+                                                      double dense_ratio) {
+  check_cpu(after, "after", true);
+  if (before) {
+    check_cpu(*before, "before", true);
+    if (before->scalar_type() != after.scalar_type() || before->numel() != after.numel()) {
+      throw InvalidArgument("delta: bucket " + std::to_string(bucket) + ": before is " +
+                            describe(*before) + " of " + std::to_string(before->numel()) +
+                            " elements, after " + describe(after) + " of " +
+                            std::to_string(after.numel()));
+    }
+  }
+  const std::span<std::byte> bytes = record_bytes(out, "out");
+  const void* old = before ? before->data_ptr() : nullptr;
+  const void* now = after.data_ptr();
+  const auto n = static_cast<std::size_t>(after.numel());
+  const auto es = static_cast<std::size_t>(after.element_size());
+  delta::EncodeResult r;
+  {
+    const py::gil_scoped_release unlocked;
+    r = delta::encode(old, now, n, es, bucket, dense_ratio, bytes);
+  }
+  return {r.bytes, static_cast<int>(r.encoding), r.changed};
+}
+
+// (bucket, checksum_ok, record_bytes, changed): the record at record's start applied to flat
+// elements [start, start + n) of dst.
+std::tuple<std::uint32_t, bool, std::size_t, std::uint64_t> apply_py(const at::Tensor& record,
+                                                                     const at::Tensor& dst,
+                                                                     std::uint64_t start,
+                                                                     std::uint64_t n) {
+  const std::span<std::byte> bytes = record_bytes(record, "record");
+  const delta::StridedView view = view_of(dst);
+  delta::ApplyResult r;
+  {
+    const py::gil_scoped_release unlocked;
+    r = delta::apply(bytes, view, start, n);
+  }
+  return {r.bucket, r.checksum_ok, r.record_bytes, r.changed};
+}
+
+std::uint64_t checksum_py(const at::Tensor& t, std::uint64_t start, std::uint64_t n) {
+  const delta::StridedView view = view_of(t);
+  const py::gil_scoped_release unlocked;
+  return delta::view_checksum(view, start, n);
+}
+
+}  // namespace
+
+void register_delta(py::module_& m) {
+  m.def("_delta_encode", &encode_py, py::arg("before"), py::arg("after"), py::arg("out"),
+        py::arg("bucket"), py::arg("dense_ratio"));
+  m.def("_delta_apply", &apply_py, py::arg("record"), py::arg("dst"), py::arg("start"),
+        py::arg("n"));
+  m.def("_delta_checksum", &checksum_py, py::arg("t"), py::arg("start"), py::arg("n"));
+  m.def("_delta_max_record_bytes", &delta::max_record_bytes, py::arg("n"), py::arg("elem_size"));
+}
+
+}  // namespace shardgather::python

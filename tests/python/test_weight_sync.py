@@ -1,0 +1,105 @@
+"""Weight sync (weight_sync_cases.py), bit for bit against every version's reference: the
+threads backend at worlds 1 to 7, Gloo groups of 2 to 4 spawned processes, MPI at 2 to 4 ranks;
+and the failure bounds (a destination that stops mid-sync) on threads."""
+
+import time
+
+import pytest
+
+import shardgather
+import weight_sync_cases
+from conftest import CaseResults, check_on_threads, run_mpi_checks, run_ranks
+
+_results = CaseResults("weight_sync_cases", weight_sync_cases.CASES)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("check", weight_sync_cases.CHECKS, ids=lambda c: c.__name__)
+def test_weight_sync_threads(world, check):
+    check_on_threads(world, check)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("case", weight_sync_cases.CASES)
+def test_weight_sync_gloo(world, case):
+    _results.check(world, case)
+
+
+@pytest.mark.skipif(not shardgather.has_mpi(), reason="built without MPI")
+@pytest.mark.parametrize("np_", [2, 3, 4])
+def test_weight_sync_mpi(np_):
+    run_mpi_checks("weight_sync_cases", np_, timeout=300)
+
+
+def _fault_run(world, stage, deadline):
+    """One sync at version 1 in which the last destination stops answering at ``stage`` (it
+    returns from its exchange: a rank killed or cut off there, seen from its peers). Returns
+    (per-rank (error type name, seconds) of that sync, and whether a sync of the same ranks at
+    version 1, on a new group with the restarted rank, then ends bit-exact)."""
+    layouts = weight_sync_cases.layouts_for(world)
+    sources, groups = weight_sync_cases.roles(world)
+    victim = groups[-1][-1]
+    full = weight_sync_cases.initial()
+    outcome = {}
+    kept = {}
+
+    def body(rank, comm):
+        ws = shardgather.weight_sync.WeightSync(layouts, comm, timeout=deadline,
+                                                bucket_bytes=256)
+        ws.sync(0, weight_sync_cases.shard_views(ws, full))
+        mine = [t.clone() for t in full]
+        weight_sync_cases.step(mine, 1)
+        if rank == victim:
+            calls = [0]
+            real = ws._exchange.all_rows if stage == "vote" else ws._exchange.messages
+
+            def dies(*a, **k):
+                calls[0] += 1
+                if stage == "vote" and calls[0] < 2:
+                    return real(*a, **k)
+                raise SystemExit  # this rank is gone from here on
+
+            setattr(ws._exchange, "all_rows" if stage == "vote" else "messages", dies)
+        began = time.monotonic()
+        try:
+            ws.sync(1, weight_sync_cases.shard_views(ws, mine))
+            outcome[rank] = (None, time.monotonic() - began)
+        except SystemExit:
+            outcome[rank] = ("killed", time.monotonic() - began)
+        except shardgather.ShardgatherError as e:
+            outcome[rank] = (type(e).__name__, time.monotonic() - began)
+        kept[rank] = ws
+
+    run_ranks(world, body)
+    # the same ranks again, on a new group: the victim restarted (nothing held), the others
+    # keep their state; version 1 again is a delta from the last committed snapshot (0)
+    mine = [t.clone() for t in full]
+    weight_sync_cases.step(mine, 1)
+
+    def again(rank, comm):
+        if rank == victim:
+            ws = shardgather.weight_sync.WeightSync(layouts, comm, timeout=deadline,
+                                                    bucket_bytes=256)
+        else:
+            ws = kept[rank].rebuild(layouts, comm)
+        ws.sync(1, weight_sync_cases.shard_views(ws, mine))
+        weight_sync_cases.check_held(ws, mine, rank, 1)
+        return ws.last_stats
+
+    stats, errors = run_ranks(world, again)
+    return outcome, victim, errors
+
+
+@pytest.mark.parametrize("stage", ["payload", "vote"])
+@pytest.mark.parametrize("world", [3, 5])
+def test_destination_lost_mid_sync(world, stage):
+    """Every survivor raises within [0.5, 2] x the deadline, never hangs; nothing commits; the
+    same ranks then sync bit-exact (the restarted one from its replica where it has one)."""
+    deadline = 2.0
+    outcome, victim, errors = _fault_run(world, stage, deadline)
+    for rank, (error, seconds) in outcome.items():
+        if rank == victim:
+            continue
+        assert error is not None, (rank, outcome)
+        assert 0.5 * deadline <= seconds <= 2 * deadline, (rank, error, seconds)
+    assert not any(errors), errors

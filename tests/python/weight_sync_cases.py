@@ -1,0 +1,321 @@
+"""Weight sync (shardgather.weight_sync): each check takes (rank, world, comm) and runs on the
+threads backend, Gloo groups and MPI. Every rank builds the same model from a seed and applies
+the same random steps to it, so every rank knows every version's full tensors: sources sync
+their shards, destinations compare what they hold with the reference bit for bit, every step.
+
+Steps: SG_WS_STEPS (default 40 here; `SG_WS_STEPS=1000 pytest tests/python/test_weight_sync.py`
+is the full run of docs/weight-sync.md)."""
+
+import os
+import threading
+import time
+
+import torch
+
+import shardgather
+from conftest import on_default_group
+from shardgather.layouts import Box, TensorLayout
+from shardgather.weight_sync import WeightSync
+
+T = 30.0
+STEPS = int(os.environ.get("SG_WS_STEPS", "40"))
+# (shape, dtype): a dtype mix, a 1-d tensor, a 3-d one, sizes that do not divide evenly
+MODEL = [((48, 40), torch.bfloat16), ((33, 20), torch.float32), ((17,), torch.float16),
+         ((6, 5, 9), torch.int8), ((10, 3), torch.int64), ((64, 64), torch.bfloat16)]
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t):
+    return t.contiguous().view(_BITS[t.element_size()])
+
+
+def same_bits(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def _split(n, parts):
+    base, extra = divmod(n, parts)
+    out, at = [], 0
+    for p in range(parts):
+        size = base + (p < extra)
+        out.append((at, size))
+        at += size
+    return out
+
+
+def roles(world):
+    """Sources: the first third of the ranks (at least one); destinations: the rest, as TP 2 x
+    replicas where there are 4 or more (a rank left over holds nothing), else TP 1 replicas;
+    world 1: the rank is both (a re-layout in one group)."""
+    if world == 1:
+        return [0], [[0]]
+    ns = max(1, world // 3)
+    dest = list(range(ns, world))
+    tp = 2 if len(dest) >= 4 else 1
+    groups = [dest[k:k + tp] for k in range(0, len(dest) - len(dest) % tp, tp)]
+    return list(range(ns)), groups
+
+
+def layouts_for(world, model=MODEL, joiner=None):
+    """FSDP rows on the sources; on the destinations, each TP group splits the last dim (a
+    column split), every group a replica of the others. ``joiner``: a rank left out of the
+    destinations (a late joiner's 'before')."""
+    sources, groups = roles(world)
+    out = []
+    for shape, dtype in model:
+        srcs = []
+        for r, (o, n) in zip(sources, _split(shape[0], len(sources))):
+            srcs.append((r, Box((o,) + (0,) * (len(shape) - 1), (n,) + tuple(shape[1:]))))
+        dsts = []
+        for g in groups:
+            for r, (o, n) in zip(g, _split(shape[-1], len(g))):
+                if r == joiner:
+                    continue
+                off = (0,) * (len(shape) - 1) + (o,)
+                dsts.append((r, Box(off, tuple(shape[:-1]) + (n,))))
+        out.append(TensorLayout(shape, dtype, srcs, dsts))
+    return out
+
+
+def initial(seed=0, model=MODEL):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for shape, dtype in model:
+        if dtype.is_floating_point:
+            out.append(torch.randn(shape, generator=g).to(dtype))
+        else:
+            out.append(torch.randint(-100, 100, shape, generator=g).to(dtype))
+    return out
+
+
+def step(full, k):
+    """Step k's update of the full model, in place and the same on every rank: sparse random
+    updates at 0.1% to 10% density, every 7th step dense, every 11th nothing, and bit-level
+    corner cases (-0.0 over +0.0, NaN payloads) now and then."""
+    g = torch.Generator().manual_seed(1000 + k)
+    kind = k % 11
+    for i, t in enumerate(full):
+        flat = t.view(-1)
+        if kind == 10:
+            continue
+        density = 1.0 if k % 7 == 6 else [0.001, 0.01, 0.03, 0.1][int(torch.randint(
+            4, (1,), generator=g))]
+        n = max(1, int(flat.numel() * density))
+        at = torch.randperm(flat.numel(), generator=g)[:n]
+        if t.dtype.is_floating_point:
+            values = torch.randn(n, generator=g).to(t.dtype)
+            if k % 5 == 0:
+                values[0] = -0.0 if bits(flat[at[:1]]).item() == 0 else float("nan")
+        else:
+            values = torch.randint(-100, 100, (n,), generator=g).to(t.dtype)
+        flat[at] = values
+
+
+def shard_views(ws, full):
+    return [full[t][tuple(slice(o, o + n) for o, n in zip(off, size))]
+            for t, off, size in ws.source_boxes]
+
+
+def expected(ws, full):
+    return [full[t][tuple(slice(o, o + n) for o, n in zip(off, size))]
+            for t, off, size in ws.destination_boxes]
+
+
+def check_held(ws, full, rank, k):
+    if not ws.destination_boxes:
+        return
+    with ws.read() as (version, tensors):
+        assert version == k, (rank, version, k)
+        for v, (have, want) in enumerate(zip(tensors, expected(ws, full))):
+            assert same_bits(have, want), (rank, k, v, ws.destination_boxes[v])
+
+
+def _make(rank, world, comm, mode, **kw):
+    layouts = layouts_for(world)
+    dests = None
+    if mode == "in_place":
+        probe = shardgather.ReshardPlan(layouts, world, rank)
+        dests = [torch.zeros(size, dtype=layouts[t].dtype)
+                 for t, _, size in probe.destination_boxes]
+    return WeightSync(layouts, comm, mode=mode, destinations=dests, timeout=T,
+                      bucket_bytes=kw.pop("bucket_bytes", 256), **kw)
+
+
+def _random_steps(rank, world, comm, mode):
+    ws = _make(rank, world, comm, mode)
+    full = initial()
+    for k in range(STEPS):
+        if k:
+            step(full, k)
+        stats = ws.sync(k, shard_views(ws, full))
+        check_held(ws, full, rank, k)
+        if ws.destination_boxes and k % 11 == 10:
+            assert stats["bytes_received"] == 0, (rank, k, stats)
+    assert ws.version == (STEPS - 1 if ws.destination_boxes else -1)
+
+
+def check_random_steps_staged(rank, world, comm):
+    _random_steps(rank, world, comm, "staged")
+
+
+def check_random_steps_in_place(rank, world, comm):
+    _random_steps(rank, world, comm, "in_place")
+
+
+def check_sends_only_changes(rank, world, comm):
+    """After the first (dense) sync, a destination receives the records of the changed buckets
+    only: with one element changed per tensor, one record per tensor box it holds at most."""
+    ws = _make(rank, world, comm, "staged", bucket_bytes=64)
+    full = initial()
+    ws.sync(0, shard_views(ws, full))
+    for t in full:
+        t.view(-1)[0] = t.view(-1)[1]
+    stats = ws.sync(1, shard_views(ws, full))
+    check_held(ws, full, rank, 1)
+    changed = sum(1 for t, off, _ in ws.destination_boxes if all(o == 0 for o in off))
+    assert stats["changed_received"] <= changed, (rank, stats, changed)
+    # one record: 40 bytes of header + a pair (4 + 8 bytes), padded; a segment header per pair
+    assert stats["bytes_received"] <= changed * 56 + 16 * world, (rank, stats)
+
+
+def check_checksum_resend(rank, world, comm):
+    """A byte flipped in flight (the first value of the first dense record to each peer) fails
+    that bucket's checksum; the destination gets it resent dense and ends bit-exact."""
+    if world == 1:
+        return
+    ws = _make(rank, world, comm, "staged")
+
+    def corrupt(sender, peer, message):
+        if sender != peer and message.numel() > 16 + 40:
+            message[16 + 40] ^= 0x5A
+
+    ws._corrupt = corrupt
+    full = initial()
+    stats = ws.sync(0, shard_views(ws, full))
+    check_held(ws, full, rank, 0)
+    ws._corrupt = None
+    sent_remote = any(tr[0] != rank for tr in ws._sends)
+    assert (stats["resent_buckets"] > 0) == sent_remote, (rank, stats)
+
+
+def check_version_rules(rank, world, comm):
+    """Ranks that ask for different versions, or for one older than the snapshot, raise
+    InvalidArgumentError on every rank before anything is applied; the next good sync works."""
+    ws = _make(rank, world, comm, "staged")
+    full = initial()
+    ws.sync(3, shard_views(ws, full))
+    for bad in ([3 + (rank == world - 1)] if world > 1 else []) + [2]:
+        try:
+            ws.sync(bad, shard_views(ws, full))
+        except shardgather.InvalidArgumentError as e:
+            assert "version" in str(e), e
+        else:
+            raise AssertionError("version %d was accepted" % bad)
+    step(full, 1)
+    ws.sync(5, shard_views(ws, full))
+    check_held(ws, full, rank, 5)
+
+
+def check_restarted_destination(rank, world, comm):
+    """A destination restarts (a new WeightSync: nothing held) between two syncs: it is
+    brought up to the version from a replica of its boxes, bit-exact; on a sync at the same
+    version the sources send nothing at all."""
+    sources, groups = roles(world)
+    if len(groups) < 2:
+        return
+    victim = groups[-1][0]
+    ws = _make(rank, world, comm, "staged")
+    full = initial()
+    ws.sync(0, shard_views(ws, full))
+    step(full, 1)
+    ws.sync(1, shard_views(ws, full))
+    if rank == victim:
+        ws = _make(rank, world, comm, "staged")
+    stats = ws.sync(1, shard_views(ws, full))  # the same version: only the restarted one moves
+    check_held(ws, full, rank, 1)
+    if rank in sources:
+        assert stats["bytes_sent"] == 0, (rank, stats)
+    if rank == victim:
+        assert stats["from_sources"] == 0 and stats["from_replicas"] > 0, stats
+    step(full, 2)
+    ws.sync(2, shard_views(ws, full))
+    check_held(ws, full, rank, 2)
+
+
+def check_late_joiner(rank, world, comm):
+    """A rank that held nothing joins as a replica: every rank rebuilds the sync for the new
+    layout (the joiner constructs one); the joiner's boxes come from its replica, 0 bytes from
+    the sources, and the next step's delta reaches it bit-exact."""
+    sources, groups = roles(world)
+    if len(groups) < 2:
+        return
+    joiner = groups[-1][-1]
+    ws = WeightSync(layouts_for(world, joiner=joiner), comm, timeout=T, bucket_bytes=512)
+    full = initial()
+    ws.sync(0, shard_views(ws, full))
+    step(full, 1)
+    ws.sync(1, shard_views(ws, full))
+    if rank == joiner:
+        assert not ws.destination_boxes
+        ws = WeightSync(layouts_for(world), comm, timeout=T, bucket_bytes=512)
+    else:
+        ws = ws.rebuild(layouts_for(world), comm)
+    stats = ws.sync(1, shard_views(ws, full))
+    check_held(ws, full, rank, 1)
+    if rank == joiner:
+        assert stats["from_sources"] == 0 and stats["from_replicas"] > 0, stats
+    step(full, 2)
+    ws.sync(2, shard_views(ws, full))
+    check_held(ws, full, rank, 2)
+
+
+def check_trainer_writes_during_sync(rank, world, comm):
+    """start() returns once the sources are copied: the trainer then writes its shards (the
+    next step) while the sync runs, and a reader thread on every destination checks, all the
+    while, that each read sees one version's values whole (0 torn tensors)."""
+    ws = _make(rank, world, comm, "staged")
+    full = initial()
+    history = {}
+    stop, torn, reads = threading.Event(), [], [0]
+
+    def reader():
+        while not stop.is_set():
+            with ws.read() as (version, tensors):
+                if version < 0:
+                    continue
+                want = expected(ws, history[version])
+                for v, (have, w) in enumerate(zip(tensors, want)):
+                    if not same_bits(have, w):
+                        torn.append((version, v))
+                reads[0] += 1
+
+    thread = threading.Thread(target=reader, daemon=True)
+    history[0] = [t.clone() for t in full]
+    shards = [s.clone() for s in shard_views(ws, full)]
+    ws.sync(0, shards)
+    if ws.destination_boxes:
+        thread.start()
+    for k in range(1, max(10, STEPS // 2)):
+        step(full, k)
+        history[k] = [t.clone() for t in full]
+        for s, new in zip(shards, shard_views(ws, full)):
+            s.copy_(new)
+        work = ws.start(k, shards)
+        # the trainer's next optimizer step, while the sync runs: the copy keeps the sync whole
+        for s in shards:
+            s.add_(1) if not s.dtype.is_floating_point else s.mul_(2)
+        work.wait()
+    time.sleep(0.05)
+    stop.set()
+    if ws.destination_boxes:
+        thread.join()
+        assert not torn, (rank, torn[:5])
+        assert reads[0] > 0
+
+
+CHECKS = [check_random_steps_staged, check_random_steps_in_place, check_sends_only_changes,
+          check_checksum_resend, check_version_rules, check_restarted_destination,
+          check_late_joiner, check_trainer_writes_during_sync]
+for _check in CHECKS:
+    globals()[on_default_group(_check).__name__] = on_default_group(_check)
+CASES = ["case_" + c.__name__[len("check_"):] for c in CHECKS]
