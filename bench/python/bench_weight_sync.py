@@ -11,8 +11,9 @@ of Qwen3-8B-shaped projections (``--layers``), bf16. Each iteration is one RL st
 changes ``--density`` of each tensor's elements at random (the same step on every rank, so
 that each destination can check what it holds), then both methods sync it, in turns:
 
-  delta   shardgather.weight_sync.WeightSync (staged): each source diffs its own shard with its
-          snapshot, sends each destination the records of its boxes only;
+  delta   shardgather.weight_sync.WeightSync (--mode staged, the default, or in_place): each
+          source diffs its own shard with its snapshot, sends each destination the records of
+          its boxes only;
   anchor  what verl / slime / NeMo-RL do, written over the same transport (the library's
           exchange of byte messages): each source diffs its shard with a snapshot and sends
           its sparse delta (int32 flat index + value, per tensor) to rank 0, which concatenates
@@ -20,7 +21,8 @@ that each destination can check what it holds), then both methods sync it, in tu
           entries that fall in its boxes.
 
 Both are checked bit for bit every iteration. Per iteration, the max over ranks of: the
-transfer (the exchange of the delta's bytes alone) and end to end (from the step's tensors to
+transfer (the exchange of the delta's bytes alone, timed from a sync point of every rank, so
+that a rank waiting for a slower encoder is not counted) and end to end (from the step's tensors to
 the destinations holding them, diff and apply included). Prints medians, the ratios the bars
 name (anchor / delta: transfer >= 1.5, end to end >= 2), and each destination's bytes received
 against its changed bytes + index overhead (<= 1.1).
@@ -96,8 +98,10 @@ class Anchor:
             vals = view.reshape(-1)[at]
             snap.view(-1)[at] = vals
             head = torch.tensor([t, at.numel()], dtype=torch.int32)
-            parts += [head.view(torch.uint8), flat.view(torch.uint8), vals.view(torch.uint8)]
+            pad = torch.zeros(2 * (at.numel() % 2), dtype=torch.uint8)  # 4-byte alignment
+            parts += [head.view(torch.uint8), flat.view(torch.uint8), vals.view(torch.uint8), pad]
         mine = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+        self.ex.all_rows(torch.zeros(1, dtype=torch.int64))  # every rank ready, as the delta's
         t0 = time.perf_counter()
         got, _ = self.ex.messages({0: mine} if parts else {})
         if rank == 0:
@@ -121,7 +125,7 @@ class Anchor:
             flat = msg[at:at + 4 * n].view(torch.int32).long()
             at += 4 * n
             vals = msg[at:at + 2 * n].view(torch.bfloat16)
-            at += 2 * n
+            at += 2 * n + 2 * (n % 2)
             cols = self.lays[t].shape[1]
             rows, col = flat // cols, flat % cols
             for (off, size), dst in by_tensor.get(t, []):
@@ -130,12 +134,17 @@ class Anchor:
 
 
 def run(args):
+    sg.mpi_init()
     comm = sg.mpi_communicator()
     rank, world = comm.rank, comm.size
     assert world == SOURCES + TP * REPLICAS, "needs %d ranks" % (SOURCES + TP * REPLICAS)
     shapes = model(args.layers)
     lays = layouts(shapes)
-    ws = WeightSync(lays, comm, timeout=300.0, dense_ratio=args.dense_ratio)
+    probe = sg.ReshardPlan(lays, world, rank)
+    engine = [torch.empty(n, dtype=torch.bfloat16) for _, _, n in probe.destination_boxes]
+    ws = WeightSync(lays, comm, timeout=300.0, dense_ratio=args.dense_ratio, mode=args.mode,
+                    destinations=engine if args.mode == "in_place" else None)
+    ws._settle = True  # the transfer is timed from a sync point, as the anchor's
     g = torch.Generator().manual_seed(1)
     full = [(torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for s in shapes]
     shards = [(t, full[t][box_index((o, n))]) for t, o, n in ws.source_boxes]
@@ -176,6 +185,9 @@ def run(args):
             changed = stats["changed_received"]
             ideal = changed * (2 + 4)  # value + a 4-byte index per changed element
             ratio.append(stats["bytes_received"] / max(1, ideal))
+        if args.verbose and rank in (0, SOURCES):
+            print(rank, {k: round(v, 4) for k, v in stats.items() if k.endswith("seconds")},
+                  flush=True)
     report(comm, rows, ratio, args)
 
 
@@ -193,7 +205,7 @@ def report(comm, rows, ratio, args):
         return
     worst = table.max(dim=0).values
     med = {k: statistics.median(worst[i * n:(i + 1) * n].tolist()) for i, k in enumerate(keys)}
-    out = {"density": args.density, "layers": args.layers, "iters": n,
+    out = {"density": args.density, "layers": args.layers, "iters": n, "mode": args.mode,
            "medians_s": med,
            "transfer_anchor_over_delta": med["anchor_x"] / med["delta_x"],
            "end_to_end_anchor_over_delta": med["anchor"] / med["delta"],
@@ -232,7 +244,9 @@ def main():
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--dense-ratio", type=float, default=None)
+    p.add_argument("--mode", choices=["staged", "in_place"], default="staged")
     p.add_argument("--kernel", action="store_true")
+    p.add_argument("--verbose", action="store_true", help="per-phase seconds of ranks 0, 4")
     args = p.parse_args()
     if args.dense_ratio is None:
         from shardgather.weight_sync import DENSE_RATIO

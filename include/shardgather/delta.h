@@ -131,8 +131,10 @@ struct ApplyResult {
 // negative size, more than kMaxDims dims (after coalescing) or fewer than start + n elements, or
 // null data with n > 0. A record followed by more bytes in `record` is fine (record_bytes says
 // where the next one starts).
+// `verify` false skips the checksum (checksum_ok is then true): for a record applied again to
+// bytes it was already verified against (a staged buffer catching up), not for bytes received.
 SHARDGATHER_API ApplyResult apply(std::span<const std::byte> record, const StridedView& dst,
-                                  std::uint64_t start, std::uint64_t n);
+                                  std::uint64_t start, std::uint64_t n, bool verify = true);
 
 // checksum() of flat elements [start, start + n) of `view`, as if packed. InvalidArgument for a
 // view apply() rejects.

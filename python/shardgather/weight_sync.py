@@ -29,6 +29,7 @@ check, the error on every rank):
    whoever is not at it).
 """
 
+import collections
 import threading
 import time
 from contextlib import contextmanager
@@ -37,13 +38,13 @@ import torch
 
 from . import _shardgather as _C
 from ._exchange import Exchange
-from ._shardgather import InvalidArgumentError, RemoteError, ShardgatherError
+from ._shardgather import (InvalidArgumentError, InvalidTypeError, MismatchError, RemoteError,
+                           ShardgatherError)
 
 # A sparse record is sent while it is at most this fraction of the dense bytes: measured with
 # bench/python/bench_weight_sync.py --crossover (docs/weight-sync.md, "Where dense wins").
 DENSE_RATIO = 0.9
 _SEGMENT = 16  # u32 origin source, u32 0, u64 bytes of records that follow
-_STATE = 5  # version asked, snapshot version, tensors' version, mixed, roles
 _NONE = -1
 _INVALID = -2  # a buffer a failed sync wrote part of
 
@@ -177,19 +178,41 @@ class WeightSync:
 
     def __init__(self, layouts, group=None, *, mode="staged", destinations=None,
                  bucket_bytes=1 << 20, dense_ratio=DENSE_RATIO, timeout=None, _state=None):
-        from . import ReshardPlan, communicator, _setup_timeout
+        from . import communicator, _setup_timeout
+
+        self.comm = communicator(group, _setup_timeout(timeout))
+        self._exchange = Exchange(self.comm, _setup_timeout(timeout))
+        self.timeout = _setup_timeout(timeout) or 300.0
+        self.layouts, self.mode = [], "staged"
+        self.source_boxes, self.destination_boxes, self._sends, self._receives = [], [], [], []
+        self.bucket_bytes, self.fingerprint = 0, 0
+        self._init_sources(None)
+        self._init_destinations(None, None)
+        self.last_stats = None
+        self._corrupt = None  # test hook: (sender, peer, message) -> None, may flip bytes
+        self._settle = False  # bench hook: a sync point before the payload exchange
+        # An argument wrong on this rank only is raised by the first sync, on every rank (the
+        # constructor is pure: the others cannot know).
+        self._error = None
+        try:
+            self._build(layouts, mode, destinations, bucket_bytes, dense_ratio, timeout,
+                        _state)
+        except (ShardgatherError, TypeError, ValueError) as e:
+            self._error = e
+
+    def _build(self, layouts, mode, destinations, bucket_bytes, dense_ratio, timeout, state):
+        from . import ReshardPlan
+        from ._agree import check_int
 
         if mode not in ("staged", "in_place"):
             raise InvalidArgumentError("mode must be 'staged' or 'in_place', got %r" % (mode,))
-        if not isinstance(bucket_bytes, int) or bucket_bytes < 8:
-            raise InvalidArgumentError("bucket_bytes must be an int >= 8, got %r"
-                                       % (bucket_bytes,))
-        if not 0.0 <= float(dense_ratio) <= 1.0:
+        self.bucket_bytes = check_int("bucket_bytes", bucket_bytes, 8)
+        if isinstance(dense_ratio, bool) or not isinstance(dense_ratio, (int, float)):
+            raise InvalidTypeError("dense_ratio must be a number, got %s"
+                                   % type(dense_ratio).__name__)
+        if not 0.0 <= dense_ratio <= 1.0:
             raise InvalidArgumentError("dense_ratio must be in [0, 1], got %r" % (dense_ratio,))
-        self.comm = communicator(group, _setup_timeout(timeout))
-        self.layouts, self.mode = list(layouts), mode
-        self.bucket_bytes, self.dense_ratio = bucket_bytes, float(dense_ratio)
-        self.timeout = 300.0 if timeout is None else float(timeout)
+        self.layouts, self.mode, self.dense_ratio = list(layouts), mode, float(dense_ratio)
         world, rank = self.comm.size, self.comm.rank
         self._hosts = list(self.comm.hosts or [0] * world)
 
@@ -200,15 +223,13 @@ class WeightSync:
         self._plan_for = plan
         self._plans = {rank: plan(rank)}
         self.plan = self._plans[rank]
+        self.fingerprint = self.plan.fingerprint
         self.source_boxes = [(t, tuple(o), tuple(n)) for t, o, n in self.plan.source_boxes]
         self.destination_boxes = [(t, tuple(o), tuple(n))
                                   for t, o, n in self.plan.destination_boxes]
         self._sends, self._receives = self.plan.transfers
-        self._exchange = Exchange(self.comm, timeout)
-        self._init_sources(_state)
-        self._init_destinations(destinations, _state)
-        self.last_stats = None
-        self._corrupt = None  # test hook: (peer, message) -> None, may flip bytes in flight
+        self._init_sources(state)
+        self._init_destinations(destinations, state)
 
     # --- state -------------------------------------------------------------------------------
 
@@ -216,13 +237,22 @@ class WeightSync:
         return box  # (tensor, offset, size): what survives a rebuild on a new group
 
     def _init_sources(self, state):
-        self._snapshot = [None] * len(self.source_boxes)
-        self._pending = [None] * len(self.source_boxes)
+        """A source's state is per box it sends (its transfers' boxes, each once however many
+        destinations want it), packed: the sync's copy packs them as it copies, and the diff
+        and encode then read contiguous memory. Keyed by (tensor, offset, size), which a
+        rebuild on another group or layout keeps."""
+        self._boxes = {}  # key -> (source view, index in the view)
+        for tr in self._sends:
+            key = (tr[1], tuple(tr[4]), tuple(tr[5]))
+            if key not in self._boxes:
+                box = self.source_boxes[tr[2]][1:]
+                self._boxes[key] = (tr[2], _slices(box, (tr[4], tr[5])))
+        self._snapshot, self._pending = {}, {}
         self.snapshot_version = _NONE
         if state is not None and state["snapshot_version"] != _NONE:
             kept = state["snapshot"]
-            if all(self._key(b) in kept for b in self.source_boxes):
-                self._snapshot = [kept[self._key(b)] for b in self.source_boxes]
+            if all(key in kept for key in self._boxes):
+                self._snapshot = {key: kept[key] for key in self._boxes}
                 self.snapshot_version = state["snapshot_version"]
 
     def _init_destinations(self, destinations, state):
@@ -248,6 +278,9 @@ class WeightSync:
             self._readers = _Readers(2)
         self._buffer_version = [_NONE] * len(self._buffers)
         self._touched_last = None  # transfers the last commit wrote (staged refresh)
+        # ... and its records, where they were at most a quarter of the boxes' bytes
+        self._last_records, self._applied = None, None
+        self._record_room = sum(b.numel() * b.element_size() for b in self._buffers[0]) // 4
         self._replaced_version = _INVALID  # the version of the buffer that commit replaced
         if state is not None and state["version"] != _NONE:
             kept = state["buffers"]
@@ -263,8 +296,7 @@ class WeightSync:
         rank). A rank new to the group constructs a WeightSync instead; its first sync fills it
         from replicas where they exist. Collective over the new group, as the constructor."""
         state = {"snapshot_version": self.snapshot_version, "version": self.version,
-                 "snapshot": {self._key(b): s for b, s in zip(self.source_boxes, self._snapshot)
-                              if s is not None},
+                 "snapshot": self._snapshot,
                  "buffers": {self._key(b): t for b, t in
                              zip(self.destination_boxes, self._buffers[self._readers.active])}}
         kwargs.setdefault("mode", self.mode)
@@ -274,13 +306,14 @@ class WeightSync:
         return WeightSync(layouts, group, _state=state, **kwargs)
 
     def memory(self):
-        """Bytes this object holds, stated in advance: sources (snapshot + copy), destinations
-        (two buffers staged, none in place)."""
+        """Bytes this object holds, stated in advance: sources, two copies (snapshot and the
+        sync's copy) of each box they send, which is their shards' bytes once when destination
+        boxes do not overlap; destinations, two buffers of their boxes staged, none in place."""
         def nbytes(boxes):
             return sum(_numel(n) * self.layouts[t].dtype.itemsize for t, _, n in boxes)
 
         staged = self.mode == "staged"
-        return {"sources": 2 * nbytes(self.source_boxes),
+        return {"sources": 2 * nbytes([(t, o, n) for t, o, n in self._boxes]),
                 "destinations": (2 if staged else 0) * nbytes(self.destination_boxes)}
 
     # --- readers -----------------------------------------------------------------------------
@@ -319,18 +352,37 @@ class WeightSync:
     def start(self, version, sources=()):
         """:meth:`sync`, started: returns once this rank's sources are copied (the trainer may
         write them from then on), the rest runs on a thread; a :class:`SyncWork`."""
-        version = self._check_sources(version, sources)
+        try:
+            if self._error is not None:
+                raise self._error
+            version = self._check_sources(version, sources)
+        except (ShardgatherError, TypeError, ValueError) as e:
+            error = e
+            return SyncWork(lambda: self._fail(error))
         fresh = version != self.snapshot_version
+        t0 = time.perf_counter()
         if fresh:
-            for v, s in enumerate(sources):
-                if self._pending[v] is None:
-                    self._pending[v] = torch.empty_like(s, memory_format=torch.contiguous_format)
-                self._pending[v].copy_(s)
+            for key, (v, index) in self._boxes.items():
+                region = sources[v][index]
+                if key not in self._pending:
+                    self._pending[key] = torch.empty(region.numel(), dtype=region.dtype)
+                self._pending[key].view(region.shape).copy_(region)
+        self._copy_seconds = time.perf_counter() - t0
         return SyncWork(lambda: self._run(version, fresh))
 
+    def _fail(self, error):
+        """This rank's argument error, raised on every rank through the state round's header
+        (the others' state round raises it, naming this rank)."""
+        from ._agree import classify
+
+        cls, message = classify(error)
+        _C._fail_call(self.comm, "ReshardPlan::execute", "WeightSync.sync: " + message,
+                      cls is InvalidTypeError, True, self.timeout)
+
     def _check_sources(self, version, sources):
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise InvalidArgumentError("version must be an int >= 0, got %r" % (version,))
+        from ._agree import check_int
+
+        version = check_int("version", version, 0)
         sources = list(sources)
         if len(sources) != len(self.source_boxes):
             raise InvalidArgumentError("rank %d has %d source boxes but %d sources were given"
@@ -349,6 +401,8 @@ class WeightSync:
         began = time.perf_counter()
         states = self._exchange_state(version)
         outgoing, stats = self._encode(version, fresh, states)
+        if self._settle:  # a bench measuring the transfer alone: every rank ready first
+            self._exchange.all_rows(torch.zeros(1, dtype=torch.int64))
         t0 = time.perf_counter()
         received, sizes = self._exchange.messages(outgoing)
         stats["exchange_seconds"] = time.perf_counter() - t0
@@ -356,18 +410,29 @@ class WeightSync:
         # to and from other ranks (what crosses a link); this rank's own records are not counted
         stats["bytes_received"] = int(sizes[:, rank].sum() - sizes[rank, rank])
         stats["bytes_sent"] = int(sizes[rank].sum() - sizes[rank, rank])
+        t0 = time.perf_counter()
         touched = self._apply_and_vote(received, version, fresh, stats)
+        stats["apply_seconds"] = time.perf_counter() - t0
         self._commit(version, fresh, touched)
         stats["seconds"] = time.perf_counter() - began
+        stats["copy_seconds"] = self._copy_seconds
         self.last_stats = stats
         return stats
 
     def _exchange_state(self, version):
+        fingerprint = self.fingerprint - (1 << 64) if self.fingerprint >= 1 << 63 \
+            else self.fingerprint
         row = torch.tensor([version, self.snapshot_version, self.version,
                             1 if self._mixed else 0,
-                            (1 if self.source_boxes else 0) | (2 if self.destination_boxes else 0)],
-                           dtype=torch.int64)
+                            (1 if self.source_boxes else 0) | (2 if self.destination_boxes else 0),
+                            fingerprint, self.bucket_bytes], dtype=torch.int64)
         table = self._exchange.all_rows(row)
+        for column, what in ((5, "layouts (the plan's fingerprint)"), (6, "bucket_bytes")):
+            values = table[:, column].tolist()
+            if len(set(values)) != 1:
+                r = next(r for r, v in enumerate(values) if v != values[0])
+                raise MismatchError("WeightSync.sync: the %s differ: %d on rank 0, %d on rank %d"
+                                    % (what, values[0], values[r], r))
         asked = table[:, 0].tolist()
         if len(set(asked)) != 1:
             r = next(r for r, v in enumerate(asked) if v != asked[0])
@@ -423,7 +488,6 @@ class WeightSync:
         changed (nothing on a sync at the snapshot's version), dense where the destination is
         not at the snapshot and no replica sends it."""
         snap_v = self.snapshot_version
-        packed = {}
         by_dest = {}
         for k, tr in enumerate(self._sends):
             by_dest.setdefault(tr[0], []).append(k)
@@ -434,7 +498,7 @@ class WeightSync:
             writer.segment(d, self.comm.rank)
             for b, (j, start, n) in enumerate(self._buckets(transfers)):
                 tr = transfers[j]
-                after, before = self._regions(tr, packed, fresh)
+                after, before = self._regions(tr, fresh)
                 if current or j in replicas:
                     if not fresh:
                         continue  # the destination's bytes are the snapshot's already
@@ -443,21 +507,12 @@ class WeightSync:
                 else:
                     writer.record(d, after[start:start + n], None, b, 1.0, stats)
 
-    def _regions(self, tr, packed, fresh):
-        """(after, before) of one transfer's box as flat contiguous tensors: the sync's copy
-        (or the snapshot, on a sync at its version) and the snapshot (None before the first
-        commit). Packed once per sync where the box is not contiguous in the shard."""
-        key = (tr[2], tr[4], tr[5])
-        if key in packed:
-            return packed[key]
-        v = tr[2]
-        box = self.source_boxes[v][1:]
-        index = _slices(box, (tr[4], tr[5]))
-        after = (self._pending[v] if fresh else self._snapshot[v])[index].reshape(-1)  # a view where the box is contiguous
-        snap = self._snapshot[v]
-        before = None if snap is None else snap[index].reshape(-1)
-        packed[key] = (after, before)
-        return after, before
+    def _regions(self, tr, fresh):
+        """(after, before) of one transfer's box, flat: the sync's copy (the snapshot, on a
+        sync at its version) and the snapshot (None before the first commit)."""
+        key = (tr[1], tuple(tr[4]), tuple(tr[5]))
+        before = self._snapshot.get(key)
+        return (self._pending[key] if fresh else before), before
 
     def _replica_map(self, states, d, s):
         """For destination ``d`` not at source ``s``'s snapshot: which of s's transfers to d a
@@ -524,6 +579,7 @@ class WeightSync:
         target = 0 if self.mode == "in_place" else 1 - self._readers.active
         touched, error, failed = set(), None, {}
         if self.destination_boxes:
+            self._applied, self._record_used = [], 0
             try:
                 self._prepare(target)
                 if self.mode == "staged":
@@ -569,13 +625,26 @@ class WeightSync:
         if versions[target] == versions[active] and versions[target] != _INVALID:
             return
         with self._readers.writing(target, self.timeout):
-            if versions[target] == self._replaced_version and self._touched_last is not None:
-                for k in self._touched_last:
-                    self._transfer_view(target, k).copy_(self._transfer_view(active, k))
-            else:
-                for a, b in zip(self._buffers[active], self._buffers[target]):
-                    b.copy_(a)
+            behind = versions[target] == self._replaced_version
+            if not (behind and self._replay(target)):
+                if behind and self._touched_last is not None:
+                    for k in self._touched_last:
+                        self._transfer_view(target, k).copy_(self._transfer_view(active, k))
+                else:
+                    for a, b in zip(self._buffers[active], self._buffers[target]):
+                        b.copy_(a)
             versions[target] = versions[active]
+
+    def _replay(self, target):
+        """Applies the last commit's records again, to the buffer it replaced (which holds the
+        version they were a delta from): the cheapest way there, where they were kept."""
+        if self._last_records is None:
+            return False
+        failed, scratch = {}, collections.Counter()
+        for origin, body in self._last_records:
+            self._apply_segment(origin, origin, body, target, set(), failed, scratch,
+                                verify=False)
+        return not failed
 
     def _transfer_view(self, buffer, k):
         _, _, _, dv, offset, size = self._receives[k]
@@ -602,6 +671,7 @@ class WeightSync:
                     self._buffer_version[0] = _INVALID  # readers wait meanwhile
                 for sender, origin, body in replicas + direct:
                     self._apply_segment(sender, origin, body, target, touched, failed, stats)
+                    self._keep(origin, body)
                 if self.mode == "in_place" and not failed:
                     # Whole and checked: what a reader sees is this version's bytes, though
                     # the sync may still fail to commit (then `mixed` names them).
@@ -610,7 +680,19 @@ class WeightSync:
                 self._writing = set()
         return failed
 
-    def _apply_segment(self, sender, origin, body, target, touched, failed, stats):
+    def _keep(self, origin, body):
+        """Staged: keeps what this sync applied (copied: the exchange reuses its buffer) for
+        _replay, while it fits its room."""
+        if self.mode != "staged" or self._applied is None:
+            return
+        self._record_used = getattr(self, "_record_used", 0) + body.numel()
+        if self._record_used > self._record_room:
+            self._applied = None
+        else:
+            self._applied.append((origin, body.clone()))
+
+    def _apply_segment(self, sender, origin, body, target, touched, failed, stats,
+                       verify=True):
         mine = [k for k, tr in enumerate(self._receives) if tr[0] == origin]
         buckets = self._buckets([self._receives[k] for k in mine])
         at = 0
@@ -623,7 +705,7 @@ class WeightSync:
             j, start, n = buckets[bucket]
             k = mine[j]
             view = self._transfer_view(target, k)
-            _, ok, nbytes, changed = _C._delta_apply(body[at:], view, start, n)
+            _, ok, nbytes, changed = _C._delta_apply(body[at:], view, start, n, verify)
             touched.add(k)
             stats["changed_received"] += changed
             if not ok:
@@ -649,7 +731,7 @@ class WeightSync:
                         "WeightSync.sync: rank %d asked rank %d again for bucket %d of %d"
                         % (d, self.comm.rank, bucket, len(buckets)))
                 j, start, n = buckets[bucket]
-                after, _ = self._regions(transfers[j], {}, fresh)
+                after, _ = self._regions(transfers[j], fresh)
                 writer.record(d, after[start:start + n], None, bucket, 1.0, stats)
                 stats["resent_buckets"] += 1
         received, _ = self._exchange.messages(writer.finish())
@@ -670,6 +752,7 @@ class WeightSync:
                 self._replaced_version = self._buffer_version[self._readers.active]
                 self._buffer_version[target] = version
                 self._touched_last = touched
+                self._last_records, self._applied = self._applied, None
                 self._readers.switch()
             else:
                 self._buffer_version[0] = version

@@ -84,13 +84,13 @@ std::tuple<std::size_t, int, std::uint64_t> encode_py(const std::optional<at::Te
 std::tuple<std::uint32_t, bool, std::size_t, std::uint64_t> apply_py(const at::Tensor& record,
                                                                      const at::Tensor& dst,
                                                                      std::uint64_t start,
-                                                                     std::uint64_t n) {
+                                                                     std::uint64_t n, bool verify) {
   const std::span<std::byte> bytes = record_bytes(record, "record");
   const delta::StridedView view = view_of(dst);
   delta::ApplyResult r;
   {
     const py::gil_scoped_release unlocked;
-    r = delta::apply(bytes, view, start, n);
+    r = delta::apply(bytes, view, start, n, verify);
   }
   return {r.bucket, r.checksum_ok, r.record_bytes, r.changed};
 }
@@ -107,7 +107,7 @@ void register_delta(py::module_& m) {
   m.def("_delta_encode", &encode_py, py::arg("before"), py::arg("after"), py::arg("out"),
         py::arg("bucket"), py::arg("dense_ratio"));
   m.def("_delta_apply", &apply_py, py::arg("record"), py::arg("dst"), py::arg("start"),
-        py::arg("n"));
+        py::arg("n"), py::arg("verify") = true);
   m.def("_delta_checksum", &checksum_py, py::arg("t"), py::arg("start"), py::arg("n"));
   m.def("_delta_max_record_bytes", &delta::max_record_bytes, py::arg("n"), py::arg("elem_size"));
 }
