@@ -313,9 +313,107 @@ def check_trainer_writes_during_sync(rank, world, comm):
         assert reads[0] > 0
 
 
+def _arguments(rank, world):
+    """(what, constructor keywords, sync arguments or None, expected class) per RELIABILITY 2.8b
+    row: the last rank passes the argument, every other rank the reference."""
+    layouts = layouts_for(world)
+    other = layouts_for(world)
+    other[0] = TensorLayout((48, 41), other[0].dtype, [], [])
+    last_holds = bool(shardgather.ReshardPlan(layouts, world, world - 1).destination_boxes)
+    return [
+        ("bucket_bytes 0", {"bucket_bytes": 0}, None, shardgather.InvalidArgumentError),
+        ("bucket_bytes '64'", {"bucket_bytes": "64"}, None, shardgather.InvalidTypeError),
+        ("bucket_bytes 512", {"bucket_bytes": 512}, None, shardgather.MismatchError),
+        ("dense_ratio 2", {"dense_ratio": 2.0}, None, shardgather.InvalidArgumentError),
+        ("dense_ratio 'x'", {"dense_ratio": "x"}, None, shardgather.InvalidTypeError),
+        ("mode 'bogus'", {"mode": "bogus"}, None, shardgather.InvalidArgumentError),
+        ("timeout -1", {"timeout": -1}, None, shardgather.InvalidArgumentError),
+    ] + ([("in_place without destinations", {"mode": "in_place"}, None,
+           shardgather.InvalidArgumentError)] if last_holds else []) + [
+        ("layouts that differ", {"layouts": other}, None, shardgather.MismatchError),
+        ("version '1'", {}, ("1", None), shardgather.InvalidTypeError),
+        ("version -1", {}, (-1, None), shardgather.InvalidArgumentError),
+        ("version 2", {}, (2, None), shardgather.InvalidArgumentError),
+        ("sources too few", {}, (1, "few"), shardgather.InvalidArgumentError),
+        ("a source of the wrong dtype", {}, (1, "dtype"), shardgather.InvalidArgumentError),
+    ], layouts
+
+
+def check_bad_arguments(rank, world, comm):
+    """RELIABILITY 2.8b for WeightSync: one argument wrong (or different) on the last rank
+    only; every rank raises the expected class, none waits for its deadline, and a valid sync
+    right after works on every rank."""
+    if world == 1:
+        return
+    cases, layouts = _arguments(rank, world)
+    full = initial()
+    for what, kw, call, cls in cases:
+        mine = dict(timeout=T, bucket_bytes=256)
+        if rank == world - 1:
+            mine.update(kw)
+        lays = mine.pop("layouts", layouts)
+        ws = WeightSync(lays, comm, **mine)
+        version, sources = 1, shard_views(ws, full) if ws.destination_boxes or \
+            ws.source_boxes else []
+        if call is not None and rank == world - 1:
+            version = call[0]
+            if call[1] == "few":
+                sources = sources[:-1] if sources else [torch.zeros(1)]
+            elif call[1] == "dtype":
+                sources = [s.double() for s in sources] or [torch.zeros(1)]
+        began = time.monotonic()
+        try:
+            ws.sync(version, sources)
+        except shardgather.ShardgatherError as e:
+            assert isinstance(e, cls), (rank, what, type(e).__name__, str(e))
+            assert time.monotonic() - began < T / 2, (rank, what, "waited for its deadline")
+        else:
+            raise AssertionError("rank %d: %s was accepted" % (rank, what))
+        good = WeightSync(layouts, comm, timeout=T, bucket_bytes=256)
+        good.sync(1, shard_views(good, full))
+        check_held(good, full, rank, 1)
+
+
 CHECKS = [check_random_steps_staged, check_random_steps_in_place, check_sends_only_changes,
           check_checksum_resend, check_version_rules, check_restarted_destination,
-          check_late_joiner, check_trainer_writes_during_sync]
+          check_late_joiner, check_trainer_writes_during_sync, check_bad_arguments]
 for _check in CHECKS:
     globals()[on_default_group(_check).__name__] = on_default_group(_check)
 CASES = ["case_" + c.__name__[len("check_"):] for c in CHECKS]
+
+
+def kill_worker(rank, world, init_file, victim, deadline, seed, queue):
+    """One process of a Gloo group (test_weight_sync.py's kill -9 case): a dense sync of a few
+    MB, during which rank ``victim`` SIGKILLs itself ``seed`` x the time of the sync before
+    (an arbitrary byte of the exchange, or of the encoding or the apply). Each survivor puts (rank, error class or None,
+    seconds) on ``queue``."""
+    import datetime
+    import signal
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    big = [((512, 384), torch.float32), ((256, 512), torch.bfloat16), ((300, 257), torch.float32)]
+    ws = WeightSync(layouts_for(world, model=big), None, timeout=deadline, bucket_bytes=1 << 16)
+    full = initial(model=big)
+    ws.sync(0, shard_views(ws, full))
+    for t in full:
+        t.add_(1)  # every element changes: the sync is dense, the longest there is
+    began = time.monotonic()
+    ws.sync(1, shard_views(ws, full))
+    took = time.monotonic() - began  # the next one is as dense
+    for t in full:
+        t.add_(1)
+    if rank == victim:
+        delay = seed * took  # seed: a fraction of a sync
+        threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    began = time.monotonic()
+    try:
+        ws.sync(2, shard_views(ws, full))
+        outcome = None
+    except shardgather.ShardgatherError as e:
+        outcome = type(e).__name__
+    if rank == victim:
+        time.sleep(5)  # the timer kills it; nothing it reports counts
+    queue.put((rank, outcome, time.monotonic() - began))
