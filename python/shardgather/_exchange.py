@@ -25,6 +25,10 @@ class Exchange:
         return ReshardPlan(layouts, self.comm.size, self.comm.rank, fan_out=False,
                            timeout=self.timeout)
 
+    def held_bytes(self):
+        """The receive buffer kept for the next round (the largest received so far)."""
+        return self._recv.numel()
+
     def all_rows(self, row):
         """Every rank's int64 ``row`` (the same width on every rank) as a [world, width] table,
         the same on every rank."""

@@ -46,7 +46,10 @@ from ._shardgather import (InvalidArgumentError, InvalidTypeError, MismatchError
 # wins"): on 1 Gbit/s links sparse records stayed faster end to end than dense ones up to where
 # they are as large (30% random density in bf16), so the encoder goes by size alone.
 DENSE_RATIO = 1.0
-_SEGMENT = 16  # u32 origin source, u32 0, u64 bytes of records that follow
+# A segment's header: u32 origin source, u32 0, u64 bytes of the records that follow, u64
+# checksum of those bytes (headers included: a record's own checksum covers its bucket's values,
+# not which bucket it names).
+_SEGMENT = 24
 _NONE = -1
 _INVALID = -2  # a buffer a failed sync wrote part of
 
@@ -80,14 +83,16 @@ class _Readers:
         self.active = 0
 
     @contextmanager
-    def reading(self):
+    def reading(self, label=None):
+        """Holds the active buffer; yields (its index, ``label(index)`` read under the lock)."""
         with self._cond:
             while self._writing == self.active:
                 self._cond.wait()
             held = self.active
             self._count[held] += 1
+            tag = None if label is None else label(held)
         try:
-            yield held
+            yield held, tag
         finally:
             with self._cond:
                 self._count[held] -= 1
@@ -116,6 +121,11 @@ class _Readers:
             with self._cond:
                 self._writing = None
                 self._cond.notify_all()
+
+    def label(self, labels, buffer, value):
+        """Sets a buffer's version label where readers read it (under the lock)."""
+        with self._cond:
+            labels[buffer] = value
 
     def switch(self):
         with self._cond:
@@ -185,6 +195,9 @@ class WeightSync:
         self.comm = communicator(group, _setup_timeout(timeout))
         self._exchange = Exchange(self.comm, _setup_timeout(timeout))
         self.timeout = _setup_timeout(timeout) or 300.0
+        # Readers holding a buffer a sync must write delay it by at most this, so that the
+        # rank still reaches the vote before its peers' deadline.
+        self._reader_wait = 0.5 * self.timeout
         self.layouts, self.mode = [], "staged"
         self.source_boxes, self.destination_boxes, self._sends, self._receives = [], [], [], []
         self.bucket_bytes, self.fingerprint = 0, 0
@@ -236,7 +249,9 @@ class WeightSync:
     # --- state -------------------------------------------------------------------------------
 
     def _key(self, box):
-        return box  # (tensor, offset, size): what survives a rebuild on a new group
+        """What survives a rebuild on a new group or layout: (tensor, offset, size, dtype)."""
+        t, offset, size = box
+        return (t, tuple(offset), tuple(size), self.layouts[t].dtype)
 
     def _init_sources(self, state):
         """A source's state is per box it sends (its transfers' boxes, each once however many
@@ -245,7 +260,7 @@ class WeightSync:
         rebuild on another group or layout keeps."""
         self._boxes = {}  # key -> (source view, index in the view)
         for tr in self._sends:
-            key = (tr[1], tuple(tr[4]), tuple(tr[5]))
+            key = self._key((tr[1], tr[4], tr[5]))
             if key not in self._boxes:
                 box = self.source_boxes[tr[2]][1:]
                 self._boxes[key] = (tr[2], _slices(box, (tr[4], tr[5])))
@@ -297,7 +312,10 @@ class WeightSync:
         committed tensors for the boxes both layouts share (matched by tensor and box, not by
         rank). A rank new to the group constructs a WeightSync instead; its first sync fills it
         from replicas where they exist. Collective over the new group, as the constructor."""
-        state = {"snapshot_version": self.snapshot_version, "version": self.version,
+        # Tensors an in-place apply left written but uncommitted hold no version a peer knows:
+        # the new object starts them behind (dense), as this one would have.
+        version = _NONE if self._mixed else self.version
+        state = {"snapshot_version": self.snapshot_version, "version": version,
                  "snapshot": self._snapshot,
                  "buffers": {self._key(b): t for b, t in
                              zip(self.destination_boxes, self._buffers[self._readers.active])}}
@@ -308,15 +326,26 @@ class WeightSync:
         return WeightSync(layouts, group, _state=state, **kwargs)
 
     def memory(self):
-        """Bytes this object holds, stated in advance: sources, two copies (snapshot and the
-        sync's copy) of each box they send, which is their shards' bytes once when destination
-        boxes do not overlap; destinations, two buffers of their boxes staged, none in place."""
+        """Bytes this object holds between syncs, stated in advance:
+        - ``sources``: two copies (the snapshot, the sync's copy) of each box this rank sends,
+          which is its shards' bytes twice when destination boxes do not overlap;
+        - ``destinations``: two buffers of its boxes staged, none in place;
+        - ``records``: staged, the last commit's records kept for the catch-up, at most a
+          quarter of the boxes (and another quarter while a sync runs);
+        - ``exchange``: the receive buffer the exchange keeps for reuse, as large as the most
+          bytes received in one round so far (a dense round: the boxes' bytes).
+        While a sync runs, a source also builds its messages: the records it sends, up to its
+        boxes' bytes once per destination that receives them dense, in buffers grown by
+        doubling."""
         def nbytes(boxes):
             return sum(_numel(n) * self.layouts[t].dtype.itemsize for t, _, n in boxes)
 
         staged = self.mode == "staged"
-        return {"sources": 2 * nbytes([(t, o, n) for t, o, n in self._boxes]),
-                "destinations": (2 if staged else 0) * nbytes(self.destination_boxes)}
+        boxes = nbytes(self.destination_boxes)
+        return {"sources": 2 * nbytes([key[:3] for key in self._boxes]),
+                "destinations": (2 if staged else 0) * boxes,
+                "records": boxes // 4 if staged else 0,
+                "exchange": self._exchange.held_bytes()}
 
     # --- readers -----------------------------------------------------------------------------
 
@@ -326,8 +355,8 @@ class WeightSync:
         :attr:`destination_boxes` order) and the version they hold, whole: no sync writes them
         until the block ends (a sync that needs them waits, up to its timeout). In place, a
         tensor a failed apply left mixed is in :attr:`mixed`."""
-        with self._readers.reading() as held:
-            yield self._buffer_version[held], list(self._buffers[held])
+        with self._readers.reading(self._buffer_version.__getitem__) as (held, version):
+            yield version, list(self._buffers[held])
 
     def fence(self):
         """Waits until no sync is writing this rank's tensors; returns the version they hold
@@ -402,7 +431,10 @@ class WeightSync:
     def _run(self, version, fresh):
         began = time.perf_counter()
         states = self._exchange_state(version)
-        outgoing, stats = self._encode(version, fresh, states)
+        try:
+            outgoing, stats = self._encode(version, fresh, states)
+        except Exception as e:  # noqa: B902  (raised on every rank: the peers wait in the next round)
+            self._fail(e)
         if self._settle:  # a bench measuring the transfer alone: every rank ready first
             self._exchange.all_rows(torch.zeros(1, dtype=torch.int64))
         t0 = time.perf_counter()
@@ -422,8 +454,7 @@ class WeightSync:
         return stats
 
     def _exchange_state(self, version):
-        fingerprint = self.fingerprint - (1 << 64) if self.fingerprint >= 1 << 63 \
-            else self.fingerprint
+        fingerprint = _signed(self.fingerprint)
         row = torch.tensor([version, self.snapshot_version, self.version,
                             1 if self._mixed else 0,
                             (1 if self.source_boxes else 0) | (2 if self.destination_boxes else 0),
@@ -512,7 +543,7 @@ class WeightSync:
     def _regions(self, tr, fresh):
         """(after, before) of one transfer's box, flat: the sync's copy (the snapshot, on a
         sync at its version) and the snapshot (None before the first commit)."""
-        key = (tr[1], tuple(tr[4]), tuple(tr[5]))
+        key = self._key((tr[1], tr[4], tr[5]))
         before = self._snapshot.get(key)
         return (self._pending[key] if fresh else before), before
 
@@ -558,7 +589,7 @@ class WeightSync:
                     continue
                 transfers = self._receives_of(d, s)
                 writer.segment(d, s)
-                with self._readers.reading() as held:
+                with self._readers.reading() as (held, _):
                     for b, (j, start, n) in enumerate(self._buckets(transfers)):
                         if j in mine:
                             region = self._held_region(held, transfers[j])
@@ -584,10 +615,10 @@ class WeightSync:
             self._applied, self._record_used = [], 0
             try:
                 self._prepare(target)
-                if self.mode == "staged":
-                    self._buffer_version[target] = _INVALID  # until this sync commits
+                if self.mode == "staged":  # until this sync commits
+                    self._readers.label(self._buffer_version, target, _INVALID)
                 failed = self._apply(received, target, touched, stats, version)
-            except ShardgatherError as e:
+            except Exception as e:  # noqa: B902  (published by the vote, raised on every rank)
                 error = e
             if self.mode == "in_place":
                 # Written but not committed: the next sync sends these tensors dense unless
@@ -626,7 +657,7 @@ class WeightSync:
         versions = self._buffer_version
         if versions[target] == versions[active] and versions[target] != _INVALID:
             return
-        with self._readers.writing(target, self.timeout):
+        with self._readers.writing(target, self._reader_wait):
             behind = versions[target] == self._replaced_version
             if not (behind and self._replay(target)):
                 if behind and self._touched_last is not None:
@@ -657,15 +688,18 @@ class WeightSync:
         """Applies the segments received: replicas' first (their dense bytes are the snapshot's
         version, which the sources' deltas then bring to the new one), then the sources' own.
         Returns origin source -> the set of its buckets whose checksum failed."""
-        replicas, direct = [], []
+        replicas, direct, failed = [], [], {}
         for sender, message in received.items():
-            for origin, body in _segments(sender, message):
+            for origin, body, whole in _segments(sender, message):
+                if not whole:  # damaged in flight: every bucket of the pair, dense again
+                    failed.setdefault(origin, set()).update(
+                        range(len(self._pair_buckets(origin)[1])))
+                    continue
                 (direct if origin == sender else replicas).append((sender, origin, body))
                 if sender != self.comm.rank:
                     key = "from_sources" if origin == sender else "from_replicas"
                     stats[key] += _SEGMENT + body.numel()
-        failed = {}
-        with self._readers.writing(target, self.timeout):
+        with self._readers.writing(target, self._reader_wait):
             if self.mode == "in_place":
                 self._writing = {tr[1] for tr in self._receives}
             try:
@@ -693,10 +727,15 @@ class WeightSync:
         else:
             self._applied.append((origin, body.clone()))
 
+    def _pair_buckets(self, origin):
+        """This rank's receives from ``origin`` (indices) and their buckets, in the pair's
+        numbering."""
+        mine = [k for k, tr in enumerate(self._receives) if tr[0] == origin]
+        return mine, self._buckets([self._receives[k] for k in mine])
+
     def _apply_segment(self, sender, origin, body, target, touched, failed, stats,
                        verify=True):
-        mine = [k for k, tr in enumerate(self._receives) if tr[0] == origin]
-        buckets = self._buckets([self._receives[k] for k in mine])
+        mine, buckets = self._pair_buckets(origin)
         at = 0
         while at < body.numel():
             bucket = int(body[at + 4:at + 8].view(torch.int32)[0]) & 0xFFFFFFFF
@@ -722,6 +761,20 @@ class WeightSync:
         asks = {s: torch.tensor(sorted(b), dtype=torch.int64).view(torch.uint8)
                 for s, b in failed.items()}
         got, _ = self._exchange.messages(asks)
+        try:
+            messages = self._resend_records(got, fresh, stats)
+        except Exception as e:  # noqa: B902  (raised on every rank: the peers wait in the next round)
+            self._fail(e)
+        received, _ = self._exchange.messages(messages)
+        if not self.destination_boxes:
+            return {}, None
+        try:
+            return self._apply(received, target, touched, stats, version), None
+        except Exception as e:  # noqa: B902  (published by the vote)
+            return {}, e
+
+    def _resend_records(self, got, fresh, stats):
+        """The dense records of the buckets each destination asked again of this source."""
         writer = _Writer()
         for d, ask in got.items():
             transfers = [tr for tr in self._sends if tr[0] == d]
@@ -736,13 +789,7 @@ class WeightSync:
                 after, _ = self._regions(transfers[j], fresh)
                 writer.record(d, after[start:start + n], None, bucket, 1.0, stats)
                 stats["resent_buckets"] += 1
-        received, _ = self._exchange.messages(writer.finish())
-        if not self.destination_boxes:
-            return {}, None
-        try:
-            return self._apply(received, target, touched, stats, version), None
-        except ShardgatherError as e:
-            return {}, e
+        return writer.finish()
 
     def _commit(self, version, fresh, touched):
         if self.source_boxes and fresh:
@@ -752,14 +799,23 @@ class WeightSync:
             if self.mode == "staged":
                 target = 1 - self._readers.active
                 self._replaced_version = self._buffer_version[self._readers.active]
-                self._buffer_version[target] = version
+                if self._replaced_version == version and touched:
+                    # a sync at the version it already held that wrote bytes (a source that
+                    # restarted): the same label, other bytes
+                    self._readers.label(self._buffer_version, self._readers.active, _INVALID)
+                    self._replaced_version = _INVALID
+                self._readers.label(self._buffer_version, target, version)
                 self._touched_last = touched
                 self._last_records, self._applied = self._applied, None
                 self._readers.switch()
             else:
-                self._buffer_version[0] = version
+                self._readers.label(self._buffer_version, 0, version)
                 self._mixed = set()
             self.version = version
+
+
+def _signed(u64):
+    return u64 - (1 << 64) if u64 >= 1 << 63 else u64
 
 
 def _describe(x):
@@ -769,19 +825,20 @@ def _describe(x):
 
 
 def _segments(sender, message):
-    """(origin source, records) of each segment of one message."""
+    """(origin source, records, whether their checksum holds) of each segment of a message."""
     at, out = 0, []
     while at < message.numel():
         if message.numel() - at < _SEGMENT:
             raise InvalidArgumentError("WeightSync.sync: rank %d sent a truncated segment "
                                        "header" % sender)
         head = message[at:at + _SEGMENT].view(torch.int64)
-        origin, nbytes = int(head[0]) & 0xFFFFFFFF, int(head[1])
+        origin, nbytes, check = int(head[0]) & 0xFFFFFFFF, int(head[1]), int(head[2])
         if nbytes < 0 or at + _SEGMENT + nbytes > message.numel():
             raise InvalidArgumentError("WeightSync.sync: rank %d sent a segment of %d bytes "
                                        "where %d remain" % (sender, nbytes,
                                                             message.numel() - at - _SEGMENT))
-        out.append((origin, message[at + _SEGMENT:at + _SEGMENT + nbytes]))
+        body = message[at + _SEGMENT:at + _SEGMENT + nbytes]
+        out.append((origin, body, _signed(_C._delta_checksum(body, 0, nbytes)) == check))
         at += _SEGMENT + nbytes
     return out
 
@@ -834,8 +891,9 @@ class _Writer:
         if nbytes == 0:
             self._used[peer] = at  # an empty segment is dropped
             return
+        body = self._bufs[peer][at + _SEGMENT:at + _SEGMENT + nbytes]
         self._bufs[peer][at:at + _SEGMENT].view(torch.int64)[:] = torch.tensor(
-            [origin, nbytes], dtype=torch.int64)
+            [origin, nbytes, _signed(_C._delta_checksum(body, 0, nbytes))], dtype=torch.int64)
 
     def finish(self):
         for peer in list(self._head):
