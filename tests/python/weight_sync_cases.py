@@ -178,37 +178,16 @@ def check_sends_only_changes(rank, world, comm):
     assert stats["bytes_received"] <= changed * 56 + 24 * world, (rank, stats)
 
 
-def check_checksum_resend(rank, world, comm):
-    """A byte flipped in flight (the first value of the first dense record to each peer) fails
-    that bucket's checksum; the destination gets it resent dense and ends bit-exact."""
+def _damaged_in_flight(rank, world, comm, at, mask):
+    """One dense sync whose messages to other ranks have byte ``at`` xor ``mask``: it must end
+    bit-exact, with the damaged buckets resent by every source that sent to another rank."""
     if world == 1:
         return
     ws = _make(rank, world, comm, "staged")
 
     def corrupt(sender, peer, message):
-        if sender != peer and message.numel() > 24 + 40:
-            message[24 + 40] ^= 0x5A
-
-    ws._corrupt = corrupt
-    full = initial()
-    stats = ws.sync(0, shard_views(ws, full))
-    check_held(ws, full, rank, 0)
-    ws._corrupt = None
-    sent_remote = any(tr[0] != rank for tr in ws._sends)
-    assert (stats["resent_buckets"] > 0) == sent_remote, (rank, stats)
-
-
-def check_header_damage(rank, world, comm):
-    """A bit flipped in the first record's bucket id (a record of the right size for another
-    bucket): the segment's checksum catches it, the pair's buckets are resent dense, and the
-    sync ends bit-exact."""
-    if world == 1:
-        return
-    ws = _make(rank, world, comm, "staged")
-
-    def corrupt(sender, peer, message):
-        if sender != peer and message.numel() > 24 + 40:
-            message[24 + 4] ^= 1
+        if sender != peer and message.numel() > at:
+            message[at] ^= mask
 
     ws._corrupt = corrupt
     full = initial()
@@ -216,6 +195,19 @@ def check_header_damage(rank, world, comm):
     ws._corrupt = None
     check_held(ws, full, rank, 0)
     assert (stats["resent_buckets"] > 0) == any(tr[0] != rank for tr in ws._sends), stats
+
+
+def check_checksum_resend(rank, world, comm):
+    """A byte flipped in flight (the first value of the first dense record to each peer) fails
+    that bucket's checksum; the destination gets it resent dense and ends bit-exact."""
+    _damaged_in_flight(rank, world, comm, 24 + 40, 0x5A)
+
+
+def check_header_damage(rank, world, comm):
+    """A bit flipped in the first record's bucket id (a record of the right size for another
+    bucket): the segment's checksum catches it, the pair's buckets are resent dense, and the
+    sync ends bit-exact."""
+    _damaged_in_flight(rank, world, comm, 24 + 4, 1)
 
 
 def check_same_version_other_bytes(rank, world, comm):
