@@ -31,14 +31,15 @@ def test_weight_sync_mpi(np_):
     run_mpi_checks("weight_sync_cases", np_, timeout=300)
 
 
-def _fault_run(world, stage, deadline):
-    """One sync at version 1 in which the last destination stops answering at ``stage`` (it
-    returns from its exchange: a rank killed or cut off there, seen from its peers). Returns
-    (per-rank (error type name, seconds) of that sync, and whether a sync of the same ranks at
-    version 1, on a new group with the restarted rank, then ends bit-exact)."""
+def _fault_run(world, stage, deadline, who="destination"):
+    """One sync at version 1 in which ``who`` (the last destination, or the first source) stops
+    answering at ``stage`` (it returns from its exchange: a rank killed or cut off there, seen
+    from its peers). Returns (per-rank (error type name, seconds) of that sync, the victim, and
+    the errors of a sync of the same ranks at version 1 on a new group with the victim
+    restarted, which must end bit-exact)."""
     layouts = weight_sync_cases.layouts_for(world)
     sources, groups = weight_sync_cases.roles(world)
-    victim = groups[-1][-1]
+    victim = groups[-1][-1] if who == "destination" else sources[0]
     full = weight_sync_cases.initial()
     outcome = {}
     kept = {}
@@ -90,13 +91,15 @@ def _fault_run(world, stage, deadline):
     return outcome, victim, errors
 
 
+@pytest.mark.parametrize("who", ["destination", "source"])
 @pytest.mark.parametrize("stage", ["payload", "vote"])
 @pytest.mark.parametrize("world", [3, 5])
-def test_destination_lost_mid_sync(world, stage):
+def test_rank_lost_mid_sync(world, stage, who):
     """Every survivor raises within [0.5, 2] x the deadline, never hangs; nothing commits; the
-    same ranks then sync bit-exact (the restarted one from its replica where it has one)."""
+    same ranks then sync bit-exact: a restarted destination from its replica where it has one,
+    a restarted source (no snapshot) dense to every destination."""
     deadline = 2.0
-    outcome, victim, errors = _fault_run(world, stage, deadline)
+    outcome, victim, errors = _fault_run(world, stage, deadline, who)
     for rank, (error, seconds) in outcome.items():
         if rank == victim:
             continue

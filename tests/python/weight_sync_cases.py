@@ -334,10 +334,19 @@ def check_late_joiner(rank, world, comm):
 
 
 def check_trainer_writes_during_sync(rank, world, comm):
+    _torn_reads(rank, world, comm, "staged")
+
+
+def check_trainer_writes_during_sync_in_place(rank, world, comm):
+    _torn_reads(rank, world, comm, "in_place")
+
+
+def _torn_reads(rank, world, comm, mode):
     """start() returns once the sources are copied: the trainer then writes its shards (the
     next step) while the sync runs, and a reader thread on every destination checks, all the
-    while, that each read sees one version's values whole (0 torn tensors)."""
-    ws = _make(rank, world, comm, "staged")
+    while, that each read sees one version's values whole (0 torn tensors). Syncs: STEPS / 2,
+    at least 10 (SG_WS_STEPS=2000: 1000)."""
+    ws = _make(rank, world, comm, mode)
     full = initial()
     history = {}
     stop, torn, reads = threading.Event(), [], [0]
@@ -440,7 +449,8 @@ def check_bad_arguments(rank, world, comm):
 
 CHECKS = [check_random_steps_staged, check_random_steps_in_place, check_sends_only_changes,
           check_checksum_resend, check_version_rules, check_restarted_destination,
-          check_late_joiner, check_trainer_writes_during_sync, check_bad_arguments,
+          check_late_joiner, check_trainer_writes_during_sync,
+          check_trainer_writes_during_sync_in_place, check_bad_arguments,
           check_header_damage, check_same_version_other_bytes,
           check_in_place_failed_vote_then_rebuild]
 for _check in CHECKS:
