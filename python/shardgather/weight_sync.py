@@ -524,10 +524,19 @@ class WeightSync:
         by_dest = {}
         for k, tr in enumerate(self._sends):
             by_dest.setdefault(tr[0], []).append(k)
+        encoded = {}  # what a segment holds -> the destination it was encoded for
         for d, ks in by_dest.items():
             current = self._is_current(states, d, snap_v) and snap_v != _NONE
             replicas = {} if current else self._replica_map(states, d, self.comm.rank)
             transfers = [self._sends[k] for k in ks]
+            # Replicas of one engine rank want the same boxes: their segments are the same
+            # bytes (bucket ids are the pair's), encoded once.
+            what = (current, tuple(sorted(replicas)),
+                    tuple(self._key((tr[1], tr[4], tr[5])) for tr in transfers))
+            if what in encoded:
+                writer.copy(d, encoded[what])
+                continue
+            encoded[what] = d
             writer.segment(d, self.comm.rank)
             for b, (j, start, n) in enumerate(self._buckets(transfers)):
                 tr = transfers[j]
@@ -881,6 +890,14 @@ class _Writer:
             stats["records"] += 1
             stats["dense_records"] += encoding == 1
             stats["changed_sent"] += changed
+
+    def copy(self, peer, other):
+        """``peer``'s message: a copy of ``other``'s (each holds one segment so far)."""
+        self._close(other)
+        n = self._used.get(other, 0)
+        self._reserve(peer, n)
+        self._bufs[peer][:n] = self._bufs[other][:n]
+        self._used[peer] = n
 
     def _close(self, peer):
         head = self._head.pop(peer, None)
