@@ -206,6 +206,7 @@ class WeightSync:
         self.last_stats = None
         self._corrupt = None  # test hook: (sender, peer, message) -> None, may flip bytes
         self._settle = False  # bench hook: a sync point before the payload exchange
+        self._work = None  # the last started sync
         # An argument wrong on this rank only is raised by the first sync, on every rank (the
         # constructor is pure: the others cannot know).
         self._error = None
@@ -382,7 +383,14 @@ class WeightSync:
 
     def start(self, version, sources=()):
         """:meth:`sync`, started: returns once this rank's sources are copied (the trainer may
-        write them from then on), the rest runs on a thread; a :class:`SyncWork`."""
+        write them from then on), the rest runs on a thread; a :class:`SyncWork`. A sync still
+        running on this object is waited for first (its outcome stays in its own work)."""
+        if self._work is not None:
+            self._work._thread.join()
+        self._work = self._start(version, sources)
+        return self._work
+
+    def _start(self, version, sources):
         try:
             if self._error is not None:
                 raise self._error
