@@ -244,6 +244,7 @@ class WeightSync:
         self.destination_boxes = [(t, tuple(o), tuple(n))
                                   for t, o, n in self.plan.destination_boxes]
         self._sends, self._receives = self.plan.transfers
+        self._pair_cache = {}
         self._init_sources(state)
         self._init_destinations(destinations, state)
 
@@ -747,8 +748,10 @@ class WeightSync:
     def _pair_buckets(self, origin):
         """This rank's receives from ``origin`` (indices) and their buckets, in the pair's
         numbering."""
-        mine = [k for k, tr in enumerate(self._receives) if tr[0] == origin]
-        return mine, self._buckets([self._receives[k] for k in mine])
+        if origin not in self._pair_cache:  # the receives never change: once per pair
+            mine = [k for k, tr in enumerate(self._receives) if tr[0] == origin]
+            self._pair_cache[origin] = (mine, self._buckets([self._receives[k] for k in mine]))
+        return self._pair_cache[origin]
 
     def _apply_segment(self, sender, origin, body, target, touched, failed, stats,
                        verify=True):

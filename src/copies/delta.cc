@@ -20,6 +20,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "shardgather/errors.h"
@@ -147,6 +148,22 @@ constexpr std::uint64_t high_bits(std::size_t es) noexcept {
       return 0x8000000080000000U;
     default:
       return 0x8000000000000000U;
+  }
+}
+
+// f(std::integral_constant<std::size_t, Es>{}) for the element size es (1, 2, 4, or 8 for any
+// other: callers have validated es), so that each loop is instantiated per width once.
+template <typename F>
+decltype(auto) with_es(std::size_t es, F&& f) {
+  switch (es) {
+    case 1:
+      return f(std::integral_constant<std::size_t, 1>{});
+    case 2:
+      return f(std::integral_constant<std::size_t, 2>{});
+    case 4:
+      return f(std::integral_constant<std::size_t, 4>{});
+    default:
+      return f(std::integral_constant<std::size_t, 8>{});
   }
 }
 
@@ -365,16 +382,7 @@ Scan scan(const std::byte* before, const std::byte* after, std::uint64_t n, std:
 
 Scan scan_es(const std::byte* before, const std::byte* after, std::uint64_t n, std::size_t es,
              std::uint64_t limit, std::vector<Run>& raw) {
-  switch (es) {
-    case 1:
-      return scan<1>(before, after, n, limit, raw);
-    case 2:
-      return scan<2>(before, after, n, limit, raw);
-    case 4:
-      return scan<4>(before, after, n, limit, raw);
-    default:
-      return scan<8>(before, after, n, limit, raw);
-  }
+  return with_es(es, [&](auto w) { return scan<w()>(before, after, n, limit, raw); });
 }
 
 void put_header(std::byte* out, std::uint32_t bucket, Encoding encoding, std::size_t es,
@@ -470,20 +478,10 @@ std::pair<Encoding, std::size_t> write_sparse(std::byte* out, const std::byte* a
                                               std::uint64_t n, std::size_t es, std::uint32_t bucket,
                                               const Scan& s) {
   const bool runs = s.runs_bytes <= s.pairs_bytes;  // a tie: runs apply with copies
-  switch (es) {
-    case 1:
-      return runs ? std::pair{Encoding::kRuns, write_runs<1>(out, after, n, bucket, s)}
-                  : std::pair{Encoding::kPairs, write_pairs<1>(out, after, n, bucket, s)};
-    case 2:
-      return runs ? std::pair{Encoding::kRuns, write_runs<2>(out, after, n, bucket, s)}
-                  : std::pair{Encoding::kPairs, write_pairs<2>(out, after, n, bucket, s)};
-    case 4:
-      return runs ? std::pair{Encoding::kRuns, write_runs<4>(out, after, n, bucket, s)}
-                  : std::pair{Encoding::kPairs, write_pairs<4>(out, after, n, bucket, s)};
-    default:
-      return runs ? std::pair{Encoding::kRuns, write_runs<8>(out, after, n, bucket, s)}
-                  : std::pair{Encoding::kPairs, write_pairs<8>(out, after, n, bucket, s)};
-  }
+  return with_es(es, [&](auto w) {
+    return runs ? std::pair{Encoding::kRuns, write_runs<w()>(out, after, n, bucket, s)}
+                : std::pair{Encoding::kPairs, write_pairs<w()>(out, after, n, bucket, s)};
+  });
 }
 
 // What an error message names: the record's bucket, or the call. Text only on the way to a throw
@@ -700,20 +698,7 @@ std::uint64_t hash_view_es(const Layout& l, const StridedView& v, std::uint64_t 
                            std::uint64_t n) {
   Hasher h;
   const auto* base = static_cast<const std::byte*>(v.data);
-  switch (v.es) {
-    case 1:
-      hash_view<1>(l, base, start, n, h);
-      break;
-    case 2:
-      hash_view<2>(l, base, start, n, h);
-      break;
-    case 4:
-      hash_view<4>(l, base, start, n, h);
-      break;
-    default:
-      hash_view<8>(l, base, start, n, h);
-      break;
-  }
+  with_es(v.es, [&](auto w) { hash_view<w()>(l, base, start, n, h); });
   return h.finish();
 }
 
@@ -1057,20 +1042,7 @@ ApplyResult apply(std::span<const std::byte> record, const StridedView& dst, std
   const Payload p = validate(record, h, dst, n);
   auto* base = static_cast<std::byte*>(dst.data);
   if (n > 0) {
-    switch (dst.es) {
-      case 1:
-        write_values<1>(p, l, base, start, n);
-        break;
-      case 2:
-        write_values<2>(p, l, base, start, n);
-        break;
-      case 4:
-        write_values<4>(p, l, base, start, n);
-        break;
-      default:
-        write_values<8>(p, l, base, start, n);
-        break;
-    }
+    with_es(dst.es, [&](auto w) { write_values<w()>(p, l, base, start, n); });
   }
   return {.bucket = h.bucket,
           .checksum_ok = !verify || hash_view_es(l, dst, start, n) == h.checksum,
