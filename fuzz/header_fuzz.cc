@@ -27,6 +27,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       const detail::PreflightHeader h = detail::decode_header(bytes, 1);
       FUZZ_CHECK(h.magic == detail::kHeaderMagic);
       FUZZ_CHECK(std::memchr(h.status_text, '\0', detail::kStatusTextBytes) != nullptr);
+      FUZZ_CHECK(std::memchr(h.stage, '\0', sizeof h.stage) != nullptr);
     } catch (const Mismatch&) {
     }
   } else if (mode == 1) {

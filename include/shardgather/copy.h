@@ -16,6 +16,14 @@ namespace shardgather {
 // are ignored, as in PyTorch). An empty strides vector is contiguous.
 SHARDGATHER_API bool is_contiguous(const TensorView& view) noexcept;
 
+// True when two elements of the view share memory: a stride of 0 over a dim of 2 or more (an
+// expanded view), or strides that map two indices to one element (as_strided can make them).
+// Writing such a view writes one element twice, with whichever value lands last, so every
+// operation that writes into caller memory refuses it. Exact for views of up to 2^20 elements;
+// a larger view whose strides are not ordered apart (sorted by size, each past the extent of
+// the ones below it, as every slice, transpose and narrow of a tensor is) counts as overlapping.
+SHARDGATHER_API bool overlaps_itself(const TensorView& view);
+
 // Copies every element of `src` in row-major order to `dst`, which holds numel * elem bytes.
 // Strides may be any values (zero and negative included). Never reads an element twice.
 SHARDGATHER_API void pack(const TensorView& src, std::byte* dst);

@@ -19,6 +19,7 @@
 #include "shardgather/communicator.h"
 #include "shardgather/errors.h"
 #include "shardgather/export.h"
+#include "shardgather/stage.h"
 
 namespace shardgather {
 
@@ -48,6 +49,8 @@ struct CallShape {
   bool header_exchanged = true;
   // The call's timeout (unset: the communicator's).
   std::optional<std::chrono::milliseconds> timeout;
+  // The step of a compound operation that call is (stage.h): the peers' call carries it too.
+  Stage stage{};
 };
 
 // Raises `code`'s class with `message` on every rank of the call (collective when the header is

@@ -34,6 +34,7 @@
 #include "shardgather/communicator.h"
 #include "shardgather/export.h"
 #include "shardgather/layout.h"
+#include "shardgather/stage.h"
 #include "shardgather/stats.h"
 #include "shardgather/strategy.h"
 #include "shardgather/types.h"
@@ -59,6 +60,8 @@ struct ForeachAllGatherOptions {
   // same on every rank: with the pre-flight header (always sent without a hint) a difference
   // raises Mismatch on every rank; with the header switched off it is not checked.
   Strategy strategy = Strategy::kAuto;
+  // The step of a compound operation this call is (stage.h); empty for a call of its own.
+  Stage stage{};
 };
 
 // The gathered tensors. Owns the gathered buffer; the views stay valid while the result lives.

@@ -28,6 +28,7 @@
 #include "shardgather/communicator.h"
 #include "shardgather/export.h"
 #include "shardgather/layout.h"
+#include "shardgather/stage.h"
 #include "shardgather/stats.h"
 #include "shardgather/strategy.h"
 #include "shardgather/types.h"
@@ -47,6 +48,9 @@ struct PlanOptions {
   // the one place every operation reads it from). -1: every rank receives. The all-gathers
   // (AllGatherPlan, and so foreach_all_gather's plan) refuse it: every rank gets every tensor.
   int dst = -1;
+  // The step of a compound operation every execution of the plan is (stage.h); empty for a
+  // plan of its own. Part of what the ranks must agree on: it travels in each header.
+  Stage stage{};
 };
 
 namespace detail {

@@ -28,6 +28,7 @@
 #include "work.h"
 
 #include "shardgather/communicator.h"
+#include "shardgather/copy.h"
 #include "shardgather/errors.h"
 #include "shardgather/foreach_all_gather.h"
 #include "shardgather/plan.h"
@@ -102,14 +103,17 @@ PlanOptions collective_plan_options(Communicator& comm, const std::string& strat
 
 py::object foreach_all_gather_py(py::handle params, const CommPtr& comm_ptr, py::handle hint_obj,
                                  std::optional<double> timeout, bool preflight,
-                                 const std::string& strategy, bool async_op) {
+                                 const std::string& strategy, bool async_op,
+                                 const std::string& stage) {
   Communicator& comm = *comm_ptr;
   const CallShape shape{Operation::kForeachAllGather,
-                        header_exchanged(hint_given(hint_obj), preflight), std::nullopt};
+                        header_exchanged(hint_given(hint_obj), preflight), std::nullopt,
+                        Stage(stage)};
   const ForeachAllGatherOptions options{
       .timeout = timeout_or_fail(comm, timeout, shape),
       .preflight = preflight,
-      .strategy = collective_plan_options(comm, strategy, preflight, timeout, shape).strategy};
+      .strategy = collective_plan_options(comm, strategy, preflight, timeout, shape).strategy,
+      .stage = shape.stage};
   auto in = std::make_shared<CallInputs>(
       parse_call_or_fail(params, hint_obj, comm, Operation::kForeachAllGather, options));
   if (async_op) {
@@ -375,10 +379,11 @@ void register_shard_spec(py::module_& m) {
 
 py::object unshard_call(py::handle shards, const CommPtr& comm, const std::vector<ShardSpec>& specs,
                         const std::string& strategy, bool preflight, std::optional<double> timeout,
-                        bool async_op, std::optional<int> dst) {
-  PlanOptions options = collective_plan_options(*comm, strategy, preflight, timeout,
-                                                {Operation::kUnshard, preflight, {}});
+                        bool async_op, std::optional<int> dst, const std::string& stage) {
+  const CallShape call{Operation::kUnshard, preflight, {}, Stage(stage)};
+  PlanOptions options = collective_plan_options(*comm, strategy, preflight, timeout, call);
   options.dst = dst.value_or(-1);  // a rank outside the group fails the call on every rank
+  options.stage = call.stage;
   return unshard_py(shards, comm, specs, options, async_op);
 }
 
@@ -386,10 +391,11 @@ py::object unshard_call(py::handle shards, const CommPtr& comm, const std::vecto
 void register_one_shot_calls(py::module_& m) {
   m.def("foreach_all_gather", &foreach_all_gather_py, py::arg("params"), py::arg("comm"),
         py::arg("params_shapes_across_group") = py::none(), py::arg("timeout") = py::none(),
-        py::arg("preflight") = true, py::arg("strategy") = "auto", py::arg("async_op") = false);
+        py::arg("preflight") = true, py::arg("strategy") = "auto", py::arg("async_op") = false,
+        py::arg("stage") = "");
   m.def("unshard", &unshard_call, py::arg("shards"), py::arg("comm"), py::arg("specs"),
         py::arg("strategy") = "auto", py::arg("preflight") = true, py::arg("timeout") = py::none(),
-        py::arg("async_op") = false, py::arg("dst") = py::none());
+        py::arg("async_op") = false, py::arg("dst") = py::none(), py::arg("stage") = "");
 }
 
 std::unique_ptr<PyAllGatherPlan> create_all_gather_plan(py::handle params, Communicator& comm,
@@ -513,23 +519,51 @@ void register_unshard_stream(py::module_& m) {
       });
 }
 
-// A local error in a Python-level wrapper (full_tensors, streams, the export) fails the call
-// the peers are making (`op`, as operation_name() spells it) with this message, instead of
-// leaving them waiting for their deadline.
+// The error class error_code_name() calls `name` (an unknown name is this binding's own bug).
+ErrorCode error_code_named(const std::string& name) {
+  for (auto code = static_cast<std::uint8_t>(ErrorCode::kInvalidArgument);
+       code <= static_cast<std::uint8_t>(kLastErrorCode); ++code) {
+    if (error_code_name(static_cast<ErrorCode>(code)) == name) {
+      return static_cast<ErrorCode>(code);
+    }
+  }
+  throw std::invalid_argument("no error class is called " + name);
+}
+
+// A local error in a Python-level wrapper (full_tensors, streams, the export, a compound
+// operation's step) fails the call the peers are making (`op`, as operation_name() spells it,
+// and `stage`) with this message, instead of leaving them waiting for their deadline. The class
+// every rank raises: `code` (error_code_name()'s), else InvalidType or InvalidArgument.
 void fail_call_py(const CommPtr& comm, const std::string& op, const std::string& message,
-                  bool is_type_error, bool preflight, std::optional<double> timeout) {
+                  bool is_type_error, bool preflight, std::optional<double> timeout,
+                  const std::string& stage, const std::string& code) {
   const Operation operation = operation_named(op);
-  const LocalError error{is_type_error ? LocalError::kType : LocalError::kValue, 0, message};
-  fail_call(*comm, error,
-            {operation, preflight, timeout_or_fail(*comm, timeout, {operation, preflight, {}})});
+  CallShape call{operation, preflight, {}, Stage(stage)};
+  call.timeout = timeout_or_fail(*comm, timeout, call);
+  const ErrorCode error = !code.empty()   ? error_code_named(code)
+                          : is_type_error ? ErrorCode::kInvalidType
+                                          : ErrorCode::kInvalidArgument;
+  call_interruptible([&] { shardgather::fail_call(*comm, call, error, message); });
+  throw InvalidArgument(message);  // not reached: fail_call always raises
 }
 
 // Entry points of the Python package's own plumbing and of the tests, not of its users.
 void register_hooks(py::module_& m) {
   m.def("_fail_call", &fail_call_py, py::arg("comm"), py::arg("op"), py::arg("message"),
         py::arg("is_type_error") = false, py::arg("preflight") = true,
-        py::arg("timeout") = py::none());
+        py::arg("timeout") = py::none(), py::arg("stage") = "", py::arg("code") = "");
   m.def("_make_thread_group", &make_thread_group_py, py::arg("world_size"));
+  // Whether two elements of a tensor share memory (shardgather::overlaps_itself): the Python
+  // entry points that write into caller tensors refuse those before anything moves.
+  m.def(
+      "_overlaps_itself",
+      [](const at::Tensor& t) {
+        TensorView view;
+        view.shape.assign(t.sizes().begin(), t.sizes().end());
+        view.strides.assign(t.strides().begin(), t.strides().end());
+        return overlaps_itself(view);
+      },
+      py::arg("tensor"));
   // For tests: the process's device-gather request (SHARDGATHER_DEVICE_GATHER's), by name.
   m.def("_set_device_gather",
         [](const std::string& name) { set_device_gather(parse_device_gather(name)); });

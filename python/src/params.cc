@@ -341,12 +341,14 @@ CallInputs parse_call_or_fail(py::handle params, py::handle hint, Communicator& 
   CallInputs in;
   const LocalError hint_error = parse_hint(hint, in.hint);
   if (hint_error.kind != LocalError::kNone) {
-    fail_call(comm, hint_error, {op, header_exchanged(true, options.preflight), options.timeout});
+    fail_call(comm, hint_error,
+              {op, header_exchanged(true, options.preflight), options.timeout, options.stage});
   }
   in.params = parse_params(params);
   if (in.params.error.kind != LocalError::kNone) {
     fail_call(comm, in.params.error,
-              {op, header_exchanged(!in.hint.empty(), options.preflight), options.timeout});
+              {op, header_exchanged(!in.hint.empty(), options.preflight), options.timeout,
+               options.stage});
   }
   return in;
 }

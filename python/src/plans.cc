@@ -33,7 +33,7 @@ constexpr std::uintptr_t kOutAlignment = 8;
 // they will read a header, i.e. when the pre-flight is on.
 [[noreturn]] void fail_locally(Communicator& comm, const LocalError& error, Operation op,
                                const PlanOptions& options) {
-  fail_call(comm, error, {op, options.preflight, options.timeout});
+  fail_call(comm, error, {op, options.preflight, options.timeout, options.stage});
 }
 
 py::object wrap(at::Tensor t) {
@@ -282,9 +282,9 @@ std::unique_ptr<PyAllGatherPlan> PyAllGatherPlan::create(py::handle params, Comm
                                                          const PlanOptions& options) {
   // create() exchanges a header unless a hint is given with the pre-flight off, as does a
   // foreach call with these options: the peers learn of a local error the same way.
-  const CallInputs in =
-      parse_call_or_fail(params, hint_obj, comm, Operation::kPlanCreate,
-                         {.timeout = options.timeout, .preflight = options.preflight});
+  const CallInputs in = parse_call_or_fail(
+      params, hint_obj, comm, Operation::kPlanCreate,
+      {.timeout = options.timeout, .preflight = options.preflight, .stage = options.stage});
   return call_interruptible([&] {
     return std::make_unique<PyAllGatherPlan>(
         AllGatherPlan::create(in.params.views, comm, in.hint, options), options);

@@ -41,8 +41,10 @@ std::unique_ptr<PyReshardPlan> make_reshard_plan(const std::vector<PyTensorRegio
                                                  std::optional<std::vector<int>> hosts,
                                                  bool fan_out, const std::string& strategy,
                                                  bool preflight, std::optional<double> timeout,
-                                                 std::optional<std::uint64_t> device_bucket_bytes) {
-  const PlanOptions options = plan_options(strategy, preflight, timeout);
+                                                 std::optional<std::uint64_t> device_bucket_bytes,
+                                                 const std::string& stage) {
+  PlanOptions options = plan_options(strategy, preflight, timeout);
+  options.stage = Stage(stage);
   RegionOptions regions;
   regions.hosts = hosts.value_or(std::vector<int>{});
   regions.fan_out = fan_out;
@@ -104,7 +106,7 @@ void register_reshard_plan(py::module_& m) {
       .def(py::init(&make_reshard_plan), py::arg("layouts"), py::arg("world_size"), py::arg("rank"),
            py::arg("hosts") = py::none(), py::arg("fan_out") = true, py::arg("strategy") = "auto",
            py::arg("preflight") = true, py::arg("timeout") = py::none(),
-           py::arg("device_bucket_bytes") = py::none())
+           py::arg("device_bucket_bytes") = py::none(), py::arg("stage") = "")
       .def("execute", &execute_reshard_plan, py::arg("sources"), py::arg("comm"),
            py::arg("destinations"), py::arg("async_op") = false, py::arg("cuda_index") = py::none())
       .def_property_readonly("source_boxes", [](const P& p) { return local_boxes(p.plan(), true); })

@@ -1,6 +1,9 @@
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <cstring>
+#include <span>
+#include <utility>
 #include <vector>
 
 #include "copies/parallel_copy.h"
@@ -29,6 +32,89 @@ bool is_contiguous(const TensorView& view) noexcept {
     expected *= view.shape[d];
   }
   return true;
+}
+
+namespace {
+
+constexpr std::uint64_t kExactOverlapLimit = std::uint64_t{1} << 20;
+
+std::uint64_t saturating_mul(std::uint64_t a, std::uint64_t b) noexcept {
+  std::uint64_t out = 0;
+  return __builtin_mul_overflow(a, b, &out) ? UINT64_MAX : out;
+}
+
+std::uint64_t saturating_add(std::uint64_t a, std::uint64_t b) noexcept {
+  std::uint64_t out = 0;
+  return __builtin_add_overflow(a, b, &out) ? UINT64_MAX : out;
+}
+
+// Every element offset of the view (in elements), sorted: equal neighbours share memory.
+bool offsets_collide(std::span<const std::pair<std::uint64_t, std::uint64_t>> dims,
+                     std::uint64_t numel) {
+  std::vector<std::uint64_t> offsets{0};
+  offsets.reserve(numel);
+  for (const auto& [stride, size] : dims) {
+    const std::size_t n = offsets.size();
+    for (std::uint64_t i = 1; i < size; ++i) {
+      for (std::size_t k = 0; k < n; ++k) {
+        offsets.push_back(offsets[k] + i * stride);  // numel <= 2^20 and a real view's strides
+      }
+    }
+  }
+  std::sort(offsets.begin(), offsets.end());
+  return std::adjacent_find(offsets.begin(), offsets.end()) != offsets.end();
+}
+
+}  // namespace
+
+bool overlaps_itself(const TensorView& view) {
+  if (view.strides.empty()) {
+    return false;  // contiguous by definition
+  }
+  // (|stride|, size) of every dim that has more than one index; none for an empty view. Held
+  // inline for up to kInlineDims dims: a plan checks its destinations every execution, which
+  // must not allocate.
+  constexpr std::size_t kInlineDims = 16;
+  std::array<std::pair<std::uint64_t, std::uint64_t>, kInlineDims> inline_dims{};
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> more;
+  const bool spill = view.shape.size() > kInlineDims;
+  if (spill) {
+    more.resize(view.shape.size());
+  }
+  const std::span<std::pair<std::uint64_t, std::uint64_t>> room =
+      spill ? std::span(more) : std::span(inline_dims);
+  std::size_t n = 0;
+  std::uint64_t numel = 1;
+  for (std::size_t d = 0; d < view.shape.size() && d < view.strides.size(); ++d) {
+    if (view.shape[d] == 0) {
+      return false;
+    }
+    if (view.shape[d] > 1) {
+      const std::int64_t s = view.strides[d];
+      room[n++] = {s < 0 ? 0 - static_cast<std::uint64_t>(s) : static_cast<std::uint64_t>(s),
+                   static_cast<std::uint64_t>(view.shape[d])};
+      numel = saturating_mul(numel, static_cast<std::uint64_t>(view.shape[d]));
+    }
+  }
+  const auto dims = room.first(n);
+  std::sort(dims.begin(), dims.end());
+  // Ordered apart: each stride past the farthest offset the smaller ones reach.
+  std::uint64_t reach = 0;
+  bool apart = true;
+  for (const auto& [stride, size] : dims) {
+    if (stride == 0) {
+      return true;
+    }
+    apart = apart && stride > reach;
+    reach = saturating_add(reach, saturating_mul(stride, size - 1));
+  }
+  if (apart) {
+    return false;
+  }
+  if (numel > kExactOverlapLimit || reach == UINT64_MAX) {
+    return true;  // not proven apart, and too large to enumerate
+  }
+  return offsets_collide(dims, numel);
 }
 
 void pack(const TensorView& src, std::byte* dst) {

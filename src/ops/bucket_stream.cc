@@ -82,7 +82,7 @@ void BucketStream::settle() noexcept {
 
 void BucketStream::agree_stream(const std::function<void()>& check) {
   run_blocking(*comm_, [&] {
-    Call call(*comm_, Operation::kUnshardStream, facts_.timeout, true);
+    Call call(*comm_, Operation::kUnshardStream, Stage{}, facts_.timeout, true);
     PreflightHeader& header = call.header();
     header.flags |= kHasHint;
     header.hint_hash = facts_.fingerprint;

@@ -37,7 +37,7 @@ std::string_view operation_name(Operation op) noexcept {
 void fail_call(Communicator& comm, const CallShape& call, ErrorCode code,
                std::string_view message) {
   detail::run_blocking(comm, [&] {
-    detail::Call c(comm, call.op, call.timeout, call.header_exchanged);
+    detail::Call c(comm, call.op, call.stage, call.timeout, call.header_exchanged);
     c.fail(code == ErrorCode::kOk ? ErrorCode::kInvalidArgument : code, message);
     c.agree();
   });
@@ -48,14 +48,15 @@ namespace detail {
 
 std::uint64_t next_op_seq(Communicator& comm) noexcept { return comm.operations().next_seq(); }
 
-Call::Call(Communicator& comm, Operation op, std::optional<std::chrono::milliseconds> timeout,
-           bool exchange, HeaderBuffers* buffers)
+Call::Call(Communicator& comm, Operation op, const Stage& stage,
+           std::optional<std::chrono::milliseconds> timeout, bool exchange, HeaderBuffers* buffers)
     : comm_(comm),
       op_(op),
       deadline_(comm.deadline_after(comm.timeout())),
       exchange_(exchange && comm.size() > 1),
       buffers_(buffers != nullptr ? buffers : &own_) {
   header_.op = static_cast<std::uint8_t>(op);
+  set_stage(header_, stage);
   header_.world_size = static_cast<std::uint32_t>(comm.size());
   header_.seq = next_op_seq(comm);
   set_exchange_form(header_, comm.capabilities().exchange_form);

@@ -1,6 +1,7 @@
 // The one call protocol. Every operation is a short client of it:
 //
-//   Call call(comm, Operation::kPlanExecute, options.timeout, options.preflight, &scratch.hb);
+//   Call call(comm, Operation::kPlanExecute, options.stage, options.timeout, options.preflight,
+//             &scratch.hb);
 //   call.check([&] { validate(...); call.header().payload_bytes = ...; });  // local steps
 //   call.agree();                                     // header exchange + every check, all ranks
 //   call.guard(out);                                  // what a failed collective may touch
@@ -48,9 +49,11 @@ struct HeaderBuffers {
 class Call {
  public:
   // `exchange`: whether the header travels (it never does at world size 1). A negative timeout
-  // is a local failure of the call (the communicator's timeout bounds its header).
-  Call(Communicator& comm, Operation op, std::optional<std::chrono::milliseconds> timeout,
-       bool exchange, HeaderBuffers* buffers = nullptr);
+  // is a local failure of the call (the communicator's timeout bounds its header). `stage`: the
+  // step of a compound operation this call is (stage.h), carried in the header.
+  Call(Communicator& comm, Operation op, const Stage& stage,
+       std::optional<std::chrono::milliseconds> timeout, bool exchange,
+       HeaderBuffers* buffers = nullptr);
   Call(const Call&) = delete;
   Call& operator=(const Call&) = delete;
   Call(Call&&) = delete;

@@ -25,7 +25,8 @@ constexpr LayoutOptions kWithRecords{.with_records = true};
 GatherResult gather_with_hint(std::span<const TensorView> params, Communicator& comm,
                               std::span<const std::vector<Shape>> hint,
                               const ForeachAllGatherOptions& options) {
-  detail::Call call(comm, Operation::kForeachAllGather, options.timeout, options.preflight);
+  detail::Call call(comm, Operation::kForeachAllGather, options.stage, options.timeout,
+                    options.preflight);
   AllGatherPlan plan;
   AlignedBuffer out;
   call.check([&] {
@@ -74,7 +75,7 @@ LayoutPlan layout_from_records(const detail::Call& call, const AlignedBuffer& ou
 
 GatherResult gather_without_hint(std::span<const TensorView> params, Communicator& comm,
                                  const ForeachAllGatherOptions& options) {
-  detail::Call call(comm, Operation::kForeachAllGather, options.timeout, true);
+  detail::Call call(comm, Operation::kForeachAllGather, options.stage, options.timeout, true);
   // Known before the counts are: an explicit strategy, or its fallback on this communicator.
   const Strategy requested = detail::one_shot_strategy(options.strategy);
   const Strategy strategy =

@@ -171,8 +171,8 @@ detail::ExchangeJob AllGatherPlan::bind_job(std::span<const TensorView> params, 
 
 ExecStats AllGatherPlan::execute_now(std::span<const TensorView> params, Communicator& comm,
                                      std::span<std::byte> out) {
-  detail::Call call(comm, Operation::kPlanExecute, options_.timeout, options_.preflight,
-                    &scratch_.get().headers);
+  detail::Call call(comm, Operation::kPlanExecute, options_.stage, options_.timeout,
+                    options_.preflight, &scratch_.get().headers);
   return detail::PlanAccess::run(*this, call, params, out.data(), out.size());
 }
 
@@ -201,8 +201,8 @@ std::span<const std::byte> AllGatherPlan::execute_shared(std::span<const TensorV
       st = execute_now(params, comm, x.owned);
       return x.owned;
     }
-    detail::Call call(comm, Operation::kPlanExecute, options_.timeout, options_.preflight,
-                      &x.headers);
+    detail::Call call(comm, Operation::kPlanExecute, options_.stage, options_.timeout,
+                      options_.preflight, &x.headers);
     const detail::ExchangeJob job =
         prepare(call, params, nullptr, layout_.total_bytes, Strategy::kShared, st);
     const std::uint64_t before = comm.collectives_issued();

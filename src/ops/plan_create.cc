@@ -51,7 +51,8 @@ std::vector<std::vector<Shape>> gather_shapes(detail::Call& call,
 AllGatherPlan create_now(std::span<const TensorView> params, Communicator& comm,
                          std::span<const std::vector<Shape>> hint, const PlanOptions& options) {
   const bool has_hint = !hint.empty();
-  detail::Call call(comm, Operation::kPlanCreate, options.timeout, options.preflight || !has_hint);
+  detail::Call call(comm, Operation::kPlanCreate, options.stage, options.timeout,
+                    options.preflight || !has_hint);
   detail::PreflightHeader& header = call.header();
   header.flags = has_hint ? detail::kHasHint : 0U;
   detail::set_strategy(header, options.strategy);

@@ -10,12 +10,6 @@ namespace shardgather::detail {
 
 namespace {
 
-std::string op_prefix(int me, const PreflightHeader& h) {
-  return "rank " + std::to_string(me) + ": " +
-         std::string(operation_name(static_cast<Operation>(h.op))) + " op seq " +
-         std::to_string(h.seq) + ": ";
-}
-
 bool known_operation(std::uint8_t op) noexcept {
   return op >= static_cast<std::uint8_t>(Operation::kForeachAllGather) &&
          op < static_cast<std::uint8_t>(Operation::kEnd);
@@ -23,6 +17,20 @@ bool known_operation(std::uint8_t op) noexcept {
 
 std::string op_str(std::uint8_t op) {
   return std::string(operation_name(static_cast<Operation>(op)));
+}
+
+// "foreach_all_gather", or "foreach_all_gather (as the step 'unshard(quantize): payload')".
+std::string call_str(const PreflightHeader& h) {
+  std::string out = op_str(h.op);
+  if (h.stage[0] != '\0') {
+    out += " (as the step '" + std::string(h.stage) + "')";
+  }
+  return out;
+}
+
+std::string op_prefix(int me, const PreflightHeader& h) {
+  return "rank " + std::to_string(me) + ": " + call_str(h) + " op seq " + std::to_string(h.seq) +
+         ": ";
 }
 
 std::string strategy_str(const PreflightHeader& h) {
@@ -44,6 +52,12 @@ void set_status(PreflightHeader& header, ErrorCode code, std::string_view text) 
   const std::size_t n = std::min(text.size(), kStatusTextBytes - 1);
   std::memcpy(header.status_text, text.data(), n);
   header.status_text[n] = '\0';
+}
+
+void set_stage(PreflightHeader& header, const Stage& stage) noexcept {
+  const std::string_view name = stage.name();  // at most kMaxBytes: the field's room
+  std::memcpy(header.stage, name.data(), name.size());
+  header.stage[name.size()] = '\0';
 }
 
 std::uint64_t hash_dtypes(std::span<const DType> dtypes) noexcept {
@@ -117,6 +131,9 @@ PreflightHeader decode_header(std::span<const std::byte> bytes, int from_rank) {
   if (std::memchr(h.status_text, '\0', kStatusTextBytes) == nullptr) {
     throw Mismatch(where() + ": unterminated status text");
   }
+  if (std::memchr(h.stage, '\0', sizeof h.stage) == nullptr) {
+    throw Mismatch(where() + ": unterminated stage");
+  }
   return h;
 }
 
@@ -125,9 +142,9 @@ namespace {
 // Raises, naming rank `r`, the first field in which its header disagrees with rank 0's.
 void check_agrees(const PreflightHeader& h0, const PreflightHeader& h, std::size_t r, int me) {
   const int rr = static_cast<int>(r);
-  if (h.op != h0.op) {
-    throw Mismatch(op_prefix(me, h0) + "operation differs: rank 0 calls " + op_str(h0.op) +
-                   ", rank " + std::to_string(r) + " calls " + op_str(h.op));
+  if (h.op != h0.op || std::strcmp(h.stage, h0.stage) != 0) {
+    throw Mismatch(op_prefix(me, h0) + "operation differs: rank 0 calls " + call_str(h0) +
+                   ", rank " + std::to_string(r) + " calls " + call_str(h));
   }
   if (h.world_size != h0.world_size) {
     throw_field_mismatch(me, h0, "world size", 0, h0.world_size, rr, h.world_size);

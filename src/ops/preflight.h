@@ -15,6 +15,7 @@
 #include "shardgather/communicator.h"
 #include "shardgather/embedding.h"
 #include "shardgather/errors.h"
+#include "shardgather/stage.h"
 #include "shardgather/strategy.h"
 #include "shardgather/types.h"
 
@@ -23,7 +24,8 @@ namespace shardgather::detail {
 inline constexpr std::uint32_t kHeaderMagic = 0x52484753;  // "SGHR"
 // 3: bits 24-31 of flags carry a device call's DeviceGather request.
 // 4: bits 4-7 carry the transport's exchange form (Capabilities::exchange_form).
-inline constexpr std::uint16_t kHeaderVersion = 4;
+// 5: the stage (stage.h): which step of a compound operation the call is.
+inline constexpr std::uint16_t kHeaderVersion = 5;
 inline constexpr std::size_t kInlineDTypes = 128;
 inline constexpr std::size_t kStatusTextBytes = 160;
 
@@ -59,8 +61,13 @@ struct PreflightHeader {
   std::int64_t status_tensor = -1;          // the tensor the status is about, or -1
   std::uint8_t dtypes[kInlineDTypes] = {};  // the first dtypes, so a mismatch names its index
   char status_text[kStatusTextBytes] = {};  // NUL-terminated message of a failed status
+  // The call's stage (stage.h), NUL-terminated; empty for a call of its own. Compared with the
+  // operation, because a step of a compound operation must never pair with another call.
+  char stage[Stage::kMaxBytes + 1] = {};
 };
-static_assert(sizeof(PreflightHeader) == 352, "the header layout is part of the wire format");
+static_assert(sizeof(PreflightHeader) == 400, "the header layout is part of the wire format");
+
+void set_stage(PreflightHeader& header, const Stage& stage) noexcept;
 
 inline void set_strategy(PreflightHeader& header, Strategy strategy) noexcept {
   header.flags = (header.flags & ~(0xffU << kStrategyShift)) |
@@ -107,12 +114,13 @@ void set_dtypes(PreflightHeader& header, std::span<const DType> dtypes,
 std::uint64_t hash_hint(std::span<const std::vector<std::int64_t>> flat_hint, int world_size);
 
 // Validates and copies one received header. Mismatch("corrupt ...") on bad magic, version,
-// operation, strategy, device type, device gather request, status code or an unterminated text.
+// operation, strategy, device type, device gather request, status code or an unterminated text
+// or stage.
 PreflightHeader decode_header(std::span<const std::byte> bytes, int from_rank);
 
 // Decodes every rank's header from an all_gather and raises, identically on every rank, the
-// first failed status or disagreement: operation, world size, sequence number, tensor count,
-// hint presence, dtypes, hint hash (a plan's fingerprint covers its dtypes: the dtype is the
+// first failed status or disagreement: operation and stage, world size, sequence number, tensor
+// count, hint presence, dtypes, hint hash (a plan's fingerprint covers its dtypes: the dtype is the
 // cause to name), device type, device gather request, strategy. `me` only prefixes the message.
 void check_headers(std::span<const std::byte> gathered, std::span<PreflightHeader> headers, int me);
 

@@ -203,12 +203,10 @@ void ReshardPlan::check_views(const Communicator& comm, std::span<const TensorVi
     const TensorView& t = destinations[v];
     const std::uint64_t bytes =
         check_view(t, "destination", v, tensors_[ref.tensor], ref.tensor, destination(v), x.device);
-    for (std::size_t d = 0; d < t.strides.size() && bytes != 0; ++d) {
-      if (t.strides[d] == 0 && t.shape[d] > 1) {
-        throw InvalidArgument(view_name("destination", v, ref.tensor) + ": dim " +
-                              std::to_string(d) +
-                              " has stride 0 (an expanded view would write one element twice)");
-      }
+    if (bytes != 0 && overlaps_itself(t)) {
+      throw InvalidArgument(view_name("destination", v, ref.tensor) +
+                            ": its elements share memory (a stride of 0, or strides that map "
+                            "two indices to one element): a write would land twice");
     }
     x.view_extents.push_back(
         {detail::extent_of(t, bytes), true, !is_contiguous(t), "destination", v});
@@ -348,8 +346,8 @@ void ReshardPlan::run_round(std::size_t e, detail::Call& call, std::span<const T
 ExecStats ReshardPlan::execute_now(std::span<const TensorView> sources, Communicator& comm,
                                    std::span<const TensorView> destinations,
                                    std::optional<Device> device) {
-  detail::Call call(comm, Operation::kReshardExecute, options_.timeout, options_.preflight,
-                    &scratch_.get().headers);
+  detail::Call call(comm, Operation::kReshardExecute, options_.stage, options_.timeout,
+                    options_.preflight, &scratch_.get().headers);
   const auto me = static_cast<std::size_t>(regions_.rank);
   const detail::PlanFacts facts{
       .options = options_,

@@ -19,7 +19,7 @@ namespace {
 
 UnshardResult unshard_now(std::span<const TensorView> shards, Communicator& comm,
                           std::span<const ShardSpec> specs, const PlanOptions& options) {
-  detail::Call call(comm, Operation::kUnshard, options.timeout, options.preflight);
+  detail::Call call(comm, Operation::kUnshard, options.stage, options.timeout, options.preflight);
   PlanOptions one_shot = options;
   one_shot.strategy = detail::one_shot_strategy(options.strategy);
   UnshardPlan plan;

@@ -291,8 +291,8 @@ Work<ExecStats> UnshardPlan::start(std::span<const TensorView> shards, Communica
 ExecStats UnshardPlan::execute_now(std::span<const TensorView> shards, Communicator& comm,
                                    const std::optional<std::string>& output_error,
                                    bool one_buffer) {
-  detail::Call call(comm, Operation::kUnshardExecute, options_.timeout, options_.preflight,
-                    &scratch_.get().headers);
+  detail::Call call(comm, Operation::kUnshardExecute, options_.stage, options_.timeout,
+                    options_.preflight, &scratch_.get().headers);
   return run(call, shards, output_error, one_buffer);
 }
 

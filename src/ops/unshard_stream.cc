@@ -63,6 +63,10 @@ StreamOptions stream_options(StreamOptions options) {
   // A node-shared window is per plan, so one per bucket would hold the whole model; kDirect
   // lands every bucket in place with no memory of its own.
   options.plan.strategy = detail::one_shot_strategy(options.plan.strategy);
+  // A bucket is a step of the stream, never a pairing for another rank's UnshardPlan::execute.
+  if (options.plan.stage.empty()) {
+    options.plan.stage = Stage("UnshardStream: bucket");
+  }
   return options;
 }
 

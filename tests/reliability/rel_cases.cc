@@ -11,6 +11,7 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <stdexcept>
 #include <thread>
 #include <utility>
 
@@ -730,6 +731,12 @@ struct DCall {
   bool fan_out = true;              // reshards: RegionOptions::fan_out
   std::size_t fan_out_waves = 4;    // reshards: RegionOptions::fan_out_waves
   std::uint64_t device_bucket = std::uint64_t{256} << 20;  // RegionOptions::device_bucket_bytes
+  const char* stage = "";  // the call's stage (a step of a compound operation; "" for none)
+  // Reshards: destination 0 of this rank (a [rows, 4] box) is a view with these strides over
+  // storage just large enough (alias_rows 0: contiguous). {1, 1}, {2, 1}: rows that overlap;
+  // {0, 1}: one row repeated. Family A: such views must be refused on every rank, unwritten.
+  std::int64_t alias_rows = 0;
+  std::int64_t alias_cols = 1;
 };
 
 struct DRow {
@@ -998,6 +1005,72 @@ const DRow kDRows[] = {
      2,
      {.op = DOp::kReshard},
      {.op = DOp::kReshard, .timeout_ms = -5}},
+    // A step of a compound operation (Stage) never pairs with a call of its own, or with
+    // another step: the header names both.
+    {"D-stage-foreach",
+     "a foreach against the same foreach as a step of another operation",
+     "Mismatch",
+     "as the step 'unshard(quantize): shapes'",
+     2,
+     kRefForeach,
+     {.stage = "unshard(quantize): shapes"}},
+    {"D-stage-foreach-nohint",
+     "a foreach without a hint against the same as a step (its bytes would pair alike)",
+     "Mismatch",
+     "operation differs",
+     2,
+     {.hint = false},
+     {.hint = false, .stage = "WeightSync.sync: state"}},
+    {"D-stage-steps",
+     "two steps of one operation: a reshard plan's executions at different stages",
+     "Mismatch",
+     "as the step 'WeightSync.sync: vote'",
+     2,
+     {.op = DOp::kReshard, .stage = "WeightSync.sync: state"},
+     {.op = DOp::kReshard, .stage = "WeightSync.sync: vote"}},
+    {"D-stage-unshard",
+     "an unshard against the same unshard as a step",
+     "Mismatch",
+     "operation differs",
+     2,
+     {.op = DOp::kUnshard},
+     {.op = DOp::kUnshard, .stage = "full_tensors(quantize): payload"}},
+    {"D-stage-plan",
+     "a plan's execute against the same plan's execute as a step",
+     "Mismatch",
+     "operation differs",
+     2,
+     kRefExecute,
+     {.op = DOp::kExecute, .stage = "foreach_all_gather(quantize): payload"}},
+    // Family A: a destination whose elements share memory, on the last rank only.
+    {"A-reshard-rows-overlap",
+     "a reshard destination whose rows overlap (strides {1, 1})",
+     "InvalidArgument",
+     "share memory",
+     2,
+     {.op = DOp::kReshard, .reshard_shift = 0},
+     {.op = DOp::kReshard, .reshard_shift = 0, .alias_rows = 1, .alias_cols = 1}},
+    {"A-reshard-half-overlap",
+     "a reshard destination whose rows overlap by half (strides {2, 1})",
+     "InvalidArgument",
+     "share memory",
+     2,
+     {.op = DOp::kReshard, .reshard_shift = 0},
+     {.op = DOp::kReshard, .reshard_shift = 0, .alias_rows = 2, .alias_cols = 1}},
+    {"A-reshard-expanded",
+     "a reshard destination that repeats one row (strides {0, 1})",
+     "InvalidArgument",
+     "share memory",
+     2,
+     {.op = DOp::kReshard, .reshard_shift = 0},
+     {.op = DOp::kReshard, .reshard_shift = 0, .alias_rows = 0, .alias_cols = -1}},
+    {"A-reshard-columns-collide",
+     "a reshard destination whose columns land on one element (strides {4, 0})",
+     "InvalidArgument",
+     "share memory",
+     2,
+     {.op = DOp::kReshard, .reshard_shift = 0},
+     {.op = DOp::kReshard, .reshard_shift = 0, .alias_rows = 4, .alias_cols = 0}},
 };
 
 // Rank r's shape of tensor i (tensor 2 is sharded along dim 1).
@@ -1081,6 +1154,22 @@ std::vector<TensorRegions> d_layout(const DCall& c, int world) {
   return layout;
 }
 
+// Destination v's view: contiguous, or (family A, destination 0) the aliasing strides of `c`
+// over storage that holds exactly the elements they reach.
+TensorView d_destination(const DCall& c, std::size_t v, DType dtype, const Shape& size,
+                         std::vector<std::byte>& storage) {
+  const bool alias = v == 0 && (c.alias_rows != 0 || c.alias_cols != 1) && size.size() == 2;
+  if (!alias) {
+    storage.assign(checked_nbytes(dtype, size), std::byte{0xEE});
+    return {storage.data(), dtype, size, {}, kCpu};
+  }
+  const std::int64_t cols = c.alias_cols < 0 ? 1 : c.alias_cols;  // -1: {0, 1}
+  const std::int64_t rows = c.alias_cols < 0 ? 0 : c.alias_rows;
+  const std::int64_t reach = rows * (size[0] - 1) + cols * (size[1] - 1) + 1;
+  storage.assign(static_cast<std::size_t>(reach) * dtype_size(dtype), std::byte{0xEE});
+  return {storage.data(), dtype, size, {rows, cols}, kCpu};
+}
+
 void d_reshard(const DCall& c, Communicator& comm, const PlanOptions& po, const Inputs& in) {
   RegionOptions regions;
   regions.fan_out = c.fan_out;
@@ -1088,15 +1177,26 @@ void d_reshard(const DCall& c, Communicator& comm, const PlanOptions& po, const 
   regions.device_bucket_bytes = c.device_bucket;
   ReshardPlan plan(d_layout(c, comm.size() + c.plan_world_delta), comm.size() + c.plan_world_delta,
                    comm.rank(), po, regions);
-  std::vector<std::vector<std::byte>> storage;
+  std::vector<std::vector<std::byte>> storage(plan.destination_count());
   std::vector<TensorView> dst;
   for (std::size_t v = 0; v < plan.destination_count(); ++v) {
     const Shape& size = plan.destination(v).box.size;
     const DType dtype = plan.tensor(plan.regions().destination_views[v].tensor).dtype;
-    storage.emplace_back(checked_nbytes(dtype, size));
-    dst.push_back({storage.back().data(), dtype, size, {}, kCpu});
+    dst.push_back(d_destination(c, v, dtype, size, storage[v]));
   }
-  (void)plan.execute(in.views, comm, dst);
+  try {
+    (void)plan.execute(in.views, comm, dst);
+  } catch (const Error&) {
+    // Refused before anything moved: every destination byte still the sentinel.
+    for (const auto& bytes : storage) {
+      for (const std::byte b : bytes) {
+        if (b != std::byte{0xEE}) {
+          throw std::logic_error("a refused reshard wrote its destination");
+        }
+      }
+    }
+    throw;
+  }
 }
 
 GatherResult d_call(const DCall& c, Communicator& comm, const CaseContext& ctx, const Inputs& in) {
@@ -1106,12 +1206,17 @@ GatherResult d_call(const DCall& c, Communicator& comm, const CaseContext& ctx, 
                        : std::optional(ctx.timeout);
   const Rows rows = d_rows(c, world + c.plan_world_delta);
   const Rows none;
-  const PlanOptions po{
-      .timeout = timeout, .preflight = true, .strategy = c.strategy, .copy_threads = 0};
+  const PlanOptions po{.timeout = timeout,
+                       .preflight = true,
+                       .strategy = c.strategy,
+                       .copy_threads = 0,
+                       .dst = -1,
+                       .stage = Stage(c.stage)};
   switch (c.op) {
     case DOp::kForeach:
-      return foreach_all_gather(in.views, comm, c.hint ? rows : none,
-                                {.timeout = timeout, .preflight = true, .strategy = c.strategy});
+      return foreach_all_gather(
+          in.views, comm, c.hint ? rows : none,
+          {.timeout = timeout, .preflight = true, .strategy = c.strategy, .stage = po.stage});
     case DOp::kCreate:
       (void)AllGatherPlan::create(in.views, comm, c.hint ? rows : none, po);
       return {};

@@ -1,8 +1,11 @@
 #include "shardgather/copy.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <random>
+#include <set>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -24,6 +27,67 @@ TEST(IsContiguous, IgnoresSizeOneAndEmptyDims) {
   EXPECT_FALSE(is_contiguous({nullptr, DType::kFloat32, {2, 3}, {1, 2}}));
   EXPECT_FALSE(is_contiguous({nullptr, DType::kFloat32, {4}, {2}}));
   EXPECT_FALSE(is_contiguous({nullptr, DType::kFloat32, {6, 1}, {2, 1}}));  // a column
+}
+
+TEST(OverlapsItself, SlicesTransposesAndNarrowsDoNot) {
+  EXPECT_FALSE(overlaps_itself({nullptr, DType::kFloat32, {2, 3}, {}}));
+  EXPECT_FALSE(overlaps_itself({nullptr, DType::kFloat32, {2, 3}, {3, 1}}));
+  EXPECT_FALSE(overlaps_itself({nullptr, DType::kFloat32, {2, 3}, {1, 2}}));  // transposed
+  EXPECT_FALSE(overlaps_itself({nullptr, DType::kFloat32, {4, 2}, {8, 1}}));  // a column block
+  EXPECT_FALSE(overlaps_itself({nullptr, DType::kFloat32, {4}, {-3}}));       // negative
+  EXPECT_FALSE(overlaps_itself({nullptr, DType::kFloat32, {5, 1}, {1, 0}}));  // size-1 dim
+  EXPECT_FALSE(overlaps_itself({nullptr, DType::kFloat32, {0, 4}, {0, 0}}));  // empty
+  EXPECT_FALSE(overlaps_itself({nullptr, DType::kFloat32, {}, {}}));          // 0-d
+  // Interleaved but apart: offsets {0, 2, 4} + {0, 3}: no order proves it, the count does.
+  EXPECT_FALSE(overlaps_itself({nullptr, DType::kFloat32, {3, 2}, {2, 3}}));
+}
+
+TEST(OverlapsItself, ViewsThatWriteOneElementTwiceDo) {
+  EXPECT_TRUE(overlaps_itself({nullptr, DType::kFloat32, {4, 5}, {0, 1}}));  // expanded rows
+  EXPECT_TRUE(overlaps_itself({nullptr, DType::kFloat32, {4, 4}, {1, 1}}));  // as_strided
+  EXPECT_TRUE(overlaps_itself({nullptr, DType::kFloat32, {3, 4}, {2, 1}}));  // rows overlap
+  EXPECT_TRUE(overlaps_itself({nullptr, DType::kFloat32, {2, 3}, {3, -3}}));
+  EXPECT_TRUE(overlaps_itself({nullptr, DType::kFloat32, {3, 2}, {2, 4}}));  // {0,2,4}+{0,4}
+  // Too large to enumerate and not ordered apart: counted as overlapping (documented).
+  EXPECT_TRUE(overlaps_itself({nullptr, DType::kFloat32, {1 << 11, 1 << 11}, {2, 3}}));
+  EXPECT_TRUE(overlaps_itself({nullptr, DType::kFloat32, {3, 3}, {INT64_MAX, INT64_MAX}}));
+}
+
+// Against counting distinct offsets, over random small views of 1-4 dims.
+TEST(OverlapsItself, AgreesWithBruteForce) {
+  std::mt19937 rng(7);
+  int overlapping = 0;
+  for (int trial = 0; trial < 4000; ++trial) {
+    const int ndim = 1 + static_cast<int>(rng() % 4);
+    Shape shape, strides;
+    std::int64_t numel = 1;
+    for (int d = 0; d < ndim; ++d) {
+      shape.push_back(static_cast<std::int64_t>(rng() % 5));
+      strides.push_back(static_cast<std::int64_t>(rng() % 13) - 6);
+      numel *= shape.back();
+    }
+    std::set<std::int64_t> offsets;
+    std::vector<std::int64_t> idx(static_cast<std::size_t>(ndim), 0);
+    for (std::int64_t k = 0; k < numel; ++k) {
+      std::int64_t at = 0;
+      for (int d = 0; d < ndim; ++d) {
+        at += idx[static_cast<std::size_t>(d)] * strides[static_cast<std::size_t>(d)];
+      }
+      offsets.insert(at);
+      for (int d = ndim - 1; d >= 0; --d) {
+        auto& i = idx[static_cast<std::size_t>(d)];
+        if (++i < shape[static_cast<std::size_t>(d)]) {
+          break;
+        }
+        i = 0;
+      }
+    }
+    const bool want = static_cast<std::int64_t>(offsets.size()) != numel;
+    overlapping += want ? 1 : 0;
+    EXPECT_EQ(overlaps_itself({nullptr, DType::kFloat32, shape, strides}), want)
+        << "trial " << trial;
+  }
+  EXPECT_GT(overlapping, 400);  // both kinds are common
 }
 
 TEST(Pack, Transposed) {

@@ -257,8 +257,8 @@ TEST_P(Exchange, APersonalJobRunsOnARankThatOnlySends) {
                               .pieces = pieces,
                               .first = first,
                               .counts = counts};
-        detail::Call call(comm, Operation::kForeachAllGather, std::chrono::milliseconds(5000),
-                          false);
+        detail::Call call(comm, Operation::kForeachAllGather, Stage{},
+                          std::chrono::milliseconds(5000), false);
         detail::StrategyScratch scratch;
         ExecStats stats;
         detail::run_payload(call, Strategy::kAuto, Strategy::kDirect, job, scratch, stats);

@@ -4,11 +4,14 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "ops/call.h"
+#include "ops/preflight.h"
 #include "support/testing.h"
 #include "transport/graveyard.h"
 
@@ -166,6 +169,76 @@ TEST_P(ProtocolWorld, AnEmbeddersFailureReachesEveryRankWithItsMessage) {
       test_name());
 }
 
+// A step of a compound operation (Stage) against the same call made on its own, and against
+// another step: Mismatch on every rank naming both, before anything moves; an embedder failing
+// a step fails the peers' call at that step. The 0-stage and 1-stage cases of every operation
+// are in the reliability D rows (D-stage-*).
+TEST_P(ProtocolWorld, AStepNeverPairsWithAnotherCallOrStep) {
+  const int world = GetParam();
+  run_ranks(
+      world,
+      [world](int rank, Communicator& comm) {
+        const auto t = tensors(world, rank);
+        const bool odd = rank == world - 1;
+        for (const auto& [mine, theirs] :
+             {std::pair{"", "quantized unshard: amax"}, std::pair{"a: one", "a: two"}}) {
+          const Stage stage(odd ? theirs : mine);
+          const std::uint64_t before = comm.collectives_issued();
+          const auto [cls, what] = outcome([&] {
+            (void)foreach_all_gather(
+                testing::views_of(t), comm, rows(world),
+                {.timeout = {}, .preflight = true, .strategy = Strategy::kAuto, .stage = stage});
+          });
+          if (world == 1) {
+            EXPECT_EQ(cls, "Ok") << what;
+            continue;
+          }
+          EXPECT_EQ(cls, "Mismatch") << what;
+          EXPECT_NE(what.find("operation differs"), std::string::npos) << what;
+          EXPECT_NE(what.find(std::string("'") + theirs + "'"), std::string::npos) << what;
+          if (*mine != '\0') {
+            EXPECT_NE(what.find(std::string("'") + mine + "'"), std::string::npos) << what;
+          }
+          EXPECT_EQ(comm.collectives_issued() - before, 1U) << "the header alone";
+          expect_usable(comm, world);
+        }
+        const Stage step("WeightSync.sync: state");
+        const auto [cls, what] = outcome([&] {
+          if (rank == world - 1) {
+            fail_call(comm,
+                      {.op = Operation::kForeachAllGather,
+                       .header_exchanged = true,
+                       .timeout = {},
+                       .stage = step},
+                      ErrorCode::kCountOverflow, "version 2^63 does not fit");
+          }
+          (void)foreach_all_gather(
+              testing::views_of(t), comm, rows(world),
+              {.timeout = {}, .preflight = true, .strategy = Strategy::kAuto, .stage = step});
+        });
+        EXPECT_EQ(cls, "CountOverflow") << what;
+        EXPECT_NE(what.find("version 2^63"), std::string::npos) << what;
+        expect_usable(comm, world);
+      },
+      test_name());
+}
+
+TEST(Stage, NamesFitTheHeaderOrAreRefused) {
+  EXPECT_TRUE(Stage().empty());
+  EXPECT_EQ(Stage("ReshardPlan(quantize): payload").name(), "ReshardPlan(quantize): payload");
+  EXPECT_EQ(Stage(std::string(Stage::kMaxBytes, 'x')).name().size(), Stage::kMaxBytes);
+  EXPECT_THROW(Stage(std::string(Stage::kMaxBytes + 1, 'x')), InvalidArgument);
+  EXPECT_THROW(Stage(std::string_view("a\0b", 3)), InvalidArgument);
+  EXPECT_EQ(Stage("a"), Stage("a"));
+  EXPECT_FALSE(Stage("a") == Stage("b"));
+  // A header whose stage is not terminated is corrupt (never read past its field).
+  detail::PreflightHeader h;
+  std::memset(h.stage, 'x', sizeof h.stage);
+  std::vector<std::byte> bytes(sizeof h);
+  std::memcpy(bytes.data(), &h, sizeof h);
+  EXPECT_THROW((void)detail::decode_header(bytes, 0), Mismatch);
+}
+
 INSTANTIATE_TEST_SUITE_P(Worlds, ProtocolWorld, ::testing::Values(1, 2, 3, 4, 7),
                          [](const auto& param_info) {
                            return "w" + std::to_string(param_info.param);
@@ -201,7 +274,7 @@ TEST(FailedCalls, ParkEveryGuardedBufferHoweverMany) {
         constexpr std::size_t kVectors = 12;
         std::vector<AlignedBuffer> aligned(kAligned);
         std::vector<std::vector<std::byte>> vectors(kVectors);
-        detail::Call call(comm, Operation::kForeachAllGather, std::nullopt, false);
+        detail::Call call(comm, Operation::kForeachAllGather, Stage{}, std::nullopt, false);
         for (auto& b : aligned) {
           call.guard(b);
         }
