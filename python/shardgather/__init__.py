@@ -28,7 +28,9 @@ if torch.__version__.split("+")[0] != _BUILT_FOR:
 
 from . import _shardgather as _C  # noqa: E402
 from ._agree import check_int, classify  # noqa: E402
+from ._agree import fail_call as _fail_as  # noqa: E402
 from .quantized import Quantize  # noqa: E402
+from .weight_sync import WeightSync  # noqa: E402
 from ._shardgather import (  # noqa: F401  (re-exported)
     AUTO_TRIAL_RUNS,
     AbortedError,
@@ -71,6 +73,7 @@ __all__ = [
     "ShardgatherError",
     "ThreadGroup",
     "UnshardPlan",
+    "WeightSync",
     "Work",
     "chunk_sizes",
     "communicator",
@@ -211,13 +214,14 @@ def foreach_all_gather(
                 async_op=async_op, timeout=timeout,
                 hinted=params_shapes_across_group is not None)
     if params_shapes_across_group is None and _first_is_cuda(params):
-        params_shapes_across_group = _gather_shapes(params, comm, timeout)
+        params_shapes_across_group = _gather_shapes(params, comm, timeout,
+                                                    "foreach_all_gather: shapes")
     return _C.foreach_all_gather(params, comm, params_shapes_across_group, timeout, preflight,
                                  strategy, async_op)
 
 
 def _check_call(comm, op, *, strategy="auto", preflight=True, async_op=False, timeout=None,
-                hinted=False):
+                hinted=False, stage=""):
     """Fails the call ``op`` on every rank when a keyword has the wrong type, which the
     extension would otherwise refuse on this rank alone (a TypeError before any exchange).
     Values of the right type (a strategy name, a timeout's sign) the call itself checks."""
@@ -232,7 +236,7 @@ def _check_call(comm, op, *, strategy="auto", preflight=True, async_op=False, ti
     if problems:
         problem = problems[0]
         exchanged = not hinted or preflight is not False
-        _C._fail_call(comm, op, problem, True, exchanged, _setup_timeout(timeout))
+        _C._fail_call(comm, op, problem, True, exchanged, _setup_timeout(timeout), stage)
 
 
 def _one_hint(comm, op, positional, keyword, preflight, timeout):
@@ -251,9 +255,10 @@ def _first_is_cuda(params):
         return False
 
 
-def _gather_shapes(params, comm, timeout):
+def _gather_shapes(params, comm, timeout, stage):
     """Every rank's shapes of ``params``, by a host gather of one int64 tensor per rank
-    (``[n, ndim_0, dims_0..., ndim_1, ...]``): the device call then needs no records."""
+    (``[n, ndim_0, dims_0..., ndim_1, ...]``): the device call then needs no records. ``stage``
+    names the step of the operation it is (no other call can pair with it)."""
     row = [len(params)]
     for t in params:
         # A DTensor stands for its local shard (the binding gathers that), not its global shape.
@@ -261,7 +266,7 @@ def _gather_shapes(params, comm, timeout):
         shape = list(getattr(local, "shape", ()))
         row += [len(shape)] + shape
     gathered = _C.foreach_all_gather([torch.tensor(row, dtype=torch.int64)], comm, None, timeout,
-                                     True, "auto", False)[0]
+                                     True, "auto", False, stage)[0]
     shapes = []
     for r, flat in enumerate(gathered):
         values = flat.tolist()
@@ -301,11 +306,12 @@ class _Deferred:
     def raise_here(self):
         raise self.cls(self.message)
 
-    def fail_call(self, comm, op, preflight, timeout):
-        """Fails the call the peers are making (``op``) on every rank."""
-        _C._fail_call(comm, op, self.message, self.cls is InvalidTypeError,
-                      preflight if isinstance(preflight, bool) else True,
-                      _setup_timeout(timeout))
+    def fail_call(self, comm, op, preflight, timeout, stage=""):
+        """Fails the call the peers are making (``op`` at ``stage``) on every rank, with this
+        error's class."""
+        _fail_as(comm, op, self.cls, self.message,
+                 preflight=preflight if isinstance(preflight, bool) else True,
+                 timeout=_setup_timeout(timeout), stage=stage)
 
 
 def _deferred(build):
@@ -336,6 +342,7 @@ class _PlanState:
     _error = None
     _preflight = True
     _given_timeout = None
+    _stage = ""  # the step of a compound operation its executions are (the package's own plans)
 
     def _timeout(self):
         return self._plan.timeout if self._plan is not None else None
@@ -347,9 +354,10 @@ class _PlanState:
 
     def _execute(self, op, args, group, outputs, async_op, **extra):
         comm = communicator(group, self._timeout())
-        _check_call(comm, op, async_op=async_op, preflight=self._preflight, hinted=True)
+        _check_call(comm, op, async_op=async_op, preflight=self._preflight, hinted=True,
+                    stage=self._stage)
         if self._plan is None:
-            self._error.fail_call(comm, op, self._preflight, self._given_timeout)
+            self._error.fail_call(comm, op, self._preflight, self._given_timeout, self._stage)
         return self._plan.execute(args, comm, outputs, async_op, **extra)
 
 
@@ -452,15 +460,72 @@ def _layout_tuples(layouts):
     """Layouts as the extension takes them: (dtype, shape, sources, destinations), each box
     (rank, offset, size). A layout is a :class:`shardgather.layouts.TensorLayout` or anything
     with its four attributes; a box, a :class:`shardgather.layouts.Box` or an (offset, size)
-    pair."""
-    def boxes(entries):
+    pair. InvalidTypeError for what is no int, CountOverflowError for an int past 64 bits (the
+    extension would refuse both with a message naming neither)."""
+    def ints(what, values):
         out = []
-        for rank, box in entries:
+        for v in values:
+            if isinstance(v, bool) or not hasattr(v, "__index__"):
+                raise InvalidTypeError("%s must be ints, got %r" % (what, v))
+            v = int(v)
+            if not -(1 << 63) <= v < 1 << 63:
+                raise CountOverflowError("%s: %d does not fit 64 bits" % (what, v))
+            out.append(v)
+        return tuple(out)
+
+    def boxes(t, side, entries):
+        out = []
+        for k, (rank, box) in enumerate(entries):
             offset, size = box
-            out.append((check_int("rank", rank, 0), tuple(offset), tuple(size)))
+            what = "layout %d %s[%d]" % (t, side, k)
+            out.append((check_int(what + " rank", rank, 0, (1 << 31) - 1),
+                        ints(what + " offset", offset), ints(what + " size", size)))
         return out
 
-    return [(t.dtype, tuple(t.shape), boxes(t.sources), boxes(t.destinations)) for t in layouts]
+    return [(x.dtype, ints("layout %d shape" % t, x.shape), boxes(t, "sources", x.sources),
+             boxes(t, "destinations", x.destinations)) for t, x in enumerate(layouts)]
+
+
+def _check_plan_keywords(**kw):
+    """The keywords' kinds (a str strategy, a bool preflight, a number or None timeout), named in
+    the error, which the extension would report without naming the argument."""
+    from .quantized import check_keywords
+
+    check_keywords(**kw)
+
+
+def _device_index(device):
+    """(index, None) for execute's ``device``: -1 for the host, a CUDA index; or (None, why
+    not), so that the call fails on every rank rather than raise here alone (``"cuda"`` on a
+    host where CUDA cannot be used raises inside torch)."""
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError, ValueError) as e:
+        return None, "device must be a cpu or cuda torch.device, got %r (%s)" % (device, e)
+    if device.type == "cpu":
+        return -1, None
+    if device.type != "cuda":
+        return None, "device must be a cpu or cuda torch.device, got %r" % (device,)
+    if device.index is not None:
+        return device.index, None
+    try:
+        return torch.cuda.current_device(), None
+    except Exception as e:  # noqa: BLE001  (AssertionError without CUDA, RuntimeError, ...)
+        return None, "device %r: CUDA cannot be used on this host (%s: %s)" % (
+            str(device), type(e).__name__, e)
+
+
+def _moved(name, doc):
+    """A figure of what an execution moves: the plan's, or for a quantized plan the sum over
+    the plans that really run (the payload of FP8 data and scales, and the amax exchange)."""
+    def get(self):
+        plans = self._built_quantized().plans() if self._quantize is not None else [self._built()]
+        values = [getattr(p, name) for p in plans]
+        if isinstance(values[0], list):
+            return [sum(v) for v in zip(*values)]
+        return sum(values)
+
+    return property(get, doc=doc)
 
 
 class ReshardPlan(_PlanState):
@@ -472,17 +537,20 @@ class ReshardPlan(_PlanState):
     the (rank, Box) pairs each rank holds and wants; build them with the helpers of
     :mod:`shardgather.layouts`: DTensor placements, column/row parallel, fused QKV and
     gate_up, vocabulary-parallel, experts). The constructor is pure (every rank plans the whole
-    reshard and keeps its part); :meth:`for_group` takes the world, rank and hosts from a group.
+    reshard and keeps its part; an argument error is kept and raised by the first
+    :meth:`execute`, on every rank); :meth:`for_group` takes the world, rank and hosts from a
+    group.
 
     ``execute(sources, destinations)``: this rank's source tensors (one per box it holds, in
     :attr:`source_boxes` order) are read; its destination tensors (one per box it wants, in
     :attr:`destination_boxes` order; any strided views, such as rows or columns of a fused
-    parameter) are written in place and returned as a new list. Every rank of the group calls
-    it, also one with nothing to send or receive. A plan that differs on some rank raises
-    :class:`MismatchError` on every rank before anything moves. CPU tensors, or CUDA tensors
-    on a group that moves them (NCCL, or Gloo with CUDA tensors): stream-ordered on the current
-    stream, packed and unpacked on the device (docs/reshard.md, "On the device"); every
-    rank's tensors of a call are on one device (a rank with none passes ``device=``).
+    parameter, but none whose elements share memory) are written in place and returned as a
+    new list. Every rank of the group calls it, also one with nothing to send or receive. A
+    plan that differs on some rank raises :class:`MismatchError` on every rank before anything
+    moves. CPU tensors, or CUDA tensors on a group that moves them (NCCL, or Gloo with CUDA
+    tensors): stream-ordered on the current stream, packed and unpacked on the device
+    (docs/reshard.md, "On the device"); every rank's tensors of a call are on one device (a
+    rank with none passes ``device=``).
 
     ``hosts`` (rank r's host is ``hosts[r]``, numbered from 0) lets the planner prefer a
     source on the destination's host and, with ``fan_out=True``, send the bytes that several
@@ -492,20 +560,31 @@ class ReshardPlan(_PlanState):
     ``device_bucket_bytes`` (CUDA tensors; default 256 MiB): each exchange moves in
     :attr:`device_parts` parts, so that no rank holds more than about this many bytes of
     staging (sent plus received) at a time.
+
+    ``quantize``: FP8 on the wire (:func:`shardgather.quantized.reshard`). The byte figures
+    (:attr:`bytes_sent`, :attr:`rank_sent`, ...) and :attr:`transfers` are then those of what
+    moves: the FP8 data and scales, plus the small amax exchange where a block is cut.
     """
 
     def __init__(self, layouts, world_size, rank, *, hosts=None, fan_out=True, strategy="auto",
-                 preflight=True, timeout=None, device_bucket_bytes=None, quantize=None):
-        self._preflight, self._given_timeout = preflight, timeout
-        # quantize: each execute quantizes on send (shardgather.quantized.reshard), over the
-        # same layouts; the plan below still checks them.
-        self._quantize, self._layouts = quantize, layouts
-        self._plan, self._error = _deferred(lambda: _C.ReshardPlan(
+                 preflight=True, timeout=None, device_bucket_bytes=None, quantize=None,
+                 _stage=""):
+        self._preflight, self._given_timeout, self._stage = preflight, timeout, _stage
+        self._quantize, self._quantized = quantize, None
+        self._plan, self._error = _deferred(lambda: _check_plan_keywords(
+            strategy=strategy, preflight=preflight, timeout=timeout) or _C.ReshardPlan(
             _layout_tuples(layouts), check_int("world_size", world_size, 1),
             check_int("rank", rank, 0), None if hosts is None else list(hosts), bool(fan_out),
             strategy, preflight, timeout,
             None if device_bucket_bytes is None
-            else check_int("device_bucket_bytes", device_bucket_bytes, 1)))
+            else check_int("device_bucket_bytes", device_bucket_bytes, 1), _stage))
+        if quantize is not None and self._error is None:
+            # Planned once, here: each execute runs these plans (the layouts are checked above).
+            from . import quantized
+
+            self._quantized, self._error = _deferred(lambda: quantized.ReshardQuantizer(
+                list(layouts), quantize, rank, world_size, hosts=hosts, fan_out=bool(fan_out),
+                timeout=timeout))
 
     @classmethod
     def for_group(cls, layouts, group=None, *, fan_out=True, strategy="auto", preflight=True,
@@ -519,12 +598,19 @@ class ReshardPlan(_PlanState):
                    strategy=strategy, preflight=preflight, timeout=timeout,
                    device_bucket_bytes=device_bucket_bytes, quantize=quantize)
 
+    def _built_quantized(self):
+        self._built()
+        if self._quantized is None:
+            self._error.raise_here()
+        return self._quantized
+
     def execute(self, sources, destinations, group=None, *, async_op=False, device=None):
         """Moves every rank's sources into every rank's destinations (see the class); returns
         ``destinations`` as a new list, or with ``async_op=True`` a :class:`Work` whose
         ``wait()`` returns it. ``device`` (a torch.device or its name): where this rank's
         tensors are; None takes it from them. A rank with no tensors in a CUDA reshard passes
-        its CUDA device (``"cuda"``: the current one).
+        its CUDA device (``"cuda"``: the current one). Every argument is checked before anything
+        moves; an error on one rank raises on every rank.
 
         A plan made with ``quantize`` quantizes on send (:func:`shardgather.quantized.reshard`:
         its quantized tensors' destinations are (data, scales) pairs or float32 / bfloat16
@@ -533,22 +619,17 @@ class ReshardPlan(_PlanState):
             from . import quantized
 
             comm = communicator(group, self._timeout())
-            return quantized.reshard(sources, destinations, self._layouts, comm, self._quantize,
+            return quantized.reshard(sources, destinations, self._quantized, comm,
                                      timeout=self._given_timeout, async_op=async_op,
-                                     error=self._error)
+                                     device=device, error=self._error)
         index = None
         if device is not None:
-            try:
-                device = torch.device(device)
-            except (TypeError, RuntimeError) as e:
-                device = e
-            if not isinstance(device, torch.device) or device.type not in ("cpu", "cuda"):
+            index, problem = _device_index(device)
+            if problem is not None:
                 comm = communicator(group, self._timeout())
-                _C._fail_call(comm, "ReshardPlan::execute",
-                              "device must be a cpu or cuda torch.device, got %r" % (device,),
-                              False, self._preflight is not False, self._given_timeout)
-            index = -1 if device.type == "cpu" else (
-                device.index if device.index is not None else torch.cuda.current_device())
+                _C._fail_call(comm, "ReshardPlan::execute", problem, False,
+                              self._preflight is not False, _setup_timeout(self._given_timeout),
+                              self._stage)
         return self._execute("ReshardPlan::execute", sources, group, destinations, async_op,
                              cuda_index=index)
 
@@ -557,14 +638,19 @@ class ReshardPlan(_PlanState):
     destination_boxes = _from_plan(
         "destination_boxes",
         "This rank's destinations in execute's order: (tensor index, offset, size).")
-    bytes_sent = _from_plan("bytes_sent", "Bytes this rank sends to other ranks per execution.")
-    bytes_received = _from_plan(
-        "bytes_received", "Bytes this rank receives from other ranks per execution.")
-    rank_sent = _from_plan("rank_sent", "Every rank's bytes sent per execution (own included).")
-    rank_received = _from_plan("rank_received", "Every rank's bytes received (own included).")
-    host_sent = _from_plan(
+    bytes_sent = _moved(
+        "bytes_sent", "Bytes this rank sends to other ranks per execution (its local copies, "
+        "a box it holds itself, not counted).")
+    bytes_received = _moved(
+        "bytes_received", "Bytes this rank receives from other ranks per execution (its local "
+        "copies not counted).")
+    rank_sent = _moved("rank_sent", "Every rank's bytes sent per execution, its local copies "
+                       "included (unlike bytes_sent).")
+    rank_received = _moved("rank_received", "Every rank's bytes received per execution, its "
+                           "local copies included (unlike bytes_received).")
+    host_sent = _moved(
         "host_sent", "Every host's bytes sent to other hosts per execution (empty: no hosts).")
-    host_received = _from_plan(
+    host_received = _moved(
         "host_received", "Every host's bytes received from other hosts per execution.")
     forwarding = _from_plan(
         "forwarding", "Whether the plan fans bytes out inside hosts (more than one exchange).")
@@ -572,10 +658,17 @@ class ReshardPlan(_PlanState):
         "rounds", "Exchanges per execution: 1, or with the fan-out its waves + 1.")
     device_parts = _from_plan(
         "device_parts", "Parts each exchange moves in on a device (device_bucket_bytes).")
-    transfers = _from_plan(
-        "transfers",
-        "(sends, receives) of this rank: (peer, tensor, source view, destination view, offset, "
-        "size) per transfer, grouped by peer in the plan's order (the first exchange's).")
+
+    @property
+    def transfers(self):
+        """(sends, receives) of this rank: (peer, tensor, source view, destination view, offset,
+        size) per transfer, grouped by peer in the plan's order (the first exchange's); for a
+        quantized plan, those of its payload (tensor indices of the payload's layouts: a
+        quantized tensor's data, then its scales)."""
+        if self._quantize is not None:
+            return self._built_quantized().payload_plan.transfers
+        return self._built().transfers
+
     fingerprint = _from_plan("fingerprint")
     rank = _from_plan("rank")
 

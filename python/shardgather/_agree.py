@@ -20,22 +20,34 @@ from numbers import Integral
 
 import torch
 
-from ._shardgather import InvalidArgumentError, InvalidTypeError, MismatchError, chunk_sizes
+from ._shardgather import (CountOverflowError, InvalidArgumentError, InvalidTypeError,
+                           MismatchError, OutOfMemoryError, chunk_sizes)
+from ._shardgather import _fail_call
 from ._shardgather import foreach_all_gather as _gather
 
 _MESSAGE_BYTES = 480
-_CLASSES = {1: InvalidArgumentError, 2: InvalidTypeError, 3: MismatchError}
+_CLASSES = {1: InvalidArgumentError, 2: InvalidTypeError, 3: MismatchError,
+            4: CountOverflowError, 5: OutOfMemoryError}
 _CODES = {cls: code for code, cls in _CLASSES.items()}
+# The classes an argument error on one rank may raise on every rank, by the name the C++ core
+# gives their ErrorCode (_fail_call's ``code``).
+_CORE_NAMES = {InvalidArgumentError: "InvalidArgument", InvalidTypeError: "InvalidType",
+               MismatchError: "Mismatch", CountOverflowError: "CountOverflow",
+               OutOfMemoryError: "OutOfMemory"}
 # record: [error, names hash, specs hash, quantize hash, options...]
 _NAMES, _SPECS, _QUANTIZE, _OPTIONS = 1, 2, 3, 4
 
 
 class Agreement:
     """What one rank brings to an agreement: ``what`` prefixes every message (the entry point);
-    ``options`` is a list of (name, int) pairs, in the same order on every rank."""
+    ``options`` is a list of (name, int) pairs, in the same order on every rank. ``stage`` names
+    the step its gathers are (the pre-flight header carries it, so that no other call can pair
+    with them): ``"<what>: agreement"`` by default; the gather that explains a difference is
+    ``"<stage> (why)"``."""
 
-    def __init__(self, what):
+    def __init__(self, what, stage=None):
         self.what = what
+        self.stage = stage if stage is not None else what + ": agreement"
         self.error = None  # (class, message): the first local argument error
         self.names = None
         self.specs = None
@@ -64,7 +76,8 @@ class Agreement:
         record, message = self._record(comm.size)
         n = len(record)
         hint = [[(n,), (_MESSAGE_BYTES,)]] * comm.size
-        got = _gather([record, message], comm, hint, timeout, True, "auto", False)
+        got = _gather([record, message], comm, hint, timeout, True, "auto", False,
+                      stage=self.stage)
         records = [r.tolist() for r in got[0]]
         for r, rec in enumerate(records):
             if rec[0]:
@@ -115,7 +128,8 @@ class Agreement:
         mine = json.dumps([self._names_text(), self._specs_text(comm.size),
                            self.quantize]).encode("utf-8")
         mine = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-        got = _gather([mine], comm, None, timeout, True, "auto", False)[0]
+        got = _gather([mine], comm, None, timeout, True, "auto", False,
+                      stage=self.stage + " (why)")[0]
         names0, specs0, quantize0 = json.loads(got[0].numpy().tobytes())
         names, specs, quantize = json.loads(got[r].numpy().tobytes())
         if names0 == names and specs0 == specs:
@@ -127,6 +141,10 @@ class Agreement:
 
 def _quantize_difference(quantize0, quantize, r):
     """The first tensor whose quantize spec ([format, dequantize dtype] or None) differs."""
+    if (quantize0 is None) != (quantize is None):
+        return ("quantize= is given on rank %d only (rank 0: %s, rank %d: %s)"
+                % (0 if quantize is None else r, "given" if quantize0 is not None else "none",
+                   r, "given" if quantize is not None else "none"))
     for i, (a, b) in enumerate(zip(quantize0 or [], quantize or [])):
         if a != b:
             return ("the quantize spec of tensor %d differs: %s on rank 0, %s on rank %d"
@@ -178,16 +196,28 @@ def _names_difference(names0, names, r):
 
 def classify(error):
     """(class, message) for an argument error raised on one rank, as every rank will raise it:
-    a TypeError is an InvalidTypeError, a ValueError an InvalidArgumentError, and anything else
-    (a MemoryError from an absurd size, a bug in a caller's object) an InvalidArgumentError
-    naming its type."""
+    shardgather's own argument classes (InvalidArgument, InvalidType, CountOverflow, Mismatch,
+    OutOfMemory) as they are, a TypeError an InvalidTypeError, a MemoryError an
+    OutOfMemoryError, a ValueError an InvalidArgumentError, and anything else (a bug in a
+    caller's object) an InvalidArgumentError naming its type."""
+    for cls in (InvalidTypeError, CountOverflowError, OutOfMemoryError, InvalidArgumentError,
+                MismatchError):
+        if isinstance(error, cls):
+            return cls, str(error)
     if isinstance(error, TypeError):
         return InvalidTypeError, str(error)
-    if isinstance(error, (InvalidArgumentError, MismatchError)):
-        return type(error), str(error)
+    if isinstance(error, MemoryError):
+        return OutOfMemoryError, "%s: %s" % (type(error).__name__, error)
     if isinstance(error, ValueError):
         return InvalidArgumentError, str(error)
     return InvalidArgumentError, "%s: %s" % (type(error).__name__, error)
+
+
+def fail_call(comm, op, cls, message, *, preflight=True, timeout=None, stage=""):
+    """Fails the call ``op`` (as the core names it) at ``stage`` that the peers are making,
+    raising ``cls`` (one of classify()'s) with ``message`` on every rank."""
+    _fail_call(comm, op, message, cls is InvalidTypeError, preflight is not False, timeout,
+               stage, _CORE_NAMES.get(cls, "InvalidArgument"))
 
 
 def check_int(name, value, low, high=None, domain=None):

@@ -2,7 +2,9 @@
 of a small int64 row per rank (the sizes, the votes), then one reshard of byte tensors in which
 rank s's message to rank d is a box of d's receive buffer. The weight sync (weight_sync.py)
 runs every round of its protocol through these two calls, so each round is a call of the call
-protocol: a deadline, a pre-flight check, and an error on every rank when one rank fails."""
+protocol: a deadline, a pre-flight check, and an error on every rank when one rank fails. Each
+round names its step (``"<op>: <round>"``, the stage its header carries), so that no round can
+pair with another rank's other round or with any other call."""
 
 import torch
 
@@ -13,48 +15,53 @@ class Exchange:
     """The two rounds of one communicator. Not thread-safe: one call at a time, and every rank
     of ``comm`` makes the same calls in the same order (as for any collective)."""
 
-    def __init__(self, comm, timeout):
-        self.comm, self.timeout = comm, timeout
-        self._row_plans = {}  # width -> plan
-        self._payload = None  # (size table as a tuple, plan) of the last payload round
+    def __init__(self, comm, timeout, op):
+        self.comm, self.timeout, self.op = comm, timeout, op
+        self._row_plans = {}  # (width, round) -> plan
+        self._payload = {}  # round -> (size table as a tuple, plan, owners) of its last call
         self._recv = torch.empty(0, dtype=torch.uint8)
 
-    def _plan(self, layouts):
+    def stage(self, name):
+        """The stage of round ``name`` (what a peer's failure must name to fail it)."""
+        return "%s: %s" % (self.op, name)
+
+    def _plan(self, layouts, name):
         from . import ReshardPlan  # the package imports the modules that import this one
 
         return ReshardPlan(layouts, self.comm.size, self.comm.rank, fan_out=False,
-                           timeout=self.timeout)
+                           timeout=self.timeout, _stage=self.stage(name))
 
     def held_bytes(self):
         """The receive buffer kept for the next round (the largest received so far)."""
         return self._recv.numel()
 
-    def all_rows(self, row):
+    def all_rows(self, row, name):
         """Every rank's int64 ``row`` (the same width on every rank) as a [world, width] table,
-        the same on every rank."""
+        the same on every rank; ``name``: the round."""
         world = self.comm.size
         width = row.numel()
-        plan = self._row_plans.get(width)
+        plan = self._row_plans.get((width, name))
         if plan is None:
             layout = TensorLayout(
                 (world, width), torch.int64,
                 [(q, Box((q, 0), (1, width))) for q in range(world)],
                 [(q, Box((0, 0), (world, width))) for q in range(world)])
-            plan = self._row_plans[width] = self._plan([layout])
+            plan = self._row_plans[(width, name)] = self._plan([layout], name)
         table = torch.empty(world, width, dtype=torch.int64)
         plan.execute([row.reshape(1, width)], [table], self.comm)
         return table
 
-    def messages(self, outgoing):
+    def messages(self, outgoing, name):
         """``outgoing``: peer -> a 1-d uint8 tensor for it (absent or empty: nothing). Returns
         (peer -> the bytes it sent here, views of one reused buffer valid until the next call;
         the [world, world] size table, the same on every rank). A message to this rank itself is
-        handed back without a copy."""
+        handed back without a copy. ``name``: the round (its sizes go first, as
+        ``"<name> sizes"``)."""
         world, rank = self.comm.size, self.comm.rank
         sizes = torch.zeros(world, dtype=torch.int64)
         for peer, m in outgoing.items():
             sizes[peer] = m.numel()
-        table = self.all_rows(sizes)
+        table = self.all_rows(sizes, name + " sizes")
         received = {}
         if outgoing.get(rank) is not None and outgoing[rank].numel():
             received[rank] = outgoing[rank]
@@ -63,7 +70,8 @@ class Exchange:
         if not bool(cross.any()):
             return received, table
         key = tuple(cross.reshape(-1).tolist())
-        if self._payload is None or self._payload[0] != key:
+        last = self._payload.get(name)
+        if last is None or last[0] != key:
             layouts, owners = [], []
             for d in range(world):
                 column = cross[:, d].tolist()
@@ -78,8 +86,8 @@ class Exchange:
                 layouts.append(TensorLayout((total,), torch.uint8, sources,
                                             [(d, Box((0,), (total,)))]))
                 owners.append(d)
-            self._payload = (key, self._plan(layouts), owners)
-        _, plan, owners = self._payload
+            last = self._payload[name] = (key, self._plan(layouts, name), owners)
+        _, plan, owners = last
         sends = [outgoing[owners[t]] for t, _, _ in plan.source_boxes]
         destinations = []
         if plan.destination_boxes:

@@ -112,14 +112,16 @@ def _full_quantized(tensors, items, where, group, strategy, timeout, quantize):
         return None, [sh for _, sh, _ in sharded], [spec for _, _, spec in sharded]
 
     quantizer = quantized.agree(agreement, comm, inputs,
-                                lambda specs: [per_item[where[k]] for k, _, _ in sharded])
+                                lambda specs: [per_item[where[k]] for k, _, _ in sharded],
+                                op="full_tensors(quantize)")
     if quantizer is not None:  # every entry's spec, replicated and plain ones too
         agreement.quantize = [None if q is None else quantized._text(q) for q in per_item]
     agreement.names = keys if isinstance(tensors, dict) else None
     agreement.run(comm, _setup_timeout(timeout))
     shards = [sh for _, sh, _ in sharded]
     sent = quantizer.encode(shards, comm, timeout)
-    got = _C.unshard(sent, comm, quantizer.payload_specs, strategy, True, timeout, False, None)
+    got = _C.unshard(sent, comm, quantizer.payload_specs, strategy, True, timeout, False, None,
+                     "full_tensors(quantize): payload")
     out = list(items)
     for (k, _, _), t in zip(sharded, quantizer.outputs(got)):
         out[where[k]] = t

@@ -78,7 +78,7 @@ def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
         stream = UnshardStream(state_dict, specs, group, bucket_bytes=bucket_bytes,
                                prefetch=prefetch, dst=dst, timeout=timeout, quantize=quantize,
                                _checks=(check, lambda _: _one_writer(quantize, writers)),
-                               _options=[("writers", writers)])
+                               _options=[("writers", writers)], _op="save_safetensors")
     if writers != 1:
         return _save_with_writers(stream, out_dir, writers, progress, metadata, timeout)
     writer = []  # on dst: the CheckpointWriter, made inside the stream (a failure travels)
@@ -142,7 +142,11 @@ def _quantization_config(stream):
     formats = {q.format for q in quantizer.specs_q if q is not None} if quantizer else set()
     if len(formats) != 1:
         return None if not formats else {"formats": sorted(formats)}
-    return quantization_config(formats.pop())
+    # The modules whose matrices stay in high precision (a loader must not expect FP8 there).
+    plain = [str(name).removesuffix(".weight")
+             for name, q, ndim in zip(quantizer.names or [], quantizer.specs_q, quantizer.ndims)
+             if q is None and ndim >= 2]
+    return quantization_config(formats.pop(), plain)
 
 
 def _file_names(n):
@@ -187,11 +191,12 @@ def _source_boxes(spec, world):
 
 def _staging_everywhere(comm, writer):
     """``dst``'s staging directory, on every rank (one small gather of its path)."""
-    from . import foreach_all_gather
+    from . import _C
 
     mine = writer.staging_dir.encode() if writer is not None else b""
-    got = foreach_all_gather([torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-                              if mine else torch.empty(0, dtype=torch.uint8)], comm)
+    got = _C.foreach_all_gather([torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+                                 if mine else torch.empty(0, dtype=torch.uint8)], comm,
+                                stage="save_safetensors: staging")
     return next(bytes(t.tolist()).decode() for t in got[0] if t.numel())
 
 
@@ -209,7 +214,7 @@ def _save_with_writers(stream, out_dir, writers, progress, metadata, timeout):
                   for b in range(n)]
     ranks, owner = _assign_files(file_bytes, world, writers)
     header = dict(metadata or {}, format="pt")
-    made = Agreement("save_safetensors")
+    made = Agreement("save_safetensors", "save_safetensors: staging made")
     writer = made.capture(lambda: CheckpointWriter(out_dir)) if me == stream.dst else None
     made.run(comm, _setup_timeout(timeout))
     try:
@@ -231,7 +236,8 @@ def _save_with_writers(stream, out_dir, writers, progress, metadata, timeout):
         if writer is not None:
             writer.abort()
         raise
-    done = Agreement("save_safetensors")  # dst's adopting and committing, told to every rank
+    # dst's adopting and committing, told to every rank
+    done = Agreement("save_safetensors", "save_safetensors: committed")
     if writer is not None:
         done.capture(lambda: _adopt_and_commit(writer, names, index))
     done.run(comm, _setup_timeout(timeout))
@@ -254,16 +260,17 @@ def _export_round(files, stream, params, owner, names, file_bytes, staging, head
                             [(owner[b], Box((0,) * len(specs[i].full_shape),
                                             tuple(specs[i].full_shape)))])
                for b in files for i in params[b]]
-    ready = Agreement("save_safetensors")
+    ready = Agreement("save_safetensors", "save_safetensors: round ready")
     sources = ready.capture(lambda: [_real_part(stream._tensors[i], specs[i], me, world)
                                      for i in order])
     full = ready.capture(lambda: {i: torch.empty(tuple(specs[i].full_shape),
                                                  dtype=specs[i].dtype)
                                   for b in files if owner[b] == me for i in params[b]})
     ready.run(comm, _setup_timeout(timeout))
-    plan = ReshardPlan(layouts, world, me, hosts=comm.hosts or None, timeout=timeout)
+    plan = ReshardPlan(layouts, world, me, hosts=comm.hosts or None, timeout=timeout,
+                       _stage="save_safetensors: round")
     plan.execute(sources, [full[i] for i in order if i in full], comm)
-    wrote = Agreement("save_safetensors")
+    wrote = Agreement("save_safetensors", "save_safetensors: round written")
     for b in files:
         if owner[b] == me:
             tensors = {str(stream._names[i]): full[i] for i in params[b]}
@@ -326,7 +333,7 @@ def _close_quietly(bar):
 def _commit(stream, writer, index, timeout, out_dir):
     """Makes the new checkpoint ``out_dir``'s on ``dst``; one agreement after it, so that a
     failure there (a full disk, a permission) raises on every rank, not on ``dst`` alone."""
-    done = Agreement("save_safetensors")
+    done = Agreement("save_safetensors", "save_safetensors: committed")
     if writer is not None:
         done.capture(lambda: _commit_or_abort(writer, index))
     done.run(stream._comm, _setup_timeout(timeout))

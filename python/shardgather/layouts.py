@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
+    "VLLM_VOCAB_PADDING",
     "Box",
     "Target",
     "TensorLayout",
@@ -301,16 +302,24 @@ def replicated(shape, ranks):
     return [(r, _whole(shape)) for r in _ranks(ranks)]
 
 
-def vocab_parallel(shape, ranks, pad_to=None, *, per_rank=False):
-    """Per rank a :class:`VocabShard` of an embedding or lm_head [vocab, hidden] split along
-    dim 0 as vLLM's VocabParallelEmbedding / ParallelLMHead does.
+# vLLM's DEFAULT_VOCAB_PADDING_SIZE: VocabParallelEmbedding and ParallelLMHead pad the
+# vocabulary to a multiple of it before splitting it over the TP ranks.
+VLLM_VOCAB_PADDING = 64
 
-    The vocabulary is padded to ``vocab_padded`` (a multiple of ``pad_to``, vLLM's
-    ``pad_vocab_size``; of t when ``pad_to`` is None; of ``pad_to * t`` with ``per_rank=True``,
-    as Megatron-LM's make_vocab_size_divisible_by), every rank's parameter has
-    ``vocab_padded / t`` rows (ValueError if t does not divide it, as vLLM's ``divide``), and
-    rank i owns the real rows of [i * rows, (i + 1) * rows): its box (empty past the vocabulary)
-    lands at local row 0; the rest of its parameter is padding, outside the global tensor.
+
+def vocab_parallel(shape, ranks, pad_to=VLLM_VOCAB_PADDING, *, per_rank=False):
+    """Per rank (in ``ranks`` order: rank ``ranks[i]`` is TP index i) a :class:`VocabShard` of
+    an embedding or lm_head [vocab, hidden] split along dim 0 as vLLM's VocabParallelEmbedding
+    / ParallelLMHead does.
+
+    The vocabulary is padded to ``vocab_padded``: a multiple of ``pad_to`` (by default 64,
+    vLLM's ``DEFAULT_VOCAB_PADDING_SIZE`` and ``pad_vocab_size``); with ``pad_to=None`` only
+    to a multiple of t; with ``per_rank=True`` to a multiple of ``pad_to * t``, as Megatron-LM's
+    make_vocab_size_divisible_by. Every rank's parameter has ``vocab_padded / t`` rows
+    (ValueError if t does not divide it, as vLLM's ``divide`` asserts), and rank i owns the
+    real rows of [i * rows, (i + 1) * rows): its box (empty past the vocabulary) lands at local
+    row 0. The rest of its parameter is padding, outside the global tensor: no box covers it,
+    so a reshard or a weight sync never writes it (it keeps what the engine put there).
     """
     shape, ranks = _shape(shape), _ranks(ranks)
     _need_dims(shape, 1, "vocab_parallel")

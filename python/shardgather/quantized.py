@@ -72,15 +72,28 @@ def _spec(value, what):
     return spec
 
 
-def quantization_config(fmt):
-    """The ``quantization_config`` of a model's ``config.json`` for a checkpoint in ``fmt``.
-    For 128 x 128 blocks it is what Hugging Face's fine-grained FP8 loader and vLLM's ``fp8``
-    method read; the 1 x 128 and MXFP8 ones only state their block shape and scale format in
-    the same keys (no loader is known to read them as such)."""
-    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-              "weight_block_size": list(_BLOCKS[fmt])}
+def quantization_config(fmt, plain_modules=()):
+    """The ``quantization_config`` of a model's ``config.json`` for a checkpoint in ``fmt``
+    (docs/quantization.md, "What a loader reads"):
+
+    - 128 x 128: ``quant_method: "fp8"`` with ``weight_block_size: [128, 128]``, what Hugging
+      Face's fine-grained FP8 loader and vLLM's ``fp8`` method read (``w`` and
+      ``w_scale_inv``);
+    - MXFP8: ``quant_method: "mxfp8"``, what vLLM reads as a ModelOpt / MiniMax MXFP8
+      checkpoint (``w`` and ``w_scale``, E8M0, one per 32 elements along the last dim);
+    - 1 x 128: the fp8 keys with ``weight_block_size: [1, 128]``, which transformers' config
+      accepts but no known loader's kernels run.
+
+    ``plain_modules``: the modules whose weights stay in high precision, listed as
+    ``ignored_layers`` and ``modules_to_not_convert`` (vLLM reads either, transformers the
+    second) when there are any."""
+    config = {"quant_method": "mxfp8" if fmt == "mxfp8" else "fp8", "fmt": "e4m3",
+              "activation_scheme": "dynamic", "weight_block_size": list(_BLOCKS[fmt])}
     if fmt == "mxfp8":
         config["scale_fmt"] = "ue8m0"
+    if plain_modules:
+        config["ignored_layers"] = sorted(plain_modules)
+        config["modules_to_not_convert"] = sorted(plain_modules)
     return config
 
 
@@ -281,6 +294,13 @@ def _check_shard(shard, dtype, padded, t, rank, world, what="shards"):
             % (what, t.index, rank, shard.dtype, list(shard.shape), dtype, want, world))
 
 
+# The steps of each quantized entry point, as their calls' stages name them (shardgather's
+# Stage: the pre-flight header carries it, so that no step pairs with another rank's other call).
+UNSHARD = "unshard(quantize)"
+RESHARD = "ReshardPlan(quantize)"
+FOREACH = "foreach_all_gather(quantize)"
+
+
 def unshard(shards, specs, comm, quantize, *, strategy, preflight, timeout, async_op, dst):
     """shardgather.unshard with ``quantize`` given (see the module)."""
     quantizer, sent = encode(shards, specs, comm, quantize, timeout=timeout,
@@ -288,11 +308,12 @@ def unshard(shards, specs, comm, quantize, *, strategy, preflight, timeout, asyn
                                       ("preflight", preflight)], async_op=async_op)
     if quantizer.passthrough:  # its header is where a disagreement of given scales travels
         preflight = True
+    stage = UNSHARD + ": payload"
     if quantizer.disagreement is not None:
         _C._fail_call(comm, "unshard", quantizer.disagreement, False, True,
-                      _timeout_seconds(timeout))
+                      _timeout_seconds(timeout), stage)
     got = _C.unshard(sent, comm, quantizer.payload_specs, strategy, preflight, timeout, False,
-                     dst)
+                     dst, stage)
     return quantizer.outputs(got) if got else got
 
 
@@ -330,27 +351,29 @@ def encode(shards, specs, comm, quantize, *, timeout=None, options=(), async_op=
     """Steps 1 to 4 of the module, collective over ``comm``: (the :class:`Quantizer`, what this
     rank sends in the payload). ``options``: (name, int or None) pairs that every rank must
     pass alike, agreed on with the specs."""
-    agreement = Agreement("unshard")
+    agreement = Agreement("unshard", UNSHARD + ": agreement")
     agreement.capture(lambda: check_keywords(timeout=timeout, async_op=async_op,
                                              **dict(options), world=comm.size))
-    quantizer = agree(agreement, comm, lambda: (None, list(shards), list(specs)), quantize)
+    quantizer = agree(agreement, comm, lambda: (None, list(shards), list(specs)), quantize,
+                      op=UNSHARD)
     valid = agreement.error is None
     agreement.options = [(k, v if valid else None) for k, v in options]
     agreement.run(comm, _timeout_seconds(timeout))
     return quantizer, quantizer.encode(list(shards), comm, timeout)
 
 
-def agree(agreement, comm, inputs, quantize, raw_only=False):
+def agree(agreement, comm, inputs, quantize, raw_only=False, *, op):
     """Adds a quantized transfer's checks to ``agreement`` (before its ``run``): ``inputs()``
     gives (names or None, shards, specs); returns the :class:`Quantizer` (None where a check
     failed: ``run`` then raises on every rank). ``raw_only``: a spec may not ask to
-    dequantize (streams yield data and scales as they arrive)."""
+    dequantize (streams yield data and scales as they arrive). ``op`` names the entry point
+    in the stages of the quantizer's own calls (``"<op>: amax"``)."""
     def build():
         names, shards, specs = inputs()
         if not all(isinstance(s, _C.ShardSpec) for s in specs):
             raise InvalidTypeError("specs must be a list of ShardSpec")
         agreement.specs = specs
-        quantizer = Quantizer(names, shards, specs, quantize, comm.rank, comm.size)
+        quantizer = Quantizer(names, shards, specs, quantize, comm.rank, comm.size, op=op)
         if raw_only and any(q is not None and q.dequantize for q in quantizer.specs_q):
             raise InvalidArgumentError("quantize: %s yields the FP8 data and scales as they "
                                        "arrive; dequantize is for unshard" % agreement.what)
@@ -368,12 +391,15 @@ def agree(agreement, comm, inputs, quantize, raw_only=False):
 
 class _Encoder:
     """The send side every quantized transfer shares: ``tensors`` (the :class:`_Tensor` of each
-    quantized one) and this rank; ``encode_quantized`` folds, agrees and quantizes."""
+    quantized one) and this rank; ``encode_quantized`` folds, agrees and quantizes. ``op``
+    names the entry point in the stage of the amax exchange (``"<op>: amax"``), whose plan is
+    made once and reused by every encode."""
 
-    def __init__(self, tensors, rank, world, passthrough=()):
-        self.tensors, self.rank = tensors, rank
+    def __init__(self, tensors, rank, world, passthrough=(), *, op):
+        self.tensors, self.rank, self.world, self.op = tensors, rank, world, op
         self.passthrough = set(passthrough)  # indices whose shards are (FP8 data, scales)
         self.disagreement = None  # pass-through scales that differ from a peer's (a message)
+        self._amax = None  # ((timeout, preflight), the amax exchange's plan or None)
         # Allocated here, inside the agreement's step, so that running out of memory is an
         # error every rank hears of.
         self._staging = _C._host_staging(sum(_rows_numel(t, rank) for t in tensors
@@ -409,7 +435,8 @@ class _Encoder:
                 amax[t.index] = _C._fold_amax(_real_rows(shards[t.index], t, rank),
                                               t.spec.format, window, _in_window(t, rank))
         self.disagreement = None
-        _agree_amax(self.tensors, amax, comm, timeout, preflight, self._compare)
+        _agree_amax(self.tensors, self.amax_plan(timeout, preflight), amax, comm,
+                    self._compare)
         out, at = {}, 0
         for t in self.tensors:
             n = 0 if t.index in self.passthrough else _rows_numel(t, rank)
@@ -424,6 +451,16 @@ class _Encoder:
                                        self._staging[at:at + n])
             at += n
         return out
+
+    def amax_plan(self, timeout, preflight):
+        """The amax exchange: (its ReshardPlan, what each destination box is), or None where
+        no cut falls inside a block; planned on first use and kept (per timeout and
+        preflight, which a plan fixes)."""
+        key = (timeout, preflight)
+        if self._amax is None or self._amax[0] != key:
+            self._amax = (key, _amax_plan(self.tensors, self.world, self.rank, timeout,
+                                          preflight, self.op + ": amax"))
+        return self._amax[1]
 
     def _compare(self, t, slot, mine, theirs, peer):
         """Pass-through: the scales a peer gave for a block both hold must be these, bit for
@@ -447,7 +484,7 @@ class Quantizer(_Encoder):
     ``payload_names``: a quantized tensor ``w`` travels as ``w`` and ``w_scale_inv``, or
     ``w_scale`` for mxfp8's E8M0 scales), and the arithmetic of each quantized tensor."""
 
-    def __init__(self, names, shards, specs, quantize, rank, world):
+    def __init__(self, names, shards, specs, quantize, rank, world, *, op):
         if len(shards) != len(specs):
             raise InvalidArgumentError("%d shards for %d specs" % (len(shards), len(specs)))
         for i, s in enumerate(specs):
@@ -461,7 +498,9 @@ class Quantizer(_Encoder):
             s = specs[t.index]
             check = _check_given if t.index in passthrough else _check_shard
             check(shards[t.index], s.dtype, s.padded_size, t, rank, world)
-        super().__init__(tensors, rank, world, passthrough)
+        super().__init__(tensors, rank, world, passthrough, op=op)
+        self.names = names
+        self.ndims = [len(s.full_shape) for s in specs]
         by_index = {t.index: t for t in self.tensors}
         taken = set() if names is None else {str(n) for n in names}
         self.payload_specs, self.payload_names, self.views = [], [], {}
@@ -527,21 +566,14 @@ def _slab(amax, t, slot):
     return amax.select(t.dim, 0 if slot == 0 else amax.shape[t.dim] - 1)
 
 
-def _agree_amax(tensors, amax, comm, timeout, preflight=False, combine=None):
-    """Step 3 of the module: the partial maxima of shared blocks, exchanged between the ranks
-    that share them (one reshard of a [world, K] table, where rank r's row holds, per tensor,
-    the slabs it shares: its first and its last), then combined by max (a NaN wins), or by
-    ``combine(t, slot, mine, theirs, peer)`` where it is given and returns True (pass-through
-    tensors, whose table holds their given scales)."""
-    rank, world = comm.rank, comm.size
+def _amax_plan(tensors, world, rank, timeout, preflight, stage):
+    """Step 3's exchange, planned: one reshard of a [world, K] table, where rank r's row holds,
+    per tensor, the slabs it shares with other ranks (its first and its last), to the ranks
+    that share them. (its ReshardPlan at ``stage``, [(tensor, this rank's slot, box)] of each of
+    this rank's destinations in the plan's order), or None when no cut falls inside a block."""
     width = sum(2 * t.slot for t in tensors if any(t.cut_slabs(r) for r in range(world)))
     if width == 0:
-        return
-    row = torch.zeros(1, width)
-    for t in tensors:
-        for slot, _ in t.cut_slabs(rank):
-            start = t.column + slot * t.slot
-            row[0, start:start + t.slot] = _slab(amax[t.index], t, slot).reshape(-1)
+        return None
     wanted = []  # (tensor, my slot, box) per piece this rank receives
     destinations = []
     for r in range(world):
@@ -556,13 +588,30 @@ def _agree_amax(tensors, amax, comm, timeout, preflight=False, combine=None):
                           [(q, Box((q, 0), (1, width))) for q in range(world)], destinations)
     from . import ReshardPlan  # the package imports this module
 
-    plan = ReshardPlan([layout], world, rank, preflight=preflight, timeout=timeout)
+    plan = ReshardPlan([layout], world, rank, preflight=preflight, timeout=timeout,
+                       _stage=stage)
     order = {(tuple(o), tuple(n)): k for k, (_, o, n) in enumerate(plan.destination_boxes)}
-    pieces = [torch.empty(1, t.slot) for t, _, _ in wanted]
     ordered = [None] * len(wanted)
-    for piece, (_, _, box) in zip(pieces, wanted):
-        ordered[order[(tuple(box.offset), tuple(box.size))]] = piece
-    plan.execute([row], ordered, comm)
+    for w in wanted:
+        ordered[order[(tuple(w[2].offset), tuple(w[2].size))]] = w
+    return plan, ordered, width
+
+
+def _agree_amax(tensors, planned, amax, comm, combine=None):
+    """Step 3 of the module over ``planned`` (:func:`_amax_plan` of ``tensors``): this rank's
+    partial maxima of the slabs it shares go to the ranks sharing them, and what arrives is
+    combined by max (a NaN wins), or by ``combine(t, slot, mine, theirs, peer)`` where it is
+    given and returns True (pass-through tensors, whose table holds their given scales)."""
+    if planned is None:
+        return
+    plan, wanted, width = planned
+    row = torch.zeros(1, width)
+    for t in tensors:
+        for slot, _ in t.cut_slabs(comm.rank):
+            start = t.column + slot * t.slot
+            row[0, start:start + t.slot] = _slab(amax[t.index], t, slot).reshape(-1)
+    pieces = [torch.empty(1, t.slot) for t, _, _ in wanted]
+    plan.execute([row], pieces, comm)
     for piece, (t, slot, box) in zip(pieces, wanted):
         view = _slab(amax[t.index], t, slot)
         theirs = piece.reshape(view.shape)
@@ -697,25 +746,39 @@ def _outputs(got, specs_q):
 # of any boxes.
 
 
-def reshard(sources, destinations, layouts, comm, quantize, *, timeout, async_op=False,
+def reshard(sources, destinations, plan, comm, *, timeout, async_op=False, device=None,
             error=None):
-    """shardgather.reshard with ``quantize`` given: each source quantizes its box (the ranks
-    sharing a block agree on its amax first), and one reshard moves the FP8 bytes of every
-    destination box with the scales of the blocks that box touches (:func:`scale_box`). A
-    quantized tensor's destination is a ``(data, scales)`` pair, written in place (float8_e4m3fn
-    or uint8 data of the box's shape; the scales of the scale box's shape: float32, or
-    float8_e8m0fnu / uint8 for mxfp8), or a float32 / bfloat16 tensor, which receives the
-    dequantized values."""
-    agreement = Agreement("reshard")
-    if error is not None:  # a plan's constructor found it (shardgather._Deferred)
+    """A quantized :class:`shardgather.ReshardPlan`'s execute (``plan``: its
+    :class:`ReshardQuantizer`, None where the plan's constructor failed with ``error``): each
+    source quantizes its box (the ranks sharing a block agree on its amax first), and one
+    reshard moves the FP8 bytes of every destination box with the scales of the blocks that
+    box touches (:func:`scale_box`). A quantized tensor's destination is a ``(data, scales)``
+    pair, written in place (float8_e4m3fn or uint8 data of the box's shape; the scales of the
+    scale box's shape: float32, or float8_e8m0fnu / uint8 for mxfp8), or a float32 / bfloat16
+    tensor, which receives the dequantized values. Every argument is checked, on every rank,
+    in one agreement before anything moves."""
+    agreement = Agreement("reshard", RESHARD + ": agreement")
+    if error is not None:  # the plan's constructor found it (shardgather._Deferred)
         agreement.fail(error.cls, error.message)
     agreement.capture(lambda: check_keywords(timeout=timeout, async_op=async_op))
-    plan = agreement.capture(lambda: ReshardQuantizer(layouts, quantize, comm.rank, comm.size,
-                                                      sources, destinations))
-    agreement.quantize = None if plan is None else [None if q is None else _text(q)
-                                                    for q in plan.specs_q]
+    if device is not None:
+        agreement.capture(lambda: _check_host_device(device))
+    if plan is not None:
+        agreement.capture(lambda: plan.check(sources, destinations, comm))
+        agreement.quantize = [None if q is None else _text(q) for q in plan.specs_q]
     agreement.run(comm, _timeout_seconds(timeout))
     return plan.execute(list(sources), list(destinations), comm, timeout)
+
+
+def _check_host_device(device):
+    """A quantized reshard runs on the host: ``device`` must name it."""
+    try:
+        cpu = torch.device(device).type == "cpu"
+    except (TypeError, RuntimeError, ValueError):
+        cpu = False
+    if not cpu:
+        raise InvalidArgumentError("device: a quantized reshard runs on CPU tensors (the host "
+                                   "quantizer), got %r" % (device,))
 
 
 def _from_sources(i, spec, layout, world):
@@ -756,9 +819,15 @@ def _mine(entries, rank):
 
 
 class ReshardQuantizer(_Encoder):
-    """A quantized reshard's plan on this rank (one call's: it checks the call's tensors)."""
+    """A quantized reshard's plan on this rank, made once with its :class:`ReshardPlan`: which
+    tensors are quantized, their block arithmetic, and the two plans each execute runs (the
+    amax exchange, where a cut falls inside a block, and the payload of FP8 data and scales).
+    :meth:`check` checks one call's tensors."""
 
-    def __init__(self, layouts, quantize, rank, world, sources, destinations):
+    def __init__(self, layouts, quantize, rank, world, *, hosts=None, fan_out=True,
+                 timeout=None):
+        from . import ReshardPlan  # the package imports this module
+
         self.layouts = list(layouts)
         self.specs_q = resolve(quantize, [Described(t.dtype, t.shape) for t in self.layouts])
         tensors = [_from_sources(i, q, t, world)
@@ -767,13 +836,34 @@ class ReshardQuantizer(_Encoder):
                                                                                      rank)]
         self.dst_order = [(i, k) for i, t in enumerate(self.layouts)
                           for k in _mine(t.destinations, rank)]
+        self.by_index = {t.index: t for t in tensors}
+        super().__init__(tensors, rank, world, op=RESHARD)
+        self.payload = self._payload_layouts(world)
+        self.payload_plan = ReshardPlan(self.payload, world, rank, hosts=hosts, fan_out=fan_out,
+                                        timeout=timeout, _stage=RESHARD + ": payload")
+        self._timeout = timeout
+        self.payload_plan._built()  # its layout's error, here (the constructor defers it)
+        planned = self.amax_plan(timeout, True)
+        self._amax_figures = [] if planned is None else [planned[0]]
+
+    def plans(self):
+        """The plans an execute runs (their byte figures add up to what moves)."""
+        return [self.payload_plan] + self._amax_figures
+
+    def check(self, sources, destinations, comm):
+        """One call's arguments, before anything moves: the group the plan was made for, the
+        number of tensors, each quantized source's shape and dtype, each quantized
+        destination's form (:func:`_check_destination`)."""
+        rank, world = self.rank, self.world
+        if comm.size != world or comm.rank != rank:
+            raise InvalidArgumentError("the plan was built for rank %d of %d, this is rank %d "
+                                       "of %d" % (rank, world, comm.rank, comm.size))
         sources, destinations = list(sources), list(destinations)
         if len(sources) != len(self.src_order) or len(destinations) != len(self.dst_order):
             raise InvalidArgumentError(
                 "rank %d: %d sources and %d destinations for %d source and %d destination boxes"
                 % (rank, len(sources), len(destinations), len(self.src_order),
                    len(self.dst_order)))
-        self.by_index = {t.index: t for t in tensors}
         for pos, (i, j) in enumerate(self.src_order):
             t = self.by_index.get(i)
             if t is not None and t.sizes[rank] and 0 not in tuple(self.layouts[i].sources[j][1][1]):
@@ -782,8 +872,6 @@ class ReshardQuantizer(_Encoder):
             if i in self.by_index:
                 _check_destination(destinations[pos], self.by_index[i],
                                    self.layouts[i].destinations[k][1], pos)
-        super().__init__(tensors, rank, world)
-        self.payload = self._payload_layouts(world)
 
     def _payload_layouts(self, world):
         out = []
@@ -813,7 +901,7 @@ class ReshardQuantizer(_Encoder):
         for pos, (i, j) in enumerate(self.src_order):
             if i in self.by_index and 0 not in tuple(self.layouts[i].sources[j][1][1]):
                 mine[i] = sources[pos]
-        quantized = self.encode_quantized(mine, comm, timeout, preflight=True)
+        quantized = self.encode_quantized(mine, comm, self._timeout, preflight=True)
         sent, got, unpack = [], [], []
         src_at = {key: pos for pos, key in enumerate(self.src_order)}
         dst_at = {key: pos for pos, key in enumerate(self.dst_order)}
@@ -839,13 +927,10 @@ class ReshardQuantizer(_Encoder):
             got += scales_in
             unpack += [(destinations[pos], t, layout.destinations[k][1], d, s)
                        for (k, pos), d, s in zip(dst, data_in, scales_in)]
-        from . import ReshardPlan  # the package imports this module
-
-        plan = ReshardPlan(self.payload, comm.size, rank, hosts=comm.hosts or None,
-                           timeout=timeout)
-        plan.execute(sent, got, comm)
+        self.payload_plan.execute(sent, got, comm)
         for dest, t, box, data, scales in unpack:
-            if not isinstance(dest, tuple):
+            # An empty box has nothing to dequantize (and its window no block to read).
+            if not isinstance(dest, tuple) and 0 not in tuple(box[1]):
                 window, inside = _window_of(t.spec.format, t.shape, box)
                 _C._dequantize_box(data, scales, t.spec.format, window, inside, dest)
         return list(destinations)
@@ -867,9 +952,16 @@ def _scale_dtype(t):
 
 def _check_destination(dest, t, box, pos):
     """A quantized destination: a (data, scales) pair of the box's and its scale box's shapes,
-    or a float32 / bfloat16 tensor of the box's shape to dequantize into."""
+    or a float32 / bfloat16 tensor of the box's shape to dequantize into; never one whose
+    elements share memory (a write would land twice)."""
     size = tuple(box[1])
     want = scale_box(t.spec.format, t.shape, box).size
+    for x in dest if isinstance(dest, tuple) else (dest,):
+        if isinstance(x, torch.Tensor) and _C._overlaps_itself(x):
+            raise InvalidArgumentError(
+                "destinations[%d] (tensor %d, box %s): its elements share memory (a stride of "
+                "0, or strides that map two indices to one element): a write would land twice"
+                % (pos, t.index, tuple(box)))
     if isinstance(dest, tuple):
         ok = len(dest) == 2 and all(isinstance(x, torch.Tensor) and x.device.type == "cpu"
                                     for x in dest)
@@ -906,7 +998,7 @@ def foreach_all_gather(params, comm, shapes, quantize, *, timeout, preflight, st
     the quantized tensor that tensor i of every rank forms along dim 0, with the scales of the
     blocks those rows touch (a block shared by two ranks' rows is in both entries), or those
     rows dequantized. ``shapes``: the shapes hint, or None (one small gather of the shapes)."""
-    agreement = Agreement("foreach_all_gather")
+    agreement = Agreement("foreach_all_gather", FOREACH + ": agreement")
     agreement.capture(lambda: check_keywords(timeout=timeout, strategy=strategy,
                                              preflight=preflight, async_op=async_op))
     if twice:
@@ -916,7 +1008,7 @@ def foreach_all_gather(params, comm, shapes, quantize, *, timeout, preflight, st
         from . import _gather_shapes  # the package imports this module
 
         shapes = _gather_shapes(list(params) if isinstance(params, (list, tuple)) else [],
-                                comm, _timeout_seconds(timeout))
+                                comm, _timeout_seconds(timeout), FOREACH + ": shapes")
     plan = agreement.capture(lambda: _RowsQuantizer(list(params), shapes, quantize, comm.rank,
                                                     comm.size))
     agreement.quantize = None if plan is None else plan.agreed
@@ -927,7 +1019,7 @@ def foreach_all_gather(params, comm, shapes, quantize, *, timeout, preflight, st
     for i, t in enumerate(params):
         sent += [quantized[i][0], quantized[i][2]] if i in quantized else [t]
     got = _C.foreach_all_gather(sent, comm, plan.payload_shapes, timeout, preflight, strategy,
-                                False)
+                                False, FOREACH + ": payload")
     return plan.outputs(got)
 
 
@@ -961,7 +1053,7 @@ class _RowsQuantizer(_Encoder):
                                         [sum(sizes[:r]) for r in range(world)]))
         for t in tensors:
             _check_shard(params[t.index], params[t.index].dtype, 0, t, rank, world, "params")
-        super().__init__(tensors, rank, world)
+        super().__init__(tensors, rank, world, op=FOREACH)
         self.by_index = {t.index: t for t in tensors}
         # What every rank must agree on: each quantized index's spec, dtype and formed shape.
         self.agreed = [None if q is None else _text(q) + [str(params[i].dtype), list(formed[i])]

@@ -68,8 +68,9 @@ class UnshardStream:
 
     def __init__(self, shards, specs=None, group=None, *, bucket_bytes=1 << 30, prefetch=1,
                  dst=None, copy=False, strategy="auto", timeout=None, quantize=None, _checks=(),
-                 _options=()):
-        agreement = Agreement("unshard_stream")
+                 _options=(), _op="unshard_stream"):
+        # _op: the entry point whose steps this stream's own calls are (the export's).
+        agreement = Agreement("unshard_stream", _op + ": agreement")
         group = _stream_group(shards, specs, group)
         self._comm = communicator(group, _setup_timeout(timeout))
         names, tensors, specs = agreement.capture(lambda: _inputs(shards, specs, group)) or (
@@ -81,7 +82,7 @@ class UnshardStream:
 
             self._quantizer = quantized.agree(agreement, self._comm,
                                               lambda: (names, tensors, specs), quantize,
-                                              raw_only=True)
+                                              raw_only=True, op=_op + "(quantize)")
             if self._quantizer is not None:  # the payload's entries: data and scales
                 moved_names = self._quantizer.payload_names
                 moved_specs = self._quantizer.payload_specs

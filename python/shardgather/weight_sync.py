@@ -52,6 +52,14 @@ DENSE_RATIO = 1.0
 _SEGMENT = 24
 _NONE = -1
 _INVALID = -2  # a buffer a failed sync wrote part of
+_MAX_VERSION = (1 << 63) - 1  # versions travel as int64
+
+
+class ReadersHeldError(ShardgatherError):
+    """A sync could not write this rank's tensors: :meth:`WeightSync.read` blocks held the
+    buffer it needs for longer than the sync may wait (half its timeout). Raised on that rank
+    by the sync; its peers raise :class:`shardgather.RemoteError` from the same sync (the vote
+    tells them), nothing is committed anywhere, and the group stays usable: sync again."""
 
 
 def _slices(outer, inner):
@@ -107,7 +115,7 @@ class _Readers:
                 while self._count[buffer]:
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise ShardgatherError(
+                        raise ReadersHeldError(
                             "weight sync: readers held buffer %d for more than %.3g s; it "
                             "cannot be written" % (buffer, timeout))
                     self._cond.wait(left)
@@ -158,6 +166,9 @@ class SyncWork:
         return self._result
 
 
+_REBUILD_KEYWORDS = ("mode", "destinations", "bucket_bytes", "dense_ratio", "timeout")
+
+
 class WeightSync:
     """Sync of one model's tensors from source ranks (a trainer's shards) to destination ranks
     (an engine's boxes) of one group, by version (module docstring; docs/weight-sync.md).
@@ -184,6 +195,12 @@ class WeightSync:
     as soon as :meth:`start` returns); a staged destination two buffers of its boxes; an
     in-place one none. Messages: a delta's records, dense at worst (a new destination's boxes).
 
+    The constructor is pure (nothing is exchanged): an argument error found there (layouts,
+    ``mode``, ``destinations``, ``bucket_bytes``, ``dense_ratio``, ``timeout``) is kept and
+    raised by the first :meth:`sync`, on every rank, with its class (docs/errors.md), as every
+    argument error of :meth:`sync` and :meth:`start` is. :attr:`version`: the last version this
+    rank committed, on every rank (a trainer's too); -1 before the first commit.
+
     Threading: one sync at a time per object; :meth:`read`, :meth:`fence`, :attr:`version`
     from any thread.
     """
@@ -193,7 +210,7 @@ class WeightSync:
         from . import communicator, _setup_timeout
 
         self.comm = communicator(group, _setup_timeout(timeout))
-        self._exchange = Exchange(self.comm, _setup_timeout(timeout))
+        self._exchange = Exchange(self.comm, _setup_timeout(timeout), "WeightSync.sync")
         self.timeout = _setup_timeout(timeout) or 300.0
         # Readers holding a buffer a sync must write delay it by at most this, so that the
         # rank still reaches the vote before its peers' deadline.
@@ -213,7 +230,7 @@ class WeightSync:
         try:
             self._build(layouts, mode, destinations, bucket_bytes, dense_ratio, timeout,
                         _state)
-        except (ShardgatherError, TypeError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001  (whatever it is, the first sync tells the peers)
             self._error = e
 
     def _build(self, layouts, mode, destinations, bucket_bytes, dense_ratio, timeout, state):
@@ -278,17 +295,31 @@ class WeightSync:
         shapes = [(self.layouts[t].dtype, n) for t, _, n in self.destination_boxes]
         self.version, self._mixed, self._writing = _NONE, set(), set()
         if self.mode == "in_place":
-            destinations = list(destinations or [])
+            try:
+                destinations = list(destinations or [])
+            except TypeError:
+                raise InvalidTypeError("in_place: destinations must be a list of tensors, got "
+                                       "%s" % type(destinations).__name__) from None
             if len(destinations) != len(shapes):
                 raise InvalidArgumentError(
-                    "in_place: rank %d has %d destination boxes but %d destinations were given"
+                    "in_place: rank %d has %d destination boxes but %d destinations were given "
+                    "(an in-place sync, and its rebuild, take destinations=)"
                     % (self.comm.rank, len(shapes), len(destinations)))
             for v, (d, (dtype, size)) in enumerate(zip(destinations, shapes)):
+                if not isinstance(d, torch.Tensor):
+                    raise InvalidTypeError("in_place: destination %d of rank %d must be a "
+                                           "torch.Tensor, got %s"
+                                           % (v, self.comm.rank, type(d).__name__))
                 if d.dtype != dtype or tuple(d.shape) != tuple(size) or d.device.type != "cpu":
                     raise InvalidArgumentError(
                         "in_place: destination %d of rank %d is %s %s on %s; its box wants "
                         "%s %s on the host" % (v, self.comm.rank, d.dtype, tuple(d.shape),
                                                d.device, dtype, tuple(size)))
+                if _C._overlaps_itself(d):
+                    raise InvalidArgumentError(
+                        "in_place: destination %d of rank %d: its elements share memory (a "
+                        "stride of 0, or strides that map two indices to one element): a write "
+                        "would land twice" % (v, self.comm.rank))
             self._buffers = [destinations]
             self._readers = _Readers(1)
         else:
@@ -313,7 +344,11 @@ class WeightSync:
         a new WeightSync for ``layouts`` on ``group`` that keeps this one's snapshot and
         committed tensors for the boxes both layouts share (matched by tensor and box, not by
         rank). A rank new to the group constructs a WeightSync instead; its first sync fills it
-        from replicas where they exist. Collective over the new group, as the constructor."""
+        from replicas where they exist. Pure, as the constructor: an argument error (an unknown
+        keyword included) is raised by the first sync, on every rank. ``kwargs`` are the
+        constructor's (``mode``, ``destinations``, ``bucket_bytes``, ``dense_ratio``,
+        ``timeout``), this object's by default, except ``destinations``: an in-place sync's
+        rebuild takes its views again (the same ones, or the new layout's)."""
         # Tensors an in-place apply left written but uncommitted hold no version a peer knows:
         # the new object starts them behind (dense), as this one would have.
         version = _NONE if self._mixed else self.version
@@ -321,11 +356,17 @@ class WeightSync:
                  "snapshot": self._snapshot,
                  "buffers": {self._key(b): t for b, t in
                              zip(self.destination_boxes, self._buffers[self._readers.active])}}
+        unknown = sorted(set(kwargs) - set(_REBUILD_KEYWORDS))
+        kwargs = {k: v for k, v in kwargs.items() if k in _REBUILD_KEYWORDS}
         kwargs.setdefault("mode", self.mode)
         kwargs.setdefault("bucket_bytes", self.bucket_bytes)
         kwargs.setdefault("dense_ratio", self.dense_ratio)
         kwargs.setdefault("timeout", self.timeout)
-        return WeightSync(layouts, group, _state=state, **kwargs)
+        out = WeightSync(layouts, group, _state=state, **kwargs)
+        if unknown and out._error is None:  # raised by its first sync, on every rank
+            out._error = InvalidTypeError("rebuild() got an unexpected keyword argument %r (it "
+                                          "takes %s)" % (unknown[0], ", ".join(_REBUILD_KEYWORDS)))
+        return out
 
     def memory(self):
         """Bytes this object holds between syncs, stated in advance:
@@ -396,9 +437,9 @@ class WeightSync:
             if self._error is not None:
                 raise self._error
             version = self._check_sources(version, sources)
-        except (ShardgatherError, TypeError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001  (raised on every rank by the state round)
             error = e
-            return SyncWork(lambda: self._fail(error))
+            return SyncWork(lambda: self._fail(error, "state"))
         fresh = version != self.snapshot_version
         t0 = time.perf_counter()
         if fresh:
@@ -410,27 +451,33 @@ class WeightSync:
         self._copy_seconds = time.perf_counter() - t0
         return SyncWork(lambda: self._run(version, fresh))
 
-    def _fail(self, error):
-        """This rank's argument error, raised on every rank through the state round's header
-        (the others' state round raises it, naming this rank)."""
-        from ._agree import classify
+    def _fail(self, error, round_name):
+        """This rank's error, raised on every rank through the header of the round its peers
+        are in (``round_name``: they raise it, naming this rank), with its class."""
+        from ._agree import classify, fail_call
 
         cls, message = classify(error)
-        _C._fail_call(self.comm, "ReshardPlan::execute", "WeightSync.sync: " + message,
-                      cls is InvalidTypeError, True, self.timeout)
+        fail_call(self.comm, "ReshardPlan::execute", cls, "WeightSync.sync: " + message,
+                  timeout=self.timeout, stage=self._exchange.stage(round_name))
 
     def _check_sources(self, version, sources):
         from ._agree import check_int
 
-        version = check_int("version", version, 0)
-        sources = list(sources)
+        version = check_int("version", version, 0, _MAX_VERSION)
+        try:
+            sources = list(sources)
+        except TypeError:
+            raise InvalidTypeError("sources must be a list of tensors, got %s"
+                                   % type(sources).__name__) from None
         if len(sources) != len(self.source_boxes):
             raise InvalidArgumentError("rank %d has %d source boxes but %d sources were given"
                                        % (self.comm.rank, len(self.source_boxes), len(sources)))
         for v, (s, (t, _, size)) in enumerate(zip(sources, self.source_boxes)):
             dtype = self.layouts[t].dtype
-            if not isinstance(s, torch.Tensor) or s.dtype != dtype or \
-                    tuple(s.shape) != tuple(size) or s.device.type != "cpu":
+            if not isinstance(s, torch.Tensor):
+                raise InvalidTypeError("source %d of rank %d (tensor %d) must be a torch.Tensor, "
+                                       "got %s" % (v, self.comm.rank, t, type(s).__name__))
+            if s.dtype != dtype or tuple(s.shape) != tuple(size) or s.device.type != "cpu":
                 raise InvalidArgumentError(
                     "source %d of rank %d (tensor %d) must be a host %s tensor of shape %s, "
                     "got %s" % (v, self.comm.rank, t, dtype, tuple(size),
@@ -443,11 +490,11 @@ class WeightSync:
         try:
             outgoing, stats = self._encode(version, fresh, states)
         except Exception as e:  # noqa: B902  (raised on every rank: the peers wait in the next round)
-            self._fail(e)
+            self._fail(e, "settle" if self._settle else "payload sizes")
         if self._settle:  # a bench measuring the transfer alone: every rank ready first
-            self._exchange.all_rows(torch.zeros(1, dtype=torch.int64))
+            self._exchange.all_rows(torch.zeros(1, dtype=torch.int64), "settle")
         t0 = time.perf_counter()
-        received, sizes = self._exchange.messages(outgoing)
+        received, sizes = self._exchange.messages(outgoing, "payload")
         stats["exchange_seconds"] = time.perf_counter() - t0
         rank = self.comm.rank
         # to and from other ranks (what crosses a link); this rank's own records are not counted
@@ -464,11 +511,12 @@ class WeightSync:
 
     def _exchange_state(self, version):
         fingerprint = _signed(self.fingerprint)
-        row = torch.tensor([version, self.snapshot_version, self.version,
+        held = self.version if self.destination_boxes else _NONE  # a destination's tensors'
+        row = torch.tensor([version, self.snapshot_version, held,
                             1 if self._mixed else 0,
                             (1 if self.source_boxes else 0) | (2 if self.destination_boxes else 0),
                             fingerprint, self.bucket_bytes], dtype=torch.int64)
-        table = self._exchange.all_rows(row)
+        table = self._exchange.all_rows(row, "state")
         for column, what in ((5, "layouts (the plan's fingerprint)"), (6, "bucket_bytes")):
             values = table[:, column].tolist()
             if len(set(values)) != 1:
@@ -645,7 +693,7 @@ class WeightSync:
         for attempt in range(3):
             vote = torch.tensor([1 if error is not None else 0, sum(map(len, failed.values()))],
                                 dtype=torch.int64)
-            table = self._exchange.all_rows(vote)
+            table = self._exchange.all_rows(vote, "vote")
             if bool(table[:, 0].any()):
                 self._raise_failed(table, error)
             if not bool(table[:, 1].any()):
@@ -780,12 +828,12 @@ class WeightSync:
         them. Returns what _apply returns, and an error of this rank's apply or None."""
         asks = {s: torch.tensor(sorted(b), dtype=torch.int64).view(torch.uint8)
                 for s, b in failed.items()}
-        got, _ = self._exchange.messages(asks)
+        got, _ = self._exchange.messages(asks, "resend asks")
         try:
             messages = self._resend_records(got, fresh, stats)
         except Exception as e:  # noqa: B902  (raised on every rank: the peers wait in the next round)
-            self._fail(e)
-        received, _ = self._exchange.messages(messages)
+            self._fail(e, "resend sizes")
+        received, _ = self._exchange.messages(messages, "resend")
         if not self.destination_boxes:
             return {}, None
         try:
@@ -831,7 +879,7 @@ class WeightSync:
             else:
                 self._readers.label(self._buffer_version, 0, version)
                 self._mixed = set()
-            self.version = version
+        self.version = version  # every rank's, a trainer's too
 
 
 def _signed(u64):

@@ -328,6 +328,39 @@ def check_export_fp8(rank, world, group):
         shutil.rmtree(out, ignore_errors=True)
 
 
+def check_export_mxfp8_names_what_a_loader_reads(rank, world, group):
+    """save_safetensors(quantize=) in MXFP8 for the matrices it can quantize: each is ``w``
+    (F8_E4M3) and ``w_scale`` (E8M0), bit-identical to the reference, and the index's
+    quantization_config is the one vLLM reads for MXFP8 checkpoints (``quant_method:
+    "mxfp8"``), naming the modules whose matrices stay in bf16 (``ignored_layers``)."""
+    from shardgather.export import save_safetensors
+
+    state, specs, full = _model(world, rank, scale=0.05)
+    formats = {"layers.0.q.weight": "mxfp8", "layers.0.up.weight": "mxfp8"}
+    out = tempfile.mkdtemp(prefix="sg-mxfp8-export-")
+    try:
+        index = save_safetensors(state, out, specs, group, progress=False, timeout=T,
+                                 bucket_bytes=50000, quantize=formats)
+        if rank != 0:
+            assert index is None
+            return
+        with open(index) as f:
+            meta = json.load(f)
+        plain = ["embed", "layers.0.down"]  # their matrices stay bf16; the norm is 1-d
+        assert meta["metadata"]["quantization_config"] == {
+            "quant_method": "mxfp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [1, 32], "scale_fmt": "ue8m0", "ignored_layers": plain,
+            "modules_to_not_convert": plain}, meta
+        got = {}
+        for name in sorted(set(meta["weight_map"].values())):
+            got.update(load_file(os.path.join(out, name)))
+        got = {k: got[k] for k in meta["weight_map"]}
+        assert got["layers.0.q.weight_scale"].dtype == torch.float8_e8m0fnu
+        _check_quantized_dict(got, full, formats)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
 def case_full_tensors_quantized(rank, world):
     """full_tensors(quantize=) on a state dict sharded by FSDP2 (cuts inside 128-row blocks),
     on a 1-D mesh with Shard(1) (cuts along the last dim) and a replicated DTensor: bit-exact
@@ -617,7 +650,8 @@ def check_reshard_plan_quantized(rank, world, group):
 CHECKS = [check_unshard_bit_exact, check_one_spec_for_every_tensor, check_gather_to_one_rank,
           check_padded_shards, check_disagreement, check_bytes_on_the_wire,
           check_stream_quantized, check_export_fp8, check_reshard_quantized, check_pass_through,
-          check_foreach_quantized, check_reshard_plan_quantized]
+          check_foreach_quantized, check_reshard_plan_quantized,
+          check_export_mxfp8_names_what_a_loader_reads]
 for _check in CHECKS:
     globals()[on_default_group(_check).__name__] = on_default_group(_check)
 # full_tensors needs DTensors on a torch group: Gloo only.

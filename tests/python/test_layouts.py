@@ -240,6 +240,19 @@ def test_vocab_parallel_lands_the_real_rows_in_zero_padded_parameters(pad_to, pe
         assert torch.equal(param, expected)
 
 
+def test_vocab_parallel_pads_to_64_by_default_as_vllm():
+    # vLLM: pad_vocab_size(1003, 64) = 1024 rows, 512 per rank at TP 2; the last rank's tail
+    # rows (1003..1023) are padding no box covers.
+    shards = L.vocab_parallel((1003, 8), [4, 5])
+    assert L.VLLM_VOCAB_PADDING == 64
+    assert [(s.rank, s.box, s.start, s.padded_rows) for s in shards] == [
+        (4, Box((0, 0), (512, 8)), 0, 512), (5, Box((512, 0), (491, 8)), 0, 512)]
+    assert L.vocab_parallel((100, 8), [0, 1, 2, 3]) == L.vocab_parallel((100, 8), [0, 1, 2, 3],
+                                                                        64)
+    with pytest.raises(ValueError, match="padded vocabulary"):
+        L.vocab_parallel((1003, 8), [0, 1, 2])  # 1024 rows over 3 ranks: vLLM refuses too
+
+
 def test_vocab_parallel_refuses_what_vllm_refuses():
     with pytest.raises(ValueError, match="padded vocabulary"):
         L.vocab_parallel((100, 8), [0, 1, 2], pad_to=64)  # 128 rows over 3 ranks

@@ -154,3 +154,58 @@ def test_killed_mid_sync_gloo(victim, seed):
         # after the vote); otherwise an error, bounded
         assert seconds <= 2 * deadline, (r, outcome, seconds)
     assert any(outcome is not None for outcome, _ in got.values()), got
+
+
+def test_a_replacement_process_joins_a_new_group_gloo():
+    """The recipe of docs/weight-sync.md, "After a failure", on a Gloo job of 3 processes (a
+    source, two replicas of one engine rank): one replica is killed (SIGKILL) before a sync;
+    both survivors raise; they destroy the group, join a new one on a new store and rebuild;
+    a new process takes the killed one's rank there with a new WeightSync; the sync at the
+    failed version then ends bit-exact on every rank, the newcomer filled from the surviving
+    replica."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    world = 3
+    sources, groups = weight_sync_cases.roles(world)
+    victim = groups[-1][-1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    stores = []
+    for _ in range(2):
+        fd, path = tempfile.mkstemp(prefix="sg-ws-replace-")
+        os.close(fd)
+        os.unlink(path)
+        stores.append(path)
+    procs = [ctx.Process(target=weight_sync_cases.replace_worker,
+                         args=(r, world, stores[0], stores[1], victim, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    newcomer = None
+    try:
+        procs[victim].join(timeout=120)
+        assert procs[victim].exitcode == -9, procs[victim].exitcode
+        newcomer = ctx.Process(target=weight_sync_cases.replace_worker,
+                               args=(victim, world, None, stores[1], victim, queue))
+        newcomer.start()
+        got = {}
+        for _ in range(world):
+            r, failed, stats = queue.get(timeout=120)
+            got[r] = (failed, stats)
+    finally:
+        for p in procs + ([newcomer] if newcomer is not None else []):
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        for path in stores:
+            if os.path.exists(path):
+                os.unlink(path)
+    assert sorted(got) == list(range(world)), got
+    for r in range(world):
+        failed, stats = got[r]
+        if r != victim:  # the survivors raised the failed sync (at once or at the deadline)
+            assert failed in ("RemoteError", "CollectiveTimeout"), (r, failed)
+    assert got[victim][1]["from_replicas"] > 0, got[victim]

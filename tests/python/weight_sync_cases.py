@@ -151,7 +151,7 @@ def _random_steps(rank, world, comm, mode):
         check_held(ws, full, rank, k)
         if ws.destination_boxes and k % 11 == 10:
             assert stats["bytes_received"] == 0, (rank, k, stats)
-    assert ws.version == (STEPS - 1 if ws.destination_boxes else -1)
+    assert ws.version == STEPS - 1  # every rank's, a source-only rank's too
 
 
 def check_random_steps_staged(rank, world, comm):
@@ -493,3 +493,48 @@ def kill_worker(rank, world, init_file, victim, deadline, seed, queue):
     if rank == victim:
         time.sleep(5)  # the timer kills it; nothing it reports counts
     queue.put((rank, outcome, time.monotonic() - began))
+
+
+def replace_worker(rank, world, first, second, victim, queue):
+    """One process of the replacement case (test_weight_sync.py): a Gloo group on the store
+    ``first``; rank ``victim`` is killed (SIGKILL) before sync 1, which every survivor raises;
+    the survivors then destroy that group, join a new one on the store ``second`` and rebuild
+    their WeightSync on it. ``first`` None: the replacement process, which joins ``second``
+    directly with a new WeightSync. Every process syncs version 1 on the new group and checks
+    what it holds; each puts (rank, what it raised in the failed sync or None, its stats)."""
+    import datetime
+    import signal
+
+    import torch.distributed as dist
+
+    def join(store):
+        dist.init_process_group("gloo", init_method="file://" + store, rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
+
+    layouts = layouts_for(world)
+    full = initial()
+    failed = None
+    if first is not None:
+        join(first)
+        ws = WeightSync(layouts, None, timeout=5.0, bucket_bytes=256)
+        ws.sync(0, shard_views(ws, full))
+        if rank == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        step(full, 1)
+        try:
+            ws.sync(1, shard_views(ws, full))
+        except shardgather.ShardgatherError as e:
+            failed = type(e).__name__
+        # The documented recipe (docs/weight-sync.md, "After a failure"): the old group goes,
+        # a new one on a new store (or a new prefix of one store), the object rebuilt on it.
+        dist.destroy_process_group()
+        join(second)
+        ws = ws.rebuild(layouts, None)
+    else:
+        step(full, 1)
+        join(second)
+        ws = WeightSync(layouts, None, timeout=5.0, bucket_bytes=256)
+    stats = ws.sync(1, shard_views(ws, full))
+    check_held(ws, full, rank, 1)
+    queue.put((rank, failed, {k: stats[k] for k in ("from_replicas", "from_sources")}))
+    dist.destroy_process_group()
