@@ -12,6 +12,7 @@
 #include "torch_tensors.h"
 
 #include "shardgather/buffer.h"
+#include "shardgather/copy.h"
 #include "shardgather/errors.h"
 #include "shardgather/quantize.h"
 
@@ -178,6 +179,10 @@ void dequantize_box_py(const at::Tensor& data, const at::Tensor& scales, const s
   if (hull.size() != view.shape.size()) {
     throw InvalidArgument("dequantize: a window of " + std::to_string(hull.size()) +
                           " dims for an output of " + std::to_string(view.shape.size()));
+  }
+  if (overlaps_itself(view)) {
+    throw InvalidArgument("dequantize: the output's elements share memory (a write would land "
+                          "twice)");
   }
   const QuantGrid grid = quant_grid(format_of(name), hull, DType::kFloat32, "the window");
   const bool right_type =

@@ -26,13 +26,16 @@ import time
 
 import numpy
 import torch
+from torch.distributed.tensor import Shard
 
 import shardgather
 from conftest import on_default_group
+from round3_cases import _usable
 from shardgather import quantized
-from shardgather.layouts import (Box, TensorLayout, column_parallel, replicated, row_parallel,
+from shardgather.layouts import (Box, TensorLayout, column_parallel, expert_boxes, fused_qkv,
+                                 placement_boxes, replicated, row_parallel, target_boxes,
                                  vocab_parallel)
-from shardgather.weight_sync import ReadersHeldError
+from weight_sync_cases import _split
 
 T = 20.0
 WS_T = 4.0  # weight-sync rows: the readers-held row waits half of it
@@ -55,16 +58,6 @@ def _full(shape, dtype, seed):
 
 def _region(t, box):
     return t[tuple(slice(o, o + n) for o, n in zip(box[0], box[1]))]
-
-
-def _split(n, parts):
-    base, extra = divmod(n, parts)
-    out, at = [], 0
-    for p in range(parts):
-        size = base + (p < extra)
-        out.append((at, size))
-        at += size
-    return out
 
 
 def _rows(shape, world):
@@ -104,11 +97,6 @@ def _sources(layouts, rank, fulls=None):
 def _destinations(layouts, rank):
     return [torch.zeros(tuple(box[1]), dtype=layouts[i].dtype)
             for i, box in _mine(layouts, rank, "destinations")]
-
-
-def _usable(group, rank, world):
-    out = shardgather.foreach_all_gather([torch.full((2,), float(rank))], group, timeout=T)
-    assert all(torch.equal(out[0][r], torch.full((2,), float(r))) for r in range(world))
 
 
 def _outcome(call):
@@ -485,9 +473,16 @@ def _run_reshard(kw, group, rank, world):
 
 def _run_helpers(kw, group, rank, world):
     """Layouts from the helpers (kw: how the destination side is built), resharded."""
-    shape = (8 * world, 4 * world)
+    # world + 1 experts: torch.chunk's split and vLLM's balanced one differ from 3 ranks on
+    shape = (world + 1, 4 * world) if kw.get("helper") == "experts" else (8 * world, 4 * world)
     build = kw.get("helper", "column")
-    if build == "column":
+    if build == "experts":
+        dst = expert_boxes(shape, list(range(world)), split=kw.get("split", "chunk"))
+    elif build == "placements":
+        dst = placement_boxes(shape, list(range(world)), [Shard(kw.get("dim", 0))])
+    elif build == "qkv":  # q, k and v of GQA attention into each rank's fused qkv_proj
+        return _run_qkv(kw, group, rank, world)
+    elif build == "column":
         dst = column_parallel(shape, kw.get("ranks", list(range(world))))
     elif build == "row":
         dst = row_parallel(shape, kw.get("ranks", list(range(world))))
@@ -497,6 +492,18 @@ def _run_helpers(kw, group, rank, world):
         dst = [(s.rank, s.box)
                for s in vocab_parallel(shape, list(range(world)), pad_to=kw.get("pad_to"))]
     layouts = [TensorLayout(shape, torch.float32, _rows(shape, world), dst)]
+    return _run_reshard(dict(layouts=layouts), group, rank, world)
+
+
+def _run_qkv(kw, group, rank, world):
+    """fused_qkv's Targets as the destinations of three global tensors (q: 4 heads, k and v:
+    ``kv_heads`` heads, head_dim 4, hidden 8)."""
+    heads, kv, dim, hidden = 4 * world, kw.get("kv_heads", world), 4, 8
+    shapes = {"q": (heads * dim, hidden), "k": (kv * dim, hidden), "v": (kv * dim, hidden)}
+    targets = fused_qkv(shapes["q"], shapes["k"], shapes["v"], heads, kv, dim,
+                        list(range(world)))
+    layouts = [TensorLayout(shapes[p], torch.float32, _rows(shapes[p], world),
+                            target_boxes(targets[p])) for p in ("q", "k", "v")]
     return _run_reshard(dict(layouts=layouts), group, rank, world)
 
 
@@ -599,7 +606,8 @@ def _run_ws(kw, group, rank, world):
 
 RUNNERS = {"reshard_plan": _run_reshard_plan, "reshard_plan_q": _run_reshard_plan,
            "reshard": _run_reshard, "reshard_q": _run_reshard, "helpers": _run_helpers,
-           "helpers_vocab": _run_helpers,
+           "helpers_vocab": _run_helpers, "helpers_experts": _run_helpers,
+           "helpers_placements": _run_helpers, "helpers_qkv": _run_helpers,
            "foreach_q": _run_foreach_q, "unshard_q": _run_unshard_q, "stream_q": _run_stream_q,
            "export_q": _run_export_q, "ws": _run_ws}
 
@@ -689,7 +697,6 @@ def _ws_fewer_sources(kw, world):
 
 
 def _ws_alias(kw, world):
-    a = (4 * world, 16)
     mine = [box for r, box in _ws_layouts(world)[0].destinations if r == world - 1]
     view = torch.zeros(64).as_strided(tuple(mine[0][1]), (1, 1))
     return dict(kw, mode="in_place", destinations=[view])
@@ -768,6 +775,11 @@ ROWS = [
      "MismatchError", "", 2),
     ("helpers_replicated", "helpers", dict(helper="replicated"), "MismatchError", "", 2),
     ("helpers_vocab_pad", "helpers_vocab", _w(lambda kw, w: dict(kw, pad_to=12 * w)),
+     "MismatchError", "", 2),
+    ("helpers_experts_balanced", "helpers_experts", dict(split="balanced"), "MismatchError",
+     "", 3),
+    ("helpers_placement_dim", "helpers_placements", dict(dim=1), "MismatchError", "", 2),
+    ("helpers_qkv_kv_heads", "helpers_qkv", _w(lambda kw, w: dict(kw, kv_heads=2 * w)),
      "MismatchError", "", 2),
     # quantize= on every entry point
     ("foreach_q_format_differs", "foreach_q", dict(quantize="fp8_e4m3_1x128"), "MismatchError",
@@ -870,8 +882,8 @@ def _reference(runner, world, rank, out):
         kw["layouts"] = _model(world)
     if runner in ("reshard_plan_q", "reshard_q"):
         kw["quantize"] = "mxfp8"
-    if runner == "helpers_vocab":
-        kw["helper"] = "vocab"
+    if runner.startswith("helpers_"):
+        kw["helper"] = runner[len("helpers_"):]
     if runner == "export_q":
         kw["out"] = out
     return kw
@@ -916,8 +928,8 @@ def run_rows(rows, rank, world, group):
 
 
 def check_reshard_rows(rank, world, group):
-    run_rows([r for r in ROWS if r[1] in ("reshard_plan", "reshard_plan_q", "reshard", "helpers",
-                                          "helpers_vocab")], rank, world, group)
+    run_rows([r for r in ROWS if r[1] in ("reshard_plan", "reshard_plan_q", "reshard")
+              or r[1].startswith("helpers")], rank, world, group)
 
 
 def check_quantize_rows(rank, world, group):

@@ -25,6 +25,6 @@ def test_round4_threads(world, check):
 
 
 @pytest.mark.skipif(not shardgather.has_mpi(), reason="built without MPI")
-@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("np_", [2, 3, 4])
 def test_round4_mpi(np_):
     run_mpi_checks("round4_cases", np_, timeout=400)
