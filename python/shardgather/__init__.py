@@ -521,9 +521,21 @@ def _moved(name, doc):
     def get(self):
         plans = self._built_quantized().plans() if self._quantize is not None else [self._built()]
         values = [getattr(p, name) for p in plans]
-        if isinstance(values[0], list):
-            return [sum(v) for v in zip(*values)]
+        if isinstance(values[0], list):  # per rank or host; a plan without hosts has none
+            width = max(len(v) for v in values)
+            return [sum(v[k] for v in values if k < len(v)) for k in range(width)]
         return sum(values)
+
+    return property(get, doc=doc)
+
+
+def _run(name, doc):
+    """A figure of how an execution runs: the plan's, or for a quantized plan its payload's
+    (the FP8 data and scales; the amax exchange, where there is one, is one call more)."""
+    def get(self):
+        if self._quantize is not None:
+            return getattr(self._built_quantized().payload_plan, name)
+        return getattr(self._built(), name)
 
     return property(get, doc=doc)
 
@@ -562,8 +574,11 @@ class ReshardPlan(_PlanState):
     staging (sent plus received) at a time.
 
     ``quantize``: FP8 on the wire (:func:`shardgather.quantized.reshard`). The byte figures
-    (:attr:`bytes_sent`, :attr:`rank_sent`, ...) and :attr:`transfers` are then those of what
-    moves: the FP8 data and scales, plus the small amax exchange where a block is cut.
+    (:attr:`bytes_sent`, :attr:`rank_sent`, ...) are then those of what moves: the FP8 data
+    and scales, plus the small amax exchange where a block is cut; :attr:`transfers`,
+    :attr:`rounds`, :attr:`forwarding` and :attr:`device_parts` are those of its payload. A
+    quantized plan plans its exchanges with the ``hosts`` it is given (:meth:`for_group`
+    gives the group's), as a plain plan does.
     """
 
     def __init__(self, layouts, world_size, rank, *, hosts=None, fan_out=True, strategy="auto",
@@ -619,7 +634,7 @@ class ReshardPlan(_PlanState):
             from . import quantized
 
             comm = communicator(group, self._timeout())
-            return quantized.reshard(sources, destinations, self._quantized, comm,
+            return quantized.execute(sources, destinations, self._quantized, comm,
                                      timeout=self._given_timeout, async_op=async_op,
                                      device=device, error=self._error)
         index = None
@@ -652,11 +667,11 @@ class ReshardPlan(_PlanState):
         "host_sent", "Every host's bytes sent to other hosts per execution (empty: no hosts).")
     host_received = _moved(
         "host_received", "Every host's bytes received from other hosts per execution.")
-    forwarding = _from_plan(
+    forwarding = _run(
         "forwarding", "Whether the plan fans bytes out inside hosts (more than one exchange).")
-    rounds = _from_plan(
+    rounds = _run(
         "rounds", "Exchanges per execution: 1, or with the fan-out its waves + 1.")
-    device_parts = _from_plan(
+    device_parts = _run(
         "device_parts", "Parts each exchange moves in on a device (device_bucket_bytes).")
 
     @property

@@ -11,9 +11,9 @@ wire once; the whole list is then one :func:`shardgather.unshard` over the mesh'
 from torch.distributed.tensor import DTensor, Replicate, Shard
 import torch.distributed as dist
 
-from . import (_C, InvalidArgumentError, InvalidTypeError, ShardSpec, _setup_timeout,
+from . import (_C, InvalidArgumentError, ShardSpec, _setup_timeout,
                communicator, unshard)
-from ._agree import Agreement, check_str
+from ._agree import Agreement, check_str, fail_call
 
 # DTensor's own chunking of a dim (size, offset of chunk c of n): Shard's public static method
 # since torch 2.11; torch 2.9 has it only as the private static one (an instance method in 2.11).
@@ -147,8 +147,8 @@ def _agreed_layouts(comm, dtensors, mesh, mesh_group, names, strategy, timeout):
         agreement.run(comm, _setup_timeout(timeout))
     elif agreement.error is not None:  # the peers are in the unshard call: they raise it too
         cls, message = agreement.error
-        _C._fail_call(comm, "unshard", "full_tensors: " + message, cls is InvalidTypeError,
-                      True, _setup_timeout(timeout))
+        fail_call(comm, "unshard", cls, "full_tensors: " + message,
+                  timeout=_setup_timeout(timeout))
     return sharded
 
 

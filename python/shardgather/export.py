@@ -375,7 +375,7 @@ def _check_export(out_dir, dst, progress, metadata, names, world):
 def _check_premade(stream, dst, check, timeout, writers, quantize):
     """The export's arguments against a stream made beforehand: one agreement on every rank,
     so that an error raises everywhere and leaves the stream usable for the next save."""
-    agreement = Agreement("save_safetensors")
+    agreement = Agreement("save_safetensors", "save_safetensors: premade stream")
     agreement.capture(lambda: check(stream._names))
     # Agreed on once every rank's value is known to be an int in range.
     agreement.options = [("writers", writers if agreement.error is None else None)]

@@ -20,6 +20,7 @@ How one call runs, every rank alike:
 CPU tensors only (the quantizer is the host one); one call at a time (no ``async_op``).
 """
 
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -410,13 +411,14 @@ class _Encoder:
                 t.column = column
                 column += 2 * t.slot
 
-    def encode_quantized(self, shards, comm, timeout, preflight=False):
+    def encode_quantized(self, shards, comm, timeout):
         """{tensor index: [FP8 bytes of this rank's rows, the scales of the blocks that start
         in them]} from ``shards`` (indexable by tensor index), collective over ``comm``. The
         FP8 bytes go into one buffer that the encoder keeps and reuses on its next encode (a
         stream's every iteration): the payload of the previous encode must be done with by
-        then. ``preflight``: the amax exchange checks its plan first (where nothing else
-        agreed the layouts)."""
+        then. The amax exchange always sends its header: it is the first call of a stream's
+        later runs, where nothing else has agreed the step (a headerless exchange there could
+        pair with a peer's other call)."""
         rank = self.rank
         amax, bad = {}, set()
         for t in self.tensors:
@@ -435,8 +437,7 @@ class _Encoder:
                 amax[t.index] = _C._fold_amax(_real_rows(shards[t.index], t, rank),
                                               t.spec.format, window, _in_window(t, rank))
         self.disagreement = None
-        _agree_amax(self.tensors, self.amax_plan(timeout, preflight), amax, comm,
-                    self._compare)
+        _agree_amax(self.tensors, self.amax_plan(timeout), amax, comm, self._compare)
         out, at = {}, 0
         for t in self.tensors:
             n = 0 if t.index in self.passthrough else _rows_numel(t, rank)
@@ -452,14 +453,13 @@ class _Encoder:
             at += n
         return out
 
-    def amax_plan(self, timeout, preflight):
+    def amax_plan(self, timeout, hosts=None):
         """The amax exchange: (its ReshardPlan, what each destination box is), or None where
-        no cut falls inside a block; planned on first use and kept (per timeout and
-        preflight, which a plan fixes)."""
-        key = (timeout, preflight)
-        if self._amax is None or self._amax[0] != key:
-            self._amax = (key, _amax_plan(self.tensors, self.world, self.rank, timeout,
-                                          preflight, self.op + ": amax"))
+        no cut falls inside a block; planned on first use and kept (per timeout, which a plan
+        fixes)."""
+        if self._amax is None or self._amax[0] != timeout:
+            self._amax = (timeout, _amax_plan(self.tensors, self.world, self.rank, timeout,
+                                              self.op + ": amax", hosts))
         return self._amax[1]
 
     def _compare(self, t, slot, mine, theirs, peer):
@@ -566,7 +566,7 @@ def _slab(amax, t, slot):
     return amax.select(t.dim, 0 if slot == 0 else amax.shape[t.dim] - 1)
 
 
-def _amax_plan(tensors, world, rank, timeout, preflight, stage):
+def _amax_plan(tensors, world, rank, timeout, stage, hosts=None):
     """Step 3's exchange, planned: one reshard of a [world, K] table, where rank r's row holds,
     per tensor, the slabs it shares with other ranks (its first and its last), to the ranks
     that share them. (its ReshardPlan at ``stage``, [(tensor, this rank's slot, box)] of each of
@@ -588,7 +588,7 @@ def _amax_plan(tensors, world, rank, timeout, preflight, stage):
                           [(q, Box((q, 0), (1, width))) for q in range(world)], destinations)
     from . import ReshardPlan  # the package imports this module
 
-    plan = ReshardPlan([layout], world, rank, preflight=preflight, timeout=timeout,
+    plan = ReshardPlan([layout], world, rank, hosts=hosts, fan_out=False, timeout=timeout,
                        _stage=stage)
     order = {(tuple(o), tuple(n)): k for k, (_, o, n) in enumerate(plan.destination_boxes)}
     ordered = [None] * len(wanted)
@@ -746,28 +746,65 @@ def _outputs(got, specs_q):
 # of any boxes.
 
 
-def reshard(sources, destinations, plan, comm, *, timeout, async_op=False, device=None,
-            error=None):
-    """A quantized :class:`shardgather.ReshardPlan`'s execute (``plan``: its
-    :class:`ReshardQuantizer`, None where the plan's constructor failed with ``error``): each
-    source quantizes its box (the ranks sharing a block agree on its amax first), and one
-    reshard moves the FP8 bytes of every destination box with the scales of the blocks that
-    box touches (:func:`scale_box`). A quantized tensor's destination is a ``(data, scales)``
+def reshard(sources, destinations, layouts, comm, quantize, *, timeout, async_op=False):
+    """``shardgather.reshard`` with ``quantize`` over ``comm`` (a Communicator): each source
+    quantizes its box (the ranks sharing a block agree on its amax first), and one reshard
+    moves the FP8 bytes of every destination box with the scales of the blocks that box
+    touches (:func:`scale_box`). A quantized tensor's destination is a ``(data, scales)``
     pair, written in place (float8_e4m3fn or uint8 data of the box's shape; the scales of the
     scale box's shape: float32, or float8_e8m0fnu / uint8 for mxfp8), or a float32 / bfloat16
-    tensor, which receives the dequantized values. Every argument is checked, on every rank,
-    in one agreement before anything moves."""
+    tensor, which receives the dequantized values. A one-shot :class:`shardgather.ReshardPlan`
+    made with ``quantize`` (plan once to reshard every step)."""
+    from . import ReshardPlan  # the package imports this module
+
+    plan = ReshardPlan(layouts, comm.size, comm.rank, hosts=comm.hosts or None, timeout=timeout,
+                       quantize=quantize)
+    return plan.execute(sources, destinations, comm, async_op=async_op)
+
+
+def execute(sources, destinations, plan, comm, *, timeout, async_op=False, device=None,
+            error=None):
+    """A quantized :class:`shardgather.ReshardPlan`'s execute (``plan``: its
+    :class:`ReshardQuantizer`, None where the plan's constructor failed with ``error``). Every
+    argument is checked, on every rank, in one agreement before anything moves. One thread at
+    a time: another thread executing the same plan gets a RuntimeError (on its rank: the
+    caller's error, as for every plan)."""
+    if plan is not None and not plan.running.acquire(blocking=False):
+        raise RuntimeError("ReshardPlan: a plan is executed by one thread at a time, and "
+                           "another thread is executing this one")
+    try:
+        return _execute_checked(sources, destinations, plan, comm, timeout, async_op, device,
+                                error)
+    finally:
+        if plan is not None:
+            plan.running.release()
+
+
+def _execute_checked(sources, destinations, plan, comm, timeout, async_op, device, error):
     agreement = Agreement("reshard", RESHARD + ": agreement")
     if error is not None:  # the plan's constructor found it (shardgather._Deferred)
         agreement.fail(error.cls, error.message)
     agreement.capture(lambda: check_keywords(timeout=timeout, async_op=async_op))
     if device is not None:
         agreement.capture(lambda: _check_host_device(device))
-    if plan is not None:
-        agreement.capture(lambda: plan.check(sources, destinations, comm))
+    # Lists once, here: an iterator checked in the agreement would be empty afterwards.
+    listed = agreement.capture(lambda: _lists(sources, destinations))
+    if plan is not None and listed is not None:
+        agreement.capture(lambda: plan.check(listed[0], listed[1], comm))
         agreement.quantize = [None if q is None else _text(q) for q in plan.specs_q]
     agreement.run(comm, _timeout_seconds(timeout))
-    return plan.execute(list(sources), list(destinations), comm, timeout)
+    return plan.execute(listed[0], listed[1], comm)
+
+
+def _lists(sources, destinations):
+    out = []
+    for name, x in (("sources", sources), ("destinations", destinations)):
+        try:
+            out.append(list(x))
+        except TypeError:
+            raise InvalidTypeError("%s must be a list, got %s" % (name, type(x).__name__)) \
+                from None
+    return out
 
 
 def _check_host_device(device):
@@ -843,8 +880,11 @@ class ReshardQuantizer(_Encoder):
                                         timeout=timeout, _stage=RESHARD + ": payload")
         self._timeout = timeout
         self.payload_plan._built()  # its layout's error, here (the constructor defers it)
-        planned = self.amax_plan(timeout, True)
+        planned = self.amax_plan(timeout, hosts)
         self._amax_figures = [] if planned is None else [planned[0]]
+        # The staging, the amax table and the payload plan are this plan's: one thread at a
+        # time, as any plan (another gets a RuntimeError, not a race).
+        self.running = threading.Lock()
 
     def plans(self):
         """The plans an execute runs (their byte figures add up to what moves)."""
@@ -894,14 +934,15 @@ class ReshardQuantizer(_Encoder):
                                      for r, box in layout.destinations]))
         return out
 
-    def execute(self, sources, destinations, comm, timeout):
-        """Encodes, moves and (where asked) dequantizes; returns ``destinations``."""
+    def execute(self, sources, destinations, comm):
+        """Encodes, moves and (where asked) dequantizes; returns ``destinations``. The
+        caller holds :attr:`running` (the module's :func:`execute` does)."""
         rank = self.rank
         mine = {}
         for pos, (i, j) in enumerate(self.src_order):
             if i in self.by_index and 0 not in tuple(self.layouts[i].sources[j][1][1]):
                 mine[i] = sources[pos]
-        quantized = self.encode_quantized(mine, comm, self._timeout, preflight=True)
+        quantized = self.encode_quantized(mine, comm, self._timeout)
         sent, got, unpack = [], [], []
         src_at = {key: pos for pos, key in enumerate(self.src_order)}
         dst_at = {key: pos for pos, key in enumerate(self.dst_order)}
@@ -956,7 +997,12 @@ def _check_destination(dest, t, box, pos):
     elements share memory (a write would land twice)."""
     size = tuple(box[1])
     want = scale_box(t.spec.format, t.shape, box).size
-    for x in dest if isinstance(dest, tuple) else (dest,):
+    parts = dest if isinstance(dest, tuple) else (dest,)
+    if not all(isinstance(x, torch.Tensor) for x in parts):
+        raise InvalidTypeError(
+            "destinations[%d] (tensor %d, box %s): a (data, scales) pair of tensors or a tensor, "
+            "got %s" % (pos, t.index, tuple(box), tuple(type(x).__name__ for x in parts)))
+    for x in parts:
         if isinstance(x, torch.Tensor) and _C._overlaps_itself(x):
             raise InvalidArgumentError(
                 "destinations[%d] (tensor %d, box %s): its elements share memory (a stride of "

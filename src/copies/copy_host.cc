@@ -73,7 +73,8 @@ bool overlaps_itself(const TensorView& view) {
   }
   // (|stride|, size) of every dim that has more than one index; none for an empty view. Held
   // inline for up to kInlineDims dims: a plan checks its destinations every execution, which
-  // must not allocate.
+  // allocates nothing for views ordered apart (every slice, narrow and transpose). A view that
+  // is not (interleaved strides) is enumerated, up to 8 MiB of offsets, on every check.
   constexpr std::size_t kInlineDims = 16;
   std::array<std::pair<std::uint64_t, std::uint64_t>, kInlineDims> inline_dims{};
   std::vector<std::pair<std::uint64_t, std::uint64_t>> more;

@@ -392,11 +392,27 @@ def check_quantized_plan_counts_what_moves(rank, world, group):
         torch.zeros(tuple(b[1]), dtype=torch.bfloat16) if i == 0 else
         torch.zeros(tuple(b[1])) for i, b in _mine(layouts, rank, "destinations")], group)
     assert len(out) == len(_mine(layouts, rank, "destinations"))
+    # 128 x 128 blocks cut by the FSDP rows (130 per rank), two ranks a host: the figures add
+    # the payload's and the amax exchange's, per rank and per host.
+    shape = (130 * world, 256)
+    cut = [TensorLayout(shape, torch.bfloat16, _rows(shape, world), _cols(shape, world))]
+    hosts = [r // 2 for r in range(world)]
+    plan = shardgather.ReshardPlan(cut, world, rank, hosts=hosts, quantize="fp8_e4m3_128x128")
+    payload, *amax = plan._quantized.plans()
+    assert len(amax) == (1 if world > 1 else 0)
+    for name in ("bytes_sent", "bytes_received"):
+        assert getattr(plan, name) == sum(getattr(p, name) for p in [payload] + amax), name
+    for name in ("rank_sent", "rank_received", "host_sent", "host_received"):
+        want = [sum(v) for v in zip(*(getattr(p, name) for p in [payload] + amax))]
+        assert getattr(plan, name) == want, (name, getattr(plan, name), want)
+    assert len(plan.host_sent) == hosts[-1] + 1
+    if world > 1:
+        assert sum(amax[0].rank_sent) > 0
 
 
 def check_trainer_version_follows_commits(rank, world, group):
-    """Every rank's version is the last committed one, a source-only rank's too; and a sync's
-    version, sources and arguments of the wrong kind raise the classes errors.md names."""
+    """Every rank's version is the last committed one, a source-only rank's too (the classes
+    of a sync's bad arguments are the generated rows' ws_*)."""
     a = (4 * world, 8)
     layouts = [TensorLayout(a, torch.float32, [(0, Box((0, 0), a))],
                             [(r, Box((0, 0), a)) for r in range(1, world)] or
@@ -817,7 +833,7 @@ ROWS = [
      "InvalidArgumentError", "", 2),
     ("plan_q_destination_int", "reshard_plan_q",
      _w(lambda kw, w: dict(kw, destinations=[5] * len(_destinations(_model(w), w - 1)))),
-     "InvalidArgumentError", "destinations[0]", 2),
+     "InvalidTypeError", "destinations[0]", 2),
     ("plan_q_fewer_sources", "reshard_plan_q", _fewer_sources, "InvalidArgumentError",
      "sources", 2),
     ("stream_q_format_differs", "stream_q", dict(quantize="fp8_e4m3_1x128"), "MismatchError",
@@ -960,7 +976,35 @@ def check_device_cuda_fails_everywhere(rank, world, group):
         _usable(group, rank, world)
 
 
-CHECKS = [check_steps_never_pair, check_aliasing_destinations,
+def check_stream_rerun_never_pairs(rank, world, group):
+    """A quantized stream run again (its amax exchange, where a cut falls inside a block, is
+    the first call of a later run) on the last rank while the others make a plain call: every
+    rank raises MismatchError naming the step (it used to pair headerless and crash)."""
+    n = 130 * world
+    spec = shardgather.ShardSpec(torch.bfloat16, (n, 256), 0, [s for _, s in _split(n, world)])
+    mine = {"w": _full((spec.sizes[rank], 256), torch.bfloat16, seed=rank)}
+    stream = shardgather.unshard_stream(mine, {"w": spec}, group, timeout=T,
+                                        quantize="fp8_e4m3_128x128")
+    with stream:
+        first = [dict(b) for b in stream]
+    assert any("w_scale_inv" in b for b in first), first
+    if world == 1:
+        return
+
+    def again():
+        with stream:
+            return [dict(b) for b in stream]
+
+    odd = rank == world - 1
+    got, message, seconds = _outcome(again if odd else lambda: _foreach_int(group))
+    wrong = []
+    if _judge("stream_rerun", got, message, seconds, "MismatchError",
+              "as the step 'unshard_stream(quantize): amax'", wrong):
+        _usable(group, rank, world)
+    assert not wrong, "rank %d:\n  %s" % (rank, "\n  ".join(wrong))
+
+
+CHECKS = [check_steps_never_pair, check_stream_rerun_never_pairs, check_aliasing_destinations,
           check_interleaved_destinations_work, check_empty_dequantized_boxes,
           check_count_overflow_is_one_class, check_quantized_plan_counts_what_moves,
           check_trainer_version_follows_commits, check_quantize_functions_raise_their_classes,

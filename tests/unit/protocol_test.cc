@@ -236,7 +236,12 @@ TEST(Stage, NamesFitTheHeaderOrAreRefused) {
   std::memset(h.stage, 'x', sizeof h.stage);
   std::vector<std::byte> bytes(sizeof h);
   std::memcpy(bytes.data(), &h, sizeof h);
-  EXPECT_THROW((void)detail::decode_header(bytes, 0), Mismatch);
+  try {
+    (void)detail::decode_header(bytes, 0);
+    ADD_FAILURE() << "an unterminated stage was decoded";
+  } catch (const Mismatch& e) {
+    EXPECT_NE(std::string(e.what()).find("unterminated stage"), std::string::npos) << e.what();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, ProtocolWorld, ::testing::Values(1, 2, 3, 4, 7),
