@@ -133,6 +133,9 @@ struct ApplyResult {
 // where the next one starts).
 // `verify` false skips the checksum (checksum_ok is then true): for a record applied again to
 // bytes it was already verified against (a staged buffer catching up), not for bytes received.
+// A `dst` whose elements share memory is not refused here (the check would allocate, and apply
+// never does): the caller's contract, as overlaps_itself (copy.h) states it; the weight sync
+// refuses such destinations when it is built, before anything moves.
 SHARDGATHER_API ApplyResult apply(std::span<const std::byte> record, const StridedView& dst,
                                   std::uint64_t start, std::uint64_t n, bool verify = true);
 
