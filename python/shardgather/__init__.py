@@ -255,7 +255,7 @@ def _first_is_cuda(params):
         return False
 
 
-def _gather_shapes(params, comm, timeout, stage):
+def _gather_shapes(params, comm, timeout, stage="foreach_all_gather: shapes"):
     """Every rank's shapes of ``params``, by a host gather of one int64 tensor per rank
     (``[n, ndim_0, dims_0..., ndim_1, ...]``): the device call then needs no records. ``stage``
     names the step of the operation it is (no other call can pair with it)."""
