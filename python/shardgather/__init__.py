@@ -29,7 +29,7 @@ if torch.__version__.split("+")[0] != _BUILT_FOR:
 from . import _shardgather as _C  # noqa: E402
 from ._agree import check_int, classify  # noqa: E402
 from ._agree import fail_call as _fail_as  # noqa: E402
-from .quantized import Quantize  # noqa: E402
+from .quantized import Quantize, check_keywords  # noqa: E402
 from .weight_sync import WeightSync  # noqa: E402
 from ._shardgather import (  # noqa: F401  (re-exported)
     AUTO_TRIAL_RUNS,
@@ -486,14 +486,6 @@ def _layout_tuples(layouts):
              boxes(t, "destinations", x.destinations)) for t, x in enumerate(layouts)]
 
 
-def _check_plan_keywords(**kw):
-    """The keywords' kinds (a str strategy, a bool preflight, a number or None timeout), named in
-    the error, which the extension would report without naming the argument."""
-    from .quantized import check_keywords
-
-    check_keywords(**kw)
-
-
 def _device_index(device):
     """(index, None) for execute's ``device``: -1 for the host, a CUDA index; or (None, why
     not), so that the call fails on every rank rather than raise here alone (``"cuda"`` on a
@@ -586,7 +578,8 @@ class ReshardPlan(_PlanState):
                  _stage=""):
         self._preflight, self._given_timeout, self._stage = preflight, timeout, _stage
         self._quantize, self._quantized = quantize, None
-        self._plan, self._error = _deferred(lambda: _check_plan_keywords(
+        # The keywords' kinds first, named (the extension would report them unnamed).
+        self._plan, self._error = _deferred(lambda: check_keywords(
             strategy=strategy, preflight=preflight, timeout=timeout) or _C.ReshardPlan(
             _layout_tuples(layouts), check_int("world_size", world_size, 1),
             check_int("rank", rank, 0), None if hosts is None else list(hosts), bool(fan_out),

@@ -540,11 +540,11 @@ void fail_call_py(const CommPtr& comm, const std::string& op, const std::string&
   const Operation operation = operation_named(op);
   CallShape call{operation, preflight, {}, Stage(stage)};
   call.timeout = timeout_or_fail(*comm, timeout, call);
-  const ErrorCode error = !code.empty()   ? error_code_named(code)
-                          : is_type_error ? ErrorCode::kInvalidType
-                                          : ErrorCode::kInvalidArgument;
-  call_interruptible([&] { shardgather::fail_call(*comm, call, error, message); });
-  throw InvalidArgument(message);  // not reached: fail_call always raises
+  fail_call(*comm,
+            !code.empty()   ? error_code_named(code)
+            : is_type_error ? ErrorCode::kInvalidType
+                            : ErrorCode::kInvalidArgument,
+            message, call);
 }
 
 // Entry points of the Python package's own plumbing and of the tests, not of its users.

@@ -317,12 +317,17 @@ bool hint_given(py::handle hint) {
   return n > 0;
 }
 
-void fail_call(Communicator& comm, const LocalError& error, const CallShape& call) {
-  const ErrorCode code =
-      error.kind == LocalError::kType ? ErrorCode::kInvalidType : ErrorCode::kInvalidArgument;
+void fail_call(Communicator& comm, ErrorCode code, const std::string& message,
+               const CallShape& call) {
   // Waits for the peers' headers like the call it fails: interruptible like that call.
-  call_interruptible([&] { shardgather::fail_call(comm, call, code, error.message); });
-  throw InvalidArgument(error.message);  // not reached: fail_call always raises
+  call_interruptible([&] { shardgather::fail_call(comm, call, code, message); });
+  throw InvalidArgument(message);  // not reached: fail_call always raises
+}
+
+void fail_call(Communicator& comm, const LocalError& error, const CallShape& call) {
+  fail_call(comm,
+            error.kind == LocalError::kType ? ErrorCode::kInvalidType : ErrorCode::kInvalidArgument,
+            error.message, call);
 }
 
 std::optional<std::chrono::milliseconds> timeout_or_fail(Communicator& comm,

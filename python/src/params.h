@@ -112,6 +112,9 @@ bool hint_given(pybind11::handle hint);
 // A local error before a collective call: fails that call on every rank, through the header
 // when the peers exchange one (shardgather::fail_call, with the GIL released), else here only.
 [[noreturn]] void fail_call(Communicator& comm, const LocalError& error, const CallShape& call);
+// The same with the class every rank raises given as its code.
+[[noreturn]] void fail_call(Communicator& comm, ErrorCode code, const std::string& message,
+                            const CallShape& call);
 
 // The timeout argument of a collective call; a bad one (negative, NaN) fails the call on every
 // rank, as any argument error does.

@@ -181,9 +181,7 @@ void dequantize_box_py(const at::Tensor& data, const at::Tensor& scales, const s
                           " dims for an output of " + std::to_string(view.shape.size()));
   }
   if (overlaps_itself(view)) {
-    throw InvalidArgument(
-        "dequantize: the output's elements share memory (a write would land "
-        "twice)");
+    throw InvalidArgument("dequantize: the output's elements share memory");
   }
   const QuantGrid grid = quant_grid(format_of(name), hull, DType::kFloat32, "the window");
   const bool right_type =
