@@ -749,114 +749,137 @@ struct Payload {
   std::uint64_t written = 0;          // elements the values fill
 };
 
-Payload validate(std::span<const std::byte> record, const Header& h, const StridedView& dst,
-                 std::uint64_t n) {
-  auto fail = [&](const std::string& what) {
-    throw InvalidArgument(Who{.bucket = h.bucket}.text() + ": " + what);
-  };
+[[noreturn]] void fail_record(const Header& h, const std::string& what) {
+  throw InvalidArgument(Who{.bucket = h.bucket}.text() + ": " + what);
+}
+
+// The header's fields against the destination and the bytes that follow it.
+void check_header(const Header& h, const StridedView& dst, std::uint64_t n,
+                  std::uint64_t available) {
   if (h.magic != kMagic) {
-    fail("bad magic " + hex(h.magic) + " (want " + hex(kMagic) + ")");
+    fail_record(h, "bad magic " + hex(h.magic) + " (want " + hex(kMagic) + ")");
   }
   if (h.encoding < 1 || h.encoding > 3) {
-    fail("unknown encoding " + std::to_string(h.encoding) + " (1 dense, 2 pairs, 3 runs)");
+    fail_record(h,
+                "unknown encoding " + std::to_string(h.encoding) + " (1 dense, 2 pairs, 3 runs)");
   }
   if (h.zero != 0) {
-    fail("the reserved field is " + std::to_string(h.zero) + ", not 0");
+    fail_record(h, "the reserved field is " + std::to_string(h.zero) + ", not 0");
   }
   if (h.es != dst.es) {
-    fail("elem_size " + std::to_string(h.es) + " for a destination of " + std::to_string(dst.es) +
-         "-byte elements");
+    fail_record(h, "elem_size " + std::to_string(h.es) + " for a destination of " +
+                       std::to_string(dst.es) + "-byte elements");
   }
   if (h.elements != n) {
-    fail("a record of " + std::to_string(h.elements) + " elements applied as " + std::to_string(n));
+    fail_record(h, "a record of " + std::to_string(h.elements) + " elements applied as " +
+                       std::to_string(n));
   }
   if (n > std::numeric_limits<std::uint32_t>::max()) {
-    fail("a bucket of " + std::to_string(n) + " elements (fewer than 2^32)");
+    fail_record(h, "a bucket of " + std::to_string(n) + " elements (fewer than 2^32)");
   }
-  const std::uint64_t es = h.es;
-  const std::uint64_t available = record.size() - kHeaderBytes;
   if (h.payload_bytes % 8 != 0) {
-    fail("payload_bytes " + std::to_string(h.payload_bytes) + " is not a multiple of 8");
+    fail_record(h, "payload_bytes " + std::to_string(h.payload_bytes) + " is not a multiple of 8");
   }
   if (h.payload_bytes > available) {
-    fail("payload_bytes " + std::to_string(h.payload_bytes) + " but only " +
-         std::to_string(available) + " bytes follow the header (truncated)");
+    fail_record(h, "payload_bytes " + std::to_string(h.payload_bytes) + " but only " +
+                       std::to_string(available) + " bytes follow the header (truncated)");
   }
+  if (h.count > n) {
+    fail_record(h, "count " + std::to_string(h.count) + " in a bucket of " + std::to_string(n) +
+                       " elements");
+  }
+}
+
+// payload_bytes must be the `used` bytes of an encoding rounded up to 8.
+void check_size(const Header& h, std::uint64_t used, const char* what) {
+  if (h.payload_bytes != round_up8(used)) {
+    fail_record(h, "payload_bytes " + std::to_string(h.payload_bytes) + " for " + what + " of " +
+                       std::to_string(h.count) + " (want " + std::to_string(round_up8(used)) + ")");
+  }
+}
+
+// Pairs: a table of strictly increasing 32-bit indices below n, then the values.
+std::uint64_t check_pairs(const Header& h, const std::byte* payload, std::uint64_t n) {
+  const std::uint64_t used = h.count * (4 + std::uint64_t{h.es});
+  check_size(h, used, "pairs");
+  std::uint64_t next = 0;  // the lowest index the next pair may have
+  for (std::uint64_t k = 0; k < h.count; ++k) {
+    const std::uint32_t index = load32(payload + 4 * k);
+    if (index < next || index >= n) {
+      fail_record(h,
+                  "pair " + std::to_string(k) + " has index " + std::to_string(index) +
+                      (index >= n ? " past the bucket's " + std::to_string(n) + " elements"
+                                  : ", not above the previous pair's " + std::to_string(next - 1)));
+    }
+    next = std::uint64_t{index} + 1;
+  }
+  return used;
+}
+
+// Runs: (start, length) headers of non-empty, ordered, disjoint runs inside the bucket, then the
+// values. Returns the bytes used; `total` is the elements the runs cover.
+std::uint64_t check_runs(const Header& h, const std::byte* payload, std::uint64_t n,
+                         std::uint64_t& total) {
+  const std::uint64_t heads = 8 * std::uint64_t{h.count};
+  if (heads > h.payload_bytes) {
+    fail_record(h, "payload_bytes " + std::to_string(h.payload_bytes) + " cannot hold " +
+                       std::to_string(h.count) + " run headers");
+  }
+  std::uint64_t next = 0;  // where the next run may start
+  total = 0;
+  for (std::uint64_t k = 0; k < h.count; ++k) {
+    const std::uint64_t start = load32(payload + 8 * k);
+    const std::uint64_t length = load32(payload + 8 * k + 4);
+    if (length == 0 || start < next || start + length > n) {
+      fail_record(h,
+                  "run " + std::to_string(k) + " [" + std::to_string(start) + ", +" +
+                      std::to_string(length) + ") " +
+                      (length == 0    ? std::string("is empty")
+                       : start < next ? "overlaps or precedes the previous run, which ends at " +
+                                            std::to_string(next)
+                                      : "passes the bucket's " + std::to_string(n) + " elements"));
+    }
+    next = start + length;
+    total += length;
+  }
+  const std::uint64_t used = heads + total * h.es;
+  check_size(h, used, "runs");
+  return used;
+}
+
+Payload validate(std::span<const std::byte> record, const Header& h, const StridedView& dst,
+                 std::uint64_t n) {
+  check_header(h, dst, n, record.size() - kHeaderBytes);
   Payload p{.encoding = static_cast<Encoding>(h.encoding), .count = h.count};
   const std::byte* payload = record.data() + kHeaderBytes;
   std::uint64_t used = 0;
-  auto check_size = [&](const char* what) {
-    if (h.payload_bytes != round_up8(used)) {
-      fail("payload_bytes " + std::to_string(h.payload_bytes) + " for " + what + " of " +
-           std::to_string(h.count) + " (want " + std::to_string(round_up8(used)) + ")");
-    }
-  };
-  if (h.count > n) {
-    fail("count " + std::to_string(h.count) + " in a bucket of " + std::to_string(n) + " elements");
-  }
   switch (p.encoding) {
     case Encoding::kDense:
       if (h.count != n) {
-        fail("a dense record with count " + std::to_string(h.count) + " for " + std::to_string(n) +
-             " elements");
+        fail_record(h, "a dense record with count " + std::to_string(h.count) + " for " +
+                           std::to_string(n) + " elements");
       }
-      used = n * es;
-      check_size("a dense record");
+      used = n * h.es;
+      check_size(h, used, "a dense record");
       p.values = payload;
       p.written = n;
       break;
-    case Encoding::kPairs: {
-      used = h.count * (4 + es);
-      check_size("pairs");
+    case Encoding::kPairs:
+      used = check_pairs(h, payload, n);
       p.table = payload;
       p.values = payload + 4 * std::uint64_t{h.count};
-      std::uint64_t next = 0;  // the lowest index the next pair may have
-      for (std::uint64_t k = 0; k < h.count; ++k) {
-        const std::uint32_t index = load32(payload + 4 * k);
-        if (index < next || index >= n) {
-          fail("pair " + std::to_string(k) + " has index " + std::to_string(index) +
-               (index >= n ? " past the bucket's " + std::to_string(n) + " elements"
-                           : ", not above the previous pair's " + std::to_string(next - 1)));
-        }
-        next = std::uint64_t{index} + 1;
-      }
       p.written = h.count;
       break;
-    }
-    default: {  // runs
-      const std::uint64_t heads = 8 * std::uint64_t{h.count};
-      if (heads > h.payload_bytes) {
-        fail("payload_bytes " + std::to_string(h.payload_bytes) + " cannot hold " +
-             std::to_string(h.count) + " run headers");
-      }
-      std::uint64_t next = 0;  // where the next run may start
-      std::uint64_t total = 0;
-      for (std::uint64_t k = 0; k < h.count; ++k) {
-        const std::uint64_t start = load32(payload + 8 * k);
-        const std::uint64_t length = load32(payload + 8 * k + 4);
-        if (length == 0 || start < next || start + length > n) {
-          fail("run " + std::to_string(k) + " [" + std::to_string(start) + ", +" +
-               std::to_string(length) + ") " +
-               (length == 0 ? std::string("is empty")
-                : start < next
-                    ? "overlaps or precedes the previous run, which ends at " + std::to_string(next)
-                    : "passes the bucket's " + std::to_string(n) + " elements"));
-        }
-        next = start + length;
-        total += length;
-      }
-      used = heads + total * es;
-      check_size("runs");
+    default:  // runs
+      used = check_runs(h, payload, n, p.written);
       p.table = payload;
-      p.values = payload + heads;
-      p.written = total;
+      p.values = payload + 8 * std::uint64_t{h.count};
       break;
-    }
   }
   for (std::uint64_t i = used; i < h.payload_bytes; ++i) {
     if (payload[i] != std::byte{0}) {
-      fail("padding byte " + std::to_string(i - used) + " is " +
-           std::to_string(std::to_integer<unsigned>(payload[i])) + ", not 0");
+      fail_record(h, "padding byte " + std::to_string(i - used) + " is " +
+                         std::to_string(std::to_integer<unsigned>(payload[i])) + ", not 0");
     }
   }
   return p;

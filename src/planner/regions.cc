@@ -714,8 +714,9 @@ void check_regions(std::span<const TensorRegions> tensors, int world_size) {
   }
 }
 
-RegionPlan plan_regions(std::span<const TensorRegions> tensors, int world_size, int rank,
-                        const RegionOptions& options) {
+namespace {
+
+void check_region_options(int world_size, int rank, const RegionOptions& options) {
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     throw InvalidArgument("plan_regions: rank " + std::to_string(rank) + " of " +
                           std::to_string(world_size));
@@ -739,6 +740,65 @@ RegionPlan plan_regions(std::span<const TensorRegions> tensors, int world_size, 
   if (options.device_bucket_bytes < 1) {
     throw InvalidArgument("plan_regions: device_bucket_bytes is 0 (1 or more)");
   }
+}
+
+// The byte figures per rank and per host (RegionPlan's rank_* and host_*), over all transfers.
+template <typename SrcRank, typename DstRank>
+void count_bytes(RegionPlan& plan, const std::vector<Transfer>& all, SrcRank&& src_rank,
+                 DstRank&& dst_rank, const std::vector<int>& hosts) {
+  for (const Transfer& x : all) {
+    const auto s = static_cast<std::size_t>(src_rank(x));
+    const auto d = static_cast<std::size_t>(dst_rank(x));
+    plan.rank_sent[s] = detail::add_checked(plan.rank_sent[s], x.bytes, "bytes a rank sends");
+    plan.rank_received[d] =
+        detail::add_checked(plan.rank_received[d], x.bytes, "bytes a rank receives");
+    plan.rank_local[s] += s == d ? x.bytes : 0;  // at most rank_sent[s]
+    if (!hosts.empty() && hosts[s] != hosts[d]) {
+      std::uint64_t& out = plan.host_sent[static_cast<std::size_t>(hosts[s])];
+      std::uint64_t& in = plan.host_received[static_cast<std::size_t>(hosts[d])];
+      out = detail::add_checked(out, x.bytes, "bytes a host sends");
+      in = detail::add_checked(in, x.bytes, "bytes a host receives");
+    }
+  }
+}
+
+// Adds each transfer's bytes to what its two ranks move to and from others in its exchange
+// (`moved`: rounds x world).
+template <typename SrcRank, typename DstRank>
+void tally_exchanges(std::vector<std::uint64_t>& moved, std::size_t world,
+                     const std::vector<Transfer>& all, SrcRank&& src_rank, DstRank&& dst_rank) {
+  for (const Transfer& x : all) {
+    const auto s = static_cast<std::size_t>(src_rank(x));
+    const auto d = static_cast<std::size_t>(dst_rank(x));
+    if (s != d) {
+      for (const std::size_t r : {s, d}) {
+        std::uint64_t& m = moved[x.round * world + r];
+        m = detail::add_checked(m, x.bytes, "bytes a rank moves in one exchange");
+      }
+    }
+  }
+}
+
+void add_local_views(RegionPlan& plan, std::span<const TensorRegions> tensors, int rank) {
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    for (std::size_t j = 0; j < tensors[i].sources.size(); ++j) {
+      if (tensors[i].sources[j].rank == rank) {
+        plan.source_views.push_back({i, j});
+      }
+    }
+    for (std::size_t k = 0; k < tensors[i].destinations.size(); ++k) {
+      if (tensors[i].destinations[k].rank == rank) {
+        plan.destination_views.push_back({i, k});
+      }
+    }
+  }
+}
+
+}  // namespace
+
+RegionPlan plan_regions(std::span<const TensorRegions> tensors, int world_size, int rank,
+                        const RegionOptions& options) {
+  check_region_options(world_size, rank, options);
   check_regions(tensors, world_size);
   Planner planner(tensors, world_size, options);
   std::vector<Transfer> moves = planner.run();
@@ -766,41 +826,13 @@ RegionPlan plan_regions(std::span<const TensorRegions> tensors, int world_size, 
   const auto forwarder_rank = [&](const Transfer& x) {
     return tensors[x.tensor].destinations[x.src].rank;
   };
-  const auto count = [&](const std::vector<Transfer>& all, auto&& src_rank) {
-    for (const Transfer& x : all) {
-      const auto s = static_cast<std::size_t>(src_rank(x));
-      const auto d = static_cast<std::size_t>(dst_rank(x));
-      plan.rank_sent[s] = detail::add_checked(plan.rank_sent[s], x.bytes, "bytes a rank sends");
-      plan.rank_received[d] =
-          detail::add_checked(plan.rank_received[d], x.bytes, "bytes a rank receives");
-      plan.rank_local[s] += s == d ? x.bytes : 0;  // at most rank_sent[s]
-      if (!options.hosts.empty() && options.hosts[s] != options.hosts[d]) {
-        std::uint64_t& out = plan.host_sent[static_cast<std::size_t>(options.hosts[s])];
-        std::uint64_t& in = plan.host_received[static_cast<std::size_t>(options.hosts[d])];
-        out = detail::add_checked(out, x.bytes, "bytes a host sends");
-        in = detail::add_checked(in, x.bytes, "bytes a host receives");
-      }
-    }
-  };
-  count(moves, source_rank);
-  count(forwards, forwarder_rank);
+  count_bytes(plan, moves, source_rank, dst_rank, options.hosts);
+  count_bytes(plan, forwards, forwarder_rank, dst_rank, options.hosts);
   plan.rounds = planner.rounds;
   // The busiest rank's bytes sent plus received to and from others, in its busiest exchange.
   std::vector<std::uint64_t> moved(plan.rounds * world, 0);
-  const auto tally = [&](const std::vector<Transfer>& all, auto&& src_rank) {
-    for (const Transfer& x : all) {
-      const auto s = static_cast<std::size_t>(src_rank(x));
-      const auto d = static_cast<std::size_t>(dst_rank(x));
-      if (s != d) {
-        for (const std::size_t r : {s, d}) {
-          std::uint64_t& m = moved[x.round * world + r];
-          m = detail::add_checked(m, x.bytes, "bytes a rank moves in one exchange");
-        }
-      }
-    }
-  };
-  tally(moves, source_rank);
-  tally(forwards, forwarder_rank);
+  tally_exchanges(moved, world, moves, source_rank, dst_rank);
+  tally_exchanges(moved, world, forwards, forwarder_rank, dst_rank);
   const std::uint64_t bucket = options.device_bucket_bytes;
   for (const std::uint64_t m : moved) {
     plan.device_parts = std::max(plan.device_parts, m / bucket + (m % bucket != 0 ? 1 : 0));
@@ -811,18 +843,7 @@ RegionPlan plan_regions(std::span<const TensorRegions> tensors, int world_size, 
   split_sides(std::move(forwards), forwarder_rank, dst_rank, plan.rank, world_size, plan.rounds,
               plan.forwards, plan.forward_first, plan.forward_counts, plan.forwarded,
               plan.forwarded_first, plan.forwarded_counts);
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    for (std::size_t j = 0; j < tensors[i].sources.size(); ++j) {
-      if (tensors[i].sources[j].rank == rank) {
-        plan.source_views.push_back({i, j});
-      }
-    }
-    for (std::size_t k = 0; k < tensors[i].destinations.size(); ++k) {
-      if (tensors[i].destinations[k].rank == rank) {
-        plan.destination_views.push_back({i, k});
-      }
-    }
-  }
+  add_local_views(plan, tensors, rank);
   return plan;
 }
 
