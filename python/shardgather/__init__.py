@@ -681,10 +681,12 @@ class ReshardPlan(_PlanState):
     rank = _from_plan("rank")
 
 
-def reshard(sources, destinations, layouts, group=None, *, timeout=None, async_op=False,
-            quantize=None):
+def reshard(sources, destinations, layouts, group=None, *, strategy="auto", preflight=True,
+            timeout=None, async_op=False, quantize=None):
     """One-shot :class:`ReshardPlan`: plans ``layouts`` for ``group`` and executes once; returns
     ``destinations`` (written in place). Build a plan instead to reshard every step.
+    ``strategy`` ("auto" or "direct") and ``preflight`` are the plan's, as for every other
+    operation.
 
     ``quantize`` (a format name or :class:`Quantize` for every tensor of 2 or more dims it can
     quantize, or a list or dict by index): FP8 on the wire, bit-identical to quantizing each
@@ -692,7 +694,8 @@ def reshard(sources, destinations, layouts, group=None, *, timeout=None, async_o
     one dim, and its destinations are (data, scales) pairs or float32 / bfloat16 tensors to
     dequantize into; :func:`shardgather.quantized.scale_box` gives a destination's scale
     shape)."""
-    plan = ReshardPlan.for_group(layouts, group, timeout=timeout, quantize=quantize)
+    plan = ReshardPlan.for_group(layouts, group, strategy=strategy, preflight=preflight,
+                                 timeout=timeout, quantize=quantize)
     return plan.execute(sources, destinations, group, async_op=async_op)
 
 

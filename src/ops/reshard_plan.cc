@@ -77,8 +77,9 @@ ReshardPlan::ReshardPlan(std::span<const TensorRegions> tensors, int world_size,
       regions_(plan_regions(tensors, world_size, rank, regions)),
       options_(options) {
   if (options.strategy != Strategy::kAuto && options.strategy != Strategy::kDirect) {
-    throw InvalidArgument("ReshardPlan: a reshard moves as one personal exchange (kDirect), not " +
-                          std::string(strategy_name(options.strategy)));
+    throw InvalidArgument("ReshardPlan: strategy is " +
+                          std::string(strategy_name(options.strategy)) +
+                          "; a reshard moves as one personal exchange (auto or direct)");
   }
   if (options.dst != -1) {
     throw InvalidArgument("ReshardPlan: options.dst is " + std::to_string(options.dst) +

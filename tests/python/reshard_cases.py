@@ -216,6 +216,27 @@ def case_a_layout_differing_on_one_rank_raises_mismatch_everywhere(rank, world, 
     raise AssertionError("no MismatchError on rank %d" % rank)
 
 
+def case_one_shot_reshard_takes_strategy_and_preflight(rank, world, group=None):
+    """reshard() takes the plan's strategy and preflight as every other operation does: each
+    valid pair gives the same bytes; an unknown strategy raises on every rank."""
+    layout = TensorLayout((world, 3), torch.int64, [(r, Box((r, 0), (1, 3))) for r in range(world)],
+                          [(r, Box((0, 0), (world, 3))) for r in range(world)])
+    want = torch.arange(3 * world).reshape(world, 3)
+    for strategy in ("auto", "direct"):
+        for preflight in (True, False):
+            dst = [torch.zeros(world, 3, dtype=torch.int64)]
+            shardgather.reshard([want[rank:rank + 1].clone()], dst, [layout], group,
+                                strategy=strategy, preflight=preflight, timeout=T)
+            assert torch.equal(dst[0], want), (strategy, preflight, dst[0])
+    try:
+        shardgather.reshard([want[rank:rank + 1].clone()], [torch.zeros(world, 3)], [layout],
+                            group, strategy="packed", timeout=T)
+    except shardgather.InvalidArgumentError as e:
+        assert "strategy" in str(e), str(e)
+        return
+    raise AssertionError("no InvalidArgumentError for strategy='packed' on rank %d" % rank)
+
+
 def case_device_bucket_is_part_of_the_plan(rank, world, group=None):
     """device_bucket_bytes sets the device parts, is checked, and ranks that disagree on it
     raise MismatchError on every rank before anything moves (it is in the fingerprint)."""
