@@ -785,6 +785,13 @@ ROWS = [
      "async_op must be a bool", 2),
     ("reshard_quantize_one_rank", "reshard", dict(layouts=None, quantize="mxfp8"),
      "MismatchError", "operation differs", 2),
+    ("reshard_strategy_direct", "reshard", dict(layouts=None, strategy="direct"), "ok", "", 2),
+    ("reshard_strategy_packed", "reshard", dict(layouts=None, strategy="packed"),
+     "InvalidArgumentError", "strategy is packed", 2),
+    ("reshard_strategy_bogus", "reshard", dict(layouts=None, strategy="bogus"),
+     "InvalidArgumentError", "bogus", 2),
+    ("reshard_preflight_str", "reshard", dict(layouts=None, preflight="yes"),
+     "InvalidTypeError", "preflight must be a bool", 2),
     # the layout helpers: another layout on one rank is another plan
     ("helpers_row_vs_column", "helpers", dict(helper="row"), "MismatchError", "", 2),
     ("helpers_ranks_reversed", "helpers", _w(lambda kw, w: dict(kw, ranks=list(range(w))[::-1])),
