@@ -157,6 +157,10 @@ SHARDGATHER_API void check_regions(std::span<const TensorRegions> tensors, int w
 // destination element that no source holds (naming the tensor, the destination rank and the
 // element). Cost: every rank plans every tensor's pieces (O(pieces of the whole reshard)) and
 // keeps its own.
+// How many times plan_regions ran in this process: a plan plans when it is built, never per
+// execution, which tests and tools/count-collectives check with it. Thread-safe.
+SHARDGATHER_API std::uint64_t plan_regions_runs() noexcept;
+
 SHARDGATHER_API RegionPlan plan_regions(std::span<const TensorRegions> tensors, int world_size,
                                         int rank, const RegionOptions& options = {});
 

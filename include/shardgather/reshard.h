@@ -32,6 +32,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <vector>
@@ -40,6 +41,7 @@
 #include "shardgather/device.h"
 #include "shardgather/export.h"
 #include "shardgather/plan.h"
+#include "shardgather/quantize.h"
 #include "shardgather/regions.h"
 #include "shardgather/stats.h"
 #include "shardgather/types.h"
@@ -47,33 +49,56 @@
 
 namespace shardgather {
 
+namespace detail {
+class QuantStage;
+}
+
 class SHARDGATHER_API ReshardPlan {
  public:
   ReshardPlan() = default;
   // Pure: plans every tensor (plan_regions; InvalidArgument for a bad layout or an element no
   // source holds). options.strategy: kAuto or kDirect (the personal exchange runs direct);
   // options.dst must be -1.
+  //
+  // `quantize[i]` (missing entries: kNone): FP8 on the wire for tensor i, quantized on send and
+  // bit-identical to quantizing the whole tensor (docs/quantization.md). Its sources must split
+  // one dim into disjoint pieces, one per rank; its destinations receive either the FP8 data
+  // (uint8 views of their boxes) with the scales of every block the box touches (the scales
+  // view of execute), or the dequantized values (float32 or bfloat16 views). Every execution is
+  // still one call: its header, one all-gather of the maxima of blocks that ranks' pieces cut
+  // (none where no block is cut), the payload; the planner runs here, never per execution.
+  // Host tensors only.
   ReshardPlan(std::span<const TensorRegions> tensors, int world_size, int rank,
-              const PlanOptions& options = {}, const RegionOptions& regions = {});
+              const PlanOptions& options = {}, const RegionOptions& regions = {},
+              std::span<const QuantFormat> quantize = {});
   // The same, with the communicator's size, rank and hosts (each destination byte then prefers a
   // source on its own host; regions.hosts is replaced by them). Pure: nothing is exchanged.
   static ReshardPlan for_communicator(std::span<const TensorRegions> tensors,
                                       const Communicator& comm, const PlanOptions& options = {},
-                                      RegionOptions regions = {});
+                                      RegionOptions regions = {},
+                                      std::span<const QuantFormat> quantize = {});
 
+  // The exchange's plan: for a quantized plan, that of its payload (per quantized tensor its
+  // data, then its scales, as tensors of their own).
   [[nodiscard]] const RegionPlan& regions() const noexcept { return regions_; }
-  [[nodiscard]] std::size_t tensors() const noexcept { return tensors_.size(); }
-  [[nodiscard]] const TensorRegions& tensor(std::size_t i) const { return tensors_.at(i); }
+  // The caller's tensors, as the plan was made with them.
+  [[nodiscard]] std::size_t tensors() const noexcept;
+  [[nodiscard]] const TensorRegions& tensor(std::size_t i) const;
   [[nodiscard]] int world_size() const noexcept { return regions_.world_size; }
   [[nodiscard]] int rank() const noexcept { return regions_.rank; }
-  [[nodiscard]] std::uint64_t fingerprint() const noexcept { return regions_.fingerprint; }
-  // This rank's views, in the order execute takes them: their tensor, dtype and box.
-  [[nodiscard]] std::size_t source_count() const noexcept { return regions_.source_views.size(); }
-  [[nodiscard]] std::size_t destination_count() const noexcept {
-    return regions_.destination_views.size();
-  }
+  [[nodiscard]] std::uint64_t fingerprint() const noexcept { return fingerprint_; }
+  [[nodiscard]] bool quantized() const noexcept { return quant_ != nullptr; }
+  // Bytes of each rank's row of cut blocks' maxima, all-gathered by every quantized execution
+  // (0: none travels).
+  [[nodiscard]] std::uint64_t amax_row_bytes() const noexcept;
+  // This rank's views, in the order execute takes them: their tensor (and entry), dtype and box.
+  [[nodiscard]] std::size_t source_count() const noexcept;
+  [[nodiscard]] std::size_t destination_count() const noexcept;
+  [[nodiscard]] ViewRef source_ref(std::size_t v) const;
+  [[nodiscard]] ViewRef destination_ref(std::size_t v) const;
   [[nodiscard]] const RankBox& source(std::size_t v) const;
   [[nodiscard]] const RankBox& destination(std::size_t v) const;
+  // The payload's (a quantized plan's row of maxima not counted).
   [[nodiscard]] std::uint64_t bytes_sent() const noexcept;      // by this rank, to other ranks
   [[nodiscard]] std::uint64_t bytes_received() const noexcept;  // by this rank, from others
 
@@ -83,17 +108,38 @@ class SHARDGATHER_API ReshardPlan {
   // is checked where one of the two is contiguous). `device`: where this call's views are, every
   // one of them; unset, the first view's (the host for a rank with no views, which in a device
   // reshard must pass it: every rank of a call moves the same kind of memory). Blocking.
+  //
+  // A quantized plan's `scales`: empty (every quantized destination receives values), or one
+  // per destination: a default TensorView (values), or for a quantized tensor's destination
+  // given as FP8 data (a uint8 view) the view its scales land in (float32, or uint8 E8M0 for
+  // mxfp8, of the scale box's shape).
   ExecStats execute(std::span<const TensorView> sources, Communicator& comm,
                     std::span<const TensorView> destinations,
+                    std::optional<Device> device = std::nullopt);
+  ExecStats execute(std::span<const TensorView> sources, Communicator& comm,
+                    std::span<const TensorView> destinations, std::span<const TensorView> scales,
                     std::optional<Device> device = std::nullopt);
   // execute(), started (work.h): the lists are copied; the memory stays alive until it completed.
   Work<ExecStats> start(std::span<const TensorView> sources, Communicator& comm,
                         std::span<const TensorView> destinations,
                         std::optional<Device> device = std::nullopt);
+  Work<ExecStats> start(std::span<const TensorView> sources, Communicator& comm,
+                        std::span<const TensorView> destinations,
+                        std::span<const TensorView> scales,
+                        std::optional<Device> device = std::nullopt);
 
  private:
   ExecStats execute_now(std::span<const TensorView> sources, Communicator& comm,
-                        std::span<const TensorView> destinations, std::optional<Device> device);
+                        std::span<const TensorView> destinations,
+                        std::span<const TensorView> scales, std::optional<Device> device);
+  // The views the exchange moves: the caller's, or a quantized plan's payload views.
+  void check_call(const Communicator& comm, std::span<const TensorView> sources,
+                  std::span<const TensorView> destinations, std::span<const TensorView> scales,
+                  std::optional<Device> device, ExecStats& stats);
+  [[nodiscard]] std::span<const TensorView> moved_sources(std::span<const TensorView> sources);
+  [[nodiscard]] std::span<const TensorView> moved_destinations(
+      std::span<const TensorView> destinations);
+  void encode_stage(detail::Call& call, std::span<const TensorView> sources);
   void check_views(const Communicator& comm, std::span<const TensorView> sources,
                    std::span<const TensorView> destinations, std::optional<Device> device,
                    ExecStats& stats);
@@ -112,8 +158,11 @@ class SHARDGATHER_API ReshardPlan {
   void run_round(std::size_t e, detail::Call& call, std::span<const TensorView> sources,
                  std::span<const TensorView> destinations, void* stream, ExecStats& stats);
 
-  std::vector<TensorRegions> tensors_;
+  // The quantize stage, or null (shared: a copied plan shares this const part).
+  std::shared_ptr<const detail::QuantStage> quant_;
+  std::vector<TensorRegions> tensors_;  // what the exchange moves (a quantized plan's payload)
   RegionPlan regions_;
+  std::uint64_t fingerprint_ = 0;
   PlanOptions options_;
   std::vector<DType> dtypes_;  // per tensor, for the header
   std::uint64_t dtype_hash_ = 0;

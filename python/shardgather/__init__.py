@@ -508,28 +508,33 @@ def _device_index(device):
 
 
 def _moved(name, doc):
-    """A figure of what an execution moves: the plan's, or for a quantized plan the sum over
-    the plans that really run (the payload of FP8 data and scales, and the amax exchange)."""
+    """A figure of what an execution moves: the plan's exchange (for a quantized plan its FP8
+    data and scales) plus, for a quantized plan whose blocks are cut across ranks, the row of
+    maxima each rank sends every other rank in the call's all-gather."""
     def get(self):
-        plans = self._built_quantized().plans() if self._quantize is not None else [self._built()]
-        values = [getattr(p, name) for p in plans]
-        if isinstance(values[0], list):  # per rank or host; a plan without hosts has none
-            width = max(len(v) for v in values)
-            return [sum(v[k] for v in values if k < len(v)) for k in range(width)]
-        return sum(values)
+        plan = self._built()
+        value = getattr(plan, name)
+        row = plan.amax_row_bytes
+        if not row:
+            return value
+        world, hosts = plan.world_size, self._hosts
+        if name in ("bytes_sent", "bytes_received"):
+            return value + row * (world - 1)
+        if name in ("rank_sent", "rank_received"):
+            return [v + row * (world - 1) for v in value]
+        if not hosts:  # host figures: a row crosses to each rank of another host
+            return value
+        return [v + row * sum(1 for r in range(world) for q in range(world)
+                              if (hosts[r] if name == "host_sent" else hosts[q]) == h
+                              and hosts[r] != hosts[q])
+                for h, v in enumerate(value)]
 
     return property(get, doc=doc)
 
 
 def _run(name, doc):
-    """A figure of how an execution runs: the plan's, or for a quantized plan its payload's
-    (the FP8 data and scales; the amax exchange, where there is one, is one call more)."""
-    def get(self):
-        if self._quantize is not None:
-            return getattr(self._built_quantized().payload_plan, name)
-        return getattr(self._built(), name)
-
-    return property(get, doc=doc)
+    """A figure of how an execution runs: the plan's (a quantized plan's: its payload's)."""
+    return property(lambda self: getattr(self._built(), name), doc=doc)
 
 
 class ReshardPlan(_PlanState):
@@ -577,22 +582,28 @@ class ReshardPlan(_PlanState):
                  preflight=True, timeout=None, device_bucket_bytes=None, quantize=None,
                  _stage=""):
         self._preflight, self._given_timeout, self._stage = preflight, timeout, _stage
-        self._quantize, self._quantized = quantize, None
-        # The keywords' kinds first, named (the extension would report them unnamed).
-        self._plan, self._error = _deferred(lambda: check_keywords(
-            strategy=strategy, preflight=preflight, timeout=timeout) or _C.ReshardPlan(
-            _layout_tuples(layouts), check_int("world_size", world_size, 1),
-            check_int("rank", rank, 0), None if hosts is None else list(hosts), bool(fan_out),
-            strategy, preflight, timeout,
-            None if device_bucket_bytes is None
-            else check_int("device_bucket_bytes", device_bucket_bytes, 1), _stage))
-        if quantize is not None and self._error is None:
-            # Planned once, here: each execute runs these plans (the layouts are checked above).
-            from . import quantized
+        self._quantize = quantize
+        hosts = None if hosts is None else list(hosts)
+        self._hosts = hosts
 
-            self._quantized, self._error = _deferred(lambda: quantized.ReshardQuantizer(
-                list(layouts), quantize, rank, world_size, hosts=hosts, fan_out=bool(fan_out),
-                timeout=timeout))
+        def build():
+            check_keywords(strategy=strategy, preflight=preflight, timeout=timeout)
+            formats = []
+            if quantize is not None:
+                from .quantized import Described, resolve
+
+                specs = resolve(quantize, [Described(t.dtype, t.shape) for t in layouts])
+                formats = [None if q is None else q.format for q in specs]
+            return _C.ReshardPlan(
+                _layout_tuples(layouts), check_int("world_size", world_size, 1),
+                check_int("rank", rank, 0), None if hosts is None else list(hosts),
+                bool(fan_out), strategy, preflight, timeout,
+                None if device_bucket_bytes is None
+                else check_int("device_bucket_bytes", device_bucket_bytes, 1), _stage,
+                formats)
+
+        # The keywords' kinds first, named (the extension would report them unnamed).
+        self._plan, self._error = _deferred(build)
 
     @classmethod
     def for_group(cls, layouts, group=None, *, fan_out=True, strategy="auto", preflight=True,
@@ -606,12 +617,6 @@ class ReshardPlan(_PlanState):
                    strategy=strategy, preflight=preflight, timeout=timeout,
                    device_bucket_bytes=device_bucket_bytes, quantize=quantize)
 
-    def _built_quantized(self):
-        self._built()
-        if self._quantized is None:
-            self._error.raise_here()
-        return self._quantized
-
     def execute(self, sources, destinations, group=None, *, async_op=False, device=None):
         """Moves every rank's sources into every rank's destinations (see the class); returns
         ``destinations`` as a new list, or with ``async_op=True`` a :class:`Work` whose
@@ -623,13 +628,11 @@ class ReshardPlan(_PlanState):
         A plan made with ``quantize`` quantizes on send (:func:`shardgather.quantized.reshard`:
         its quantized tensors' destinations are (data, scales) pairs or float32 / bfloat16
         tensors to dequantize into; CPU tensors, not ``async_op``)."""
-        if self._quantize is not None:
-            from . import quantized
+        extra = {}
+        if self._quantize is not None:  # (data, scales) pairs: FP8 data as uint8, and its scales
+            from .quantized import destination_parts
 
-            comm = communicator(group, self._timeout())
-            return quantized.execute(sources, destinations, self._quantized, comm,
-                                     timeout=self._given_timeout, async_op=async_op,
-                                     device=device, error=self._error)
+            extra = destination_parts(destinations)
         index = None
         if device is not None:
             index, problem = _device_index(device)
@@ -638,8 +641,9 @@ class ReshardPlan(_PlanState):
                 _C._fail_call(comm, "ReshardPlan::execute", problem, False,
                               self._preflight is not False, _setup_timeout(self._given_timeout),
                               self._stage)
-        return self._execute("ReshardPlan::execute", sources, group, destinations, async_op,
-                             cuda_index=index)
+        return self._execute("ReshardPlan::execute", sources, group,
+                             extra.pop("destinations", destinations), async_op, cuda_index=index,
+                             **extra)
 
     source_boxes = _from_plan(
         "source_boxes", "This rank's sources in execute's order: (tensor index, offset, size).")
@@ -673,8 +677,6 @@ class ReshardPlan(_PlanState):
         size) per transfer, grouped by peer in the plan's order (the first exchange's); for a
         quantized plan, those of its payload (tensor indices of the payload's layouts: a
         quantized tensor's data, then its scales)."""
-        if self._quantize is not None:
-            return self._built_quantized().payload_plan.transfers
         return self._built().transfers
 
     fingerprint = _from_plan("fingerprint")

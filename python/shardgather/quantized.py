@@ -20,7 +20,6 @@ How one call runs, every rank alike:
 CPU tensors only (the quantizer is the host one); one call at a time (no ``async_op``).
 """
 
-import threading
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -762,275 +761,29 @@ def reshard(sources, destinations, layouts, comm, quantize, *, timeout, async_op
     return plan.execute(sources, destinations, comm, async_op=async_op)
 
 
-def execute(sources, destinations, plan, comm, *, timeout, async_op=False, device=None,
-            error=None):
-    """A quantized :class:`shardgather.ReshardPlan`'s execute (``plan``: its
-    :class:`ReshardQuantizer`, None where the plan's constructor failed with ``error``). Every
-    argument is checked, on every rank, in one agreement before anything moves. One thread at
-    a time: another thread executing the same plan gets a RuntimeError (on its rank: the
-    caller's error, as for every plan)."""
-    if plan is not None and not plan.running.acquire(blocking=False):
-        raise RuntimeError("ReshardPlan: a plan is executed by one thread at a time, and "
-                           "another thread is executing this one")
-    try:
-        return _execute_checked(sources, destinations, plan, comm, timeout, async_op, device,
-                                error)
-    finally:
-        if plan is not None:
-            plan.running.release()
-
-
-def _execute_checked(sources, destinations, plan, comm, timeout, async_op, device, error):
-    agreement = Agreement("reshard", RESHARD + ": agreement")
-    if error is not None:  # the plan's constructor found it (shardgather._Deferred)
-        agreement.fail(error.cls, error.message)
-    agreement.capture(lambda: check_keywords(timeout=timeout, async_op=async_op))
-    if device is not None:
-        agreement.capture(lambda: _check_host_device(device))
-    # Lists once, here: an iterator checked in the agreement would be empty afterwards.
-    listed = agreement.capture(lambda: _lists(sources, destinations))
-    if plan is not None and listed is not None:
-        agreement.capture(lambda: plan.check(listed[0], listed[1], comm))
-        agreement.quantize = [None if q is None else _text(q) for q in plan.specs_q]
-    agreement.run(comm, _timeout_seconds(timeout))
-    return plan.execute(listed[0], listed[1], comm)
-
-
-def _lists(sources, destinations):
-    out = []
-    for name, x in (("sources", sources), ("destinations", destinations)):
-        try:
-            out.append(list(x))
-        except TypeError:
-            raise InvalidTypeError("%s must be a list, got %s" % (name, type(x).__name__)) \
-                from None
-    return out
-
-
-def _check_host_device(device):
-    """A quantized reshard runs on the host: ``device`` must name it."""
-    try:
-        cpu = torch.device(device).type == "cpu"
-    except (TypeError, RuntimeError, ValueError):
-        cpu = False
-    if not cpu:
-        raise InvalidArgumentError("device: a quantized reshard runs on CPU tensors (the host "
-                                   "quantizer), got %r" % (device,))
-
-
-def _from_sources(i, spec, layout, world):
-    """The arithmetic of a quantized tensor from its source boxes, which must split one dim
-    into disjoint pieces, one per rank (the shape the amax agreement works on)."""
-    shape = tuple(layout.shape)
-    held = {}
-    for r, box in layout.sources:
-        offset, size = tuple(box[0]), tuple(box[1])
-        if not 0 <= r < world:
-            raise InvalidArgumentError("quantize[%d]: a source on rank %d of %d" % (i, r, world))
-        if 0 in size:
-            continue
-        if r in held:
-            raise InvalidArgumentError("quantize[%d]: rank %d holds two source boxes (a "
-                                       "quantized reshard needs one per rank)" % (i, r))
-        held[r] = (offset, size)
-    split = sorted({d for _, n in held.values() for d in range(len(shape)) if n[d] != shape[d]})
-    dim = split[0] if split else 0
-    pieces = sorted((o[dim], n[dim], r) for r, (o, n) in held.items())
-    at = 0
-    for o, n, _ in pieces:  # they must tile the dim: each starts where the last ended
-        at = at if o == at else -1
-        at = at + n if at >= 0 else -1
-    if len(split) > 1 or at != shape[dim] or len(pieces) > 1 and not split:
-        raise InvalidArgumentError(
-            "quantize[%d]: the sources must split one dim into disjoint pieces that cover it "
-            "(as FSDP's rows or a column or row split do), got %s"
-            % (i, [(r, o, n) for r, (o, n) in sorted(held.items())]))
-    sizes, offsets = [0] * world, [0] * world
-    for o, n, r in pieces:
-        sizes[r], offsets[r] = n, o
-    return _plan_tensor(i, spec, shape, dim, sizes, offsets)
-
-
-def _mine(entries, rank):
-    return [k for k, (r, _) in enumerate(entries) if r == rank]
-
-
-class ReshardQuantizer(_Encoder):
-    """A quantized reshard's plan on this rank, made once with its :class:`ReshardPlan`: which
-    tensors are quantized, their block arithmetic, and the two plans each execute runs (the
-    amax exchange, where a cut falls inside a block, and the payload of FP8 data and scales).
-    :meth:`check` checks one call's tensors."""
-
-    def __init__(self, layouts, quantize, rank, world, *, hosts=None, fan_out=True,
-                 timeout=None):
-        from . import ReshardPlan  # the package imports this module
-
-        self.layouts = list(layouts)
-        self.specs_q = resolve(quantize, [Described(t.dtype, t.shape) for t in self.layouts])
-        tensors = [_from_sources(i, q, t, world)
-                   for i, (q, t) in enumerate(zip(self.specs_q, self.layouts)) if q is not None]
-        self.src_order = [(i, j) for i, t in enumerate(self.layouts) for j in _mine(t.sources,
-                                                                                     rank)]
-        self.dst_order = [(i, k) for i, t in enumerate(self.layouts)
-                          for k in _mine(t.destinations, rank)]
-        self.by_index = {t.index: t for t in tensors}
-        super().__init__(tensors, rank, world, op=RESHARD)
-        self.payload = self._payload_layouts(world)
-        self.payload_plan = ReshardPlan(self.payload, world, rank, hosts=hosts, fan_out=fan_out,
-                                        timeout=timeout, _stage=RESHARD + ": payload")
-        self._timeout = timeout
-        self.payload_plan._built()  # its layout's error, here (the constructor defers it)
-        planned = self.amax_plan(timeout, hosts)
-        self._amax_figures = [] if planned is None else [planned[0]]
-        # The staging, the amax table and the payload plan are this plan's: one thread at a
-        # time, as any plan (another gets a RuntimeError, not a race).
-        self.running = threading.Lock()
-
-    def plans(self):
-        """The plans an execute runs (their byte figures add up to what moves)."""
-        return [self.payload_plan] + self._amax_figures
-
-    def check(self, sources, destinations, comm):
-        """One call's arguments, before anything moves: the group the plan was made for, the
-        number of tensors, each quantized source's shape and dtype, each quantized
-        destination's form (:func:`_check_destination`)."""
-        rank, world = self.rank, self.world
-        if comm.size != world or comm.rank != rank:
-            raise InvalidArgumentError("the plan was built for rank %d of %d, this is rank %d "
-                                       "of %d" % (rank, world, comm.rank, comm.size))
-        sources, destinations = list(sources), list(destinations)
-        if len(sources) != len(self.src_order) or len(destinations) != len(self.dst_order):
-            raise InvalidArgumentError(
-                "rank %d: %d sources and %d destinations for %d source and %d destination boxes"
-                % (rank, len(sources), len(destinations), len(self.src_order),
-                   len(self.dst_order)))
-        for pos, (i, j) in enumerate(self.src_order):
-            t = self.by_index.get(i)
-            if t is not None and t.sizes[rank] and 0 not in tuple(self.layouts[i].sources[j][1][1]):
-                _check_shard(sources[pos], self.layouts[i].dtype, 0, t, rank, world, "sources")
-        for pos, (i, k) in enumerate(self.dst_order):
-            if i in self.by_index:
-                _check_destination(destinations[pos], self.by_index[i],
-                                   self.layouts[i].destinations[k][1], pos)
-
-    def _payload_layouts(self, world):
-        out = []
-        for i, layout in enumerate(self.layouts):
-            t = self.by_index.get(i)
-            if t is None:
-                out.append(TensorLayout(tuple(layout.shape), layout.dtype, list(layout.sources),
-                                        list(layout.destinations)))
-                continue
-            out.append(TensorLayout(t.shape, torch.uint8, list(layout.sources),
-                                    list(layout.destinations)))
-            scale_sources = []
-            for r in range(world):
-                if t.owned(r):
-                    offset, size = [0] * len(t.scale_shape), list(t.scale_shape)
-                    offset[t.dim], size[t.dim] = -(-t.offsets[r] // t.block), t.owned(r)
-                    scale_sources.append((r, Box(tuple(offset), tuple(size))))
-            out.append(TensorLayout(t.scale_shape, _scale_dtype(t), scale_sources,
-                                    [(r, scale_box(t.spec.format, t.shape, box))
-                                     for r, box in layout.destinations]))
-        return out
-
-    def execute(self, sources, destinations, comm):
-        """Encodes, moves and (where asked) dequantizes; returns ``destinations``. The
-        caller holds :attr:`running` (the module's :func:`execute` does)."""
-        rank = self.rank
-        mine = {}
-        for pos, (i, j) in enumerate(self.src_order):
-            if i in self.by_index and 0 not in tuple(self.layouts[i].sources[j][1][1]):
-                mine[i] = sources[pos]
-        quantized = self.encode_quantized(mine, comm, self._timeout)
-        sent, got, unpack = [], [], []
-        src_at = {key: pos for pos, key in enumerate(self.src_order)}
-        dst_at = {key: pos for pos, key in enumerate(self.dst_order)}
-        for i, layout in enumerate(self.layouts):
-            t = self.by_index.get(i)
-            src = [(j, src_at[(i, j)]) for j in _mine(layout.sources, rank)]
-            dst = [(k, dst_at[(i, k)]) for k in _mine(layout.destinations, rank)]
-            if t is None:
-                sent += [sources[pos] for _, pos in src]
-                got += [destinations[pos] for _, pos in dst]
-                continue
-            for j, _ in src:  # the data: this rank's box, or an empty one
-                size = tuple(layout.sources[j][1][1])
-                sent.append(quantized[i][0] if 0 not in size else
-                            torch.empty(size, dtype=torch.uint8))
-            data_in = [self._landing(destinations[pos], t, layout.destinations[k][1], 0)
-                       for k, pos in dst]
-            got += data_in
-            if t.owned(rank):
-                sent.append(quantized[i][1])
-            scales_in = [self._landing(destinations[pos], t, layout.destinations[k][1], 1)
-                         for k, pos in dst]
-            got += scales_in
-            unpack += [(destinations[pos], t, layout.destinations[k][1], d, s)
-                       for (k, pos), d, s in zip(dst, data_in, scales_in)]
-        self.payload_plan.execute(sent, got, comm)
-        for dest, t, box, data, scales in unpack:
-            # An empty box has nothing to dequantize (and its window no block to read).
-            if not isinstance(dest, tuple) and 0 not in tuple(box[1]):
-                window, inside = _window_of(t.spec.format, t.shape, box)
-                _C._dequantize_box(data, scales, t.spec.format, window, inside, dest)
-        return list(destinations)
-
-    @staticmethod
-    def _landing(dest, t, box, part):
-        """Where part 0 (data) or 1 (scales) of a destination box lands: the caller's tensor of
-        a (data, scales) pair, or a new one to dequantize from."""
-        if isinstance(dest, tuple):
-            return dest[part].view(torch.uint8) if dest[part].element_size() == 1 else dest[part]
-        if part == 0:
-            return torch.empty(tuple(box[1]), dtype=torch.uint8)
-        return torch.empty(scale_box(t.spec.format, t.shape, box).size, dtype=_scale_dtype(t))
-
-
 def _scale_dtype(t):
     return torch.uint8 if t.spec.format == "mxfp8" else torch.float32
 
 
-def _check_destination(dest, t, box, pos):
-    """A quantized destination: a (data, scales) pair of the box's and its scale box's shapes,
-    or a float32 / bfloat16 tensor of the box's shape to dequantize into; never one whose
-    elements share memory (a write would land twice)."""
-    size = tuple(box[1])
-    want = scale_box(t.spec.format, t.shape, box).size
-    parts = dest if isinstance(dest, tuple) else (dest,)
-    if not all(isinstance(x, torch.Tensor) for x in parts):
-        raise InvalidTypeError(
-            "destinations[%d] (tensor %d, box %s): a (data, scales) pair of tensors or a tensor, "
-            "got %s" % (pos, t.index, tuple(box), tuple(type(x).__name__ for x in parts)))
-    for x in parts:
-        if isinstance(x, torch.Tensor) and _C._overlaps_itself(x):
-            raise InvalidArgumentError(
-                "destinations[%d] (tensor %d, box %s): its elements share memory (a stride of "
-                "0, or strides that map two indices to one element): a write would land twice"
-                % (pos, t.index, tuple(box)))
-    if isinstance(dest, tuple):
-        ok = len(dest) == 2 and all(isinstance(x, torch.Tensor) and x.device.type == "cpu"
-                                    for x in dest)
-        if ok:
-            data, scales = dest
-            mx = t.spec.format == "mxfp8"
-            ok = (tuple(data.shape) == size and data.dtype in (torch.float8_e4m3fn, torch.uint8)
-                  and tuple(scales.shape) == tuple(want)
-                  and (scales.dtype in (torch.float8_e8m0fnu, torch.uint8) if mx
-                       else scales.dtype == torch.float32))
-        if not ok:
-            raise InvalidArgumentError(
-                "destinations[%d] (tensor %d, box %s): a (data, scales) pair of %s e4m3fn and "
-                "%s %s scales, or a float32 / bfloat16 tensor of %s" % (
-                    pos, t.index, tuple(box), list(size), list(want),
-                    "e8m0" if t.spec.format == "mxfp8" else "float32", list(size)))
-        return
-    if not (isinstance(dest, torch.Tensor) and dest.device.type == "cpu"
-            and dest.dtype in (torch.float32, torch.bfloat16) and tuple(dest.shape) == size):
-        raise InvalidArgumentError(
-            "destinations[%d] (tensor %d, box %s): a (data, scales) pair, or a float32 / "
-            "bfloat16 CPU tensor of %s to dequantize into" % (pos, t.index, tuple(box),
-                                                              list(size)))
+def destination_parts(destinations):
+    """A quantized :class:`shardgather.ReshardPlan`'s destinations as its execute takes them:
+    {"destinations": each one, a (data, scales) pair's FP8 data as uint8; "scales": per
+    destination None (it receives values) or the pair's scales (E8M0 as uint8); "returned":
+    the list execute returns}. Anything else is passed on as it is, for the call to refuse on
+    every rank."""
+    try:
+        given = list(destinations)
+    except TypeError:
+        return {}  # the call names it
+    moved, scales = [], []
+    for d in given:
+        if isinstance(d, tuple) and len(d) == 2 and all(isinstance(x, torch.Tensor) for x in d):
+            moved.append(d[0].view(torch.uint8) if d[0].dtype == torch.float8_e4m3fn else d[0])
+            scales.append(d[1].view(torch.uint8) if d[1].dtype == torch.float8_e8m0fnu else d[1])
+        else:
+            moved.append(d)
+            scales.append(None)
+    return {"destinations": moved, "scales": scales, "returned": given}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -549,6 +549,8 @@ void fail_call_py(const CommPtr& comm, const std::string& op, const std::string&
 
 // Entry points of the Python package's own plumbing and of the tests, not of its users.
 void register_hooks(py::module_& m) {
+  m.def("_plan_regions_runs", &plan_regions_runs,
+        "How many times the region planner ran in this process (a plan plans when built).");
   m.def("_fail_call", &fail_call_py, py::arg("comm"), py::arg("op"), py::arg("message"),
         py::arg("is_type_error") = false, py::arg("preflight") = true,
         py::arg("timeout") = py::none(), py::arg("stage") = "", py::arg("code") = "");

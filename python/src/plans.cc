@@ -113,7 +113,8 @@ bool list_holds(PyObject* list, const py::object* items, std::size_t count) {
 // plan never keeps the caller's arguments alive between executions; the vectors stay for reuse.
 class ArgumentsHeld {
  public:
-  ArgumentsHeld(Params& inputs, Params& outputs) : inputs_(inputs), outputs_(outputs) {}
+  ArgumentsHeld(Params& inputs, Params& outputs, Params& scales)
+      : inputs_(inputs), outputs_(outputs), scales_(scales) {}
   ArgumentsHeld(const ArgumentsHeld&) = delete;
   ArgumentsHeld& operator=(const ArgumentsHeld&) = delete;
   ArgumentsHeld(ArgumentsHeld&&) = delete;
@@ -121,11 +122,13 @@ class ArgumentsHeld {
   ~ArgumentsHeld() {
     inputs_.tensors.clear();
     outputs_.tensors.clear();
+    scales_.tensors.clear();
   }
 
  private:
   Params& inputs_;
   Params& outputs_;
+  Params& scales_;
 };
 
 // The bytes of `t`; none for an undefined tensor (a rank that does not receive has no buffer).
@@ -242,7 +245,7 @@ py::object PyPlan<Plan>::run(py::handle inputs, const std::shared_ptr<Communicat
   const auto lock = claim(comm);
   const auto started = async_op ? std::make_shared<Parsed>() : nullptr;
   Parsed& parsed = async_op ? *started : parsed_;
-  const ArgumentsHeld held(parsed_.inputs, parsed_.outputs);
+  const ArgumentsHeld held(parsed_.inputs, parsed_.outputs, parsed_.scales);
   parse_or_fail(inputs, names_.inputs, parsed.inputs, comm);
   auto output = prepare(parsed, comm);
   if (async_op) {
@@ -272,6 +275,7 @@ py::object PyPlan<Plan>::start(const std::shared_ptr<Communicator>& comm,
     last_ = stats;
     parsed->inputs.tensors.clear();
     parsed->outputs.tensors.clear();
+    parsed->scales.tensors.clear();
     return results();
   };
   return py::cast(std::make_unique<PyWork>(comm, std::move(work), std::move(finish), self));
@@ -356,14 +360,40 @@ py::object PyUnshardPlan::execute(py::handle shards, const std::shared_ptr<Commu
 
 py::object PyReshardPlan::execute(py::handle sources, py::handle destinations,
                                   const std::shared_ptr<Communicator>& comm, bool async_op,
-                                  std::optional<Device> device, const py::object& self) {
+                                  std::optional<Device> device, py::handle scales,
+                                  py::handle returned, const py::object& self) {
   return run(sources, comm, async_op, self, [&](Parsed& parsed, Communicator& c) {
     parse_or_fail(destinations, "destinations", parsed.outputs, c);
-    py::list result = first_items(destinations, parsed.outputs.views.size());
+    parse_scales(scales, parsed, c);
+    py::list result =
+        first_items(returned.is_none() ? destinations : returned, parsed.outputs.views.size());
     const std::span<const TensorView> views(parsed.outputs.views);
-    return PlanOutput{[views, device](auto method) { return method(views, device); },
-                      [result]() -> py::object { return result; }};
+    const std::span<const TensorView> scale_views(parsed.scale_views);
+    return PlanOutput{
+        [views, scale_views, device](auto method) { return method(views, scale_views, device); },
+        [result]() -> py::object { return result; }};
   });
+}
+
+// A quantized reshard's scales: None, or one entry per destination (None: that destination
+// receives values), parsed as the destinations are.
+void PyReshardPlan::parse_scales(py::handle scales, Parsed& parsed, Communicator& comm) const {
+  parsed.scale_views.clear();
+  if (scales.is_none()) {
+    return;
+  }
+  const auto items = py::reinterpret_borrow<py::sequence>(scales);
+  py::list given;
+  for (const py::handle item : items) {
+    if (!item.is_none()) {
+      given.append(item);
+    }
+  }
+  parse_or_fail(given, "scales", parsed.scales, comm);
+  std::size_t k = 0;
+  for (const py::handle item : items) {
+    parsed.scale_views.push_back(item.is_none() ? TensorView{} : parsed.scales.views[k++]);
+  }
 }
 
 void PyUnshardPlan::build_buffer() {

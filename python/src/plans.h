@@ -100,6 +100,8 @@ class PyPlan {
   struct Parsed {
     Params inputs;
     Params outputs;  // the caller's output tensors, where the plan takes them
+    Params scales;   // a quantized reshard's destination scales (the given ones)
+    std::vector<TensorView> scale_views;  // one per destination, or none
   };
 
   PyPlan(Plan plan, const PlanOptions& options, Names names)
@@ -189,9 +191,16 @@ class PyReshardPlan : public PyPlan<ReshardPlan> {
   // Writes this rank's `destinations` (tensors of its boxes, any strides, in place) from every
   // rank's sources; returns them as a new list. `device`: where this rank's tensors are (unset:
   // the first one's; a rank with none in a CUDA reshard passes it).
+  // A quantized plan's `scales`: None, or per destination None (values) or the tensor its
+  // scales land in, `destinations` then holding the FP8 data as uint8. `returned`: the list
+  // execute returns (None: `destinations`).
   pybind11::object execute(pybind11::handle sources, pybind11::handle destinations,
                            const std::shared_ptr<Communicator>& comm, bool async_op,
-                           std::optional<Device> device, const pybind11::object& self);
+                           std::optional<Device> device, pybind11::handle scales,
+                           pybind11::handle returned, const pybind11::object& self);
+
+ private:
+  void parse_scales(pybind11::handle scales, Parsed& parsed, Communicator& comm) const;
 };
 
 // One-shot unshard: plan, allocate (a torch-owned buffer), execute; returns the full tensors.

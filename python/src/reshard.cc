@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include "shardgather/errors.h"
+#include "shardgather/quantize.h"
 
 namespace py = pybind11;
 
@@ -36,42 +37,53 @@ std::vector<TensorRegions> tensor_regions(const std::vector<PyTensorRegions>& la
   return out;
 }
 
-std::unique_ptr<PyReshardPlan> make_reshard_plan(const std::vector<PyTensorRegions>& layouts,
-                                                 int world_size, int rank,
-                                                 std::optional<std::vector<int>> hosts,
-                                                 bool fan_out, const std::string& strategy,
-                                                 bool preflight, std::optional<double> timeout,
-                                                 std::optional<std::uint64_t> device_bucket_bytes,
-                                                 const std::string& stage) {
+std::unique_ptr<PyReshardPlan> make_reshard_plan(
+    const std::vector<PyTensorRegions>& layouts, int world_size, int rank,
+    std::optional<std::vector<int>> hosts, bool fan_out, const std::string& strategy,
+    bool preflight, std::optional<double> timeout, std::optional<std::uint64_t> device_bucket_bytes,
+    const std::string& stage, const std::vector<std::optional<std::string>>& quantize) {
   PlanOptions options = plan_options(strategy, preflight, timeout);
   options.stage = Stage(stage);
   RegionOptions regions;
   regions.hosts = hosts.value_or(std::vector<int>{});
   regions.fan_out = fan_out;
   regions.device_bucket_bytes = device_bucket_bytes.value_or(regions.device_bucket_bytes);
+  std::vector<QuantFormat> formats;
+  for (std::size_t i = 0; i < quantize.size(); ++i) {
+    const auto format = quantize[i] ? quant_format_from_name(*quantize[i])
+                                    : std::optional<QuantFormat>(QuantFormat::kNone);
+    if (!format) {
+      throw InvalidArgument("quantize[" + std::to_string(i) + "]: unknown format '" + *quantize[i] +
+                            "' (fp8_e4m3_128x128, fp8_e4m3_1x128 or mxfp8)");
+    }
+    formats.push_back(*format);
+  }
   return std::make_unique<PyReshardPlan>(
-      ReshardPlan(tensor_regions(layouts), world_size, rank, options, regions), options);
+      ReshardPlan(tensor_regions(layouts), world_size, rank, options, regions, formats), options);
 }
 
 py::object execute_reshard_plan(const py::object& self, py::handle sources,
                                 const std::shared_ptr<Communicator>& comm, py::handle destinations,
-                                bool async_op, std::optional<int> cuda_index) {
+                                bool async_op, std::optional<int> cuda_index, py::handle scales,
+                                py::handle returned) {
   // The Python layer resolves the device: None (the tensors say), -1 (the host), or a CUDA index.
   std::optional<Device> device;
   if (cuda_index) {
     device = *cuda_index < 0 ? kCpu : cuda_device(*cuda_index);
   }
-  return self.cast<PyReshardPlan&>().execute(sources, destinations, comm, async_op, device, self);
+  return self.cast<PyReshardPlan&>().execute(sources, destinations, comm, async_op, device, scales,
+                                             returned, self);
 }
 
 // This rank's boxes of one side: [(tensor index, offset, size)] in the order execute takes them.
 py::list local_boxes(const ReshardPlan& plan, bool sources) {
-  const auto& refs = sources ? plan.regions().source_views : plan.regions().destination_views;
+  const std::size_t n = sources ? plan.source_count() : plan.destination_count();
   py::list out;
-  for (std::size_t v = 0; v < refs.size(); ++v) {
+  for (std::size_t v = 0; v < n; ++v) {
+    const ViewRef ref = sources ? plan.source_ref(v) : plan.destination_ref(v);
     const Box& box = sources ? plan.source(v).box : plan.destination(v).box;
-    out.append(py::make_tuple(refs[v].tensor, py::tuple(py::cast(box.offset)),
-                              py::tuple(py::cast(box.size))));
+    out.append(
+        py::make_tuple(ref.tensor, py::tuple(py::cast(box.offset)), py::tuple(py::cast(box.size))));
   }
   return out;
 }
@@ -106,9 +118,13 @@ void register_reshard_plan(py::module_& m) {
       .def(py::init(&make_reshard_plan), py::arg("layouts"), py::arg("world_size"), py::arg("rank"),
            py::arg("hosts") = py::none(), py::arg("fan_out") = true, py::arg("strategy") = "auto",
            py::arg("preflight") = true, py::arg("timeout") = py::none(),
-           py::arg("device_bucket_bytes") = py::none(), py::arg("stage") = "")
+           py::arg("device_bucket_bytes") = py::none(), py::arg("stage") = "",
+           py::arg("quantize") = std::vector<std::optional<std::string>>{})
       .def("execute", &execute_reshard_plan, py::arg("sources"), py::arg("comm"),
-           py::arg("destinations"), py::arg("async_op") = false, py::arg("cuda_index") = py::none())
+           py::arg("destinations"), py::arg("async_op") = false, py::arg("cuda_index") = py::none(),
+           py::arg("scales") = py::none(), py::arg("returned") = py::none())
+      .def_property_readonly("quantized", [](const P& p) { return p.plan().quantized(); })
+      .def_property_readonly("amax_row_bytes", [](const P& p) { return p.plan().amax_row_bytes(); })
       .def_property_readonly("source_boxes", [](const P& p) { return local_boxes(p.plan(), true); })
       .def_property_readonly("destination_boxes",
                              [](const P& p) { return local_boxes(p.plan(), false); })

@@ -10,6 +10,7 @@
 #include "copies/box_runs.h"
 #include "copies/local_input.h"
 #include "ops/call.h"
+#include "ops/quant_stage.h"
 #include "strategies/strategy.h"
 
 #include "shardgather/communicator.h"
@@ -40,6 +41,7 @@ struct ExecScratch {
   std::vector<std::int64_t> strides;
   std::vector<std::int64_t> local_offset;
   BoxRunScratch runs;
+  QuantScratch quant;  // a quantized reshard's stage
 };
 
 }  // namespace shardgather::detail

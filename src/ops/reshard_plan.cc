@@ -14,6 +14,7 @@
 #include "ops/payload.h"
 #include "ops/plan_execution.h"
 #include "ops/preflight.h"
+#include "ops/quant_stage.h"
 #include "ops/start.h"
 
 #include "shardgather/copy.h"
@@ -43,19 +44,32 @@ bool inner_strided(const TensorView& t) {
   return false;
 }
 
+std::shared_ptr<const detail::QuantStage> quant_stage(std::span<const TensorRegions> tensors,
+                                                      std::span<const QuantFormat> quantize,
+                                                      int world, int rank) {
+  if (std::all_of(quantize.begin(), quantize.end(),
+                  [](QuantFormat f) { return f == QuantFormat::kNone; })) {
+    return nullptr;
+  }
+  return std::make_shared<const detail::QuantStage>(tensors, quantize, world, rank);
+}
+
+}  // namespace
+
+namespace detail {
+
 // Checks one view against its box; returns its bytes.
-std::uint64_t check_view(const TensorView& t, const char* side, std::size_t v,
-                         const TensorRegions& tensor, std::size_t i, const RankBox& box,
-                         const Device& device) {
+std::uint64_t check_reshard_view(const TensorView& t, const char* side, std::size_t v,
+                                 const TensorRegions& tensor, std::size_t i, const RankBox& box,
+                                 const Device& device) {
   const auto where = [&] { return view_name(side, v, i) + ": "; };
   if (t.dtype != tensor.dtype) {
     throw InvalidArgument(where() + "dtype " + std::string(dtype_name(t.dtype)) +
                           ", the plan has " + std::string(dtype_name(tensor.dtype)));
   }
   if (t.shape != box.box.size) {
-    throw InvalidArgument(where() + "shape " + detail::shape_str(t.shape) +
-                          ", its box in the plan is " + detail::shape_str(box.box.size) +
-                          " at offset " + detail::shape_str(box.box.offset));
+    throw InvalidArgument(where() + "shape " + shape_str(t.shape) + ", its box in the plan is " +
+                          shape_str(box.box.size) + " at offset " + shape_str(box.box.offset));
   }
   if (!t.strides.empty() && t.strides.size() != t.shape.size()) {
     throw InvalidArgument(where() + std::to_string(t.strides.size()) + " strides for " +
@@ -65,16 +79,20 @@ std::uint64_t check_view(const TensorView& t, const char* side, std::size_t v,
   if (t.data == nullptr && bytes != 0) {
     throw InvalidArgument(where() + "null data pointer with " + std::to_string(bytes) + " bytes");
   }
-  detail::check_device(t, v, device, side);
+  check_device(t, v, device, side);
   return bytes;
 }
 
-}  // namespace
+}  // namespace detail
 
 ReshardPlan::ReshardPlan(std::span<const TensorRegions> tensors, int world_size, int rank,
-                         const PlanOptions& options, const RegionOptions& regions)
-    : tensors_(tensors.begin(), tensors.end()),
-      regions_(plan_regions(tensors, world_size, rank, regions)),
+                         const PlanOptions& options, const RegionOptions& regions,
+                         std::span<const QuantFormat> quantize)
+    : quant_(quant_stage(tensors, quantize, world_size, rank)),
+      tensors_(quant_ ? quant_->payload().begin() : tensors.begin(),
+               quant_ ? quant_->payload().end() : tensors.end()),
+      regions_(plan_regions(tensors_, world_size, rank, regions)),
+      fingerprint_(quant_ ? quant_->fingerprint(regions_.fingerprint) : regions_.fingerprint),
       options_(options) {
   if (options.strategy != Strategy::kAuto && options.strategy != Strategy::kDirect) {
     throw InvalidArgument("ReshardPlan: strategy is " +
@@ -85,8 +103,14 @@ ReshardPlan::ReshardPlan(std::span<const TensorRegions> tensors, int world_size,
     throw InvalidArgument("ReshardPlan: options.dst is " + std::to_string(options.dst) +
                           "; a reshard's receivers are its destination boxes (leave dst -1)");
   }
-  for (const TensorRegions& t : tensors_) {
+  // The header names the caller's tensors (their count and dtypes); the fingerprint covers the
+  // payload and the formats, and a quantized plan's stage names its quantize spec, so that a
+  // rank whose spec differs raises a mismatch that says so.
+  for (const TensorRegions& t : quant_ ? quant_->tensors() : std::span(tensors_)) {
     dtypes_.push_back(t.dtype);
+  }
+  if (quant_ && options_.stage.empty()) {
+    options_.stage = Stage(quant_->stage_text());
   }
   dtype_hash_ = detail::hash_dtypes(dtypes_);
   size_device_rooms();
@@ -126,19 +150,55 @@ void ReshardPlan::size_device_rooms() {
 
 ReshardPlan ReshardPlan::for_communicator(std::span<const TensorRegions> tensors,
                                           const Communicator& comm, const PlanOptions& options,
-                                          RegionOptions regions) {
+                                          RegionOptions regions,
+                                          std::span<const QuantFormat> quantize) {
   regions.hosts.assign(comm.hosts().begin(), comm.hosts().end());
-  return {tensors, comm.size(), comm.rank(), options, regions};
+  return {tensors, comm.size(), comm.rank(), options, regions, quantize};
+}
+
+std::size_t ReshardPlan::tensors() const noexcept {
+  return quant_ ? quant_->tensors().size() : tensors_.size();
+}
+
+const TensorRegions& ReshardPlan::tensor(std::size_t i) const {
+  if (quant_) {
+    return quant_->tensors()[i < tensors() ? i : throw std::out_of_range("ReshardPlan::tensor")];
+  }
+  return tensors_.at(i);
+}
+
+std::uint64_t ReshardPlan::amax_row_bytes() const noexcept {
+  return quant_ ? quant_->row_bytes() : 0;
+}
+
+std::size_t ReshardPlan::source_count() const noexcept {
+  return quant_ ? quant_->source_views().size() : regions_.source_views.size();
+}
+
+std::size_t ReshardPlan::destination_count() const noexcept {
+  return quant_ ? quant_->destination_views().size() : regions_.destination_views.size();
+}
+
+ViewRef ReshardPlan::source_ref(std::size_t v) const {
+  return quant_ ? quant_->source_views()[v < source_count() ? v : throw std::out_of_range("source")]
+                : regions_.source_views.at(v);
+}
+
+ViewRef ReshardPlan::destination_ref(std::size_t v) const {
+  return quant_ ? quant_->destination_views()[v < destination_count()
+                                                  ? v
+                                                  : throw std::out_of_range("destination")]
+                : regions_.destination_views.at(v);
 }
 
 const RankBox& ReshardPlan::source(std::size_t v) const {
-  const ViewRef& ref = regions_.source_views.at(v);
-  return tensors_[ref.tensor].sources[ref.entry];
+  const ViewRef ref = source_ref(v);
+  return tensor(ref.tensor).sources[ref.entry];
 }
 
 const RankBox& ReshardPlan::destination(std::size_t v) const {
-  const ViewRef& ref = regions_.destination_views.at(v);
-  return tensors_[ref.tensor].destinations[ref.entry];
+  const ViewRef ref = destination_ref(v);
+  return tensor(ref.tensor).destinations[ref.entry];
 }
 
 std::uint64_t ReshardPlan::bytes_sent() const noexcept {
@@ -154,17 +214,78 @@ std::uint64_t ReshardPlan::bytes_received() const noexcept {
 ExecStats ReshardPlan::execute(std::span<const TensorView> sources, Communicator& comm,
                                std::span<const TensorView> destinations,
                                std::optional<Device> device) {
-  return detail::run_blocking(comm,
-                              [&] { return execute_now(sources, comm, destinations, device); });
+  return execute(sources, comm, destinations, {}, device);
+}
+
+ExecStats ReshardPlan::execute(std::span<const TensorView> sources, Communicator& comm,
+                               std::span<const TensorView> destinations,
+                               std::span<const TensorView> scales, std::optional<Device> device) {
+  return detail::run_blocking(
+      comm, [&] { return execute_now(sources, comm, destinations, scales, device); });
 }
 
 Work<ExecStats> ReshardPlan::start(std::span<const TensorView> sources, Communicator& comm,
                                    std::span<const TensorView> destinations,
                                    std::optional<Device> device) {
+  return start(sources, comm, destinations, {}, device);
+}
+
+Work<ExecStats> ReshardPlan::start(std::span<const TensorView> sources, Communicator& comm,
+                                   std::span<const TensorView> destinations,
+                                   std::span<const TensorView> scales,
+                                   std::optional<Device> device) {
   return detail::start_on<ExecStats>(
       comm, [this, &comm, srcs = std::vector<TensorView>(sources.begin(), sources.end()),
              dsts = std::vector<TensorView>(destinations.begin(), destinations.end()),
-             device] { return execute_now(srcs, comm, dsts, device); });
+             scls = std::vector<TensorView>(scales.begin(), scales.end()),
+             device] { return execute_now(srcs, comm, dsts, scls, device); });
+}
+
+// The call's checks: the caller's views, and for a quantized plan its prepare stage (the
+// payload views of this call, the maxima of this rank's pieces), then the payload views.
+void ReshardPlan::check_call(const Communicator& comm, std::span<const TensorView> sources,
+                             std::span<const TensorView> destinations,
+                             std::span<const TensorView> scales, std::optional<Device> device,
+                             ExecStats& stats) {
+  if (!quant_) {
+    if (!scales.empty()) {
+      throw InvalidArgument("scales: " + std::to_string(scales.size()) +
+                            " given to a plan made without quantize (it takes none)");
+    }
+    check_views(comm, sources, destinations, device, stats);
+    return;
+  }
+  detail::check_plan_world(comm, regions_.world_size, regions_.rank);
+  if (device && device->type != DeviceType::kCpu) {
+    throw InvalidArgument(
+        "device: a quantized reshard moves host tensors (its quantizer runs on "
+        "the host), got a " +
+        std::string(device_type_name(device->type)) + " device");
+  }
+  detail::QuantScratch& q = scratch_.get().quant;
+  quant_->prepare(sources, destinations, scales, q);
+  check_views(comm, q.sources, q.destinations, kCpu, stats);
+}
+
+std::span<const TensorView> ReshardPlan::moved_sources(std::span<const TensorView> sources) {
+  return quant_ ? std::span<const TensorView>(scratch_.get().quant.sources) : sources;
+}
+
+std::span<const TensorView> ReshardPlan::moved_destinations(
+    std::span<const TensorView> destinations) {
+  return quant_ ? std::span<const TensorView>(scratch_.get().quant.destinations) : destinations;
+}
+
+// After the header: every rank's row of cut blocks' maxima (one all-gather of the call), then
+// the sources quantized into the staging the payload sends.
+void ReshardPlan::encode_stage(detail::Call& call, std::span<const TensorView> sources) {
+  detail::QuantScratch& q = scratch_.get().quant;
+  const std::uint64_t row = quant_->row_bytes();
+  q.table.resize(static_cast<std::size_t>(row) * static_cast<std::size_t>(regions_.world_size));
+  if (row != 0) {
+    call.transfer([&] { call.comm().all_gather(q.row, q.table, call.deadline()); });
+  }
+  quant_->encode(sources, q);
 }
 
 void ReshardPlan::check_views(const Communicator& comm, std::span<const TensorView> sources,
@@ -172,10 +293,12 @@ void ReshardPlan::check_views(const Communicator& comm, std::span<const TensorVi
                               std::optional<Device> device, ExecStats& stats) {
   detail::ExecScratch& x = scratch_.get();
   detail::check_plan_world(comm, regions_.world_size, regions_.rank);
-  if (sources.size() != source_count() || destinations.size() != destination_count()) {
+  const std::size_t holds_sources = regions_.source_views.size();
+  const std::size_t holds_destinations = regions_.destination_views.size();
+  if (sources.size() != holds_sources || destinations.size() != holds_destinations) {
     throw InvalidArgument("rank " + std::to_string(regions_.rank) + " holds " +
-                          std::to_string(source_count()) + " source and " +
-                          std::to_string(destination_count()) +
+                          std::to_string(holds_sources) + " source and " +
+                          std::to_string(holds_destinations) +
                           " destination boxes in the plan, got " + std::to_string(sources.size()) +
                           " sources and " + std::to_string(destinations.size()) + " destinations");
   }
@@ -195,7 +318,8 @@ void ReshardPlan::check_views(const Communicator& comm, std::span<const TensorVi
     const ViewRef& ref = regions_.source_views[v];
     const TensorView& t = sources[v];
     const std::uint64_t bytes =
-        check_view(t, "source", v, tensors_[ref.tensor], ref.tensor, source(v), x.device);
+        detail::check_reshard_view(t, "source", v, tensors_[ref.tensor], ref.tensor,
+                                   tensors_[ref.tensor].sources[ref.entry], x.device);
     staged += inner_strided(t) ? bytes : 0;
     x.view_extents.push_back({detail::extent_of(t, bytes), false, !is_contiguous(t), "source", v});
   }
@@ -203,7 +327,8 @@ void ReshardPlan::check_views(const Communicator& comm, std::span<const TensorVi
     const ViewRef& ref = regions_.destination_views[v];
     const TensorView& t = destinations[v];
     const std::uint64_t bytes =
-        check_view(t, "destination", v, tensors_[ref.tensor], ref.tensor, destination(v), x.device);
+        detail::check_reshard_view(t, "destination", v, tensors_[ref.tensor], ref.tensor,
+                                   tensors_[ref.tensor].destinations[ref.entry], x.device);
     if (bytes != 0 && overlaps_itself(t)) {
       throw InvalidArgument(view_name("destination", v, ref.tensor) +
                             ": its elements share memory (a stride of 0, or strides that map "
@@ -346,6 +471,7 @@ void ReshardPlan::run_round(std::size_t e, detail::Call& call, std::span<const T
 
 ExecStats ReshardPlan::execute_now(std::span<const TensorView> sources, Communicator& comm,
                                    std::span<const TensorView> destinations,
+                                   std::span<const TensorView> scales,
                                    std::optional<Device> device) {
   detail::Call call(comm, Operation::kReshardExecute, options_.stage, options_.timeout,
                     options_.preflight, &scratch_.get().headers);
@@ -358,12 +484,13 @@ ExecStats ReshardPlan::execute_now(std::span<const TensorView> sources, Communic
       .root = -1,
       .tensors = tensors_.size(),
       .counts = regions_.recv_counts,
-      .fingerprint = regions_.fingerprint,
+      .fingerprint = fingerprint_,
       .dtypes = dtypes_,
       .dtype_hash = dtype_hash_,
       .personal_sent = regions_.rank_sent.empty() ? 0 : regions_.rank_sent[me]};
-  const auto check = [&](ExecStats& stats) {
-    check_views(call.comm(), sources, destinations, device, stats);
+  ExecStats stats;
+  const auto check = [&](ExecStats& s) {
+    check_call(call.comm(), sources, destinations, scales, device, s);
   };
   // On a device the exchange's buffers are reserved before the agreement, so that a failed
   // allocation travels in the header to every rank.
@@ -377,7 +504,10 @@ ExecStats ReshardPlan::execute_now(std::span<const TensorView> sources, Communic
     }
   };
   const auto bind = [&](detail::Stager& stager) {
-    build_job(sources, destinations, stager);
+    if (quant_) {
+      encode_stage(call, sources);
+    }
+    build_job(moved_sources(sources), moved_destinations(destinations), stager);
     const detail::ExecScratch& x = scratch_.get();
     return detail::ExchangeJob{.shape = detail::ExchangeShape::kPersonal,
                                .send = x.segments,
@@ -385,13 +515,18 @@ ExecStats ReshardPlan::execute_now(std::span<const TensorView> sources, Communic
                                .pieces = x.pieces,
                                .first = x.first};
   };
-  ExecStats stats;
   detail::ExchangeJob job =
       detail::prepare_execution(call, scratch_, facts, std::nullopt, stats, check, bind, reserve);
   job.device_parts = regions_.device_parts;
   detail::run_execution(call, scratch_, facts, job, stats);
+  if (quant_ && quant_->row_bytes() != 0) {
+    ++stats.payload_collectives;  // the maxima's all-gather, before the payload
+  }
   for (std::size_t e = 1; e < regions_.rounds; ++e) {
-    run_round(e, call, sources, destinations, job.stream, stats);
+    run_round(e, call, moved_sources(sources), moved_destinations(destinations), job.stream, stats);
+  }
+  if (quant_) {
+    quant_->decode(destinations, scratch_.get().quant);
   }
   return stats;
 }

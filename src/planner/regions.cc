@@ -6,6 +6,7 @@
 #include "shardgather/regions.h"
 
 #include <algorithm>
+#include <atomic>
 #include <numeric>
 #include <string>
 #include <tuple>
@@ -796,8 +797,17 @@ void add_local_views(RegionPlan& plan, std::span<const TensorRegions> tensors, i
 
 }  // namespace
 
+namespace {
+std::atomic<std::uint64_t> g_plan_regions_runs{0};
+}  // namespace
+
+std::uint64_t plan_regions_runs() noexcept {
+  return g_plan_regions_runs.load(std::memory_order_relaxed);
+}
+
 RegionPlan plan_regions(std::span<const TensorRegions> tensors, int world_size, int rank,
                         const RegionOptions& options) {
+  g_plan_regions_runs.fetch_add(1, std::memory_order_relaxed);
   check_region_options(world_size, rank, options);
   check_regions(tensors, world_size);
   Planner planner(tensors, world_size, options);

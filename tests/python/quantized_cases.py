@@ -623,7 +623,8 @@ def check_foreach_quantized(rank, world, group):
 
 def check_reshard_plan_quantized(rank, world, group):
     """A ReshardPlan made once with quantize, executed every step: each execute quantizes the
-    sources' current values (a weight sync), bit-identical to the reference each time."""
+    sources' current values (a weight sync), bit-identical to the reference each time, also
+    when started (async_op=True)."""
     from shardgather import quantized
     from shardgather.layouts import Box, TensorLayout
 
@@ -638,13 +639,24 @@ def check_reshard_plan_quantized(rank, world, group):
     box = layout.destinations[rank][1]
     out = (torch.empty(tuple(box.size), dtype=torch.float8_e4m3fn),
            torch.empty(quantized.scale_box(fmt, full.shape, box).size))
-    for step in range(2):
-        plan.execute([mine], [out], group)
+    for step in range(3):  # the third started (async_op): the same call, behind a Work
+        if step == 1:  # every rank built its plan (step 0 was collective): none plans again
+            planned = shardgather._C._plan_regions_runs()
+        if step == 2:
+            got = plan.execute([mine], [out], group, async_op=True).wait()
+        else:
+            got = plan.execute([mine], [out], group)
+        assert len(got) == 1 and got[0] is out
+        if world > 1:  # one call: its header, the cut blocks' maxima where any, the payload
+            cut = plan._built().amax_row_bytes > 0
+            assert plan.last_stats["payload_collectives"] == 1 + cut, plan.last_stats
+            assert plan.last_stats["preflight_collectives"] == 1, plan.last_stats
         data, scales = reference(full, fmt)
         _same_bits(out[0], _region(data, box))
         _same_bits(out[1], _region(scales, quantized.scale_box(fmt, full.shape, box)))
         mine.mul_(-3.0)
         full.mul_(-3.0)
+    assert shardgather._C._plan_regions_runs() == planned
 
 
 CHECKS = [check_unshard_bit_exact, check_one_spec_for_every_tensor, check_gather_to_one_rank,

@@ -1,0 +1,590 @@
+#include "ops/quant_stage.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <tuple>
+
+#include "copies/local_input.h"
+
+#include "shardgather/copy.h"
+#include "shardgather/errors.h"
+#include "shardgather/layout.h"
+
+namespace shardgather::detail {
+
+namespace {
+
+constexpr std::uint64_t kAlign = 64;
+
+std::uint64_t aligned(std::uint64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+std::string name(std::size_t i) { return "quantize[" + std::to_string(i) + "]"; }
+
+// The block's extent along each dim of a tensor of `ndim` dims.
+Shape block_extents(QuantFormat format, std::size_t ndim) {
+  Shape extent(ndim, 1);
+  if (ndim == 0) {
+    return extent;
+  }
+  extent.back() = format == QuantFormat::kMxfp8 ? 32 : 128;
+  if (format == QuantFormat::kFp8Block128) {
+    extent.front() = 128;
+  }
+  return extent;
+}
+
+DType scale_dtype(QuantFormat format) {
+  return format == QuantFormat::kMxfp8 ? DType::kUInt8 : DType::kFloat32;
+}
+
+// The scales of every block `box` touches, as a box of the scale tensor (the scale shape keeps
+// the tensor's dims for the row formats, and is [rows, cols] of blocks for 128 x 128).
+Box scale_box(QuantFormat format, const Box& box) {
+  const Shape extent = block_extents(format, box.size.size());
+  Box out;
+  for (std::size_t d = 0; d < box.size.size(); ++d) {
+    const std::int64_t lo = box.offset[d] / extent[d];
+    out.offset.push_back(lo);
+    out.size.push_back(box.size[d] == 0 ? 0
+                                        : ceil_div(box.offset[d] + box.size[d], extent[d]) - lo);
+  }
+  return out;
+}
+
+// (window shape, the box's offset inside it): the box widened to block edges.
+std::pair<Shape, Shape> window_of(QuantFormat format, const Shape& shape, const Box& box) {
+  const Shape extent = block_extents(format, shape.size());
+  Shape window, inside;
+  for (std::size_t d = 0; d < shape.size(); ++d) {
+    const std::int64_t lo = box.offset[d] / extent[d] * extent[d];
+    const std::int64_t hi =
+        box.size[d] == 0
+            ? lo
+            : std::min(ceil_div(box.offset[d] + box.size[d], extent[d]) * extent[d], shape[d]);
+    window.push_back(hi - lo);
+    inside.push_back(box.offset[d] - lo);
+  }
+  return {window, inside};
+}
+
+bool empty(const Shape& shape) {
+  return std::any_of(shape.begin(), shape.end(), [](std::int64_t n) { return n == 0; });
+}
+
+std::int64_t numel(const Shape& shape) {
+  std::int64_t n = 1;
+  for (const std::int64_t s : shape) {
+    n *= s;
+  }
+  return n;
+}
+
+Shape row_major(const Shape& shape) {
+  Shape strides(shape.size(), 1);
+  for (std::size_t d = shape.size(); d-- > 1;) {
+    strides[d - 1] = strides[d] * shape[d];
+  }
+  return strides;
+}
+
+// Where the held pieces of a tensor lie along the one dim they split: (dim, sizes, offsets) per
+// rank. InvalidArgument unless they split one dim into disjoint pieces covering it.
+std::tuple<int, std::vector<std::int64_t>, std::vector<std::int64_t>> split_of(
+    std::size_t i, const TensorRegions& t, int world) {
+  std::vector<const RankBox*> held(static_cast<std::size_t>(world), nullptr);
+  std::vector<int> split;
+  for (const RankBox& b : t.sources) {
+    if (empty(b.box.size)) {
+      continue;
+    }
+    auto& slot = held[static_cast<std::size_t>(b.rank)];
+    if (slot != nullptr) {
+      throw InvalidArgument(name(i) + ": rank " + std::to_string(b.rank) +
+                            " holds two source boxes (a quantized reshard needs one per rank)");
+    }
+    slot = &b;
+    for (std::size_t d = 0; d < t.shape.size(); ++d) {
+      if (b.box.size[d] != t.shape[d] &&
+          std::find(split.begin(), split.end(), static_cast<int>(d)) == split.end()) {
+        split.push_back(static_cast<int>(d));
+      }
+    }
+  }
+  const int dim = split.empty() ? 0 : *std::min_element(split.begin(), split.end());
+  std::vector<std::tuple<std::int64_t, std::int64_t, int>> pieces;  // (offset, size, rank)
+  std::string listed;
+  for (int r = 0; r < world; ++r) {
+    if (const RankBox* b = held[static_cast<std::size_t>(r)]) {
+      const auto d = static_cast<std::size_t>(dim);
+      pieces.emplace_back(b->box.offset[d], b->box.size[d], r);
+      listed += (listed.empty() ? "" : ", ") + std::string("(") + std::to_string(r) + ", " +
+                shape_str(b->box.offset) + ", " + shape_str(b->box.size) + ")";
+    }
+  }
+  std::sort(pieces.begin(), pieces.end());
+  std::int64_t at = 0;
+  for (const auto& [offset, size, r] : pieces) {
+    at = at == offset && at >= 0 ? at + size : -1;
+  }
+  const bool replicas = split.empty() && pieces.size() > 1;
+  if (split.size() > 1 || replicas || at != t.shape[static_cast<std::size_t>(dim)]) {
+    throw InvalidArgument(name(i) +
+                          ": the sources must split one dim into disjoint pieces that cover it "
+                          "(as FSDP's rows or a column or row split do), got [" +
+                          listed + "]");
+  }
+  std::vector<std::int64_t> sizes(static_cast<std::size_t>(world), 0);
+  std::vector<std::int64_t> offsets(static_cast<std::size_t>(world), 0);
+  for (const auto& [offset, size, r] : pieces) {
+    sizes[static_cast<std::size_t>(r)] = size;
+    offsets[static_cast<std::size_t>(r)] = offset;
+  }
+  return {dim, sizes, offsets};
+}
+
+}  // namespace
+
+QuantStage::QuantStage(std::span<const TensorRegions> tensors, std::span<const QuantFormat> formats,
+                       int world, int rank)
+    : tensors_(tensors.begin(), tensors.end()) {
+  check_regions(tensors, world);
+  if (formats.size() > tensors.size()) {
+    throw InvalidArgument("quantize: " + std::to_string(formats.size()) + " formats for " +
+                          std::to_string(tensors.size()) + " tensors");
+  }
+  formats_.assign(formats.begin(), formats.end());
+  formats_.resize(tensors.size(), QuantFormat::kNone);
+  quant_of_.assign(tensors.size(), SIZE_MAX);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    for (std::size_t j = 0; j < tensors[i].sources.size(); ++j) {
+      if (tensors[i].sources[j].rank == rank) {
+        source_views_.push_back({i, j});
+      }
+    }
+    for (std::size_t k = 0; k < tensors[i].destinations.size(); ++k) {
+      if (tensors[i].destinations[k].rank == rank) {
+        destination_views_.push_back({i, k});
+      }
+    }
+    if (formats_[i] == QuantFormat::kNone) {
+      payload_.push_back(tensors[i]);
+      continue;
+    }
+    quant_of_[i] = quant_.size();
+    quant_.push_back(plan_tensor(i, formats_[i], world, rank));
+    add_payload(quant_.back(), world);
+  }
+  source_first_.assign(tensors.size() + 1, 0);
+  destination_first_.assign(tensors.size() + 1, 0);
+  for (const ViewRef& ref : source_views_) {
+    ++source_first_[ref.tensor + 1];
+  }
+  for (const ViewRef& ref : destination_views_) {
+    ++destination_first_[ref.tensor + 1];
+  }
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    source_first_[i + 1] += source_first_[i];
+    destination_first_[i + 1] += destination_first_[i];
+  }
+  for (std::size_t v = 0; v < source_views_.size(); ++v) {
+    const std::size_t q = quant_of_[source_views_[v].tensor];
+    const RankBox& held = tensors_[source_views_[v].tensor].sources[source_views_[v].entry];
+    if (q != SIZE_MAX && !empty(held.box.size)) {
+      quant_[q].source_view = v;
+    }
+  }
+  destinations_.resize(destination_views_.size());
+  for (std::size_t v = 0; v < destination_views_.size(); ++v) {
+    const ViewRef& ref = destination_views_[v];
+    Destination& d = destinations_[v];
+    d.tensor = quant_of_[ref.tensor];
+    if (d.tensor == SIZE_MAX) {
+      continue;
+    }
+    const Box& box = tensors_[ref.tensor].destinations[ref.entry].box;
+    std::tie(d.window, d.inside) = window_of(formats_[ref.tensor], tensors_[ref.tensor].shape, box);
+    d.scale_size = scale_box(formats_[ref.tensor], box).size;
+    if (!empty(box.size)) {
+      d.grid = quant_grid(formats_[ref.tensor], d.window, DType::kFloat32, name(ref.tensor));
+    }
+  }
+}
+
+QuantStage::Tensor QuantStage::plan_tensor(std::size_t i, QuantFormat format, int world, int rank) {
+  const TensorRegions& regions = tensors_[i];
+  const QuantGrid global = quant_grid(format, regions.shape, regions.dtype, name(i));
+  Tensor t;
+  t.index = i;
+  t.format = format;
+  std::tie(t.dim, t.sizes, t.offsets) = split_of(i, regions, world);
+  const auto dim = static_cast<std::size_t>(t.dim);
+  t.block = block_extents(format, regions.shape.size())[dim];
+  // The scale shape has the tensor's dims (row formats) or [rows, cols] of blocks (128 x 128,
+  // 2-d): either way its dim `dim` is the slabs along the split.
+  const Shape scales = global.scale_shape();
+  for (std::size_t d = 0; d < scales.size(); ++d) {
+    if (d < dim) {
+      t.outer *= scales[d];
+    } else if (d > dim) {
+      t.inner *= scales[d];
+    }
+  }
+  t.slot = t.outer * t.inner;
+  const auto me = static_cast<std::size_t>(rank);
+  const std::int64_t lo = t.offsets[me];
+  const std::int64_t n = t.sizes[me];
+  t.owned = ceil_div(lo + n, t.block) - ceil_div(lo, t.block);
+  if (n != 0) {
+    Box rows{Shape(regions.shape.size(), 0), regions.shape};
+    rows.offset[dim] = lo;
+    rows.size[dim] = n;
+    std::tie(t.window, t.inside) = window_of(format, regions.shape, rows);
+    t.grid = quant_grid(format, t.window, regions.dtype, name(i));
+    const Shape window_scales = t.grid.scale_shape();
+    t.slabs = window_scales[dim];
+    t.data_at = fixed_bytes_;
+    fixed_bytes_ += aligned(static_cast<std::uint64_t>(numel(rows.size)));
+    t.scales_at = fixed_bytes_;
+    fixed_bytes_ += aligned(static_cast<std::uint64_t>(t.grid.num_blocks()) * t.grid.scale_size());
+    t.amax_at = amax_floats_;
+    amax_floats_ += static_cast<std::uint64_t>(t.grid.num_blocks());
+  }
+  find_cuts(t, world, rank);
+  return t;
+}
+
+// The slabs rank r shares with other ranks (its first and last, where a cut falls inside
+// them), the ranks it shares each with, and the tensor's columns in a row of maxima (two slots
+// per tensor where any rank has a cut).
+void QuantStage::find_cuts(Tensor& t, int world, int rank) {
+  const std::int64_t extent = tensors_[t.index].shape[static_cast<std::size_t>(t.dim)];
+  const auto slab_end = [&](std::int64_t k) { return std::min((k + 1) * t.block, extent); };
+  const auto first = [&](int r) { return t.offsets[static_cast<std::size_t>(r)] / t.block; };
+  const auto last = [&](int r) {
+    const auto q = static_cast<std::size_t>(r);
+    return (t.offsets[q] + t.sizes[q] - 1) / t.block;
+  };
+  const auto cut_slabs = [&](int r) {
+    std::vector<std::pair<int, std::int64_t>> out;  // (slot, slab)
+    const auto q = static_cast<std::size_t>(r);
+    if (t.sizes[q] == 0 || t.block == 1) {
+      return out;
+    }
+    const std::int64_t lo = t.offsets[q];
+    const std::int64_t hi = lo + t.sizes[q];
+    if (lo > first(r) * t.block || hi < slab_end(first(r))) {
+      out.emplace_back(0, first(r));
+    }
+    if (last(r) != first(r) && hi < slab_end(last(r))) {
+      out.emplace_back(1, last(r));
+    }
+    return out;
+  };
+  bool any = false;
+  for (int r = 0; r < world && !any; ++r) {
+    any = !cut_slabs(r).empty();
+  }
+  if (!any) {
+    return;
+  }
+  t.column = row_floats_;
+  row_floats_ += static_cast<std::size_t>(2 * t.slot);
+  for (const auto& [slot, k] : cut_slabs(rank)) {
+    Cut cut{.slot = slot, .sharers = {}};
+    for (int q = 0; q < world; ++q) {
+      const auto p = static_cast<std::size_t>(q);
+      if (q != rank && t.sizes[p] != 0 && t.offsets[p] < slab_end(k) &&
+          t.offsets[p] + t.sizes[p] > k * t.block) {
+        cut.sharers.emplace_back(q, first(q) == k ? 0 : 1);
+      }
+    }
+    t.cuts.push_back(std::move(cut));
+  }
+}
+
+// The tensor's data (its boxes as uint8) and scales (each rank's owned slabs; each destination's
+// scale box) in the payload.
+void QuantStage::add_payload(const Tensor& t, int world) {
+  const TensorRegions& regions = tensors_[t.index];
+  payload_.push_back({DType::kUInt8, regions.shape, regions.sources, regions.destinations});
+  const QuantGrid global = quant_grid(t.format, regions.shape, regions.dtype, name(t.index));
+  TensorRegions scales{scale_dtype(t.format), global.scale_shape(), {}, {}};
+  const auto dim = static_cast<std::size_t>(t.dim);
+  for (int r = 0; r < world; ++r) {
+    const auto q = static_cast<std::size_t>(r);
+    const std::int64_t lo = t.offsets[q];
+    const std::int64_t owned = ceil_div(lo + t.sizes[q], t.block) - ceil_div(lo, t.block);
+    if (owned > 0) {
+      Box box{Shape(scales.shape.size(), 0), scales.shape};
+      box.offset[dim] = ceil_div(lo, t.block);
+      box.size[dim] = owned;
+      scales.sources.push_back({r, box});
+    }
+  }
+  for (const RankBox& d : regions.destinations) {
+    scales.destinations.push_back({d.rank, scale_box(t.format, d.box)});
+  }
+  payload_.push_back(std::move(scales));
+}
+
+std::uint64_t QuantStage::fingerprint(std::uint64_t payload) const noexcept {
+  std::uint64_t h = payload;
+  for (const QuantFormat f : formats_) {
+    h = (h ^ static_cast<std::uint64_t>(f)) * 0x100000001b3ULL;
+  }
+  return h;
+}
+
+std::string QuantStage::stage_text() const {
+  const std::uint64_t h = fingerprint(0xcbf29ce484222325ULL);
+  std::string hex(8, '0');
+  for (std::size_t k = 0; k < 8; ++k) {
+    hex[7 - k] = "0123456789abcdef"[(h >> (4 * k)) & 0xfU];
+  }
+  return "quantize spec " + hex + ": " + std::to_string(quant_.size()) + " of " +
+         std::to_string(tensors_.size()) + " tensors";
+}
+
+void QuantStage::check_source(std::size_t v, const TensorView& view) const {
+  const ViewRef& ref = source_views_[v];
+  const TensorRegions& t = tensors_[ref.tensor];
+  (void)check_reshard_view(view, "source", v, t, ref.tensor, t.sources[ref.entry], kCpu);
+}
+
+void QuantStage::check_destination(std::size_t v, const TensorView& view,
+                                   const TensorView* scales) const {
+  const ViewRef& ref = destination_views_[v];
+  const TensorRegions& t = tensors_[ref.tensor];
+  const RankBox& box = t.destinations[ref.entry];
+  const Destination& d = destinations_[v];
+  const std::string where = "destination " + std::to_string(v) + " (tensor " +
+                            std::to_string(ref.tensor) + ", box " + shape_str(box.box.offset) +
+                            " + " + shape_str(box.box.size) + "): ";
+  if (d.tensor == SIZE_MAX || scales == nullptr) {
+    const bool values = view.dtype == DType::kFloat32 || view.dtype == DType::kBFloat16;
+    if (d.tensor != SIZE_MAX && !values) {
+      throw InvalidArgument(where + "a (data, scales) pair, or a float32 / bfloat16 CPU tensor " +
+                            "to dequantize into, got " + std::string(dtype_name(view.dtype)));
+    }
+    TensorRegions as = t;
+    as.dtype = d.tensor == SIZE_MAX ? t.dtype : view.dtype;
+    (void)check_reshard_view(view, "destination", v, as, ref.tensor, box, kCpu);
+  } else {
+    TensorRegions as = t;
+    as.dtype = DType::kUInt8;
+    (void)check_reshard_view(view, "destination", v, as, ref.tensor, box, kCpu);
+    const DType want = scale_dtype(formats_[ref.tensor]);
+    if (scales->dtype != want || scales->shape != d.scale_size) {
+      throw InvalidArgument(where + "its scales are " + std::string(dtype_name(scales->dtype)) +
+                            " " + shape_str(scales->shape) + ", want " +
+                            std::string(dtype_name(want)) + " " + shape_str(d.scale_size) +
+                            " (the blocks the box touches)");
+    }
+    detail::check_device(*scales, v, kCpu, "destination scales");
+    if (scales->data == nullptr && !empty(scales->shape)) {
+      throw InvalidArgument(where + "its scales have a null data pointer");
+    }
+  }
+  for (const TensorView* part : {&view, scales}) {
+    if (part != nullptr && !empty(part->shape) && overlaps_itself(*part)) {
+      throw InvalidArgument(where +
+                            "its elements share memory (a stride of 0, or strides that map two "
+                            "indices to one element): a write would land twice");
+    }
+  }
+}
+
+// A cut slab's maxima (the window's first or last along dim) to and from `slab`, in the order a
+// row of maxima carries them.
+void QuantStage::gather_slab(const Tensor& t, int slot, std::span<const float> amax,
+                             std::span<float> slab) {
+  const std::int64_t j = slot == 0 ? 0 : t.slabs - 1;
+  for (std::int64_t o = 0; o < t.outer; ++o) {
+    for (std::int64_t k = 0; k < t.inner; ++k) {
+      slab[static_cast<std::size_t>(o * t.inner + k)] =
+          amax[static_cast<std::size_t>((o * t.slabs + j) * t.inner + k)];
+    }
+  }
+}
+
+void QuantStage::scatter_slab(const Tensor& t, int slot, std::span<const float> slab,
+                              std::span<float> amax) {
+  const std::int64_t j = slot == 0 ? 0 : t.slabs - 1;
+  for (std::int64_t o = 0; o < t.outer; ++o) {
+    for (std::int64_t k = 0; k < t.inner; ++k) {
+      amax[static_cast<std::size_t>((o * t.slabs + j) * t.inner + k)] =
+          slab[static_cast<std::size_t>(o * t.inner + k)];
+    }
+  }
+}
+
+std::span<float> QuantStage::amax_of(const Tensor& t, QuantScratch& q) const {
+  return {q.amax.data() + t.amax_at, static_cast<std::size_t>(t.grid.num_blocks())};
+}
+
+void QuantStage::prepare(std::span<const TensorView> sources,
+                         std::span<const TensorView> destinations,
+                         std::span<const TensorView> scales, QuantScratch& q) const {
+  if (sources.size() != source_views_.size() || destinations.size() != destination_views_.size() ||
+      (!scales.empty() && scales.size() != destinations.size())) {
+    throw InvalidArgument(
+        "this rank holds " + std::to_string(source_views_.size()) + " source and " +
+        std::to_string(destination_views_.size()) + " destination boxes in the plan, got " +
+        std::to_string(sources.size()) + " sources and " + std::to_string(destinations.size()) +
+        " destinations" +
+        (scales.empty() ? std::string() : " with " + std::to_string(scales.size()) + " scales"));
+  }
+  for (std::size_t v = 0; v < sources.size(); ++v) {
+    check_source(v, sources[v]);
+  }
+  for (std::size_t v = 0; v < destinations.size(); ++v) {
+    const bool given = !scales.empty() && (scales[v].data != nullptr || !scales[v].shape.empty());
+    if (given && destinations_[v].tensor == SIZE_MAX) {
+      throw InvalidArgument("destination " + std::to_string(v) + " (tensor " +
+                            std::to_string(destination_views_[v].tensor) +
+                            "): scales for a tensor that moves unquantized");
+    }
+    check_destination(v, destinations[v], given ? &scales[v] : nullptr);
+  }
+  build_views(sources, destinations, scales, q);
+  q.amax.assign(amax_floats_, 0.0F);  // no allocation once sized
+  q.row.assign(row_bytes(), std::byte{0});
+  for (const Tensor& t : quant_) {
+    if (t.source_view == SIZE_MAX) {
+      continue;
+    }
+    fold_amax(t.grid, sources[t.source_view], t.inside, amax_of(t, q));
+    auto* row = reinterpret_cast<float*>(q.row.data());
+    for (const Cut& cut : t.cuts) {
+      const std::size_t at = t.column + static_cast<std::size_t>(cut.slot * t.slot);
+      gather_slab(t, cut.slot, amax_of(t, q), {row + at, static_cast<std::size_t>(t.slot)});
+    }
+  }
+}
+
+// The payload's views of this call, in the payload plan's order: per tensor its own views, or
+// for a quantized one its data views then its scales views.
+void QuantStage::build_views(std::span<const TensorView> sources,
+                             std::span<const TensorView> destinations,
+                             std::span<const TensorView> scales, QuantScratch& q) const {
+  q.decoded.clear();
+  q.decoded_at.clear();
+  std::uint64_t need = fixed_bytes_;
+  for (std::size_t v = 0; v < destinations.size(); ++v) {
+    const bool given = !scales.empty() && (scales[v].data != nullptr || !scales[v].shape.empty());
+    if (destinations_[v].tensor != SIZE_MAX && !given) {
+      q.decoded.push_back(v);
+      q.decoded_at.push_back(need);
+      need += aligned(static_cast<std::uint64_t>(numel(destinations[v].shape)));
+      const Destination& d = destinations_[v];
+      need += aligned(static_cast<std::uint64_t>(numel(d.scale_size)) *
+                      dtype_size(scale_dtype(formats_[destination_views_[v].tensor])));
+    }
+  }
+  if (q.arena.size() < need) {
+    q.arena = AlignedBuffer(need);
+  }
+  std::byte* base = q.arena.data();
+  q.sources.clear();
+  q.destinations.clear();
+  std::size_t decoded = 0;
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
+    const auto from = [](auto span, std::size_t k) {
+      return span.begin() + static_cast<std::ptrdiff_t>(k);
+    };
+    std::size_t sv = source_first_[i];
+    std::size_t dv = destination_first_[i];
+    const std::size_t s_end = source_first_[i + 1];
+    const std::size_t d_end = destination_first_[i + 1];
+    if (quant_of_[i] == SIZE_MAX) {
+      q.sources.insert(q.sources.end(), from(sources, sv), from(sources, s_end));
+      q.destinations.insert(q.destinations.end(), from(destinations, dv),
+                            from(destinations, d_end));
+      continue;
+    }
+    const Tensor& t = quant_[quant_of_[i]];
+    const DType sdtype = scale_dtype(t.format);
+    for (; sv < s_end; ++sv) {
+      TensorView data{nullptr, DType::kUInt8, sources[sv].shape, {}, kCpu};
+      data.data = sv == t.source_view ? base + t.data_at : nullptr;
+      q.sources.push_back(std::move(data));
+    }
+    if (t.owned > 0) {
+      const Shape window_scales = t.grid.scale_shape();
+      Shape shape = window_scales;
+      shape[static_cast<std::size_t>(t.dim)] = t.owned;
+      const std::uint64_t skip =
+          static_cast<std::uint64_t>((t.slabs - t.owned) * t.inner) * dtype_size(sdtype);
+      q.sources.push_back(
+          {base + t.scales_at + skip, sdtype, shape, row_major(window_scales), kCpu});
+    }
+    const std::size_t first_decoded = decoded;
+    for (; dv < d_end; ++dv) {
+      if (decoded < q.decoded.size() && q.decoded[decoded] == dv) {
+        q.destinations.push_back(
+            {base + q.decoded_at[decoded], DType::kUInt8, destinations[dv].shape, {}, kCpu});
+        ++decoded;
+      } else {
+        TensorView data = destinations[dv];
+        data.dtype = DType::kUInt8;
+        q.destinations.push_back(std::move(data));
+      }
+    }
+    for (std::size_t v = destination_first_[i], k = first_decoded; v < d_end; ++v) {
+      const Destination& d = destinations_[v];
+      if (k < q.decoded.size() && q.decoded[k] == v) {
+        const std::uint64_t at =
+            q.decoded_at[k] + aligned(static_cast<std::uint64_t>(numel(destinations[v].shape)));
+        q.destinations.push_back({base + at, sdtype, d.scale_size, {}, kCpu});
+        ++k;
+      } else {
+        q.destinations.push_back(scales[v]);
+      }
+    }
+  }
+}
+
+void QuantStage::encode(std::span<const TensorView> sources, QuantScratch& q) const {
+  const auto* table = reinterpret_cast<const float*>(q.table.data());
+  for (const Tensor& t : quant_) {
+    if (t.source_view == SIZE_MAX) {
+      continue;
+    }
+    const std::span<float> amax = amax_of(t, q);
+    q.slab.resize(static_cast<std::size_t>(t.slot));
+    for (const Cut& cut : t.cuts) {
+      gather_slab(t, cut.slot, amax, q.slab);
+      for (const auto& [peer, theirs] : cut.sharers) {
+        const float* from = table + static_cast<std::size_t>(peer) * row_floats_ + t.column +
+                            static_cast<std::size_t>(theirs * t.slot);
+        combine_amax(q.slab, {from, static_cast<std::size_t>(t.slot)});
+      }
+      scatter_slab(t, cut.slot, q.slab, amax);
+    }
+    const std::span<std::byte> scales{
+        q.arena.data() + t.scales_at,
+        static_cast<std::size_t>(t.grid.num_blocks()) * t.grid.scale_size()};
+    encode_scales(t.grid, amax, scales);
+    quantize_box(t.grid, sources[t.source_view], t.inside, scales, q.arena.data() + t.data_at);
+  }
+}
+
+void QuantStage::decode(std::span<const TensorView> destinations, QuantScratch& q) const {
+  for (std::size_t k = 0; k < q.decoded.size(); ++k) {
+    const std::size_t v = q.decoded[k];
+    const Destination& d = destinations_[v];
+    const TensorView& out = destinations[v];
+    if (empty(out.shape)) {
+      continue;  // no element, and its window no block to read
+    }
+    const std::byte* data = q.arena.data() + q.decoded_at[k];
+    const std::uint64_t at = aligned(static_cast<std::uint64_t>(numel(out.shape)));
+    const std::size_t bytes = static_cast<std::size_t>(numel(d.scale_size)) * d.grid.scale_size();
+    dequantize_box(d.grid, data, d.inside, {q.arena.data() + q.decoded_at[k] + at, bytes}, out);
+  }
+}
+
+}  // namespace shardgather::detail

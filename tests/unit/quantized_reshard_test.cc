@@ -1,0 +1,227 @@
+// A quantized ReshardPlan through the C++ API, on the threads backend: every destination's FP8
+// data and scales, or its dequantized values, bit-identical to quantizing the whole tensor at
+// once, with cuts inside 128 x 128 blocks; each execution one call (its header, the all-gather of
+// cut blocks' maxima, the payload) and no planning; the views' errors on every rank.
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "support/testing.h"
+
+#include "shardgather/shardgather.h"
+
+namespace shardgather {
+namespace {
+
+using testing::run_ranks;
+
+constexpr std::int64_t kRows = 300;
+constexpr std::int64_t kCols = 256;
+
+// The tensor's values: varied magnitudes per block (so that a wrong block maximum shows), a NaN
+// in one block and an all-zero block.
+std::vector<float> values() {
+  std::vector<float> v(static_cast<std::size_t>(kRows * kCols));
+  for (std::int64_t r = 0; r < kRows; ++r) {
+    for (std::int64_t c = 0; c < kCols; ++c) {
+      const double scale = std::pow(2.0, static_cast<double>((r / 37 + c / 29) % 11) - 5.0);
+      v[static_cast<std::size_t>(r * kCols + c)] =
+          static_cast<float>(scale * std::sin(0.37 * static_cast<double>(r * kCols + c)));
+    }
+  }
+  v[static_cast<std::size_t>(7 * kCols + 9)] = std::nanf("");
+  for (std::int64_t r = 256; r < kRows; ++r) {
+    for (std::int64_t c = 128; c < kCols; ++c) {
+      v[static_cast<std::size_t>(r * kCols + c)] = 0.0F;
+    }
+  }
+  return v;
+}
+
+TensorView view_of(void* data, DType dtype, Shape shape, Shape strides = {}) {
+  return TensorView{data, dtype, std::move(shape), std::move(strides), kCpu};
+}
+
+// Rank r holds rows [100 r, 100 r + 100) (every cut at 100 and 200 falls inside a block); rank 0
+// wants columns [0, 128) as FP8 data and scales, rank 1 rows [50, 250) as float32 values, rank 2
+// all of it as FP8 (scales of every block).
+std::vector<TensorRegions> layout() {
+  TensorRegions t{
+      .dtype = DType::kFloat32, .shape = {kRows, kCols}, .sources = {}, .destinations = {}};
+  for (int r = 0; r < 3; ++r) {
+    t.sources.push_back({r, Box{{100 * r, 0}, {100, kCols}}});
+  }
+  t.destinations = {{0, Box{{0, 0}, {kRows, 128}}},
+                    {1, Box{{50, 0}, {200, kCols}}},
+                    {2, Box{{0, 0}, {kRows, kCols}}}};
+  return {t};
+}
+
+struct Reference {
+  std::vector<std::uint8_t> data;  // the whole tensor's FP8
+  std::vector<float> scales;       // [3, 2]
+  std::vector<float> values;       // data times scales, as float32
+};
+
+Reference reference(const std::vector<float>& full) {
+  const QuantGrid grid =
+      quant_grid(QuantFormat::kFp8Block128, {kRows, kCols}, DType::kFloat32, "t");
+  Reference ref{std::vector<std::uint8_t>(full.size()),
+                std::vector<float>(static_cast<std::size_t>(grid.num_blocks())),
+                std::vector<float>(full.size())};
+  const TensorView whole =
+      view_of(const_cast<float*>(full.data()), DType::kFloat32, {kRows, kCols});
+  quantize(grid, whole, std::as_writable_bytes(std::span(ref.scales)),
+           reinterpret_cast<std::byte*>(ref.data.data()));
+  dequantize_box(grid, reinterpret_cast<const std::byte*>(ref.data.data()), Shape{0, 0},
+                 std::as_bytes(std::span(ref.scales)),
+                 view_of(ref.values.data(), DType::kFloat32, {kRows, kCols}));
+  return ref;
+}
+
+bool same_bits(const void* a, const void* b, std::size_t bytes) {
+  return std::memcmp(a, b, bytes) == 0;
+}
+
+TEST(QuantizedReshard, EveryDestinationIsBitIdenticalToQuantizingTheWholeTensor) {
+  const std::vector<float> full = values();
+  const Reference ref = reference(full);
+  const std::vector<TensorRegions> tensors = layout();
+  const std::vector<QuantFormat> formats = {QuantFormat::kFp8Block128};
+  run_ranks(
+      3,
+      [&](int rank, Communicator& comm) {
+        ReshardPlan plan(tensors, 3, rank, {}, {}, formats);
+        ASSERT_TRUE(plan.quantized());
+        EXPECT_EQ(plan.amax_row_bytes(), 2 * 2 * sizeof(float));  // two slabs of two blocks
+        std::vector<float> mine(full.begin() + 100 * rank * kCols,
+                                full.begin() + (100 * rank + 100) * kCols);
+        const TensorView source = view_of(mine.data(), DType::kFloat32, {100, kCols});
+        const Box want = plan.destination(0).box;
+        const std::int64_t rows = want.size[0];
+        const std::int64_t cols = want.size[1];
+        std::vector<std::uint8_t> data(static_cast<std::size_t>(rows * cols));
+        std::vector<float> scales(static_cast<std::size_t>(3 * ((cols + 127) / 128)));
+        std::vector<float> out(static_cast<std::size_t>(rows * cols), -1.0F);
+        const bool values_here = rank == 1;
+        const TensorView dest = values_here ? view_of(out.data(), DType::kFloat32, {rows, cols})
+                                            : view_of(data.data(), DType::kUInt8, {rows, cols});
+        const TensorView scale_view =
+            values_here ? TensorView{}
+                        : view_of(scales.data(), DType::kFloat32, {3, (cols + 127) / 128});
+        // Every rank built its plan before any execution completes (they are collective), so
+        // the process-wide count of plannings holds still across the second: none per execution.
+        for (int step = 0; step < 2; ++step) {
+          const std::uint64_t planned = plan_regions_runs();
+          const std::uint64_t issued = comm.collectives_issued();
+          const ExecStats stats = plan.execute(std::span(&source, 1), comm, std::span(&dest, 1),
+                                               std::span(&scale_view, 1));
+          if (step == 1) {
+            EXPECT_EQ(plan_regions_runs(), planned) << "an execution planned";
+          }
+          EXPECT_EQ(comm.collectives_issued() - issued, 3U);  // header, maxima, payload
+          EXPECT_EQ(stats.preflight_collectives, 1U);
+          EXPECT_EQ(stats.payload_collectives, 2U);
+        }
+        for (std::int64_t r = 0; r < rows; ++r) {
+          const std::size_t from = static_cast<std::size_t>((want.offset[0] + r) * kCols);
+          const std::size_t at = static_cast<std::size_t>(r * cols);
+          if (values_here) {
+            EXPECT_TRUE(same_bits(out.data() + at, ref.values.data() + from,
+                                  4 * static_cast<std::size_t>(cols)))
+                << "row " << r;
+          } else {
+            EXPECT_TRUE(
+                same_bits(data.data() + at, ref.data.data() + from, static_cast<std::size_t>(cols)))
+                << "row " << r;
+          }
+        }
+        if (!values_here) {
+          const std::int64_t scale_cols = (cols + 127) / 128;
+          for (std::int64_t r = 0; r < 3; ++r) {
+            EXPECT_TRUE(same_bits(scales.data() + r * scale_cols, ref.scales.data() + r * 2,
+                                  4 * static_cast<std::size_t>(scale_cols)))
+                << "scale row " << r;
+          }
+        }
+      },
+      "bit identical");
+}
+
+TEST(QuantizedReshard, WithoutACutOnlyTheHeaderAndThePayloadTravel) {
+  // Rows split at multiples of 128: no block is cut, so no maxima are exchanged.
+  TensorRegions t{
+      .dtype = DType::kBFloat16, .shape = {256, 128}, .sources = {}, .destinations = {}};
+  t.sources = {{0, Box{{0, 0}, {128, 128}}}, {1, Box{{128, 0}, {128, 128}}}};
+  t.destinations = {{0, Box{{64, 0}, {128, 128}}}, {1, Box{{0, 0}, {256, 128}}}};
+  const std::vector<QuantFormat> formats = {QuantFormat::kFp8Block128};
+  run_ranks(
+      2,
+      [&](int rank, Communicator& comm) {
+        ReshardPlan plan(std::span(&t, 1), 2, rank, {}, {}, formats);
+        EXPECT_EQ(plan.amax_row_bytes(), 0U);
+        std::vector<std::uint16_t> mine(128 * 128, 0x3f80);  // bf16 1.0
+        const TensorView source = view_of(mine.data(), DType::kBFloat16, {128, 128});
+        const Shape size = plan.destination(0).box.size;
+        std::vector<std::uint16_t> out(static_cast<std::size_t>(size[0] * size[1]));
+        const TensorView dest = view_of(out.data(), DType::kBFloat16, size);
+        const std::uint64_t issued = comm.collectives_issued();
+        plan.execute(std::span(&source, 1), comm, std::span(&dest, 1));
+        EXPECT_EQ(comm.collectives_issued() - issued, 2U);
+        for (const std::uint16_t v : out) {
+          ASSERT_EQ(v, 0x3f80);  // 1.0 is exact in e4m3 with scale 1/448
+        }
+      },
+      "no cut");
+}
+
+TEST(QuantizedReshard, ABadDestinationOnOneRankFailsOnEveryRankNamingIt) {
+  const std::vector<float> full = values();
+  const std::vector<TensorRegions> tensors = layout();
+  const std::vector<QuantFormat> formats = {QuantFormat::kFp8Block128};
+  run_ranks(
+      3,
+      [&](int rank, Communicator& comm) {
+        ReshardPlan plan(tensors, 3, rank, {}, {}, formats);
+        std::vector<float> mine(full.begin() + 100 * rank * kCols,
+                                full.begin() + (100 * rank + 100) * kCols);
+        const TensorView source = view_of(mine.data(), DType::kFloat32, {100, kCols});
+        const Shape size = plan.destination(0).box.size;
+        std::vector<std::int32_t> wrong(static_cast<std::size_t>(size[0] * size[1]));
+        std::vector<float> right(wrong.size());
+        // Rank 2 passes int32 values: neither FP8 data with scales nor float32 / bfloat16 values.
+        const TensorView dest = rank == 2 ? view_of(wrong.data(), DType::kInt32, size)
+                                          : view_of(right.data(), DType::kFloat32, size);
+        try {
+          plan.execute(std::span(&source, 1), comm, std::span(&dest, 1));
+          ADD_FAILURE() << "rank " << rank << ": no error";
+        } catch (const InvalidArgument& e) {
+          const std::string what = e.what();
+          EXPECT_NE(what.find("rank 2"), std::string::npos) << what;
+          EXPECT_NE(what.find("destination 0 (tensor 0"), std::string::npos) << what;
+          EXPECT_NE(what.find("to dequantize into"), std::string::npos) << what;
+        }
+      },
+      "bad destination");
+}
+
+TEST(QuantizedReshard, SourcesThatDoNotSplitOneDimAreRefusedNamingTheTensor) {
+  TensorRegions t{.dtype = DType::kFloat32, .shape = {256, 256}, .sources = {}, .destinations = {}};
+  t.sources = {{0, Box{{0, 0}, {256, 256}}}, {1, Box{{0, 0}, {256, 256}}}};  // replicas
+  t.destinations = {{0, Box{{0, 0}, {128, 128}}}};
+  const std::vector<QuantFormat> formats = {QuantFormat::kFp8Block128};
+  try {
+    ReshardPlan plan(std::span(&t, 1), 2, 0, {}, {}, formats);
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("quantize[0]: the sources must split one dim"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace shardgather
