@@ -570,12 +570,14 @@ class ReshardPlan(_PlanState):
     :attr:`device_parts` parts, so that no rank holds more than about this many bytes of
     staging (sent plus received) at a time.
 
-    ``quantize``: FP8 on the wire (:func:`shardgather.quantized.reshard`). The byte figures
-    (:attr:`bytes_sent`, :attr:`rank_sent`, ...) are then those of what moves: the FP8 data
-    and scales, plus the small amax exchange where a block is cut; :attr:`transfers`,
-    :attr:`rounds`, :attr:`forwarding` and :attr:`device_parts` are those of its payload. A
-    quantized plan plans its exchanges with the ``hosts`` it is given (:meth:`for_group`
-    gives the group's), as a plain plan does.
+    ``quantize``: FP8 on the wire (:func:`shardgather.quantized.reshard`), a stage of the
+    plan's one call (docs/quantization.md, "The reshard's quantize stage"): planned here, once.
+    The byte figures (:attr:`bytes_sent`, :attr:`rank_sent`, ...) are then those of what moves:
+    the FP8 data and scales, plus each rank's row of the maxima of blocks a cut falls in, sent
+    to every other rank; :attr:`transfers`, :attr:`rounds`, :attr:`forwarding` and
+    :attr:`device_parts` are those of its payload (a quantized tensor's data, then its scales,
+    as tensors of their own). A quantized plan plans its exchange with the ``hosts`` it is
+    given (:meth:`for_group` gives the group's), as a plain plan does.
     """
 
     def __init__(self, layouts, world_size, rank, *, hosts=None, fan_out=True, strategy="auto",
@@ -627,7 +629,7 @@ class ReshardPlan(_PlanState):
 
         A plan made with ``quantize`` quantizes on send (:func:`shardgather.quantized.reshard`:
         its quantized tensors' destinations are (data, scales) pairs or float32 / bfloat16
-        tensors to dequantize into; CPU tensors, not ``async_op``)."""
+        tensors to dequantize into; CPU tensors; ``async_op`` as for any plan)."""
         extra = {}
         if self._quantize is not None:  # (data, scales) pairs: FP8 data as uint8, and its scales
             from .quantized import destination_parts

@@ -351,46 +351,48 @@ std::string QuantStage::stage_text() const {
 void QuantStage::check_source(std::size_t v, const TensorView& view) const {
   const ViewRef& ref = source_views_[v];
   const TensorRegions& t = tensors_[ref.tensor];
-  (void)check_reshard_view(view, "source", v, t, ref.tensor, t.sources[ref.entry], kCpu);
+  (void)check_reshard_view(view, "source", v, t.dtype, ref.tensor, t.sources[ref.entry], kCpu);
 }
 
+// A destination of a plain tensor; of a quantized one given as values (float32 or bfloat16)
+// or as FP8 data (uint8) with `scales` (the scale box's shape, float32 or E8M0's uint8).
 void QuantStage::check_destination(std::size_t v, const TensorView& view,
                                    const TensorView* scales) const {
   const ViewRef& ref = destination_views_[v];
   const TensorRegions& t = tensors_[ref.tensor];
   const RankBox& box = t.destinations[ref.entry];
   const Destination& d = destinations_[v];
-  const std::string where = "destination " + std::to_string(v) + " (tensor " +
-                            std::to_string(ref.tensor) + ", box " + shape_str(box.box.offset) +
-                            " + " + shape_str(box.box.size) + "): ";
-  if (d.tensor == SIZE_MAX || scales == nullptr) {
+  const auto where = [&] {
+    return "destination " + std::to_string(v) + " (tensor " + std::to_string(ref.tensor) +
+           ", box " + shape_str(box.box.offset) + " + " + shape_str(box.box.size) + "): ";
+  };
+  DType want = t.dtype;
+  if (d.tensor != SIZE_MAX) {
     const bool values = view.dtype == DType::kFloat32 || view.dtype == DType::kBFloat16;
-    if (d.tensor != SIZE_MAX && !values) {
-      throw InvalidArgument(where + "a (data, scales) pair, or a float32 / bfloat16 CPU tensor " +
-                            "to dequantize into, got " + std::string(dtype_name(view.dtype)));
+    if (scales == nullptr && !values) {
+      throw InvalidArgument(where() + "a (data, scales) pair, or a float32 / bfloat16 CPU " +
+                            "tensor to dequantize into, got " +
+                            std::string(dtype_name(view.dtype)));
     }
-    TensorRegions as = t;
-    as.dtype = d.tensor == SIZE_MAX ? t.dtype : view.dtype;
-    (void)check_reshard_view(view, "destination", v, as, ref.tensor, box, kCpu);
-  } else {
-    TensorRegions as = t;
-    as.dtype = DType::kUInt8;
-    (void)check_reshard_view(view, "destination", v, as, ref.tensor, box, kCpu);
-    const DType want = scale_dtype(formats_[ref.tensor]);
-    if (scales->dtype != want || scales->shape != d.scale_size) {
-      throw InvalidArgument(where + "its scales are " + std::string(dtype_name(scales->dtype)) +
+    want = scales == nullptr ? view.dtype : DType::kUInt8;
+  }
+  (void)check_reshard_view(view, "destination", v, want, ref.tensor, box, kCpu);
+  if (scales != nullptr) {
+    const DType scale = scale_dtype(formats_[ref.tensor]);
+    if (scales->dtype != scale || scales->shape != d.scale_size) {
+      throw InvalidArgument(where() + "its scales are " + std::string(dtype_name(scales->dtype)) +
                             " " + shape_str(scales->shape) + ", want " +
-                            std::string(dtype_name(want)) + " " + shape_str(d.scale_size) +
+                            std::string(dtype_name(scale)) + " " + shape_str(d.scale_size) +
                             " (the blocks the box touches)");
     }
-    detail::check_device(*scales, v, kCpu, "destination scales");
+    check_device(*scales, v, kCpu, "destination scales");
     if (scales->data == nullptr && !empty(scales->shape)) {
-      throw InvalidArgument(where + "its scales have a null data pointer");
+      throw InvalidArgument(where() + "its scales have a null data pointer");
     }
   }
   for (const TensorView* part : {&view, scales}) {
     if (part != nullptr && !empty(part->shape) && overlaps_itself(*part)) {
-      throw InvalidArgument(where +
+      throw InvalidArgument(where() +
                             "its elements share memory (a stride of 0, or strides that map two "
                             "indices to one element): a write would land twice");
     }
@@ -441,7 +443,7 @@ void QuantStage::prepare(std::span<const TensorView> sources,
     check_source(v, sources[v]);
   }
   for (std::size_t v = 0; v < destinations.size(); ++v) {
-    const bool given = !scales.empty() && (scales[v].data != nullptr || !scales[v].shape.empty());
+    const bool given = gives_scales(scales, v);
     if (given && destinations_[v].tensor == SIZE_MAX) {
       throw InvalidArgument("destination " + std::to_string(v) + " (tensor " +
                             std::to_string(destination_views_[v].tensor) +
@@ -465,84 +467,127 @@ void QuantStage::prepare(std::span<const TensorView> sources,
   }
 }
 
+namespace {
+
+// Writes `view` as element n of `list` (assigned where one is there, so that a steady state
+// reuses the shapes' memory), then n + 1.
+void put(std::vector<TensorView>& list, std::size_t& n, const TensorView& view) {
+  if (n < list.size()) {
+    list[n] = view;
+  } else {
+    list.push_back(view);
+  }
+  ++n;
+}
+
+}  // namespace
+
+bool QuantStage::gives_scales(std::span<const TensorView> scales, std::size_t v) noexcept {
+  return !scales.empty() && (scales[v].data != nullptr || !scales[v].shape.empty());
+}
+
+// Which destinations this rank decodes (those given as values) and where their data and scales
+// land in the arena, after the sources' part; the arena grown to hold them.
+void QuantStage::place_decoded(std::span<const TensorView> destinations,
+                               std::span<const TensorView> scales, QuantScratch& q) const {
+  q.decoded.clear();
+  q.decoded_at.clear();
+  std::uint64_t need = fixed_bytes_;
+  for (std::size_t v = 0; v < destinations.size(); ++v) {
+    const Destination& d = destinations_[v];
+    if (d.tensor == SIZE_MAX || gives_scales(scales, v)) {
+      continue;
+    }
+    q.decoded.push_back(v);
+    q.decoded_at.push_back(need);
+    need += aligned(static_cast<std::uint64_t>(numel(destinations[v].shape))) +
+            aligned(static_cast<std::uint64_t>(numel(d.scale_size)) *
+                    dtype_size(scale_dtype(quant_[d.tensor].format)));
+  }
+  if (q.arena.size() < need) {
+    q.arena = AlignedBuffer(need);
+  }
+}
+
 // The payload's views of this call, in the payload plan's order: per tensor its own views, or
 // for a quantized one its data views then its scales views.
 void QuantStage::build_views(std::span<const TensorView> sources,
                              std::span<const TensorView> destinations,
                              std::span<const TensorView> scales, QuantScratch& q) const {
-  q.decoded.clear();
-  q.decoded_at.clear();
-  std::uint64_t need = fixed_bytes_;
-  for (std::size_t v = 0; v < destinations.size(); ++v) {
-    const bool given = !scales.empty() && (scales[v].data != nullptr || !scales[v].shape.empty());
-    if (destinations_[v].tensor != SIZE_MAX && !given) {
-      q.decoded.push_back(v);
-      q.decoded_at.push_back(need);
-      need += aligned(static_cast<std::uint64_t>(numel(destinations[v].shape)));
-      const Destination& d = destinations_[v];
-      need += aligned(static_cast<std::uint64_t>(numel(d.scale_size)) *
-                      dtype_size(scale_dtype(formats_[destination_views_[v].tensor])));
-    }
-  }
-  if (q.arena.size() < need) {
-    q.arena = AlignedBuffer(need);
-  }
-  std::byte* base = q.arena.data();
-  q.sources.clear();
-  q.destinations.clear();
-  std::size_t decoded = 0;
+  place_decoded(destinations, scales, q);
+  std::size_t ns = 0;
+  std::size_t nd = 0;
+  std::size_t decoded = 0;  // into q.decoded
   for (std::size_t i = 0; i < tensors_.size(); ++i) {
-    const auto from = [](auto span, std::size_t k) {
-      return span.begin() + static_cast<std::ptrdiff_t>(k);
-    };
-    std::size_t sv = source_first_[i];
-    std::size_t dv = destination_first_[i];
-    const std::size_t s_end = source_first_[i + 1];
-    const std::size_t d_end = destination_first_[i + 1];
     if (quant_of_[i] == SIZE_MAX) {
-      q.sources.insert(q.sources.end(), from(sources, sv), from(sources, s_end));
-      q.destinations.insert(q.destinations.end(), from(destinations, dv),
-                            from(destinations, d_end));
+      for (std::size_t v = source_first_[i]; v < source_first_[i + 1]; ++v) {
+        put(q.sources, ns, sources[v]);
+      }
+      for (std::size_t v = destination_first_[i]; v < destination_first_[i + 1]; ++v) {
+        put(q.destinations, nd, destinations[v]);
+      }
       continue;
     }
     const Tensor& t = quant_[quant_of_[i]];
+    add_source_views(t, sources, q, ns);
+    add_destination_views(t, destinations, scales, q, nd, decoded);
+  }
+  q.sources.resize(ns);
+  q.destinations.resize(nd);
+}
+
+// A quantized tensor's source views: its data (this rank's FP8 in the staging; empty boxes
+// none), then the scales of the slabs that start in its rows (the last ones of its window's).
+void QuantStage::add_source_views(const Tensor& t, std::span<const TensorView> sources,
+                                  QuantScratch& q, std::size_t& n) const {
+  std::byte* base = q.arena.data();
+  for (std::size_t v = source_first_[t.index]; v < source_first_[t.index + 1]; ++v) {
+    put(q.sources, n,
+        {v == t.source_view ? base + t.data_at : nullptr,
+         DType::kUInt8,
+         sources[v].shape,
+         {},
+         kCpu});
+  }
+  if (t.owned > 0) {
     const DType sdtype = scale_dtype(t.format);
-    for (; sv < s_end; ++sv) {
-      TensorView data{nullptr, DType::kUInt8, sources[sv].shape, {}, kCpu};
-      data.data = sv == t.source_view ? base + t.data_at : nullptr;
-      q.sources.push_back(std::move(data));
+    const Shape window_scales = t.grid.scale_shape();
+    Shape shape = window_scales;
+    shape[static_cast<std::size_t>(t.dim)] = t.owned;
+    const std::uint64_t skip =
+        static_cast<std::uint64_t>((t.slabs - t.owned) * t.inner) * dtype_size(sdtype);
+    put(q.sources, n, {base + t.scales_at + skip, sdtype, shape, row_major(window_scales), kCpu});
+  }
+}
+
+// A quantized tensor's destination views: each one's data (the caller's, as uint8, or the
+// arena's where it is decoded here), then each one's scales (the caller's, or the arena's).
+void QuantStage::add_destination_views(const Tensor& t, std::span<const TensorView> destinations,
+                                       std::span<const TensorView> scales, QuantScratch& q,
+                                       std::size_t& n, std::size_t& decoded) const {
+  std::byte* base = q.arena.data();
+  const std::size_t first = destination_first_[t.index];
+  const std::size_t end = destination_first_[t.index + 1];
+  const std::size_t first_decoded = decoded;
+  for (std::size_t v = first; v < end; ++v) {
+    if (decoded < q.decoded.size() && q.decoded[decoded] == v) {
+      put(q.destinations, n,
+          {base + q.decoded_at[decoded], DType::kUInt8, destinations[v].shape, {}, kCpu});
+      ++decoded;
+    } else {
+      put(q.destinations, n, destinations[v]);
+      q.destinations[n - 1].dtype = DType::kUInt8;
     }
-    if (t.owned > 0) {
-      const Shape window_scales = t.grid.scale_shape();
-      Shape shape = window_scales;
-      shape[static_cast<std::size_t>(t.dim)] = t.owned;
-      const std::uint64_t skip =
-          static_cast<std::uint64_t>((t.slabs - t.owned) * t.inner) * dtype_size(sdtype);
-      q.sources.push_back(
-          {base + t.scales_at + skip, sdtype, shape, row_major(window_scales), kCpu});
-    }
-    const std::size_t first_decoded = decoded;
-    for (; dv < d_end; ++dv) {
-      if (decoded < q.decoded.size() && q.decoded[decoded] == dv) {
-        q.destinations.push_back(
-            {base + q.decoded_at[decoded], DType::kUInt8, destinations[dv].shape, {}, kCpu});
-        ++decoded;
-      } else {
-        TensorView data = destinations[dv];
-        data.dtype = DType::kUInt8;
-        q.destinations.push_back(std::move(data));
-      }
-    }
-    for (std::size_t v = destination_first_[i], k = first_decoded; v < d_end; ++v) {
-      const Destination& d = destinations_[v];
-      if (k < q.decoded.size() && q.decoded[k] == v) {
-        const std::uint64_t at =
-            q.decoded_at[k] + aligned(static_cast<std::uint64_t>(numel(destinations[v].shape)));
-        q.destinations.push_back({base + at, sdtype, d.scale_size, {}, kCpu});
-        ++k;
-      } else {
-        q.destinations.push_back(scales[v]);
-      }
+  }
+  for (std::size_t v = first, k = first_decoded; v < end; ++v) {
+    if (k < q.decoded.size() && q.decoded[k] == v) {
+      const std::uint64_t at =
+          q.decoded_at[k] + aligned(static_cast<std::uint64_t>(numel(destinations[v].shape)));
+      put(q.destinations, n,
+          {base + at, scale_dtype(t.format), destinations_[v].scale_size, {}, kCpu});
+      ++k;
+    } else {
+      put(q.destinations, n, scales[v]);
     }
   }
 }

@@ -122,8 +122,16 @@ class QuantStage {
   void check_source(std::size_t v, const TensorView& view) const;
   void check_destination(std::size_t v, const TensorView& view, const TensorView* scales) const;
   std::span<float> amax_of(const Tensor& t, QuantScratch& q) const;
+  static bool gives_scales(std::span<const TensorView> scales, std::size_t v) noexcept;
+  void place_decoded(std::span<const TensorView> destinations, std::span<const TensorView> scales,
+                     QuantScratch& q) const;
   void build_views(std::span<const TensorView> sources, std::span<const TensorView> destinations,
                    std::span<const TensorView> scales, QuantScratch& q) const;
+  void add_source_views(const Tensor& t, std::span<const TensorView> sources, QuantScratch& q,
+                        std::size_t& n) const;
+  void add_destination_views(const Tensor& t, std::span<const TensorView> destinations,
+                             std::span<const TensorView> scales, QuantScratch& q, std::size_t& n,
+                             std::size_t& decoded) const;
 
   std::vector<TensorRegions> tensors_;
   std::vector<QuantFormat> formats_;
@@ -140,8 +148,7 @@ class QuantStage {
 };
 
 // A reshard's view against its box and its tensor's dtype; returns its bytes (reshard_plan.cc).
-std::uint64_t check_reshard_view(const TensorView& t, const char* side, std::size_t v,
-                                 const TensorRegions& tensor, std::size_t i, const RankBox& box,
-                                 const Device& device);
+std::uint64_t check_reshard_view(const TensorView& t, const char* side, std::size_t v, DType dtype,
+                                 std::size_t i, const RankBox& box, const Device& device);
 
 }  // namespace shardgather::detail

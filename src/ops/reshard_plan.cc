@@ -59,13 +59,12 @@ std::shared_ptr<const detail::QuantStage> quant_stage(std::span<const TensorRegi
 namespace detail {
 
 // Checks one view against its box; returns its bytes.
-std::uint64_t check_reshard_view(const TensorView& t, const char* side, std::size_t v,
-                                 const TensorRegions& tensor, std::size_t i, const RankBox& box,
-                                 const Device& device) {
+std::uint64_t check_reshard_view(const TensorView& t, const char* side, std::size_t v, DType dtype,
+                                 std::size_t i, const RankBox& box, const Device& device) {
   const auto where = [&] { return view_name(side, v, i) + ": "; };
-  if (t.dtype != tensor.dtype) {
+  if (t.dtype != dtype) {
     throw InvalidArgument(where() + "dtype " + std::string(dtype_name(t.dtype)) +
-                          ", the plan has " + std::string(dtype_name(tensor.dtype)));
+                          ", the plan has " + std::string(dtype_name(dtype)));
   }
   if (t.shape != box.box.size) {
     throw InvalidArgument(where() + "shape " + shape_str(t.shape) + ", its box in the plan is " +
@@ -318,7 +317,7 @@ void ReshardPlan::check_views(const Communicator& comm, std::span<const TensorVi
     const ViewRef& ref = regions_.source_views[v];
     const TensorView& t = sources[v];
     const std::uint64_t bytes =
-        detail::check_reshard_view(t, "source", v, tensors_[ref.tensor], ref.tensor,
+        detail::check_reshard_view(t, "source", v, tensors_[ref.tensor].dtype, ref.tensor,
                                    tensors_[ref.tensor].sources[ref.entry], x.device);
     staged += inner_strided(t) ? bytes : 0;
     x.view_extents.push_back({detail::extent_of(t, bytes), false, !is_contiguous(t), "source", v});
@@ -327,7 +326,7 @@ void ReshardPlan::check_views(const Communicator& comm, std::span<const TensorVi
     const ViewRef& ref = regions_.destination_views[v];
     const TensorView& t = destinations[v];
     const std::uint64_t bytes =
-        detail::check_reshard_view(t, "destination", v, tensors_[ref.tensor], ref.tensor,
+        detail::check_reshard_view(t, "destination", v, tensors_[ref.tensor].dtype, ref.tensor,
                                    tensors_[ref.tensor].destinations[ref.entry], x.device);
     if (bytes != 0 && overlaps_itself(t)) {
       throw InvalidArgument(view_name("destination", v, ref.tensor) +

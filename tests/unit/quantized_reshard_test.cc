@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include "support/alloc_counter.h"
 #include "support/testing.h"
 
 #include "shardgather/shardgather.h"
@@ -113,19 +114,26 @@ TEST(QuantizedReshard, EveryDestinationIsBitIdenticalToQuantizingTheWholeTensor)
             values_here ? TensorView{}
                         : view_of(scales.data(), DType::kFloat32, {3, (cols + 127) / 128});
         // Every rank built its plan before any execution completes (they are collective), so
-        // the process-wide count of plannings holds still across the second: none per execution.
-        for (int step = 0; step < 2; ++step) {
+        // the process-wide count of plannings holds still across the later ones: none per
+        // execution. A steady state allocates no buffer: only the host quantizer's few small
+        // vectors of a box's dims (quantize.h), the same number every step.
+        std::vector<std::uint64_t> allocations;
+        for (int step = 0; step < 3; ++step) {
           const std::uint64_t planned = plan_regions_runs();
           const std::uint64_t issued = comm.collectives_issued();
+          const std::uint64_t allocated = testing::thread_allocations();
           const ExecStats stats = plan.execute(std::span(&source, 1), comm, std::span(&dest, 1),
                                                std::span(&scale_view, 1));
-          if (step == 1) {
+          if (step > 0) {
             EXPECT_EQ(plan_regions_runs(), planned) << "an execution planned";
+            allocations.push_back(testing::thread_allocations() - allocated);
           }
           EXPECT_EQ(comm.collectives_issued() - issued, 3U);  // header, maxima, payload
           EXPECT_EQ(stats.preflight_collectives, 1U);
           EXPECT_EQ(stats.payload_collectives, 2U);
         }
+        EXPECT_EQ(allocations[0], allocations[1]);
+        EXPECT_LT(allocations[1], 40U);
         for (std::int64_t r = 0; r < rows; ++r) {
           const std::size_t from = static_cast<std::size_t>((want.offset[0] + r) * kCols);
           const std::size_t at = static_cast<std::size_t>(r * cols);
