@@ -14,6 +14,8 @@ loads or what the trainer had:
   fp8-on-send   unshard(quantize="fp8_e4m3_128x128"): each rank quantizes its rows, FP8 data
                 and 128 x 128 scales cross the wire;
   mxfp8-on-send unshard(quantize="mxfp8");
+  fp8-plan      UnshardPlan(quantize="fp8_e4m3_128x128") made once, executed every time (one
+                call of a quantized ReshardPlan: header, the cut blocks' maxima, the payload);
   bf16+quantize the bf16 unshard, then every receiver quantizes the full tensors to 128 x 128
                 FP8 itself (what a gather without quantized transfers costs an FP8 engine);
   bf16-stream, fp8-stream
@@ -105,8 +107,10 @@ def main():
         with stream:
             return [dict(b) for b in stream]
 
+    fp8_plan = sg.UnshardPlan(specs, world, rank, quantize=FMT)
     methods = {
         "bf16": lambda: sg.unshard(shards, specs, comm),
+        "fp8-plan": lambda: fp8_plan.execute(shards, comm),
         "fp8-on-send": lambda: sg.unshard(shards, specs, comm, quantize=FMT),
         "mxfp8-on-send": lambda: sg.unshard(shards, specs, comm, quantize="mxfp8"),
         "bf16+quantize": bf16_then_quantize,
@@ -117,11 +121,13 @@ def main():
     first = {m: fn() for m, fn in methods.items()}  # warm-up, and the results to compare
     full = first["bf16"]
     streamed = {k: v for b in first["fp8-stream"] for k, v in b.items()}
-    for i, (t, fp8, mx) in enumerate(zip(full, first["fp8-on-send"], first["mxfp8-on-send"])):
+    for i, (t, fp8, mx, planned) in enumerate(zip(full, first["fp8-on-send"],
+                                                  first["mxfp8-on-send"], first["fp8-plan"])):
         if t.dim() != 2:  # a single format leaves the 1-d norms plain
             assert torch.equal(fp8, t) and torch.equal(mx, t) and torch.equal(streamed[i], t)
+            assert torch.equal(planned, t)
             continue
-        for (data, scales), fmt in ((fp8, FMT), (mx, "mxfp8"),
+        for (data, scales), fmt in ((fp8, FMT), (mx, "mxfp8"), (planned, FMT),
                                     ((streamed[i], streamed["%d_scale_inv" % i]), FMT)):
             want = quantize(t, fmt)
             assert torch.equal(data.view(torch.uint8), want[0].view(torch.uint8)), (i, fmt)
@@ -141,6 +147,8 @@ def main():
         return
     med = {m: statistics.median(v) for m, v in times.items()}
     ratios = {"fp8-on-send/bf16": med["fp8-on-send"] / med["bf16"],
+              "fp8-plan/bf16": med["fp8-plan"] / med["bf16"],
+              "fp8-plan/fp8-on-send": med["fp8-plan"] / med["fp8-on-send"],
               "mxfp8-on-send/bf16": med["mxfp8-on-send"] / med["bf16"],
               "bf16+quantize/fp8-on-send": med["bf16+quantize"] / med["fp8-on-send"],
               "fp8-stream/bf16-stream": med["fp8-stream"] / med["bf16-stream"]}

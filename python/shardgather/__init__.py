@@ -383,14 +383,33 @@ class AllGatherPlan(_PlanState):
     docs/benchmarking.md, "Strategies"). ``preflight=False`` skips the fixed-size header that
     makes mismatches raise on every rank. ``timeout`` in seconds.
     A plan is executed by one thread at a time (another thread gets a RuntimeError).
+
+    ``quantize`` (as :func:`foreach_all_gather`'s; CPU tensors; the constructor only): FP8 on
+    the wire, each execute one call of a quantized :class:`ReshardPlan` planned here
+    (docs/quantization.md, "The reshard's quantize stage"); ``out[i][r]`` is then as
+    foreach_all_gather(quantize=...) gives it, in tensors the plan owns (rewritten by every
+    execute); ``out`` is not taken, and ``strategy`` is "auto" or "direct".
     """
 
     def __init__(self, dtypes, shapes_across_group, rank, *, strategy="auto", preflight=True,
-                 timeout=None):
+                 timeout=None, quantize=None):
         self._preflight, self._given_timeout = preflight, timeout
-        self._plan, self._error = _deferred(lambda: _C.AllGatherPlan(
-            list(dtypes), [[tuple(s) for s in row] for row in shapes_across_group],
-            check_int("rank", rank, 0), strategy, preflight, timeout))
+        self._quantized = None
+
+        def build():
+            listed = list(dtypes)
+            shapes = [[tuple(s) for s in row] for row in shapes_across_group]
+            plan = _C.AllGatherPlan(listed, shapes, check_int("rank", rank, 0), strategy,
+                                    preflight, timeout)
+            if quantize is not None:
+                from .quantized import QuantizedGather
+
+                self._quantized = QuantizedGather(listed, shapes, rank, quantize,
+                                                  strategy=strategy, preflight=preflight,
+                                                  timeout=timeout)
+            return plan
+
+        self._plan, self._error = _deferred(build)
 
     @classmethod
     def create(cls, params, group=None, params_shapes_across_group=None, *, strategy="auto",
@@ -415,7 +434,16 @@ class AllGatherPlan(_PlanState):
     def execute(self, params, group=None, out=None, *, async_op=False):
         """Gathers ``params`` (matching the plan); returns ``out[i][r]`` views (see the class).
         ``async_op=True`` returns a :class:`Work` whose ``wait()`` returns them."""
+        if self._quantized is not None:
+            return self._quantized.execute(params, group, out, async_op)
         return self._execute("AllGatherPlan::execute", params, group, out, async_op)
+
+    @property
+    def last_stats(self):
+        """Collectives and staged bytes of the last execution, and its strategy."""
+        if self._quantized is not None:
+            return self._quantized.plan.last_stats
+        return self._built().last_stats
 
     rank = _from_plan("rank")
     num_tensors = _from_plan("num_tensors")
@@ -434,19 +462,47 @@ class UnshardPlan(_PlanState):
 
     ``dst=r``: only rank r receives the full parameters (a gather to one rank, as a checkpoint
     export needs); on the other ranks ``execute`` only sends and returns an empty list.
+
+    ``quantize`` (as :func:`unshard`'s; CPU tensors): FP8 on the wire, each execute one call of
+    a quantized :class:`ReshardPlan` from every rank's rows to the full tensors, planned here
+    (docs/quantization.md, "The reshard's quantize stage"). A quantized tensor's entry is
+    ``(data, scales)`` or, with a dequantizing spec, its dequantized tensor, in tensors the plan
+    owns (rewritten by every execute, as its buffer is); ``outputs`` is not taken, and
+    ``strategy`` is "auto" or "direct".
     """
 
     def __init__(self, specs, world_size, rank, *, strategy="auto", preflight=True,
-                 timeout=None, dst=None):
+                 timeout=None, dst=None, quantize=None):
         self._preflight, self._given_timeout = preflight, timeout
-        self._plan, self._error = _deferred(lambda: _C.UnshardPlan(
-            list(specs), check_int("world_size", world_size, 1), check_int("rank", rank, 0),
-            strategy, preflight, timeout, None if dst is None else check_int("dst", dst, 0)))
+        self._quantized = None
+
+        def build():
+            plan = _C.UnshardPlan(
+                list(specs), check_int("world_size", world_size, 1), check_int("rank", rank, 0),
+                strategy, preflight, timeout, None if dst is None else check_int("dst", dst, 0))
+            if quantize is not None:
+                from .quantized import QuantizedUnshard
+
+                self._quantized = QuantizedUnshard(plan.specs, world_size, rank, quantize,
+                                                   strategy=strategy, preflight=preflight,
+                                                   timeout=timeout, dst=dst)
+            return plan
+
+        self._plan, self._error = _deferred(build)
 
     def execute(self, shards, group=None, outputs=None, *, async_op=False):
         """Gathers this rank's ``shards``; returns the full parameters (see the class).
         ``async_op=True`` returns a :class:`Work` whose ``wait()`` returns them."""
+        if self._quantized is not None:
+            return self._quantized.execute(shards, group, outputs, async_op)
         return self._execute("UnshardPlan::execute", shards, group, outputs, async_op)
+
+    @property
+    def last_stats(self):
+        """Collectives and staged bytes of the last execution, and its strategy."""
+        if self._quantized is not None:
+            return self._quantized.plan.last_stats
+        return self._built().last_stats
 
     def shard_shape(self, rank, index):
         """The local shard shape rank ``rank`` passes for parameter ``index`` (padded if the
@@ -619,7 +675,8 @@ class ReshardPlan(_PlanState):
                    strategy=strategy, preflight=preflight, timeout=timeout,
                    device_bucket_bytes=device_bucket_bytes, quantize=quantize)
 
-    def execute(self, sources, destinations, group=None, *, async_op=False, device=None):
+    def execute(self, sources, destinations, group=None, *, async_op=False, device=None,
+                _returned=None):
         """Moves every rank's sources into every rank's destinations (see the class); returns
         ``destinations`` as a new list, or with ``async_op=True`` a :class:`Work` whose
         ``wait()`` returns it. ``device`` (a torch.device or its name): where this rank's
@@ -635,6 +692,8 @@ class ReshardPlan(_PlanState):
             from .quantized import destination_parts
 
             extra = destination_parts(destinations)
+            if _returned is not None:  # the package's own plans return their own shape
+                extra["returned"] = _returned
         index = None
         if device is not None:
             index, problem = _device_index(device)

@@ -263,17 +263,6 @@ def scale_box(fmt, shape, box):
     return Box(tuple(lo), tuple(n))
 
 
-def _window_of(fmt, shape, box):
-    """(window shape, the box's offset inside it): the box widened to block edges."""
-    window, inside = [], []
-    for o, k, b, g in zip(box[0], box[1], _blocks(fmt, len(shape)), shape):
-        lo = o // b * b
-        hi = min(-(-(o + k) // b) * b, g) if k else lo
-        window.append(hi - lo)
-        inside.append(o - lo)
-    return window, inside
-
-
 def _real_rows(shard, t, rank):
     return shard.narrow(t.dim, 0, t.sizes[rank])
 
@@ -784,6 +773,172 @@ def destination_parts(destinations):
             moved.append(d)
             scales.append(None)
     return {"destinations": moved, "scales": scales, "returned": given}
+
+
+# ---------------------------------------------------------------------------------------------
+# UnshardPlan(quantize=...): an unshard is a reshard from every rank's rows to the full tensors,
+# and a quantized reshard is one call of the C++ plan execution.
+
+
+def unshard_layouts(specs, world, dst=None):
+    """Reshard layouts of an unshard: every rank's real rows (the spec's sizes along its shard
+    dim) as the sources, the full tensor on every rank (or on ``dst``) as the destinations."""
+    layouts = []
+    for i, s in enumerate(specs):
+        shape = tuple(s.full_shape)
+        if not shape:
+            raise InvalidArgumentError("specs[%d]: a 0-d tensor has no rows to split" % i)
+        dim = s.shard_dim % len(shape)
+        sources, at = [], 0
+        for r, n in enumerate(list(s.sizes) or _C.chunk_sizes(shape[dim], world)):
+            offset, size = [0] * len(shape), list(shape)
+            offset[dim], size[dim] = at, n
+            sources.append((r, Box(tuple(offset), tuple(size))))
+            at += n
+        whole = Box((0,) * len(shape), shape)
+        layouts.append(TensorLayout(shape, s.dtype, sources,
+                                    [(r, whole) for r in (range(world) if dst is None
+                                                          else [dst])]))
+    return layouts
+
+
+class QuantizedUnshard:
+    """``UnshardPlan(quantize=...)``: a quantized :class:`shardgather.ReshardPlan` from every
+    rank's real rows to the full tensors, made here (the planner runs once, never per execute);
+    each execute is its one call. The entries are the plan's own tensors, made by the first
+    execute and rewritten by every later one, as an UnshardPlan's buffer is: (data, scales) per
+    quantized tensor, or its dequantized tensor, and the plain tensors whole."""
+
+    def __init__(self, specs, world, rank, quantize, *, strategy, preflight, timeout, dst):
+        from . import ReshardPlan  # the package imports this module
+
+        if strategy not in ("auto", "direct"):
+            raise InvalidArgumentError(
+                "UnshardPlan(quantize=...): strategy is %r; a quantized plan moves as one "
+                "personal exchange (auto or direct)" % (strategy,))
+        self.specs, self.rank = list(specs), rank
+        self.specs_q = resolve(quantize, self.specs)
+        self.receives = dst is None or dst == rank
+        self.plan = ReshardPlan(unshard_layouts(self.specs, world, dst), world, rank,
+                                strategy=strategy, preflight=preflight, timeout=timeout,
+                                quantize=self.specs_q)
+        self.plan._built()  # its constructor's error, here (the caller defers it)
+        self.entries = None
+
+    def execute(self, shards, group, outputs, async_op):
+        if outputs is not None:
+            from . import _setup_timeout, communicator
+
+            comm = communicator(group, self.plan._timeout())
+            _C._fail_call(comm, "ReshardPlan::execute", "UnshardPlan(quantize=...): outputs is "
+                          "not taken (the entries are the plan's own)", False,
+                          self.plan._preflight is not False,
+                          _setup_timeout(self.plan._given_timeout), "")
+        if self.entries is None:
+            self.entries = self._entries() if self.receives else []
+        try:
+            sources = [self._rows(i, x) for i, x in enumerate(shards)]
+        except TypeError:
+            sources = shards  # the call names it, on every rank
+        return self.plan.execute(sources, self.entries, group, async_op=async_op)
+
+    def _rows(self, i, shard):
+        """A padded shard's real rows (the call checks the rest, on every rank)."""
+        if i >= len(self.specs) or not isinstance(shard, torch.Tensor):
+            return shard
+        s = self.specs[i]
+        dim, n = s.shard_dim % len(s.full_shape), s.sizes[self.rank]
+        if s.padded_size and shard.dim() > dim and shard.shape[dim] >= n:
+            return shard.narrow(dim, 0, n)
+        return shard
+
+    def _entries(self):
+        out = []
+        for s, q in zip(self.specs, self.specs_q):
+            shape = tuple(s.full_shape)
+            if q is None or q.dequantize is not None:
+                out.append(torch.empty(shape, dtype=s.dtype if q is None else q.dequantize))
+                continue
+            scales = scale_box(q.format, shape, ((0,) * len(shape), shape)).size
+            out.append((torch.empty(shape, dtype=torch.float8_e4m3fn),
+                        torch.empty(scales, dtype=torch.float8_e8m0fnu if q.format == "mxfp8"
+                                    else torch.float32)))
+        return out
+
+
+class QuantizedGather:
+    """``AllGatherPlan(quantize=...)``: ``out[i][r]`` as :func:`foreach_all_gather` with
+    ``quantize`` gives it (tensor i of every rank is rank r's rows of one tensor along dim 0),
+    from one quantized :class:`shardgather.ReshardPlan` made here: a quantized index is one
+    tensor whose every rank's rows go to every rank as a box of their own; a plain index is one
+    tensor per rank (its pieces may differ in any dim). Each execute is its one call; the
+    entries are the plan's own, rewritten by every later execute."""
+
+    def __init__(self, dtypes, shapes, rank, quantize, *, strategy, preflight, timeout):
+        from . import ReshardPlan  # the package imports this module
+
+        if strategy not in ("auto", "direct"):
+            raise InvalidArgumentError(
+                "AllGatherPlan(quantize=...): strategy is %r; a quantized plan moves as one "
+                "personal exchange (auto or direct)" % (strategy,))
+        world, dtypes = len(shapes), list(dtypes)
+        shapes = [[tuple(s) for s in row] for row in shapes]
+        formed = [_RowsQuantizer._formed(i, d, [row[i] for row in shapes])
+                  for i, d in enumerate(dtypes)]
+        specs_q = resolve(quantize, [Described(d, f or (1, 32)) for d, f in zip(dtypes, formed)])
+        layouts, self.entries = [], [[] for _ in dtypes]
+        for i, (q, f, dtype) in enumerate(zip(specs_q, formed, dtypes)):
+            if q is not None and f is None and isinstance(quantize, (str, Quantize)):
+                specs_q[i] = q = None  # ragged pieces travel plain under one format
+            if q is not None and f is None:
+                raise InvalidArgumentError("quantize[%d]: the ranks' tensors must differ only "
+                                           "along dim 0 to form one tensor, got %s"
+                                           % (i, [row[i] for row in shapes]))
+            if q is None:
+                for r in range(world):
+                    whole = Box((0,) * len(shapes[r][i]), shapes[r][i])
+                    layouts.append(TensorLayout(shapes[r][i], dtype, [(r, whole)],
+                                                [(p, whole) for p in range(world)]))
+                    self.entries[i].append(torch.empty(shapes[r][i], dtype=dtype))
+                continue
+            rows, at = [], 0
+            for row in shapes:
+                rows.append(Box((at,) + (0,) * (len(f) - 1), row[i]))
+                at += row[i][0]
+            layouts.append(TensorLayout(f, dtype, list(enumerate(rows)),
+                                        [(p, box) for p in range(world) for box in rows]))
+            self.entries[i] = [self._entry(q, f, box) for box in rows]
+        self.plan = ReshardPlan(layouts, world, rank, strategy=strategy, preflight=preflight,
+                                timeout=timeout, quantize=[q for q, _ in self._per_layout(
+                                    specs_q, world)])
+        self.plan._built()  # its constructor's error, here (the caller defers it)
+
+    @staticmethod
+    def _per_layout(specs_q, world):
+        """(spec, tensor index) per layout: a plain index has one layout per rank."""
+        return [(q, i) for i, q in enumerate(specs_q) for _ in range(1 if q else world)]
+
+    @staticmethod
+    def _entry(q, shape, box):
+        if q.dequantize is not None:
+            return torch.empty(box.size, dtype=q.dequantize)
+        scales = scale_box(q.format, shape, box).size
+        return (torch.empty(box.size, dtype=torch.float8_e4m3fn),
+                torch.empty(scales, dtype=torch.float8_e8m0fnu if q.format == "mxfp8"
+                            else torch.float32))
+
+    def execute(self, params, group, out, async_op):
+        if out is not None:
+            from . import _setup_timeout, communicator
+
+            comm = communicator(group, self.plan._timeout())
+            _C._fail_call(comm, "ReshardPlan::execute", "AllGatherPlan(quantize=...): out is "
+                          "not taken (the entries are the plan's own)", False,
+                          self.plan._preflight is not False,
+                          _setup_timeout(self.plan._given_timeout), "")
+        flat = [e for row in self.entries for e in row]
+        return self.plan.execute(params, flat, group, async_op=async_op,
+                                 _returned=[list(row) for row in self.entries])
 
 
 # ---------------------------------------------------------------------------------------------

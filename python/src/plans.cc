@@ -365,8 +365,9 @@ py::object PyReshardPlan::execute(py::handle sources, py::handle destinations,
   return run(sources, comm, async_op, self, [&](Parsed& parsed, Communicator& c) {
     parse_or_fail(destinations, "destinations", parsed.outputs, c);
     parse_scales(scales, parsed, c);
-    py::list result =
-        first_items(returned.is_none() ? destinations : returned, parsed.outputs.views.size());
+    const py::object result =
+        returned.is_none() ? py::object(first_items(destinations, parsed.outputs.views.size()))
+                           : py::reinterpret_borrow<py::object>(returned);
     const std::span<const TensorView> views(parsed.outputs.views);
     const std::span<const TensorView> scale_views(parsed.scale_views);
     return PlanOutput{

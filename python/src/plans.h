@@ -192,8 +192,8 @@ class PyReshardPlan : public PyPlan<ReshardPlan> {
   // rank's sources; returns them as a new list. `device`: where this rank's tensors are (unset:
   // the first one's; a rank with none in a CUDA reshard passes it).
   // A quantized plan's `scales`: None, or per destination None (values) or the tensor its
-  // scales land in, `destinations` then holding the FP8 data as uint8. `returned`: the list
-  // execute returns (None: `destinations`).
+  // scales land in, `destinations` then holding the FP8 data as uint8. `returned`: what
+  // execute returns, as it is (None: `destinations` as a new list).
   pybind11::object execute(pybind11::handle sources, pybind11::handle destinations,
                            const std::shared_ptr<Communicator>& comm, bool async_op,
                            std::optional<Device> device, pybind11::handle scales,

@@ -659,10 +659,127 @@ def check_reshard_plan_quantized(rank, world, group):
     assert shardgather._C._plan_regions_runs() == planned
 
 
+def check_unshard_plan_quantized(rank, world, group):
+    """UnshardPlan(quantize=...), made once and executed every step: the mixed list of
+    check_unshard_bit_exact (cuts inside blocks along dim 0, 1 and the last, empty shards,
+    plain tensors between), raw and dequantized, bit-identical to the references each step, also
+    started (async_op) and with padded shards and dst; one call and no planning per execute."""
+    cases = _case_tensors(world)
+    specs = [spec for _, _, spec, _ in cases]
+    fmts = [fmt for _, _, _, fmt in cases]
+    out = torch.float32 if world % 2 else torch.bfloat16
+    raw = shardgather.UnshardPlan(specs, world, rank, timeout=T, quantize=fmts)
+    deq = shardgather.UnshardPlan(specs, world, rank, timeout=T,
+                                  quantize=[fmt and Quantize(fmt, out) for fmt in fmts])
+    # Padded shards (FSDP pads every shard to the largest) to one rank, run last; made here,
+    # since a rank ahead making a plan would move the process-wide count of plannings.
+    padded = []
+    for s in specs:
+        sizes = list(s.sizes) or shardgather.chunk_sizes(s.full_shape[s.shard_dim], world)
+        padded.append(ShardSpec(s.dtype, s.full_shape, s.shard_dim, sizes, max(sizes)))
+    dst = world - 1
+    plan = shardgather.UnshardPlan(padded, world, rank, timeout=T, quantize=fmts, dst=dst)
+    fulls = [full.clone() for _, full, _, _ in cases]
+    for step in range(3):
+        shards = [_shard(full, spec, rank, world) for full, spec in zip(fulls, specs)]
+        if step == 1:  # every rank built its plans (step 0 was collective): none plans again
+            planned = shardgather._C._plan_regions_runs()
+        async_op = step == 2
+        got_raw = raw.execute(shards, group, async_op=async_op)
+        got_deq = deq.execute(shards, group, async_op=async_op)
+        if async_op:
+            got_raw, got_deq = got_raw.wait(), got_deq.wait()
+        for i, (full, fmt) in enumerate(zip(fulls, fmts)):
+            if fmt is None:
+                assert torch.equal(got_raw[i], full) and torch.equal(got_deq[i], full), i
+                continue
+            data, scales = reference(full, fmt)
+            _same_bits(got_raw[i][0], data)
+            _same_bits(got_raw[i][1], scales)
+            _same_bits(got_deq[i], shardgather.quantization.dequantize(data, scales, fmt, out))
+        if world > 1:  # its header, the cut blocks' maxima, the payload: one call
+            assert raw.last_stats["preflight_collectives"] == 1, raw.last_stats
+            assert raw.last_stats["payload_collectives"] == 2, raw.last_stats
+        for full in fulls:  # the next step's values
+            if full.is_floating_point():
+                full.mul_(-2.0)
+    assert shardgather._C._plan_regions_runs() == planned
+    shards = []
+    for full, spec in zip(fulls, padded):
+        rows = _shard(full, spec, rank, world)
+        grown = list(rows.shape)
+        grown[spec.shard_dim] = spec.padded_size
+        pad = torch.zeros(grown, dtype=rows.dtype)
+        pad.narrow(spec.shard_dim, 0, rows.shape[spec.shard_dim]).copy_(rows)
+        shards.append(pad)
+    got = plan.execute(shards, group)
+    if rank != dst:
+        assert got == [], got
+        return
+    for i, (full, fmt) in enumerate(zip(fulls, fmts)):
+        if fmt is None:
+            assert torch.equal(got[i], full), i
+        else:
+            data, scales = reference(full, fmt)
+            _same_bits(got[i][0], data)
+            _same_bits(got[i][1], scales)
+
+
+def check_gather_plan_quantized(rank, world, group):
+    """AllGatherPlan(quantize=...), made once: out[i][r] bit-identical to
+    foreach_all_gather(quantize=...)'s (checked against the references in
+    check_foreach_quantized), raw and dequantized, ragged plain tensors between, also started;
+    one call and no planning per execute."""
+    fulls = [_values((300, 256), torch.bfloat16, seed=71),
+             _values((90, 64), torch.float32, seed=72, specials=True)]
+    cuts = [_cuts(300, world, 73), _cuts(90, world, 74)]
+
+    def rows(i, r):
+        lo = sum(cuts[i][:r])
+        return fulls[i][lo:lo + cuts[i][r]]
+
+    ragged = [torch.arange(r + 2, dtype=torch.int32).reshape(1, r + 2) for r in range(world)]
+    hint = [[tuple(rows(0, r).shape), tuple(ragged[r].shape), tuple(rows(1, r).shape)]
+            for r in range(world)]
+    dtypes = [torch.bfloat16, torch.int32, torch.float32]
+    specs = [["fp8_e4m3_128x128", None, "mxfp8"],
+             {0: Quantize("fp8_e4m3_128x128", torch.float32), 2: Quantize("mxfp8")}]
+    plans = [shardgather.AllGatherPlan(dtypes, hint, rank, timeout=T, quantize=q)
+             for q in specs]
+    steps = []  # each step's params and the one-shot calls' results (those plan each time)
+    for step in range(3):
+        params = [rows(0, rank).clone(), ragged[rank], rows(1, rank).clone()]
+        steps.append((params, [shardgather.foreach_all_gather(
+            params, group, shapes_across_group=hint, timeout=T, quantize=q) for q in specs]))
+        for f in fulls:
+            f.mul_(-2.0)
+    for step, (params, wants) in enumerate(steps):
+        if step == 1:  # every rank built its plans (step 0 was collective): none plans again
+            planned = shardgather._C._plan_regions_runs()
+        for plan, want in zip(plans, wants):
+            got = plan.execute(params, group, async_op=step == 2)
+            if step == 2:
+                got = got.wait()
+            assert len(got) == 3 and all(len(row) == world for row in got)
+            for i in range(3):
+                for r in range(world):
+                    g, w = got[i][r], want[i][r]
+                    if isinstance(w, tuple):
+                        _same_bits(g[0], w[0])
+                        _same_bits(g[1], w[1])
+                    else:
+                        _same_bits(g, w)
+            if world > 1:
+                assert plan.last_stats["preflight_collectives"] == 1, plan.last_stats
+                assert plan.last_stats["payload_collectives"] == 2, plan.last_stats
+    assert shardgather._C._plan_regions_runs() == planned
+
+
 CHECKS = [check_unshard_bit_exact, check_one_spec_for_every_tensor, check_gather_to_one_rank,
           check_padded_shards, check_disagreement, check_bytes_on_the_wire,
           check_stream_quantized, check_export_fp8, check_reshard_quantized, check_pass_through,
-          check_foreach_quantized, check_reshard_plan_quantized,
+          check_foreach_quantized, check_reshard_plan_quantized, check_unshard_plan_quantized,
+          check_gather_plan_quantized,
           check_export_mxfp8_names_what_a_loader_reads]
 for _check in CHECKS:
     globals()[on_default_group(_check).__name__] = on_default_group(_check)
