@@ -640,12 +640,11 @@ class ReshardPlan(_PlanState):
                  preflight=True, timeout=None, device_bucket_bytes=None, quantize=None,
                  _stage=""):
         self._preflight, self._given_timeout, self._stage = preflight, timeout, _stage
-        self._quantize = quantize
-        hosts = None if hosts is None else list(hosts)
-        self._hosts = hosts
+        self._quantize, self._hosts = quantize, None
 
         def build():
             check_keywords(strategy=strategy, preflight=preflight, timeout=timeout)
+            self._hosts = None if hosts is None else list(hosts)
             formats = []
             if quantize is not None:
                 from .quantized import Described, resolve
@@ -654,8 +653,8 @@ class ReshardPlan(_PlanState):
                 formats = [None if q is None else q.format for q in specs]
             return _C.ReshardPlan(
                 _layout_tuples(layouts), check_int("world_size", world_size, 1),
-                check_int("rank", rank, 0), None if hosts is None else list(hosts),
-                bool(fan_out), strategy, preflight, timeout,
+                check_int("rank", rank, 0), self._hosts, bool(fan_out), strategy, preflight,
+                timeout,
                 None if device_bucket_bytes is None
                 else check_int("device_bucket_bytes", device_bucket_bytes, 1), _stage,
                 formats)
@@ -688,12 +687,12 @@ class ReshardPlan(_PlanState):
         its quantized tensors' destinations are (data, scales) pairs or float32 / bfloat16
         tensors to dequantize into; CPU tensors; ``async_op`` as for any plan)."""
         extra = {}
-        if self._quantize is not None:  # (data, scales) pairs: FP8 data as uint8, and its scales
-            from .quantized import destination_parts
+        if self._plan is not None and self._plan.quantized:  # (data, scales) pairs: FP8 data
+            from .quantized import destination_parts            # as uint8, and its scales
 
             extra = destination_parts(destinations)
-            if _returned is not None:  # the package's own plans return their own shape
-                extra["returned"] = _returned
+        if _returned is not None:  # the package's own plans return their own shape
+            extra["returned"] = _returned
         index = None
         if device is not None:
             index, problem = _device_index(device)

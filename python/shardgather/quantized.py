@@ -823,7 +823,9 @@ class QuantizedUnshard:
                                 strategy=strategy, preflight=preflight, timeout=timeout,
                                 quantize=self.specs_q)
         self.plan._built()  # its constructor's error, here (the caller defers it)
-        self.entries = None
+        # Made here, where running out of memory is an error every rank hears of (the
+        # caller defers it to the first execute's call).
+        self.entries = self._entries() if self.receives else []
 
     def execute(self, shards, group, outputs, async_op):
         if outputs is not None:
@@ -834,8 +836,6 @@ class QuantizedUnshard:
                           "not taken (the entries are the plan's own)", False,
                           self.plan._preflight is not False,
                           _setup_timeout(self.plan._given_timeout), "")
-        if self.entries is None:
-            self.entries = self._entries() if self.receives else []
         try:
             sources = [self._rows(i, x) for i, x in enumerate(shards)]
         except TypeError:

@@ -149,7 +149,11 @@ std::tuple<int, std::vector<std::int64_t>, std::vector<std::int64_t>> split_of(
 
 QuantStage::QuantStage(std::span<const TensorRegions> tensors, std::span<const QuantFormat> formats,
                        int world, int rank)
-    : tensors_(tensors.begin(), tensors.end()) {
+    : tensors_(tensors.begin(), tensors.end()), world_(world) {
+  if (world < 1 || rank < 0 || rank >= world) {
+    throw InvalidArgument("plan_regions: rank " + std::to_string(rank) + " of " +
+                          std::to_string(world));
+  }
   check_regions(tensors, world);
   if (formats.size() > tensors.size()) {
     throw InvalidArgument("quantize: " + std::to_string(formats.size()) + " formats for " +
@@ -454,6 +458,9 @@ void QuantStage::prepare(std::span<const TensorView> sources,
   build_views(sources, destinations, scales, q);
   q.amax.assign(amax_floats_, 0.0F);  // no allocation once sized
   q.row.assign(row_bytes(), std::byte{0});
+  // Every rank's rows arrive after the header: sized here, where a failed allocation is an
+  // error every rank hears of.
+  q.table.resize(static_cast<std::size_t>(row_bytes()) * static_cast<std::size_t>(world_));
   for (const Tensor& t : quant_) {
     if (t.source_view == SIZE_MAX) {
       continue;
@@ -588,6 +595,17 @@ void QuantStage::add_destination_views(const Tensor& t, std::span<const TensorVi
       ++k;
     } else {
       put(q.destinations, n, scales[v]);
+    }
+  }
+}
+
+void QuantStage::add_decoded_extents(std::span<const TensorView> destinations,
+                                     const QuantScratch& q, std::vector<ViewExtent>& out) const {
+  for (const std::size_t v : q.decoded) {
+    const TensorView& t = destinations[v];
+    const std::uint64_t bytes = checked_nbytes(t.dtype, t.shape);
+    if (bytes != 0) {
+      out.push_back({extent_of(t, bytes), true, !is_contiguous(t), "destination", v});
     }
   }
 }

@@ -28,6 +28,8 @@
 #include <string>
 #include <vector>
 
+#include "copies/local_input.h"
+
 #include "shardgather/buffer.h"
 #include "shardgather/quantize.h"
 #include "shardgather/regions.h"
@@ -81,6 +83,10 @@ class QuantStage {
   void encode(std::span<const TensorView> sources, QuantScratch& q) const;
   // After the payload landed.
   void decode(std::span<const TensorView> destinations, QuantScratch& q) const;
+  // After prepare: the extents of the destinations decoded here (the caller's views, which the
+  // payload's views do not show), for the check that no written view overlaps another.
+  void add_decoded_extents(std::span<const TensorView> destinations, const QuantScratch& q,
+                           std::vector<ViewExtent>& out) const;
 
  private:
   struct Cut {
@@ -134,6 +140,7 @@ class QuantStage {
                              std::size_t& decoded) const;
 
   std::vector<TensorRegions> tensors_;
+  int world_ = 1;
   std::vector<QuantFormat> formats_;
   std::vector<TensorRegions> payload_;
   std::vector<ViewRef> source_views_, destination_views_;

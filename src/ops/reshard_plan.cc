@@ -247,9 +247,9 @@ void ReshardPlan::check_call(const Communicator& comm, std::span<const TensorVie
                              std::span<const TensorView> scales, std::optional<Device> device,
                              ExecStats& stats) {
   if (!quant_) {
-    if (!scales.empty()) {
-      throw InvalidArgument("scales: " + std::to_string(scales.size()) +
-                            " given to a plan made without quantize (it takes none)");
+    const auto given = [](const TensorView& t) { return t.data != nullptr || !t.shape.empty(); };
+    if (std::any_of(scales.begin(), scales.end(), given)) {
+      throw InvalidArgument("scales: given to a plan that quantizes no tensor (it takes none)");
     }
     check_views(comm, sources, destinations, device, stats);
     return;
@@ -264,6 +264,13 @@ void ReshardPlan::check_call(const Communicator& comm, std::span<const TensorVie
   detail::QuantScratch& q = scratch_.get().quant;
   quant_->prepare(sources, destinations, scales, q);
   check_views(comm, q.sources, q.destinations, kCpu, stats);
+  // The destinations decoded here are not among the payload's views: checked against them too.
+  detail::ExecScratch& x = scratch_.get();
+  const std::size_t payload_views = x.view_extents.size();
+  quant_->add_decoded_extents(destinations, q, x.view_extents);
+  if (x.view_extents.size() != payload_views) {
+    detail::check_views_apart(x.view_extents);
+  }
 }
 
 std::span<const TensorView> ReshardPlan::moved_sources(std::span<const TensorView> sources) {
@@ -279,9 +286,7 @@ std::span<const TensorView> ReshardPlan::moved_destinations(
 // the sources quantized into the staging the payload sends.
 void ReshardPlan::encode_stage(detail::Call& call, std::span<const TensorView> sources) {
   detail::QuantScratch& q = scratch_.get().quant;
-  const std::uint64_t row = quant_->row_bytes();
-  q.table.resize(static_cast<std::size_t>(row) * static_cast<std::size_t>(regions_.world_size));
-  if (row != 0) {
+  if (quant_->row_bytes() != 0) {  // q.table was sized by the checks
     call.transfer([&] { call.comm().all_gather(q.row, q.table, call.deadline()); });
   }
   quant_->encode(sources, q);

@@ -725,6 +725,24 @@ def check_unshard_plan_quantized(rank, world, group):
             _same_bits(got[i][1], scales)
 
 
+def check_plans_quantizing_nothing(rank, world, group):
+    """A single format over tensors it cannot quantize (1-d norms, integers): the plans are
+    plain ones and move them as they are (an FSDP bucket of norms and biases)."""
+    norm = torch.arange(4.0 * world)
+    ids = torch.arange(3 * world, dtype=torch.int64)
+    specs = [ShardSpec(norm.dtype, norm.shape, 0), ShardSpec(ids.dtype, ids.shape, 0)]
+    shards = [_shard(norm, specs[0], rank, world), _shard(ids, specs[1], rank, world)]
+    plan = shardgather.UnshardPlan(specs, world, rank, timeout=T, quantize="mxfp8")
+    got = plan.execute(shards, group)
+    assert torch.equal(got[0], norm) and torch.equal(got[1], ids)
+    hint = [[(len(_shard(norm, specs[0], r, world)),), (len(_shard(ids, specs[1], r, world)),)]
+            for r in range(world)]
+    gather = shardgather.AllGatherPlan([norm.dtype, ids.dtype], hint, rank, timeout=T,
+                                       quantize="fp8_e4m3_128x128")
+    out = gather.execute(shards, group, async_op=True).wait()
+    assert torch.equal(torch.cat(out[0]), norm) and torch.equal(torch.cat(out[1]), ids)
+
+
 def check_gather_plan_quantized(rank, world, group):
     """AllGatherPlan(quantize=...), made once: out[i][r] bit-identical to
     foreach_all_gather(quantize=...)'s (checked against the references in
@@ -779,7 +797,7 @@ CHECKS = [check_unshard_bit_exact, check_one_spec_for_every_tensor, check_gather
           check_padded_shards, check_disagreement, check_bytes_on_the_wire,
           check_stream_quantized, check_export_fp8, check_reshard_quantized, check_pass_through,
           check_foreach_quantized, check_reshard_plan_quantized, check_unshard_plan_quantized,
-          check_gather_plan_quantized,
+          check_gather_plan_quantized, check_plans_quantizing_nothing,
           check_export_mxfp8_names_what_a_loader_reads]
 for _check in CHECKS:
     globals()[on_default_group(_check).__name__] = on_default_group(_check)

@@ -231,5 +231,75 @@ TEST(QuantizedReshard, SourcesThatDoNotSplitOneDimAreRefusedNamingTheTensor) {
   }
 }
 
+TEST(QuantizedReshard, ARankPastTheWorldIsRefusedBeforeAnythingIsRead) {
+  const std::vector<TensorRegions> tensors = layout();
+  const std::vector<QuantFormat> formats = {QuantFormat::kFp8Block128};
+  EXPECT_THROW(ReshardPlan(tensors, 3, 5, {}, {}, formats), InvalidArgument);
+  EXPECT_THROW(ReshardPlan(tensors, 3, -1, {}, {}, formats), InvalidArgument);
+}
+
+TEST(QuantizedReshard, ADecodedDestinationOverlappingAnotherIsRefusedOnEveryRank) {
+  // Rank 0 wants rows [0, 128) as values and rows [128, 256) as FP8 data whose bytes lie
+  // inside the values' buffer: the decode would overwrite what the payload delivered.
+  TensorRegions t{.dtype = DType::kFloat32, .shape = {256, 128}, .sources = {}, .destinations = {}};
+  t.sources = {{0, Box{{0, 0}, {100, 128}}}, {1, Box{{100, 0}, {156, 128}}}};
+  t.destinations = {{0, Box{{0, 0}, {128, 128}}}, {0, Box{{128, 0}, {128, 128}}}};
+  const std::vector<QuantFormat> formats = {QuantFormat::kFp8Block128};
+  std::vector<float> full(256 * 128, 1.0F);
+  run_ranks(
+      2,
+      [&](int rank, Communicator& comm) {
+        ReshardPlan plan(std::span(&t, 1), 2, rank, {}, {}, formats);
+        const TensorView source = view_of(full.data() + (rank == 0 ? 0 : 100 * 128),
+                                          DType::kFloat32, {rank == 0 ? 100 : 156, 128});
+        std::vector<float> values(128 * 128);
+        std::vector<float> scales(1);
+        std::vector<TensorView> dests;
+        std::vector<TensorView> scale_views;
+        if (rank == 0) {
+          dests = {view_of(values.data(), DType::kFloat32, {128, 128}),
+                   view_of(values.data(), DType::kUInt8, {128, 128})};
+          scale_views = {TensorView{}, view_of(scales.data(), DType::kFloat32, {1, 1})};
+        }
+        try {
+          plan.execute(std::span(&source, 1), comm, dests, scale_views);
+          ADD_FAILURE() << "rank " << rank << ": no error";
+        } catch (const InvalidArgument& e) {
+          EXPECT_NE(std::string(e.what()).find("rank 0"), std::string::npos) << e.what();
+          EXPECT_NE(std::string(e.what()).find("overlap"), std::string::npos) << e.what();
+        }
+      },
+      "decoded overlap");
+}
+
+TEST(QuantizedReshard, APlanWhoseFormatsQuantizeNothingIsAPlainPlan) {
+  TensorRegions t{.dtype = DType::kFloat32, .shape = {8, 4}, .sources = {}, .destinations = {}};
+  t.sources = {{0, Box{{0, 0}, {8, 4}}}};
+  t.destinations = {{1, Box{{0, 0}, {8, 4}}}};
+  const std::vector<QuantFormat> none = {QuantFormat::kNone};
+  run_ranks(
+      2,
+      [&](int rank, Communicator& comm) {
+        ReshardPlan plan(std::span(&t, 1), 2, rank, {}, {}, none);
+        EXPECT_FALSE(plan.quantized());
+        std::vector<float> src(32, 2.5F);
+        std::vector<float> dst(32, 0.0F);
+        std::vector<TensorView> sources;
+        std::vector<TensorView> dests;
+        std::vector<TensorView> scales;
+        if (rank == 0) {
+          sources = {view_of(src.data(), DType::kFloat32, {8, 4})};
+        } else {
+          dests = {view_of(dst.data(), DType::kFloat32, {8, 4})};
+          scales = {TensorView{}};  // "values", as a quantized plan's caller would say
+        }
+        plan.execute(sources, comm, dests, scales);
+        if (rank == 1) {
+          EXPECT_EQ(dst, src);
+        }
+      },
+      "nothing quantized");
+}
+
 }  // namespace
 }  // namespace shardgather
