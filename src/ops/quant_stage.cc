@@ -181,15 +181,21 @@ QuantStage::QuantStage(std::span<const TensorRegions> tensors, std::span<const Q
     quant_.push_back(plan_tensor(i, formats_[i], world, rank));
     add_payload(quant_.back(), world);
   }
-  source_first_.assign(tensors.size() + 1, 0);
-  destination_first_.assign(tensors.size() + 1, 0);
+  index_views();
+  plan_destinations();
+}
+
+// Per tensor its first view of each side; each quantized tensor's non-empty source view.
+void QuantStage::index_views() {
+  source_first_.assign(tensors_.size() + 1, 0);
+  destination_first_.assign(tensors_.size() + 1, 0);
   for (const ViewRef& ref : source_views_) {
     ++source_first_[ref.tensor + 1];
   }
   for (const ViewRef& ref : destination_views_) {
     ++destination_first_[ref.tensor + 1];
   }
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
     source_first_[i + 1] += source_first_[i];
     destination_first_[i + 1] += destination_first_[i];
   }
@@ -200,6 +206,11 @@ QuantStage::QuantStage(std::span<const TensorRegions> tensors, std::span<const Q
       quant_[q].source_view = v;
     }
   }
+}
+
+// Each destination of a quantized tensor: its window (its box widened to block edges), its
+// scale box and the window's grid.
+void QuantStage::plan_destinations() {
   destinations_.resize(destination_views_.size());
   for (std::size_t v = 0; v < destination_views_.size(); ++v) {
     const ViewRef& ref = destination_views_[v];

@@ -119,6 +119,8 @@ class QuantStage {
   };
 
   Tensor plan_tensor(std::size_t i, QuantFormat format, int world, int rank);
+  void index_views();
+  void plan_destinations();
   void find_cuts(Tensor& t, int world, int rank);
   static void gather_slab(const Tensor& t, int slot, std::span<const float> amax,
                           std::span<float> slab);
