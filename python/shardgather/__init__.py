@@ -329,9 +329,12 @@ class _PlanState:
         "strategy",
         """The requested strategy's name; ``last_stats["strategy"]`` is the one that ran.""",
     )
-    last_stats = _from_plan(
-        "last_stats", "Collectives and staged bytes of the last execution, and its strategy."
-    )
+    @property
+    def last_stats(self):
+        """Collectives and staged bytes of the last execution, and its strategy (a quantized
+        UnshardPlan's or AllGatherPlan's: its reshard's)."""
+        return (self._quantized.plan if self._quantized is not None
+                else self._built()).last_stats
     buffer = _from_plan(
         "buffer",
         "The plan-owned uint8 output buffer (None before the first execution without out).",
@@ -340,6 +343,7 @@ class _PlanState:
     world_size = _from_plan("world_size")
 
     _error = None
+    _quantized = None  # a quantized UnshardPlan's or AllGatherPlan's reshard (quantized.py)
     _preflight = True
     _given_timeout = None
     _stage = ""  # the step of a compound operation its executions are (the package's own plans)
@@ -438,13 +442,6 @@ class AllGatherPlan(_PlanState):
             return self._quantized.execute(params, group, out, async_op)
         return self._execute("AllGatherPlan::execute", params, group, out, async_op)
 
-    @property
-    def last_stats(self):
-        """Collectives and staged bytes of the last execution, and its strategy."""
-        if self._quantized is not None:
-            return self._quantized.plan.last_stats
-        return self._built().last_stats
-
     rank = _from_plan("rank")
     num_tensors = _from_plan("num_tensors")
 
@@ -496,13 +493,6 @@ class UnshardPlan(_PlanState):
         if self._quantized is not None:
             return self._quantized.execute(shards, group, outputs, async_op)
         return self._execute("UnshardPlan::execute", shards, group, outputs, async_op)
-
-    @property
-    def last_stats(self):
-        """Collectives and staged bytes of the last execution, and its strategy."""
-        if self._quantized is not None:
-            return self._quantized.plan.last_stats
-        return self._built().last_stats
 
     def shard_shape(self, rank, index):
         """The local shard shape rank ``rank`` passes for parameter ``index`` (padded if the

@@ -802,6 +802,27 @@ def unshard_layouts(specs, world, dst=None):
     return layouts
 
 
+def _entry(q, shape, box):
+    """A quantized plan's own entry for ``box`` of a tensor of ``shape``: the dequantized box,
+    or (FP8 data, the scales of every block the box touches)."""
+    if q.dequantize is not None:
+        return torch.empty(tuple(box.size), dtype=q.dequantize)
+    scales = scale_box(q.format, shape, box).size
+    return (torch.empty(tuple(box.size), dtype=torch.float8_e4m3fn),
+            torch.empty(scales, dtype=torch.float8_e8m0fnu if q.format == "mxfp8"
+                        else torch.float32))
+
+
+def _refuse(plan, group, message):
+    """Fails a quantized plan's call on every rank (``plan``: its ReshardPlan) with
+    ``message``: the peers meet this rank's failed header in their own call."""
+    from . import _setup_timeout, communicator  # the package imports this module
+
+    comm = communicator(group, plan._timeout())
+    _C._fail_call(comm, "ReshardPlan::execute", message, False, plan._preflight is not False,
+                  _setup_timeout(plan._given_timeout), "")
+
+
 class QuantizedUnshard:
     """``UnshardPlan(quantize=...)``: a quantized :class:`shardgather.ReshardPlan` from every
     rank's real rows to the full tensors, made here (the planner runs once, never per execute);
@@ -829,13 +850,8 @@ class QuantizedUnshard:
 
     def execute(self, shards, group, outputs, async_op):
         if outputs is not None:
-            from . import _setup_timeout, communicator
-
-            comm = communicator(group, self.plan._timeout())
-            _C._fail_call(comm, "ReshardPlan::execute", "UnshardPlan(quantize=...): outputs is "
-                          "not taken (the entries are the plan's own)", False,
-                          self.plan._preflight is not False,
-                          _setup_timeout(self.plan._given_timeout), "")
+            _refuse(self.plan, group, "UnshardPlan(quantize=...): outputs is not taken (the "
+                    "entries are the plan's own)")
         try:
             sources = [self._rows(i, x) for i, x in enumerate(shards)]
         except TypeError:
@@ -853,17 +869,9 @@ class QuantizedUnshard:
         return shard
 
     def _entries(self):
-        out = []
-        for s, q in zip(self.specs, self.specs_q):
-            shape = tuple(s.full_shape)
-            if q is None or q.dequantize is not None:
-                out.append(torch.empty(shape, dtype=s.dtype if q is None else q.dequantize))
-                continue
-            scales = scale_box(q.format, shape, ((0,) * len(shape), shape)).size
-            out.append((torch.empty(shape, dtype=torch.float8_e4m3fn),
-                        torch.empty(scales, dtype=torch.float8_e8m0fnu if q.format == "mxfp8"
-                                    else torch.float32)))
-        return out
+        return [torch.empty(tuple(s.full_shape), dtype=s.dtype) if q is None
+                else _entry(q, s.full_shape, Box((0,) * len(s.full_shape), s.full_shape))
+                for s, q in zip(self.specs, self.specs_q)]
 
 
 class QuantizedGather:
@@ -907,7 +915,7 @@ class QuantizedGather:
                 at += row[i][0]
             layouts.append(TensorLayout(f, dtype, list(enumerate(rows)),
                                         [(p, box) for p in range(world) for box in rows]))
-            self.entries[i] = [self._entry(q, f, box) for box in rows]
+            self.entries[i] = [_entry(q, f, box) for box in rows]
         self.plan = ReshardPlan(layouts, world, rank, strategy=strategy, preflight=preflight,
                                 timeout=timeout, quantize=[q for q, _ in self._per_layout(
                                     specs_q, world)])
@@ -918,24 +926,10 @@ class QuantizedGather:
         """(spec, tensor index) per layout: a plain index has one layout per rank."""
         return [(q, i) for i, q in enumerate(specs_q) for _ in range(1 if q else world)]
 
-    @staticmethod
-    def _entry(q, shape, box):
-        if q.dequantize is not None:
-            return torch.empty(box.size, dtype=q.dequantize)
-        scales = scale_box(q.format, shape, box).size
-        return (torch.empty(box.size, dtype=torch.float8_e4m3fn),
-                torch.empty(scales, dtype=torch.float8_e8m0fnu if q.format == "mxfp8"
-                            else torch.float32))
-
     def execute(self, params, group, out, async_op):
         if out is not None:
-            from . import _setup_timeout, communicator
-
-            comm = communicator(group, self.plan._timeout())
-            _C._fail_call(comm, "ReshardPlan::execute", "AllGatherPlan(quantize=...): out is "
-                          "not taken (the entries are the plan's own)", False,
-                          self.plan._preflight is not False,
-                          _setup_timeout(self.plan._given_timeout), "")
+            _refuse(self.plan, group, "AllGatherPlan(quantize=...): out is not taken (the "
+                    "entries are the plan's own)")
         flat = [e for row in self.entries for e in row]
         return self.plan.execute(params, flat, group, async_op=async_op,
                                  _returned=[list(row) for row in self.entries])

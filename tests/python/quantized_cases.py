@@ -791,6 +791,12 @@ def check_gather_plan_quantized(rank, world, group):
                 assert plan.last_stats["preflight_collectives"] == 1, plan.last_stats
                 assert plan.last_stats["payload_collectives"] == 2, plan.last_stats
     assert shardgather._C._plan_regions_runs() == planned
+    # ``out`` on the last rank only: refused on every rank, and the plan works afterwards.
+    params = steps[0][0]
+    _raises_everywhere(shardgather.InvalidArgumentError, "out is not taken",
+                       lambda: plans[0].execute(params, group, out=torch.empty(8)
+                                                if rank == world - 1 else None))
+    assert len(plans[0].execute(params, group)) == 3
 
 
 CHECKS = [check_unshard_bit_exact, check_one_spec_for_every_tensor, check_gather_to_one_rank,
