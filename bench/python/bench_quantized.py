@@ -73,6 +73,22 @@ def kernel(iters):
                   % (str(dtype).split(".")[1], fmt, f * 1e3, q * 1e3, x.numel() / q / 1e9))
 
 
+def time_methods(methods, times, iters, mpi):
+    """``iters`` rounds of every method in a shuffled order, each call after an MPI barrier (not
+    timed); appends each call's time, the max over ranks, to ``times[method]``."""
+    from mpi4py import MPI
+
+    order = list(methods)
+    rnd = random.Random(11)
+    for _ in range(iters):
+        rnd.shuffle(order)
+        for m in order:
+            mpi.Barrier()
+            t0 = time.perf_counter()
+            methods[m]()
+            times[m].append(mpi.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--iters", type=int, default=5)
@@ -133,16 +149,7 @@ def main():
             assert torch.equal(data.view(torch.uint8), want[0].view(torch.uint8)), (i, fmt)
             assert torch.equal(scales.view(torch.uint8), want[1].view(torch.uint8)), (i, fmt)
     del first, full, streamed
-    order = list(methods)
-    rnd = random.Random(11)
-    for _ in range(args.iters):
-        rnd.shuffle(order)
-        for m in order:
-            mpi.Barrier()
-            t0 = time.perf_counter()
-            methods[m]()
-            dt = time.perf_counter() - t0
-            times[m].append(mpi.allreduce(dt, op=MPI.MAX))
+    time_methods(methods, times, args.iters, mpi)
     if rank != 0:
         return
     med = {m: statistics.median(v) for m, v in times.items()}

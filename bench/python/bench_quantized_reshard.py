@@ -20,9 +20,9 @@ against quantizing the full tensors here. Prints medians and each method / bf16.
 
 import argparse
 import json
-import random
+import os
 import statistics
-import time
+import sys
 
 import torch
 
@@ -30,6 +30,9 @@ import shardgather as sg
 from shardgather import quantized
 from shardgather.layouts import Box, TensorLayout
 from shardgather.quantization import dequantize, quantize
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_quantized import time_methods  # noqa: E402  (its timing loop, shared)
 
 SHAPES = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (12288, 4096),
           (12288, 4096), (4096, 12288)]
@@ -100,16 +103,7 @@ def main():
                                    want.view(torch.int16)), i
     del fulls
     times = {m: [] for m in methods}
-    order = list(methods)
-    rnd = random.Random(11)
-    for _ in range(args.iters):
-        rnd.shuffle(order)
-        for m in order:
-            mpi.Barrier()
-            t0 = time.perf_counter()
-            methods[m]()
-            dt = time.perf_counter() - t0
-            times[m].append(mpi.allreduce(dt, op=MPI.MAX))
+    time_methods(methods, times, args.iters, mpi)
     if rank != 0:
         return
     med = {m: statistics.median(v) for m, v in times.items()}

@@ -5,6 +5,7 @@
 #include <string>
 #include <tuple>
 
+#include "copies/box_runs.h"
 #include "copies/local_input.h"
 
 #include "shardgather/copy.h"
@@ -80,14 +81,6 @@ std::int64_t numel(const Shape& shape) {
     n *= s;
   }
   return n;
-}
-
-Shape row_major(const Shape& shape) {
-  Shape strides(shape.size(), 1);
-  for (std::size_t d = shape.size(); d-- > 1;) {
-    strides[d - 1] = strides[d] * shape[d];
-  }
-  return strides;
 }
 
 // Where the held pieces of a tensor lie along the one dim they split: (dim, sizes, offsets) per
@@ -260,6 +253,10 @@ QuantStage::Tensor QuantStage::plan_tensor(std::size_t i, QuantFormat format, in
     t.grid = quant_grid(format, t.window, regions.dtype, name(i));
     const Shape window_scales = t.grid.scale_shape();
     t.slabs = window_scales[dim];
+    // The scales this rank sends: the last `owned` slabs of its window's, a view over them.
+    resolve_strides(window_scales, {}, t.owned_strides);
+    t.owned_shape = window_scales;
+    t.owned_shape[dim] = t.owned;
     t.data_at = fixed_bytes_;
     fixed_bytes_ += aligned(static_cast<std::uint64_t>(numel(rows.size)));
     t.scales_at = fixed_bytes_;
@@ -569,12 +566,9 @@ void QuantStage::add_source_views(const Tensor& t, std::span<const TensorView> s
   }
   if (t.owned > 0) {
     const DType sdtype = scale_dtype(t.format);
-    const Shape window_scales = t.grid.scale_shape();
-    Shape shape = window_scales;
-    shape[static_cast<std::size_t>(t.dim)] = t.owned;
     const std::uint64_t skip =
         static_cast<std::uint64_t>((t.slabs - t.owned) * t.inner) * dtype_size(sdtype);
-    put(q.sources, n, {base + t.scales_at + skip, sdtype, shape, row_major(window_scales), kCpu});
+    put(q.sources, n, {base + t.scales_at + skip, sdtype, t.owned_shape, t.owned_strides, kCpu});
   }
 }
 

@@ -108,6 +108,7 @@ class QuantStage {
     QuantGrid grid;                                // the window's
     std::int64_t outer = 1, slabs = 0, inner = 1;  // the window's scale grid around dim
     std::int64_t owned = 0;                        // slabs whose first row is this rank's
+    Shape owned_shape, owned_strides;  // the view of those slabs' scales in the window's
     std::uint64_t data_at = 0, scales_at = 0, amax_at = 0;
     std::vector<Cut> cuts;
   };
