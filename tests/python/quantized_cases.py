@@ -743,6 +743,29 @@ def check_plans_quantizing_nothing(rank, world, group):
     assert torch.equal(torch.cat(out[0]), norm) and torch.equal(torch.cat(out[1]), ids)
 
 
+def check_plan_quantize_disagrees(rank, world, group):
+    """RELIABILITY 2.8b for the quantized plans: UnshardPlan and AllGatherPlan whose quantize
+    spec differs on the last rank (another format, or none): MismatchError on every rank before
+    anything moves, and the group works afterwards."""
+    if world == 1:
+        return
+    full = _values((300, 256), torch.bfloat16, seed=81)
+    spec = ShardSpec(full.dtype, full.shape, 0, _cuts(300, world, 82))
+    shard = _shard(full, spec, rank, world)
+    hint = [[(n, 256)] for n in spec.sizes]
+    last = rank == world - 1
+    for theirs in ("mxfp8", None):
+        q = theirs if last else "fp8_e4m3_128x128"
+        for make in (lambda: shardgather.UnshardPlan([spec], world, rank, timeout=T, quantize=q),
+                     lambda: shardgather.AllGatherPlan([full.dtype], hint, rank, timeout=T,
+                                                       quantize=q)):
+            plan = make()
+            _raises_everywhere(shardgather.MismatchError, "differs",
+                               lambda: plan.execute([shard], group))
+        got = shardgather.unshard([shard], [spec], group, timeout=T)
+        assert torch.equal(got[0], full)
+
+
 def check_gather_plan_quantized(rank, world, group):
     """AllGatherPlan(quantize=...), made once: out[i][r] bit-identical to
     foreach_all_gather(quantize=...)'s (checked against the references in
@@ -804,6 +827,7 @@ CHECKS = [check_unshard_bit_exact, check_one_spec_for_every_tensor, check_gather
           check_stream_quantized, check_export_fp8, check_reshard_quantized, check_pass_through,
           check_foreach_quantized, check_reshard_plan_quantized, check_unshard_plan_quantized,
           check_gather_plan_quantized, check_plans_quantizing_nothing,
+          check_plan_quantize_disagrees,
           check_export_mxfp8_names_what_a_loader_reads]
 for _check in CHECKS:
     globals()[on_default_group(_check).__name__] = on_default_group(_check)
