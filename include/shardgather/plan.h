@@ -95,6 +95,14 @@ class SHARDGATHER_API AllGatherPlan {
   static AllGatherPlan create(std::span<const TensorView> params, Communicator& comm,
                               std::span<const std::vector<Shape>> shapes_across_group = {},
                               const PlanOptions& options = {});
+  // create under the name every plan's communicator constructor has (ReshardPlan's and
+  // UnshardPlan's for_communicator); create stays, the seed's name.
+  static AllGatherPlan for_communicator(
+      std::span<const TensorView> params, Communicator& comm,
+      std::span<const std::vector<Shape>> shapes_across_group = {},
+      const PlanOptions& options = {}) {
+    return create(params, comm, shapes_across_group, options);
+  }
 
   [[nodiscard]] const LayoutPlan& layout() const noexcept { return layout_; }
   [[nodiscard]] int rank() const noexcept { return rank_; }

@@ -49,6 +49,10 @@ class SHARDGATHER_API UnshardPlan {
   // InvalidArgument when both are set and differ.
   UnshardPlan(std::span<const ShardSpec> specs, int world_size, int rank,
               const PlanOptions& options = {}, int dst = -1);
+  // The same, with the communicator's size and rank (every plan is built from a communicator by
+  // its for_communicator). Pure: nothing is exchanged.
+  static UnshardPlan for_communicator(std::span<const ShardSpec> specs, const Communicator& comm,
+                                      const PlanOptions& options = {});
 
   [[nodiscard]] std::size_t size() const noexcept { return specs_.size(); }
   [[nodiscard]] int world_size() const noexcept { return world_; }

@@ -248,6 +248,15 @@ def _one_hint(comm, op, positional, keyword, preflight, timeout):
     return keyword if keyword is not None else positional
 
 
+def _dtypes(params):
+    """Each param's dtype, read by a plan's constructor, so that a param that is no tensor is
+    its (deferred) error, which the plan's first call raises on every rank."""
+    for i, t in enumerate(params):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidTypeError("params[%d] must be a tensor, got %s" % (i, type(t).__name__))
+        yield t.dtype
+
+
 def _first_is_cuda(params):
     try:
         return len(params) > 0 and isinstance(params[0], torch.Tensor) and params[0].is_cuda
@@ -371,7 +380,7 @@ class AllGatherPlan(_PlanState):
 
     ``AllGatherPlan(dtypes, shapes_across_group, rank)`` is pure (no communication): one
     torch dtype per tensor index and every rank's shapes, ``shapes_across_group[r][i]``.
-    :meth:`create` builds one from this rank's tensors (collective without the shapes hint).
+    :meth:`for_group` builds one from this rank's tensors (collective without the shapes hint).
 
     ``execute(params)`` returns ``out[i][r]`` (rank r's ``params[i]``) as views into an output
     buffer: ``out`` when given (a contiguous CPU tensor of at least :attr:`output_bytes` bytes,
@@ -388,11 +397,11 @@ class AllGatherPlan(_PlanState):
     makes mismatches raise on every rank. ``timeout`` in seconds.
     A plan is executed by one thread at a time (another thread gets a RuntimeError).
 
-    ``quantize`` (as :func:`foreach_all_gather`'s; CPU tensors; the constructor only): FP8 on
-    the wire, each execute one call of a quantized :class:`ReshardPlan` planned here
-    (docs/quantization.md, "The reshard's quantize stage"); ``out[i][r]`` is then as
-    foreach_all_gather(quantize=...) gives it, in tensors the plan owns (rewritten by every
-    execute); ``out`` is not taken, and ``strategy`` is "auto" or "direct".
+    ``quantize`` (as :func:`foreach_all_gather`'s; CPU tensors; the constructor and
+    :meth:`for_group`): FP8 on the wire, each execute one call of a quantized
+    :class:`ReshardPlan` planned here (docs/quantization.md, "The reshard's quantize stage");
+    ``out[i][r]`` is then as foreach_all_gather(quantize=...) gives it, in tensors the plan owns
+    (rewritten by every execute); ``out`` is not taken, and ``strategy`` is "auto" or "direct".
     """
 
     def __init__(self, dtypes, shapes_across_group, rank, *, strategy="auto", preflight=True,
@@ -416,20 +425,35 @@ class AllGatherPlan(_PlanState):
         self._plan, self._error = _deferred(build)
 
     @classmethod
+    def for_group(cls, params, group=None, *, shapes_across_group=None, strategy="auto",
+                  preflight=True, timeout=None, quantize=None):
+        """A plan for ``params`` (this rank's tensors) on ``group``, as every plan is built from
+        a group. With the shapes hint nothing moves (this rank's row is checked); without it,
+        every rank must call for_group (one header and one exchange of shape records). Errors
+        raise on every rank; with ``quantize``, at the first execute (as the constructor's)."""
+        return cls.create(params, group, strategy=strategy, preflight=preflight, timeout=timeout,
+                          shapes_across_group=shapes_across_group, quantize=quantize)
+
+    @classmethod
     def create(cls, params, group=None, params_shapes_across_group=None, *, strategy="auto",
-               preflight=True, timeout=None, shapes_across_group=None):
-        """A plan for ``params`` (this rank's tensors). With the shapes hint
-        (``shapes_across_group``, or ``params_shapes_across_group`` as for
-        :func:`foreach_all_gather`: give one) nothing moves (this rank's row is checked);
-        without it, every rank must call create (one header and one exchange of shape records).
-        Errors raise on every rank."""
-        plan = cls.__new__(cls)
+               preflight=True, timeout=None, shapes_across_group=None, quantize=None):
+        """:meth:`for_group` under the seed's name (the C++ API's too), which also takes the
+        shapes hint third as ``params_shapes_across_group`` (as :func:`foreach_all_gather`:
+        give one)."""
         comm = communicator(group, _setup_timeout(timeout))
         params_shapes_across_group = _one_hint(comm, "AllGatherPlan::create",
                                                params_shapes_across_group, shapes_across_group,
                                                preflight, timeout)
         _check_call(comm, "AllGatherPlan::create", strategy=strategy, preflight=preflight,
                     timeout=timeout, hinted=params_shapes_across_group is not None)
+        if quantize is not None:  # the pure constructor, with every rank's shapes
+            shapes = params_shapes_across_group
+            if shapes is None:
+                shapes = _gather_shapes(list(params) if isinstance(params, (list, tuple))
+                                        else [], comm, timeout, "AllGatherPlan::create: shapes")
+            return cls(_dtypes(params), shapes, comm.rank, strategy=strategy,
+                       preflight=preflight, timeout=timeout, quantize=quantize)
+        plan = cls.__new__(cls)
         plan._preflight, plan._given_timeout = preflight, timeout
         plan._plan = _C.AllGatherPlan.create(params, comm, params_shapes_across_group, strategy,
                                              preflight, timeout)
@@ -453,7 +477,7 @@ class UnshardPlan(_PlanState):
     ``specs`` is a list of :class:`ShardSpec` (one per parameter): dtype, full shape, shard dim
     (any, negative allowed), per-rank sizes (None: torch.chunk) and the padded local size (as
     FSDP pads; only the real rows travel). ``execute(shards)`` writes the full parameters into
-    ``outputs`` (contiguous tensors of each full shape and dtype; returned as a new list) or, when
+    ``out`` (contiguous tensors of each full shape and dtype; returned as a new list) or, when
     none, into a buffer the plan owns, reused by every execution like :class:`AllGatherPlan`'s:
     the full tensors of execution k are overwritten by execution k + 1.
 
@@ -464,7 +488,7 @@ class UnshardPlan(_PlanState):
     a quantized :class:`ReshardPlan` from every rank's rows to the full tensors, planned here
     (docs/quantization.md, "The reshard's quantize stage"). A quantized tensor's entry is
     ``(data, scales)`` or, with a dequantizing spec, its dequantized tensor, in tensors the plan
-    owns (rewritten by every execute, as its buffer is); ``outputs`` is not taken, and
+    owns (rewritten by every execute, as its buffer is); ``out`` is not taken, and
     ``strategy`` is "auto" or "direct".
     """
 
@@ -487,12 +511,28 @@ class UnshardPlan(_PlanState):
 
         self._plan, self._error = _deferred(build)
 
-    def execute(self, shards, group=None, outputs=None, *, async_op=False):
-        """Gathers this rank's ``shards``; returns the full parameters (see the class).
-        ``async_op=True`` returns a :class:`Work` whose ``wait()`` returns them."""
+    @classmethod
+    def for_group(cls, specs, group=None, *, strategy="auto", preflight=True, timeout=None,
+                  dst=None, quantize=None):
+        """The plan for this rank of ``group`` (its size and rank), as every plan is built from
+        a group. Pure otherwise: nothing moves."""
+        comm = communicator(group, _setup_timeout(timeout))
+        return cls(specs, comm.size, comm.rank, strategy=strategy, preflight=preflight,
+                   timeout=timeout, dst=dst, quantize=quantize)
+
+    def execute(self, shards, group=None, out=None, *, async_op=False, outputs=None):
+        """Gathers this rank's ``shards``; returns the full parameters (see the class), into
+        ``out`` when given (``outputs`` is its older name: give one). ``async_op=True`` returns
+        a :class:`Work` whose ``wait()`` returns them."""
+        if out is not None and outputs is not None:
+            comm = communicator(group, self._timeout())
+            _C._fail_call(comm, "UnshardPlan::execute", "out was given twice (outputs is its "
+                          "older name)", False, self._preflight is not False,
+                          _setup_timeout(self._given_timeout), self._stage)
+        out = out if out is not None else outputs
         if self._quantized is not None:
-            return self._quantized.execute(shards, group, outputs, async_op)
-        return self._execute("UnshardPlan::execute", shards, group, outputs, async_op)
+            return self._quantized.execute(shards, group, out, async_op)
+        return self._execute("UnshardPlan::execute", shards, group, out, async_op)
 
     def shard_shape(self, rank, index):
         """The local shard shape rank ``rank`` passes for parameter ``index`` (padded if the

@@ -111,6 +111,11 @@ void hash_spec(detail::Hasher& hasher, const ShardSpec& s) {
 
 }  // namespace
 
+UnshardPlan UnshardPlan::for_communicator(std::span<const ShardSpec> specs,
+                                          const Communicator& comm, const PlanOptions& options) {
+  return {specs, comm.size(), comm.rank(), options};
+}
+
 UnshardPlan::UnshardPlan(std::span<const ShardSpec> specs, int world_size, int rank,
                          const PlanOptions& options, int dst)
     : specs_(specs.begin(), specs.end()), world_(world_size), rank_(rank), options_(options) {

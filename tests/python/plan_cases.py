@@ -131,6 +131,56 @@ def case_shapes_hint_named_alike(rank, world):
     _check_gather(shardgather.foreach_all_gather(params, timeout=T), world, 0)  # still usable
 
 
+def case_every_plan_from_a_group(rank, world):
+    """One API shape: every plan is built from a group by for_group (the same plan as the pure
+    constructor with the group's size and rank; AllGatherPlan's also with quantize, with and
+    without the hint), and an unshard plan's output keyword is ``out`` (``outputs`` still
+    works; both at once fails on every rank, and the group works after)."""
+    specs = _param_specs(world)
+    shards = [_local_shard(s, rank, world, i) for i, s in enumerate(specs)]
+    for dst in (None, world - 1):
+        full = shardgather.UnshardPlan.for_group(specs, timeout=T, dst=dst).execute(shards)
+        if dst not in (None, rank):
+            assert full == [], full
+            continue
+        for i, s in enumerate(specs):
+            same(full[i], _expected_full(s, world, i), "dst %s param %d" % (dst, i))
+    plan = shardgather.UnshardPlan.for_group(specs, timeout=T)
+    for keyword in ("out", "outputs"):
+        outputs = [torch.empty(s.full_shape, dtype=s.dtype) for s in specs]
+        got = plan.execute(shards, **{keyword: outputs})
+        assert all(a is b for a, b in zip(got, outputs)), keyword
+        for i, s in enumerate(specs):
+            same(outputs[i], _expected_full(s, world, i), "%s param %d" % (keyword, i))
+    outputs = [torch.empty(s.full_shape, dtype=s.dtype) for s in specs]
+    try:
+        plan.execute(shards, out=outputs, outputs=outputs if rank == world - 1 else None)
+    except shardgather.InvalidArgumentError as e:
+        assert "given twice" in str(e), e
+    else:
+        raise AssertionError("out and outputs at once on the last rank must fail everywhere")
+    for i, s in enumerate(specs):  # usable after, and the refused call wrote nothing
+        same(plan.execute(shards)[i], _expected_full(s, world, i), "after param %d" % i)
+
+    hint = [_gather_shapes(r) for r in range(world)]
+    params = _gather_params(rank)
+    for plan in (shardgather.AllGatherPlan.for_group(params, timeout=T),
+                 shardgather.AllGatherPlan.for_group(params, shapes_across_group=hint,
+                                                     timeout=T)):
+        assert plan.world_size == world and plan.rank == rank
+        _check_gather(plan.execute(params), world, 0)
+    rows = [[(2 + r, 64)] for r in range(world)]
+    mine = [make(rows[rank][0], torch.bfloat16, 7 + rank)]
+    want = shardgather.AllGatherPlan([torch.bfloat16], rows, rank, timeout=T,
+                                     quantize="mxfp8").execute(mine)
+    for hinted in (None, rows):
+        got = shardgather.AllGatherPlan.for_group(mine, shapes_across_group=hinted, timeout=T,
+                                                  quantize="mxfp8").execute(mine)
+        for r in range(world):
+            for a, b in zip(got[0][r], want[0][r]):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (hinted, r)
+
+
 def case_unshard_plan_steady_state(rank, world):
     """Many executions: bit-exact each time, the plan's buffer and full tensors never change."""
     specs = _param_specs(world)

@@ -1,6 +1,7 @@
 // End-to-end on the threads backend: every shared case at world sizes {1, 2, 3, 4, 7}, plus
 // what only threads can show cheaply (deadlines, abort, poisoning).
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <string>
@@ -235,6 +236,34 @@ TEST(ThreadsGroup, CollectiveCountsAreObservable) {
         EXPECT_EQ(c.collectives_issued() - before, 1U);
       },
       "counts");
+}
+
+// Every plan is built from a communicator by its for_communicator: the same plan as the pure
+// constructor given the communicator's size and rank (and, for AllGatherPlan, create's).
+TEST_P(ThreadsWorld, EveryPlanIsBuiltFromACommunicatorAlike) {
+  run([](Communicator& comm) {
+    const int world = comm.size();
+    const std::vector<ShardSpec> specs{{DType::kFloat32, {3, 2 * world}, 1, {}, 0}};
+    PlanOptions to_last;
+    to_last.dst = world - 1;
+    const UnshardPlan pure(specs, world, comm.rank(), to_last);
+    const UnshardPlan from = UnshardPlan::for_communicator(specs, comm, to_last);
+    EXPECT_EQ(from.fingerprint(), pure.fingerprint());
+    EXPECT_EQ(from.receives(), comm.rank() == world - 1);
+    EXPECT_EQ(from.shard_shape(comm.rank(), 0), pure.shard_shape(comm.rank(), 0));
+
+    std::vector<std::vector<Shape>> shapes(static_cast<std::size_t>(world));
+    for (int r = 0; r < world; ++r) {
+      shapes[static_cast<std::size_t>(r)] = {Shape{r + 1, 2}};
+    }
+    auto mine = testing::make_tensor(DType::kFloat32, {comm.rank() + 1, 2}, 7, comm.rank(), 0);
+    const AllGatherPlan gather = AllGatherPlan::for_communicator(std::span(&mine.view, 1), comm);
+    const std::array<DType, 1> dtypes{DType::kFloat32};
+    const AllGatherPlan hinted(dtypes, shapes, comm.rank());
+    EXPECT_EQ(gather.output_bytes(), hinted.output_bytes());
+    EXPECT_EQ(gather.layout().shapes, hinted.layout().shapes);
+    EXPECT_EQ(gather.layout().offsets, hinted.layout().offsets);
+  });
 }
 
 }  // namespace
