@@ -21,12 +21,17 @@ loads or what the trainer had:
   bf16-stream, fp8-stream
                 an unshard_stream of the layer in one bucket, without and with quantize,
                 iterated every time (a weight sync every step: the steady state, where the
-                stream reuses its buffers and the quantizer its FP8 staging).
+                stream reuses its buffers and the quantizer its FP8 staging);
+  bf16-foreach, fp8-foreach
+                foreach_all_gather of the shards (the shapes hint given), without and with
+                quantize="fp8_e4m3_128x128": out[i][r], rank r's rows, FP8 with the scales of
+                the blocks they touch.
 Per call: an MPI barrier (not timed), then the call; each iteration takes the max over ranks,
 and the methods take turns in a shuffled order. Prints medians and the ratios the bars name:
-fp8-on-send / bf16 (<= 0.60 link-bound, <= 1.10 on one host), bf16+quantize / fp8-on-send
-(>= 1.8 link-bound), and fp8-stream / bf16-stream. The first call of every method is checked:
-each FP8 and MXFP8 result bit for bit against the bf16 gather's full tensors quantized here.
+fp8-on-send / bf16 (<= 0.60 link-bound, <= 1.10 on one host), bf16+quantize / fp8-on-send (>=
+1.8 link-bound), fp8-stream / bf16-stream and fp8-foreach / bf16-foreach. The first call of
+every method is checked: each FP8 and MXFP8 result bit for bit against the bf16 gather's full
+tensors quantized here.
 """
 
 import argparse
@@ -124,7 +129,12 @@ def main():
             return [dict(b) for b in stream]
 
     fp8_plan = sg.UnshardPlan(specs, world, rank, quantize=FMT)
+    hint = [[(sg.chunk_sizes(s.full_shape[0], world)[r],) + tuple(s.full_shape[1:])
+             for s in specs] for r in range(world)]
     methods = {
+        "bf16-foreach": lambda: sg.foreach_all_gather(shards, comm, shapes_across_group=hint),
+        "fp8-foreach": lambda: sg.foreach_all_gather(shards, comm, shapes_across_group=hint,
+                                                     quantize=FMT),
         "bf16": lambda: sg.unshard(shards, specs, comm),
         "fp8-plan": lambda: fp8_plan.execute(shards, comm),
         "fp8-on-send": lambda: sg.unshard(shards, specs, comm, quantize=FMT),
@@ -148,6 +158,15 @@ def main():
             want = quantize(t, fmt)
             assert torch.equal(data.view(torch.uint8), want[0].view(torch.uint8)), (i, fmt)
             assert torch.equal(scales.view(torch.uint8), want[1].view(torch.uint8)), (i, fmt)
+    for i, t in enumerate(full):  # the gather's rows: rank r's rows of the quantized tensor
+        if t.dim() != 2:
+            continue
+        want, at = quantize(t, FMT), 0
+        for data, scales in first["fp8-foreach"][i]:
+            n = data.shape[0]
+            assert torch.equal(data.view(torch.uint8), want[0][at:at + n].view(torch.uint8)), i
+            assert torch.equal(scales, want[1][at // 128:-(-(at + n) // 128)]), i
+            at += n
     del first, full, streamed
     time_methods(methods, times, args.iters, mpi)
     if rank != 0:
@@ -158,7 +177,8 @@ def main():
               "fp8-plan/fp8-on-send": med["fp8-plan"] / med["fp8-on-send"],
               "mxfp8-on-send/bf16": med["mxfp8-on-send"] / med["bf16"],
               "bf16+quantize/fp8-on-send": med["bf16+quantize"] / med["fp8-on-send"],
-              "fp8-stream/bf16-stream": med["fp8-stream"] / med["bf16-stream"]}
+              "fp8-stream/bf16-stream": med["fp8-stream"] / med["bf16-stream"],
+              "fp8-foreach/bf16-foreach": med["fp8-foreach"] / med["bf16-foreach"]}
     if args.json:
         print(json.dumps({"world": world, "median_s": med, "all_s": times, "ratios": ratios}))
         return
