@@ -19,6 +19,8 @@
 #include "shardgather/export.h"
 #include "shardgather/foreach_all_gather.h"
 #include "shardgather/plan.h"
+#include "shardgather/quantize.h"
+#include "shardgather/reshard.h"
 #include "shardgather/types.h"
 #include "shardgather/work.h"
 
@@ -47,8 +49,17 @@ class SHARDGATHER_API UnshardPlan {
   // empty buffer or list; whatever is passed is not touched). Only kAuto and kDirect can gather
   // to one rank. The trailing `dst` is the same setting given apart (kept for existing callers):
   // InvalidArgument when both are set and differ.
+  //
+  // `quantize`: empty, or one format per spec (QuantFormat::kNone: that parameter travels as
+  // it is). A plan that quantizes a parameter moves it as FP8 on the wire, quantized on send and
+  // bit-identical to quantizing the full tensor (docs/quantization.md): the plan holds a
+  // quantized ReshardPlan from every rank's real rows to the full tensors (planned here, once),
+  // and each execution is one call of it. Its executions take `outputs` and `scales`
+  // (execute's last overloads): InvalidArgument for a format that cannot quantize a spec's
+  // tensor or a shard dim a block cannot split, naming the parameter.
   UnshardPlan(std::span<const ShardSpec> specs, int world_size, int rank,
-              const PlanOptions& options = {}, int dst = -1);
+              const PlanOptions& options = {}, int dst = -1,
+              std::span<const QuantFormat> quantize = {});
   // The same, with the communicator's size and rank (every plan is built from a communicator by
   // its for_communicator). Pure: nothing is exchanged.
   static UnshardPlan for_communicator(std::span<const ShardSpec> specs, const Communicator& comm,
@@ -69,6 +80,12 @@ class SHARDGATHER_API UnshardPlan {
   [[nodiscard]] std::uint64_t output_offset(std::size_t i) const { return output_offsets_.at(i); }
   // Views of the full parameters over such a buffer.
   [[nodiscard]] std::vector<TensorView> views(std::byte* buffer) const;
+  // Whether a parameter travels quantized; then reshard() is the plan each execution runs (its
+  // byte figures, transfers and last stats), else null.
+  [[nodiscard]] bool quantized() const noexcept { return quantized_.has_value(); }
+  [[nodiscard]] const ReshardPlan* reshard() const noexcept {
+    return quantized_ ? &*quantized_ : nullptr;
+  }
 
   // Gathers this rank's shards into the full parameters. `outputs[i]` is contiguous caller memory
   // of full_shape and dtype of parameter i; outputs must not overlap each other or any shard.
@@ -85,6 +102,18 @@ class SHARDGATHER_API UnshardPlan {
                         std::span<const TensorView> outputs);
   Work<ExecStats> start(std::span<const TensorView> shards, Communicator& comm,
                         std::span<std::byte> out);
+
+  // A quantized plan's execution (a plain plan's, with `scales` empty): `outputs[i]` receives
+  // parameter i whole, a plain one as above; a quantized one as its FP8 data (a uint8 view of
+  // the full shape) with `scales[i]` the scales of its every block (float32, or uint8 E8M0 for
+  // mxfp8, of the format's scale shape), or, where `scales` is empty or scales[i] a default
+  // view, as its values dequantized into a float32 or bfloat16 view. Padded shards travel
+  // their real rows. A rank that receives nothing (dst set) may pass anything: untouched. A
+  // quantized plan's executions that take one buffer raise InvalidArgument on every rank.
+  ExecStats execute(std::span<const TensorView> shards, Communicator& comm,
+                    std::span<const TensorView> outputs, std::span<const TensorView> scales);
+  Work<ExecStats> start(std::span<const TensorView> shards, Communicator& comm,
+                        std::span<const TensorView> outputs, std::span<const TensorView> scales);
 
  private:
   friend struct detail::PlanAccess;
@@ -106,6 +135,12 @@ class SHARDGATHER_API UnshardPlan {
   // Raises unless the outputs are on the shards' device.
   void check_output_device();
   void build_job(std::span<const TensorView> shards, detail::Stager& stager);
+  // Plans the quantized reshard where a format quantizes (the constructor's last step).
+  void plan_quantized(std::span<const QuantFormat> quantize);
+  // A quantized plan's shards as its reshard's sources: each padded shard's real rows.
+  [[nodiscard]] std::vector<TensorView> real_rows(std::span<const TensorView> shards) const;
+  // Fails a quantized plan's call on every rank (the peers are in its reshard's call).
+  [[noreturn]] void refuse(Communicator& comm, const std::string& message) const;
 
   std::vector<ShardSpec> specs_;  // sizes filled in
   int world_ = 1;
@@ -126,6 +161,8 @@ class SHARDGATHER_API UnshardPlan {
   std::vector<std::uint64_t> counts_;        // per rank
   std::vector<std::uint64_t> local_bytes_;   // per param: this rank's local (padded) shard
   detail::ScratchHolder scratch_;
+  // A quantized plan's reshard (a copy of the plan copies it, with scratch of its own).
+  std::optional<ReshardPlan> quantized_;
 };
 
 // The full parameters, owned.

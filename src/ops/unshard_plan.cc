@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <string>
 
+#include "copies/box_runs.h"
 #include "copies/device_runtime.h"
 #include "copies/local_input.h"
 #include "copies/send_stream.h"
@@ -21,6 +22,7 @@
 #include "vocabulary/hash.h"
 
 #include "shardgather/copy.h"
+#include "shardgather/embedding.h"
 #include "shardgather/errors.h"
 #include "shardgather/layout.h"
 #include "shardgather/unshard.h"
@@ -109,6 +111,32 @@ void hash_spec(detail::Hasher& hasher, const ShardSpec& s) {
   }
 }
 
+// An unshard as a reshard: every rank's real rows (its size along the shard dim) are the
+// sources, the full tensor on every rank (or on dst) the destinations.
+std::vector<TensorRegions> unshard_regions(std::span<const ShardSpec> specs, int world, int dst) {
+  std::vector<TensorRegions> out;
+  out.reserve(specs.size());
+  for (const ShardSpec& s : specs) {
+    TensorRegions t{.dtype = s.dtype, .shape = s.full_shape, .sources = {}, .destinations = {}};
+    const auto d = static_cast<std::size_t>(s.shard_dim);
+    Shape offset(s.full_shape.size(), 0);
+    for (int r = 0; r < world; ++r) {
+      Shape size = s.full_shape;
+      size[d] = s.sizes[static_cast<std::size_t>(r)];
+      t.sources.push_back({r, Box{offset, size}});
+      offset[d] += size[d];
+    }
+    const Box whole{Shape(s.full_shape.size(), 0), s.full_shape};
+    for (int r = 0; r < world; ++r) {
+      if (dst < 0 || r == dst) {
+        t.destinations.push_back({r, whole});
+      }
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
 }  // namespace
 
 UnshardPlan UnshardPlan::for_communicator(std::span<const ShardSpec> specs,
@@ -117,7 +145,7 @@ UnshardPlan UnshardPlan::for_communicator(std::span<const ShardSpec> specs,
 }
 
 UnshardPlan::UnshardPlan(std::span<const ShardSpec> specs, int world_size, int rank,
-                         const PlanOptions& options, int dst)
+                         const PlanOptions& options, int dst, std::span<const QuantFormat> quantize)
     : specs_(specs.begin(), specs.end()), world_(world_size), rank_(rank), options_(options) {
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     throw InvalidArgument("UnshardPlan: rank " + std::to_string(rank) + " of " +
@@ -163,6 +191,58 @@ UnshardPlan::UnshardPlan(std::span<const ShardSpec> specs, int world_size, int r
     local_bytes_.push_back(checked_nbytes(specs_[i].dtype, shard_shape(rank, i)));
   }
   fingerprint_ = hasher.value() == 0 ? 1 : hasher.value();
+  plan_quantized(quantize);
+}
+
+void UnshardPlan::plan_quantized(std::span<const QuantFormat> quantize) {
+  if (quantize.empty()) {
+    return;
+  }
+  if (quantize.size() != specs_.size()) {
+    throw InvalidArgument("UnshardPlan: " + std::to_string(quantize.size()) +
+                          " quantize formats for " + std::to_string(specs_.size()) + " specs");
+  }
+  if (std::all_of(quantize.begin(), quantize.end(),
+                  [](QuantFormat f) { return f == QuantFormat::kNone; })) {
+    return;  // quantizes nothing: a plain plan
+  }
+  if (options_.strategy != Strategy::kAuto && options_.strategy != Strategy::kDirect) {
+    throw InvalidArgument(
+        "UnshardPlan: a quantized plan moves as one personal exchange (auto or "
+        "direct), not " +
+        std::string(strategy_name(options_.strategy)));
+  }
+  PlanOptions reshard = options_;
+  reshard.dst = -1;  // a reshard's receivers are its destination boxes
+  quantized_.emplace(unshard_regions(specs_, world_, dst_), world_, rank_, reshard, RegionOptions{},
+                     quantize);
+}
+
+std::vector<TensorView> UnshardPlan::real_rows(std::span<const TensorView> shards) const {
+  std::vector<TensorView> rows(shards.begin(), shards.end());
+  for (std::size_t i = 0; i < rows.size() && i < specs_.size(); ++i) {
+    const ShardSpec& s = specs_[i];
+    const auto d = static_cast<std::size_t>(s.shard_dim);
+    const std::int64_t real = s.sizes[static_cast<std::size_t>(rank_)];
+    TensorView& v = rows[i];
+    if (s.padded_size == 0 || v.shape.size() <= d || v.shape[d] < real) {
+      continue;  // the reshard's checks name what is wrong with it
+    }
+    Shape strides;  // a contiguous view's, before its shape shrinks
+    detail::resolve_strides(v.shape, v.strides, strides);
+    v.strides = std::move(strides);
+    v.shape[d] = real;
+  }
+  return rows;
+}
+
+void UnshardPlan::refuse(Communicator& comm, const std::string& message) const {
+  fail_call(comm,
+            {.op = Operation::kReshardExecute,
+             .header_exchanged = options_.preflight,
+             .timeout = options_.timeout,
+             .stage = {}},
+            ErrorCode::kInvalidArgument, message);
 }
 
 std::uint64_t UnshardPlan::add_spec(std::size_t i, int world_size) {
@@ -260,6 +340,11 @@ std::optional<std::string> UnshardPlan::target_outputs(std::span<const TensorVie
 
 ExecStats UnshardPlan::execute(std::span<const TensorView> shards, Communicator& comm,
                                std::span<std::byte> out) {
+  if (quantized_) {
+    refuse(comm,
+           "UnshardPlan::execute: a quantized plan writes its parameters into outputs (FP8 "
+           "data and scales, or values), not into one buffer");
+  }
   return detail::run_blocking(comm, [&] {
     const std::optional<std::string> error = target_buffer(out.data(), out.size());
     return execute_now(shards, comm, error, true);
@@ -268,6 +353,9 @@ ExecStats UnshardPlan::execute(std::span<const TensorView> shards, Communicator&
 
 ExecStats UnshardPlan::execute(std::span<const TensorView> shards, Communicator& comm,
                                std::span<const TensorView> outputs) {
+  if (quantized_) {
+    return execute(shards, comm, outputs, std::span<const TensorView>{});
+  }
   return detail::run_blocking(comm, [&] {
     const std::optional<std::string> error = target_outputs(outputs);
     return execute_now(shards, comm, error, false);
@@ -276,6 +364,11 @@ ExecStats UnshardPlan::execute(std::span<const TensorView> shards, Communicator&
 
 Work<ExecStats> UnshardPlan::start(std::span<const TensorView> shards, Communicator& comm,
                                    std::span<std::byte> out) {
+  if (quantized_) {
+    refuse(comm,
+           "UnshardPlan::start: a quantized plan writes its parameters into outputs (FP8 "
+           "data and scales, or values), not into one buffer");
+  }
   return detail::start_on<ExecStats>(
       comm, [this, &comm, views = std::vector<TensorView>(shards.begin(), shards.end()), out] {
         const std::optional<std::string> error = target_buffer(out.data(), out.size());
@@ -285,12 +378,44 @@ Work<ExecStats> UnshardPlan::start(std::span<const TensorView> shards, Communica
 
 Work<ExecStats> UnshardPlan::start(std::span<const TensorView> shards, Communicator& comm,
                                    std::span<const TensorView> outputs) {
+  if (quantized_) {
+    return start(shards, comm, outputs, std::span<const TensorView>{});
+  }
   return detail::start_on<ExecStats>(
       comm, [this, &comm, views = std::vector<TensorView>(shards.begin(), shards.end()),
              outs = std::vector<TensorView>(outputs.begin(), outputs.end())] {
         const std::optional<std::string> error = target_outputs(outs);
         return execute_now(views, comm, error, false);
       });
+}
+
+ExecStats UnshardPlan::execute(std::span<const TensorView> shards, Communicator& comm,
+                               std::span<const TensorView> outputs,
+                               std::span<const TensorView> scales) {
+  if (!quantized_) {
+    if (!scales.empty()) {
+      refuse(comm, "UnshardPlan::execute: scales given to a plan that quantizes nothing");
+    }
+    return execute(shards, comm, outputs);
+  }
+  // A rank that receives nothing passes whatever it likes, untouched, as for a plain plan.
+  return receives() ? quantized_->execute(real_rows(shards), comm, outputs, scales)
+                    : quantized_->execute(real_rows(shards), comm, std::span<const TensorView>{},
+                                          std::span<const TensorView>{});
+}
+
+Work<ExecStats> UnshardPlan::start(std::span<const TensorView> shards, Communicator& comm,
+                                   std::span<const TensorView> outputs,
+                                   std::span<const TensorView> scales) {
+  if (!quantized_) {
+    if (!scales.empty()) {
+      refuse(comm, "UnshardPlan::start: scales given to a plan that quantizes nothing");
+    }
+    return start(shards, comm, outputs);
+  }
+  return receives() ? quantized_->start(real_rows(shards), comm, outputs, scales)
+                    : quantized_->start(real_rows(shards), comm, std::span<const TensorView>{},
+                                        std::span<const TensorView>{});
 }
 
 ExecStats UnshardPlan::execute_now(std::span<const TensorView> shards, Communicator& comm,

@@ -301,5 +301,131 @@ TEST(QuantizedReshard, APlanWhoseFormatsQuantizeNothingIsAPlainPlan) {
       "nothing quantized");
 }
 
+// The full tensor of `shape` quantized at once: its FP8 data, scales and values (float32).
+Reference reference_of(const std::vector<float>& full, const Shape& shape) {
+  const QuantGrid grid = quant_grid(QuantFormat::kFp8Block128, shape, DType::kFloat32, "t");
+  Reference ref{std::vector<std::uint8_t>(full.size()),
+                std::vector<float>(static_cast<std::size_t>(grid.num_blocks())),
+                std::vector<float>(full.size())};
+  quantize(grid, view_of(const_cast<float*>(full.data()), DType::kFloat32, shape),
+           std::as_writable_bytes(std::span(ref.scales)),
+           reinterpret_cast<std::byte*>(ref.data.data()));
+  dequantize_box(grid, reinterpret_cast<const std::byte*>(ref.data.data()), Shape{0, 0},
+                 std::as_bytes(std::span(ref.scales)),
+                 view_of(ref.values.data(), DType::kFloat32, shape));
+  return ref;
+}
+
+// A quantized UnshardPlan through the C++ API: two parameters split inside 128 x 128 blocks,
+// one along dim 0 and one along dim 1, both padded (FSDP's shards: 110 rows or columns of which
+// 100 are real, the rest garbage that must not travel); every rank's full tensors are
+// bit-identical to quantizing each whole, as FP8 data and scales or as values; each execution is
+// the reshard's one call (3 collectives), plans nothing, also started.
+TEST(QuantizedUnshard, EveryRanksFullTensorsAreBitIdenticalToQuantizingThem) {
+  const std::vector<float> rows_full = values();   // [300, 256], split along dim 0
+  std::vector<float> cols_full(rows_full.size());  // its transpose, [256, 300], along dim 1
+  for (std::int64_t r = 0; r < kRows; ++r) {
+    for (std::int64_t c = 0; c < kCols; ++c) {
+      cols_full[static_cast<std::size_t>(c * kRows + r)] =
+          rows_full[static_cast<std::size_t>(r * kCols + c)];
+    }
+  }
+  const Reference refs[2] = {reference_of(rows_full, {kRows, kCols}),
+                             reference_of(cols_full, {kCols, kRows})};
+  const std::vector<ShardSpec> specs = {{DType::kFloat32, {kRows, kCols}, 0, {}, 110},
+                                        {DType::kFloat32, {kCols, kRows}, 1, {}, 110}};
+  const std::vector<QuantFormat> formats(2, QuantFormat::kFp8Block128);
+  run_ranks(
+      3,
+      [&](int rank, Communicator& comm) {
+        const UnshardPlan plan = UnshardPlan::for_communicator(specs, comm);
+        UnshardPlan mine(specs, 3, rank, {}, -1, formats);
+        ASSERT_FALSE(plan.quantized());
+        ASSERT_TRUE(mine.quantized());
+        // Padded shards: the real 100 rows (columns) then 10 of garbage.
+        std::vector<float> a(110 * kCols, 1e30F);
+        std::vector<float> b(static_cast<std::size_t>(kCols) * 110, 1e30F);
+        for (std::int64_t r = 0; r < 100; ++r) {
+          for (std::int64_t c = 0; c < kCols; ++c) {
+            a[static_cast<std::size_t>(r * kCols + c)] =
+                rows_full[static_cast<std::size_t>((100 * rank + r) * kCols + c)];
+            b[static_cast<std::size_t>(c * 110 + r)] =
+                cols_full[static_cast<std::size_t>(c * kRows + 100 * rank + r)];
+          }
+        }
+        const std::vector<TensorView> shards = {view_of(a.data(), DType::kFloat32, {110, kCols}),
+                                                view_of(b.data(), DType::kFloat32, {kCols, 110})};
+        // Rank 0 takes both as FP8 data and scales, rank 1 both as values, rank 2 one of each.
+        const bool raw[2] = {rank != 1, rank == 0};
+        std::vector<std::uint8_t> data[2];
+        std::vector<float> scales[2];
+        std::vector<float> got[2];
+        std::vector<TensorView> outs;
+        std::vector<TensorView> scale_views;
+        for (int k = 0; k < 2; ++k) {
+          const Shape shape = specs[static_cast<std::size_t>(k)].full_shape;
+          data[k].assign(rows_full.size(), 0);
+          scales[k].assign(refs[k].scales.size(), 0.0F);
+          got[k].assign(rows_full.size(), 0.0F);
+          outs.push_back(raw[k] ? view_of(data[k].data(), DType::kUInt8, shape)
+                                : view_of(got[k].data(), DType::kFloat32, shape));
+          scale_views.push_back(raw[k] ? view_of(scales[k].data(), DType::kFloat32,
+                                                 {(shape[0] + 127) / 128, (shape[1] + 127) / 128})
+                                       : TensorView{});
+        }
+        for (int step = 0; step < 3; ++step) {
+          const std::uint64_t planned = plan_regions_runs();
+          const std::uint64_t issued = comm.collectives_issued();
+          if (step == 2) {
+            (void)mine.start(shards, comm, outs, scale_views).wait();
+          } else {
+            (void)mine.execute(shards, comm, outs, scale_views);
+          }
+          EXPECT_EQ(comm.collectives_issued() - issued, 3U);  // header, maxima, payload
+          if (step > 0) {  // every rank had built its plan before the first call completed
+            EXPECT_EQ(plan_regions_runs(), planned) << "an execution planned";
+          }
+          for (int k = 0; k < 2; ++k) {
+            const std::size_t n = rows_full.size();
+            EXPECT_TRUE(raw[k] ? same_bits(data[k].data(), refs[k].data.data(), n)
+                               : same_bits(got[k].data(), refs[k].values.data(), 4 * n))
+                << "parameter " << k << " step " << step;
+            if (raw[k]) {
+              EXPECT_TRUE(same_bits(scales[k].data(), refs[k].scales.data(), 4 * scales[k].size()))
+                  << "parameter " << k << " scales";
+            }
+          }
+        }
+        // Into one buffer: refused on every rank (the others are in the call it would make).
+        std::vector<std::byte> buffer(static_cast<std::size_t>(mine.output_bytes()));
+        const bool odd = rank == 2;
+        try {
+          if (odd) {
+            (void)mine.execute(shards, comm, std::span(buffer));
+          } else {
+            (void)mine.execute(shards, comm, outs, scale_views);
+          }
+          ADD_FAILURE() << "one buffer on rank 2 must fail on every rank";
+        } catch (const InvalidArgument& e) {
+          EXPECT_NE(std::string(e.what()).find("not into one buffer"), std::string::npos)
+              << e.what();
+        }
+        (void)mine.execute(shards, comm, outs, scale_views);  // usable after
+      },
+      "quantized unshard");
+}
+
+TEST(QuantizedUnshard, FormatsMustMatchTheSpecsAndAStrategyThatMovesOnce) {
+  const std::vector<ShardSpec> specs = {{DType::kFloat32, {256, 128}, 0, {}, 0}};
+  const std::vector<QuantFormat> two(2, QuantFormat::kFp8Block128);
+  EXPECT_THROW(UnshardPlan(specs, 2, 0, {}, -1, two), InvalidArgument);
+  PlanOptions packed;
+  packed.strategy = Strategy::kPacked;
+  const std::vector<QuantFormat> one(1, QuantFormat::kFp8Block128);
+  EXPECT_THROW(UnshardPlan(specs, 2, 0, packed, -1, one), InvalidArgument);
+  const std::vector<QuantFormat> none(1, QuantFormat::kNone);
+  EXPECT_FALSE(UnshardPlan(specs, 2, 0, packed, -1, none).quantized());
+}
+
 }  // namespace
 }  // namespace shardgather
