@@ -341,7 +341,7 @@ class _PlanState:
     @property
     def last_stats(self):
         """Collectives and staged bytes of the last execution, and its strategy (a quantized
-        UnshardPlan's or AllGatherPlan's: its reshard's)."""
+        AllGatherPlan's: its reshard's)."""
         return (self._quantized.plan if self._quantized is not None
                 else self._built()).last_stats
     buffer = _from_plan(
@@ -352,7 +352,8 @@ class _PlanState:
     world_size = _from_plan("world_size")
 
     _error = None
-    _quantized = None  # a quantized UnshardPlan's or AllGatherPlan's reshard (quantized.py)
+    _quantized = None  # a quantized AllGatherPlan's reshard (quantized.py)
+    _entries = None  # a quantized UnshardPlan's own outputs (quantized.unshard_entries)
     _preflight = True
     _given_timeout = None
     _stage = ""  # the step of a compound operation its executions are (the package's own plans)
@@ -485,8 +486,8 @@ class UnshardPlan(_PlanState):
     export needs); on the other ranks ``execute`` only sends and returns an empty list.
 
     ``quantize`` (as :func:`unshard`'s; CPU tensors): FP8 on the wire, each execute one call of
-    a quantized :class:`ReshardPlan` from every rank's rows to the full tensors, planned here
-    (docs/quantization.md, "The reshard's quantize stage"). A quantized tensor's entry is
+    the quantized reshard from every rank's real rows to the full tensors that the C++ plan
+    holds, planned here (docs/quantization.md, "The reshard's quantize stage"). A quantized tensor's entry is
     ``(data, scales)`` or, with a dequantizing spec, its dequantized tensor, in tensors the plan
     owns (rewritten by every execute, as its buffer is); ``out`` is not taken, and
     ``strategy`` is "auto" or "direct".
@@ -495,18 +496,22 @@ class UnshardPlan(_PlanState):
     def __init__(self, specs, world_size, rank, *, strategy="auto", preflight=True,
                  timeout=None, dst=None, quantize=None):
         self._preflight, self._given_timeout = preflight, timeout
-        self._quantized = None
+        self._entries = None
 
         def build():
-            plan = _C.UnshardPlan(
-                list(specs), check_int("world_size", world_size, 1), check_int("rank", rank, 0),
-                strategy, preflight, timeout, None if dst is None else check_int("dst", dst, 0))
-            if quantize is not None:
-                from .quantized import QuantizedUnshard
+            args = (list(specs), check_int("world_size", world_size, 1),
+                    check_int("rank", rank, 0), strategy, preflight, timeout,
+                    None if dst is None else check_int("dst", dst, 0))
+            plan = _C.UnshardPlan(*args)
+            if quantize is not None:  # the specs' sizes filled in first, to resolve against
+                from .quantized import resolve, unshard_entries
 
-                self._quantized = QuantizedUnshard(plan.specs, world_size, rank, quantize,
-                                                   strategy=strategy, preflight=preflight,
-                                                   timeout=timeout, dst=dst)
+                specs_q = resolve(quantize, plan.specs)
+                plan = _C.UnshardPlan(*args, [None if q is None else q.format for q in specs_q])
+                # Made here, where running out of memory is an error every rank hears of.
+                if plan.quantized:
+                    self._entries = (unshard_entries(plan.specs, specs_q) if plan.receives
+                                     else unshard_entries([], []))
             return plan
 
         self._plan, self._error = _deferred(build)
@@ -530,9 +535,16 @@ class UnshardPlan(_PlanState):
                           "older name)", False, self._preflight is not False,
                           _setup_timeout(self._given_timeout), self._stage)
         out = out if out is not None else outputs
-        if self._quantized is not None:
-            return self._quantized.execute(shards, group, out, async_op)
-        return self._execute("UnshardPlan::execute", shards, group, out, async_op)
+        if self._entries is None:
+            return self._execute("UnshardPlan::execute", shards, group, out, async_op)
+        if out is not None:
+            from .quantized import _refuse
+
+            _refuse(self, group, "UnshardPlan(quantize=...): out is not taken (the entries are "
+                    "the plan's own)")
+        return self._execute("UnshardPlan::execute", shards, group,
+                             self._entries["destinations"], async_op,
+                             scales=self._entries["scales"], returned=self._entries["returned"])
 
     def shard_shape(self, rank, index):
         """The local shard shape rank ``rank`` passes for parameter ``index`` (padded if the

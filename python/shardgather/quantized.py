@@ -780,28 +780,6 @@ def destination_parts(destinations):
 # and a quantized reshard is one call of the C++ plan execution.
 
 
-def unshard_layouts(specs, world, dst=None):
-    """Reshard layouts of an unshard: every rank's real rows (the spec's sizes along its shard
-    dim) as the sources, the full tensor on every rank (or on ``dst``) as the destinations."""
-    layouts = []
-    for i, s in enumerate(specs):
-        shape = tuple(s.full_shape)
-        if not shape:
-            raise InvalidArgumentError("specs[%d]: a 0-d tensor has no rows to split" % i)
-        dim = s.shard_dim % len(shape)
-        sources, at = [], 0
-        for r, n in enumerate(list(s.sizes) or _C.chunk_sizes(shape[dim], world)):
-            offset, size = [0] * len(shape), list(shape)
-            offset[dim], size[dim] = at, n
-            sources.append((r, Box(tuple(offset), tuple(size))))
-            at += n
-        whole = Box((0,) * len(shape), shape)
-        layouts.append(TensorLayout(shape, s.dtype, sources,
-                                    [(r, whole) for r in (range(world) if dst is None
-                                                          else [dst])]))
-    return layouts
-
-
 def _entry(q, shape, box):
     """A quantized plan's own entry for ``box`` of a tensor of ``shape``: the dequantized box,
     or (FP8 data, the scales of every block the box touches)."""
@@ -814,8 +792,9 @@ def _entry(q, shape, box):
 
 
 def _refuse(plan, group, message):
-    """Fails a quantized plan's call on every rank (``plan``: its ReshardPlan) with
-    ``message``: the peers meet this rank's failed header in their own call."""
+    """Fails a quantized plan's call on every rank (``plan``: the Python plan whose call it is;
+    the call is its reshard's) with ``message``: the peers meet this rank's failed header in
+    their own call."""
     from . import _setup_timeout, communicator  # the package imports this module
 
     comm = communicator(group, plan._timeout())
@@ -823,55 +802,14 @@ def _refuse(plan, group, message):
                   _setup_timeout(plan._given_timeout), "")
 
 
-class QuantizedUnshard:
-    """``UnshardPlan(quantize=...)``: a quantized :class:`shardgather.ReshardPlan` from every
-    rank's real rows to the full tensors, made here (the planner runs once, never per execute);
-    each execute is its one call. The entries are the plan's own tensors, made by the first
-    execute and rewritten by every later one, as an UnshardPlan's buffer is: (data, scales) per
-    quantized tensor, or its dequantized tensor, and the plain tensors whole."""
-
-    def __init__(self, specs, world, rank, quantize, *, strategy, preflight, timeout, dst):
-        from . import ReshardPlan  # the package imports this module
-
-        if strategy not in ("auto", "direct"):
-            raise InvalidArgumentError(
-                "UnshardPlan(quantize=...): strategy is %r; a quantized plan moves as one "
-                "personal exchange (auto or direct)" % (strategy,))
-        self.specs, self.rank = list(specs), rank
-        self.specs_q = resolve(quantize, self.specs)
-        self.receives = dst is None or dst == rank
-        self.plan = ReshardPlan(unshard_layouts(self.specs, world, dst), world, rank,
-                                strategy=strategy, preflight=preflight, timeout=timeout,
-                                quantize=self.specs_q)
-        self.plan._built()  # its constructor's error, here (the caller defers it)
-        # Made here, where running out of memory is an error every rank hears of (the
-        # caller defers it to the first execute's call).
-        self.entries = self._entries() if self.receives else []
-
-    def execute(self, shards, group, outputs, async_op):
-        if outputs is not None:
-            _refuse(self.plan, group, "UnshardPlan(quantize=...): outputs is not taken (the "
-                    "entries are the plan's own)")
-        try:
-            sources = [self._rows(i, x) for i, x in enumerate(shards)]
-        except TypeError:
-            sources = shards  # the call names it, on every rank
-        return self.plan.execute(sources, self.entries, group, async_op=async_op)
-
-    def _rows(self, i, shard):
-        """A padded shard's real rows (the call checks the rest, on every rank)."""
-        if i >= len(self.specs) or not isinstance(shard, torch.Tensor):
-            return shard
-        s = self.specs[i]
-        dim, n = s.shard_dim % len(s.full_shape), s.sizes[self.rank]
-        if s.padded_size and shard.dim() > dim and shard.shape[dim] >= n:
-            return shard.narrow(dim, 0, n)
-        return shard
-
-    def _entries(self):
-        return [torch.empty(tuple(s.full_shape), dtype=s.dtype) if q is None
-                else _entry(q, s.full_shape, Box((0,) * len(s.full_shape), s.full_shape))
-                for s, q in zip(self.specs, self.specs_q)]
+def unshard_entries(specs, specs_q):
+    """A quantized UnshardPlan's own entries (its C++ plan writes them every execute): per
+    parameter its full tensor, or (FP8 data, the scales of every block) or its dequantized
+    tensor, as :func:`destination_parts` hands them to the plan."""
+    entries = [torch.empty(tuple(s.full_shape), dtype=s.dtype) if q is None
+               else _entry(q, s.full_shape, Box((0,) * len(s.full_shape), s.full_shape))
+               for s, q in zip(specs, specs_q)]
+    return destination_parts(entries)
 
 
 class QuantizedGather:

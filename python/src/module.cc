@@ -442,15 +442,19 @@ std::unique_ptr<PyUnshardPlan> make_unshard_plan(const std::vector<ShardSpec>& s
                                                  int world_size, int rank,
                                                  const std::string& strategy, bool preflight,
                                                  std::optional<double> timeout,
-                                                 std::optional<int> dst) {
+                                                 std::optional<int> dst,
+                                                 const std::vector<std::optional<std::string>>& quantize) {
   const PlanOptions options = plan_options(strategy, preflight, timeout);
   return std::make_unique<PyUnshardPlan>(
-      UnshardPlan(specs, world_size, rank, options, dst.value_or(-1)), options);
+      UnshardPlan(specs, world_size, rank, options, dst.value_or(-1), quant_formats(quantize)),
+      options);
 }
 
 py::object execute_unshard_plan(const py::object& self, py::handle shards, const CommPtr& comm,
-                                std::optional<py::handle> outputs, bool async_op) {
-  return self.cast<PyUnshardPlan&>().execute(shards, comm, outputs, async_op, self);
+                                std::optional<py::handle> outputs, bool async_op,
+                                py::handle scales, py::handle returned) {
+  return self.cast<PyUnshardPlan&>().execute(shards, comm, outputs, async_op, scales, returned,
+                                             self);
 }
 
 std::vector<ShardSpec> unshard_plan_specs(const PyUnshardPlan& p) {
@@ -466,9 +470,12 @@ void register_unshard_plan(py::module_& m) {
   py::class_<P>(m, "UnshardPlan")
       .def(py::init(&make_unshard_plan), py::arg("specs"), py::arg("world_size"), py::arg("rank"),
            py::arg("strategy") = "auto", py::arg("preflight") = true,
-           py::arg("timeout") = py::none(), py::arg("dst") = py::none())
+           py::arg("timeout") = py::none(), py::arg("dst") = py::none(),
+           py::arg("quantize") = std::vector<std::optional<std::string>>{})
       .def("execute", &execute_unshard_plan, py::arg("shards"), py::arg("comm"),
-           py::arg("outputs") = py::none(), py::arg("async_op") = false)
+           py::arg("outputs") = py::none(), py::arg("async_op") = false,
+           py::arg("scales") = py::none(), py::arg("returned") = py::none())
+      .def_property_readonly("quantized", [](const P& p) { return p.plan().quantized(); })
       .def(
           "shard_shape",
           [](const P& p, int rank, std::size_t i) {

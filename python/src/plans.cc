@@ -19,6 +19,7 @@
 #include "work.h"
 
 #include "shardgather/errors.h"
+#include "shardgather/quantize.h"
 
 namespace py = pybind11;
 
@@ -335,7 +336,19 @@ py::list PyAllGatherPlan::results_over(const at::Tensor& target) {
 
 py::object PyUnshardPlan::execute(py::handle shards, const std::shared_ptr<Communicator>& comm,
                                   std::optional<py::handle> outputs, bool async_op,
+                                  py::handle scales, py::handle returned,
                                   const py::object& self) {
+  if (plan_.quantized()) {
+    return run(shards, comm, async_op, self, [&](Parsed& parsed, Communicator& c) {
+      parse_or_fail(outputs ? *outputs : py::handle(py::list()), "outputs", parsed.outputs, c);
+      parse_scales(scales, parsed, c);
+      const auto result = py::reinterpret_borrow<py::object>(returned);
+      const std::span<const TensorView> views(parsed.outputs.views);
+      const std::span<const TensorView> scale_views(parsed.scale_views);
+      return PlanOutput{[views, scale_views](auto method) { return method(views, scale_views); },
+                        [result]() -> py::object { return result; }};
+    });
+  }
   return run(shards, comm, async_op, self, [&](Parsed& parsed, Communicator& c) {
     // A rank that does not receive (dst set) takes no outputs and returns an empty list.
     const bool receives = plan_.receives();
@@ -376,9 +389,8 @@ py::object PyReshardPlan::execute(py::handle sources, py::handle destinations,
   });
 }
 
-// A quantized reshard's scales: None, or one entry per destination (None: that destination
-// receives values), parsed as the destinations are.
-void PyReshardPlan::parse_scales(py::handle scales, Parsed& parsed, Communicator& comm) const {
+template <typename Plan>
+void PyPlan<Plan>::parse_scales(py::handle scales, Parsed& parsed, Communicator& comm) const {
   parsed.scale_views.clear();
   if (scales.is_none()) {
     return;
@@ -395,6 +407,20 @@ void PyReshardPlan::parse_scales(py::handle scales, Parsed& parsed, Communicator
   for (const py::handle item : items) {
     parsed.scale_views.push_back(item.is_none() ? TensorView{} : parsed.scales.views[k++]);
   }
+}
+
+std::vector<QuantFormat> quant_formats(const std::vector<std::optional<std::string>>& names) {
+  std::vector<QuantFormat> formats;
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    const auto format = names[i] ? quant_format_from_name(*names[i])
+                                 : std::optional<QuantFormat>(QuantFormat::kNone);
+    if (!format) {
+      throw InvalidArgument("quantize[" + std::to_string(i) + "]: unknown format '" + *names[i] +
+                            "' (fp8_e4m3_128x128, fp8_e4m3_1x128 or mxfp8)");
+    }
+    formats.push_back(*format);
+  }
+  return formats;
 }
 
 void PyUnshardPlan::build_buffer() {

@@ -116,6 +116,9 @@ class PyPlan {
   [[noreturn]] void fail_locally(Communicator& comm, const LocalError& error) const;
   void parse_or_fail(pybind11::handle args, const char* what, Params& into,
                      Communicator& comm) const;
+  // A quantized plan's scales: None, or one entry per output (None: that output receives
+  // values), parsed as the outputs are.
+  void parse_scales(pybind11::handle scales, Parsed& parsed, Communicator& comm) const;
 
   Plan plan_;
   at::Tensor buffer_;
@@ -171,8 +174,12 @@ class PyUnshardPlan : public PyPlan<UnshardPlan> {
 
   // The full parameters: `outputs` (contiguous tensors of each full shape and dtype, returned
   // as a new list) or, when none, views of the plan's own buffer.
+  // A quantized plan takes `outputs` (a quantized parameter's FP8 data as uint8, or a tensor
+  // to dequantize into) with `scales` as a quantized reshard does, and returns `returned` as it
+  // is.
   pybind11::object execute(pybind11::handle shards, const std::shared_ptr<Communicator>& comm,
                            std::optional<pybind11::handle> outputs, bool async_op,
+                           pybind11::handle scales, pybind11::handle returned,
                            const pybind11::object& self);
 
  private:
@@ -198,10 +205,11 @@ class PyReshardPlan : public PyPlan<ReshardPlan> {
                            const std::shared_ptr<Communicator>& comm, bool async_op,
                            std::optional<Device> device, pybind11::handle scales,
                            pybind11::handle returned, const pybind11::object& self);
-
- private:
-  void parse_scales(pybind11::handle scales, Parsed& parsed, Communicator& comm) const;
 };
+
+// Per tensor None (it travels as it is) or a format's name ("fp8_e4m3_128x128", ...), as the
+// plans take them; InvalidArgument naming the index of an unknown one.
+std::vector<QuantFormat> quant_formats(const std::vector<std::optional<std::string>>& names);
 
 // One-shot unshard: plan, allocate (a torch-owned buffer), execute; returns the full tensors.
 pybind11::object unshard_py(pybind11::handle shards, const std::shared_ptr<Communicator>& comm,

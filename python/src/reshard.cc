@@ -48,18 +48,10 @@ std::unique_ptr<PyReshardPlan> make_reshard_plan(
   regions.hosts = hosts.value_or(std::vector<int>{});
   regions.fan_out = fan_out;
   regions.device_bucket_bytes = device_bucket_bytes.value_or(regions.device_bucket_bytes);
-  std::vector<QuantFormat> formats;
-  for (std::size_t i = 0; i < quantize.size(); ++i) {
-    const auto format = quantize[i] ? quant_format_from_name(*quantize[i])
-                                    : std::optional<QuantFormat>(QuantFormat::kNone);
-    if (!format) {
-      throw InvalidArgument("quantize[" + std::to_string(i) + "]: unknown format '" + *quantize[i] +
-                            "' (fp8_e4m3_128x128, fp8_e4m3_1x128 or mxfp8)");
-    }
-    formats.push_back(*format);
-  }
   return std::make_unique<PyReshardPlan>(
-      ReshardPlan(tensor_regions(layouts), world_size, rank, options, regions, formats), options);
+      ReshardPlan(tensor_regions(layouts), world_size, rank, options, regions,
+                  quant_formats(quantize)),
+      options);
 }
 
 py::object execute_reshard_plan(const py::object& self, py::handle sources,
