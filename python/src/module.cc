@@ -438,12 +438,10 @@ void register_all_gather_plan(py::module_& m) {
       .def_property_readonly("buffer", [](const P& p) { return buffer_or_none(p.buffer()); });
 }
 
-std::unique_ptr<PyUnshardPlan> make_unshard_plan(const std::vector<ShardSpec>& specs,
-                                                 int world_size, int rank,
-                                                 const std::string& strategy, bool preflight,
-                                                 std::optional<double> timeout,
-                                                 std::optional<int> dst,
-                                                 const std::vector<std::optional<std::string>>& quantize) {
+std::unique_ptr<PyUnshardPlan> make_unshard_plan(
+    const std::vector<ShardSpec>& specs, int world_size, int rank, const std::string& strategy,
+    bool preflight, std::optional<double> timeout, std::optional<int> dst,
+    const std::vector<std::optional<std::string>>& quantize) {
   const PlanOptions options = plan_options(strategy, preflight, timeout);
   return std::make_unique<PyUnshardPlan>(
       UnshardPlan(specs, world_size, rank, options, dst.value_or(-1), quant_formats(quantize)),
@@ -451,8 +449,8 @@ std::unique_ptr<PyUnshardPlan> make_unshard_plan(const std::vector<ShardSpec>& s
 }
 
 py::object execute_unshard_plan(const py::object& self, py::handle shards, const CommPtr& comm,
-                                std::optional<py::handle> outputs, bool async_op,
-                                py::handle scales, py::handle returned) {
+                                std::optional<py::handle> outputs, bool async_op, py::handle scales,
+                                py::handle returned) {
   return self.cast<PyUnshardPlan&>().execute(shards, comm, outputs, async_op, scales, returned,
                                              self);
 }

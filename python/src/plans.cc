@@ -336,8 +336,7 @@ py::list PyAllGatherPlan::results_over(const at::Tensor& target) {
 
 py::object PyUnshardPlan::execute(py::handle shards, const std::shared_ptr<Communicator>& comm,
                                   std::optional<py::handle> outputs, bool async_op,
-                                  py::handle scales, py::handle returned,
-                                  const py::object& self) {
+                                  py::handle scales, py::handle returned, const py::object& self) {
   if (plan_.quantized()) {
     return run(shards, comm, async_op, self, [&](Parsed& parsed, Communicator& c) {
       parse_or_fail(outputs ? *outputs : py::handle(py::list()), "outputs", parsed.outputs, c);

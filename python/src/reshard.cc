@@ -48,10 +48,9 @@ std::unique_ptr<PyReshardPlan> make_reshard_plan(
   regions.hosts = hosts.value_or(std::vector<int>{});
   regions.fan_out = fan_out;
   regions.device_bucket_bytes = device_bucket_bytes.value_or(regions.device_bucket_bytes);
-  return std::make_unique<PyReshardPlan>(
-      ReshardPlan(tensor_regions(layouts), world_size, rank, options, regions,
-                  quant_formats(quantize)),
-      options);
+  return std::make_unique<PyReshardPlan>(ReshardPlan(tensor_regions(layouts), world_size, rank,
+                                                     options, regions, quant_formats(quantize)),
+                                         options);
 }
 
 py::object execute_reshard_plan(const py::object& self, py::handle sources,
