@@ -399,9 +399,9 @@ ExecStats UnshardPlan::execute(std::span<const TensorView> shards, Communicator&
     return execute(shards, comm, outputs);
   }
   // A rank that receives nothing passes whatever it likes, untouched, as for a plain plan.
-  return receives() ? quantized_->execute(real_rows(shards), comm, outputs, scales)
-                    : quantized_->execute(real_rows(shards), comm, std::span<const TensorView>{},
-                                          std::span<const TensorView>{});
+  const std::span<const TensorView> none;
+  return quantized_->execute(real_rows(shards), comm, receives() ? outputs : none,
+                             receives() ? scales : none);
 }
 
 Work<ExecStats> UnshardPlan::start(std::span<const TensorView> shards, Communicator& comm,
@@ -413,9 +413,9 @@ Work<ExecStats> UnshardPlan::start(std::span<const TensorView> shards, Communica
     }
     return start(shards, comm, outputs);
   }
-  return receives() ? quantized_->start(real_rows(shards), comm, outputs, scales)
-                    : quantized_->start(real_rows(shards), comm, std::span<const TensorView>{},
-                                        std::span<const TensorView>{});
+  const std::span<const TensorView> none;
+  return quantized_->start(real_rows(shards), comm, receives() ? outputs : none,
+                           receives() ? scales : none);
 }
 
 ExecStats UnshardPlan::execute_now(std::span<const TensorView> shards, Communicator& comm,
