@@ -487,9 +487,9 @@ class UnshardPlan(_PlanState):
 
     ``quantize`` (as :func:`unshard`'s; CPU tensors): FP8 on the wire, each execute one call of
     the quantized reshard from every rank's real rows to the full tensors that the C++ plan
-    holds, planned here (docs/quantization.md, "The reshard's quantize stage"). A quantized tensor's entry is
-    ``(data, scales)`` or, with a dequantizing spec, its dequantized tensor, in tensors the plan
-    owns (rewritten by every execute, as its buffer is); ``out`` is not taken, and
+    holds, planned here (docs/quantization.md, "The reshard's quantize stage"). A quantized
+    tensor's entry is ``(data, scales)`` or, with a dequantizing spec, its dequantized tensor,
+    in tensors the plan owns (rewritten by every execute, as its buffer is); ``out`` is not taken, and
     ``strategy`` is "auto" or "direct".
     """
 
