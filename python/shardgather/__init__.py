@@ -489,8 +489,8 @@ class UnshardPlan(_PlanState):
     the quantized reshard from every rank's real rows to the full tensors that the C++ plan
     holds, planned here (docs/quantization.md, "The reshard's quantize stage"). A quantized
     tensor's entry is ``(data, scales)`` or, with a dequantizing spec, its dequantized tensor,
-    in tensors the plan owns (rewritten by every execute, as its buffer is); ``out`` is not taken, and
-    ``strategy`` is "auto" or "direct".
+    in tensors the plan owns (rewritten by every execute, as its buffer is); ``out`` is not
+    taken, and ``strategy`` is "auto" or "direct".
     """
 
     def __init__(self, specs, world_size, rank, *, strategy="auto", preflight=True,
