@@ -15,7 +15,7 @@ that each destination can check what it holds), then both methods sync it, in tu
           source diffs its own shard with its snapshot, sends each destination the records of
           its boxes only;
   anchor  what verl / slime / NeMo-RL do, written over the same transport (the library's
-          exchange of byte messages): each source diffs its shard with a snapshot and sends
+          messages between ranks, round_call.h): each source diffs its shard with a snapshot and sends
           its sparse delta (int32 flat index + value, per tensor) to rank 0, which concatenates
           them and sends the whole delta to every destination; each destination applies the
           entries that fall in its boxes.
@@ -78,10 +78,9 @@ class Anchor:
     """Diff, gather the sparse delta to rank 0, send it whole to every destination."""
 
     def __init__(self, comm, lays, shards, wanted):
-        from shardgather._exchange import Exchange
-
         self.comm, self.lays = comm, lays
-        self.ex = Exchange(comm, 120.0)
+        # receive buffers of the gather to rank 0 and of its sends, reused as the delta's
+        self.recv = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
         self.snap = [s.clone() for _, s in shards]
         self.shards = shards  # [(tensor, view)] of this rank
         self.wanted = wanted  # [(tensor, box, tensor)] of this rank
@@ -101,15 +100,18 @@ class Anchor:
             pad = torch.zeros(2 * (at.numel() % 2), dtype=torch.uint8)  # 4-byte alignment
             parts += [head.view(torch.uint8), flat.view(torch.uint8), vals.view(torch.uint8), pad]
         mine = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-        self.ex.all_rows(torch.zeros(1, dtype=torch.int64))  # every rank ready, as the delta's
+        # one call of rounds, as a sync is; its opening is the sync point every rank is ready
+        # at, as the delta's settle round
+        call = sg._C._RoundCall(self.comm, "WeightSync::sync", "anchor", 120.0, 1)
+        call.open("ready")
         t0 = time.perf_counter()
-        got, _ = self.ex.messages({0: mine} if parts else {})
+        got, _, self.recv[0] = call.messages({0: mine} if parts else {}, "gather", self.recv[0])
         if rank == 0:
             whole = torch.cat([got[s] for s in sorted(got)])
             out = {d: whole for d in range(SOURCES, world)}
         else:
             out = {}
-        got, _ = self.ex.messages(out)
+        got, _, self.recv[1] = call.messages(out, "send", self.recv[1])
         self.seconds = time.perf_counter() - t0
         if rank >= SOURCES:
             self.apply(got[0])
@@ -192,15 +194,14 @@ def run(args):
 
 
 def report(comm, rows, ratio, args):
-    """Max over ranks per iteration (one MPI all-gather through the exchange), medians."""
-    from shardgather._exchange import Exchange
-
-    ex = Exchange(comm, 120.0)
+    """Max over ranks per iteration (one round of rows), medians."""
     keys = ["delta", "anchor", "delta_x", "anchor_x"]
     n = len(rows["delta"])
     mine = torch.tensor([v for k in keys for v in rows[k]] + [max(ratio) if ratio else 0.0],
                         dtype=torch.float64).view(torch.int64)
-    table = ex.all_rows(mine).view(torch.float64)
+    call = sg._C._RoundCall(comm, "WeightSync::sync", "report", 120.0, mine.numel())
+    call.open("report")
+    table = call.rows(mine, "report")[:, :mine.numel()].contiguous().view(torch.float64)
     if comm.rank:
         return
     worst = table.max(dim=0).values

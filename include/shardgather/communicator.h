@@ -191,6 +191,10 @@ class SHARDGATHER_API Communicator {
     return collectives_.load(std::memory_order_relaxed);
   }
 
+  // Operations (calls) made on this communicator, each with its sequence number: a compound
+  // operation that is one call counts once, whatever its collectives. For tests and benchmarks.
+  [[nodiscard]] std::uint64_t calls_issued() const noexcept;
+
   // Bytes all_to_all_scatter moved to and from the other ranks of this communicator (this rank's
   // own entry, copied locally, excluded), counted when each exchange completed: what a reshard
   // puts on the wire, for tests and benchmarks.

@@ -33,6 +33,7 @@ enum class Operation : std::uint8_t {
   kUnshardExecute = 5,  // UnshardPlan::execute (also each bucket of an UnshardStream)
   kUnshardStream = 6,   // UnshardStream's agreements: before its first bucket, after its last
   kReshardExecute = 7,  // ReshardPlan::execute
+  kWeightSync = 8,      // a weight sync's call of rounds (round_call.h)
   // Not an operation: one past the last. A new operation goes above it, so the header check
   // (which refuses codes outside [kForeachAllGather, kEnd)) knows it without being told.
   kEnd,

@@ -13,6 +13,7 @@
 #include "shardgather/quantize.h"
 #include "shardgather/regions.h"
 #include "shardgather/reshard.h"
+#include "shardgather/round_call.h"
 #include "shardgather/stage.h"
 #include "shardgather/stats.h"
 #include "shardgather/strategy.h"

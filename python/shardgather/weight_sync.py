@@ -6,8 +6,9 @@ torn tensor.
     ws.sync(step, sources)                                # every rank; sources: this rank's shards
     with ws.read() as (version, tensors): ...             # an engine rank, any thread
 
-One sync, on every rank of the group (each round a reshard-plan call: a deadline, a pre-flight
-check, the error on every rank):
+One sync, on every rank of the group, is one call of rounds (shardgather/round_call.h): one
+pre-flight header exchange, then rounds that each carry every rank's header, so that an error on
+one rank is raised on every rank at the next round:
 
 1. **State.** Every rank publishes the version asked for, the version its snapshot (a source) or
    its tensors (a destination) hold, and whether its tensors are mixed (a failed in-place
@@ -37,7 +38,6 @@ from contextlib import contextmanager
 import torch
 
 from . import _shardgather as _C
-from ._exchange import Exchange
 from ._shardgather import (InvalidArgumentError, InvalidTypeError, MismatchError, RemoteError,
                            ShardgatherError)
 
@@ -210,7 +210,9 @@ class WeightSync:
         from . import communicator, _setup_timeout
 
         self.comm = communicator(group, _setup_timeout(timeout))
-        self._exchange = Exchange(self.comm, _setup_timeout(timeout), "WeightSync.sync")
+        self._round_timeout = _setup_timeout(timeout)
+        self._call = None  # the running sync's call of rounds
+        self._recv = torch.empty(0, dtype=torch.uint8)  # the rounds' receive buffer, reused
         self.timeout = _setup_timeout(timeout) or 300.0
         # Readers holding a buffer a sync must write delay it by at most this, so that the
         # rank still reaches the vote before its peers' deadline.
@@ -388,7 +390,7 @@ class WeightSync:
         return {"sources": 2 * nbytes([key[:3] for key in self._boxes]),
                 "destinations": (2 if staged else 0) * boxes,
                 "records": boxes // 4 if staged else 0,
-                "exchange": self._exchange.held_bytes()}
+                "exchange": self._recv.numel()}
 
     # --- readers -----------------------------------------------------------------------------
 
@@ -439,7 +441,7 @@ class WeightSync:
             version = self._check_sources(version, sources)
         except Exception as e:  # noqa: BLE001  (raised on every rank by the state round)
             error = e
-            return SyncWork(lambda: self._fail(error, "state"))
+            return SyncWork(lambda: self._fail(error, None))
         fresh = version != self.snapshot_version
         t0 = time.perf_counter()
         if fresh:
@@ -451,14 +453,34 @@ class WeightSync:
         self._copy_seconds = time.perf_counter() - t0
         return SyncWork(lambda: self._run(version, fresh))
 
+    def _rounds(self):
+        """A sync's call of rounds: the state row is the widest (7 values)."""
+        return _C._RoundCall(self.comm, "WeightSync::sync", "WeightSync.sync",
+                             self._round_timeout, 7)
+
     def _fail(self, error, round_name):
-        """This rank's error, raised on every rank through the header of the round its peers
-        are in (``round_name``: they raise it, naming this rank), with its class."""
-        from ._agree import classify, fail_call
+        """This rank's error, raised on every rank (naming this rank, with its class) by the
+        round its peers are in: ``round_name``, or the call's opening when None (a sync that
+        failed before it began)."""
+        from ._agree import _CORE_NAMES, classify
 
         cls, message = classify(error)
-        fail_call(self.comm, "ReshardPlan::execute", cls, "WeightSync.sync: " + message,
-                  timeout=self.timeout, stage=self._exchange.stage(round_name))
+        if round_name is None:
+            self._call = self._rounds()
+        self._call.fail(_CORE_NAMES.get(cls, "InvalidArgument"), "WeightSync.sync: " + message)
+        if round_name is None:
+            self._call.open("state")
+        self._call.rows(torch.zeros(0, dtype=torch.int64), round_name)
+
+    def _rows(self, row, name):
+        """Every rank's int64 ``row`` as a [world, 7] table (zero-padded), of round ``name``."""
+        return self._call.rows(row, name)
+
+    def _messages(self, outgoing, name):
+        """(peer -> the bytes it sent here, the [world, world] size table) of one round of
+        messages; the received bytes are views of one buffer, valid until the next round."""
+        received, sizes, self._recv = self._call.messages(outgoing, name, self._recv)
+        return received, sizes
 
     def _check_sources(self, version, sources):
         from ._agree import check_int
@@ -486,15 +508,17 @@ class WeightSync:
 
     def _run(self, version, fresh):
         began = time.perf_counter()
+        self._call = self._rounds()
+        self._call.open("state")
         states = self._exchange_state(version)
         try:
             outgoing, stats = self._encode(version, fresh, states)
         except Exception as e:  # noqa: B902  (raised on every rank: the peers wait in the next round)
             self._fail(e, "settle" if self._settle else "payload sizes")
         if self._settle:  # a bench measuring the transfer alone: every rank ready first
-            self._exchange.all_rows(torch.zeros(1, dtype=torch.int64), "settle")
+            self._rows(torch.zeros(1, dtype=torch.int64), "settle")
         t0 = time.perf_counter()
-        received, sizes = self._exchange.messages(outgoing, "payload")
+        received, sizes = self._messages(outgoing, "payload")
         stats["exchange_seconds"] = time.perf_counter() - t0
         rank = self.comm.rank
         # to and from other ranks (what crosses a link); this rank's own records are not counted
@@ -516,7 +540,7 @@ class WeightSync:
                             1 if self._mixed else 0,
                             (1 if self.source_boxes else 0) | (2 if self.destination_boxes else 0),
                             fingerprint, self.bucket_bytes], dtype=torch.int64)
-        table = self._exchange.all_rows(row, "state")
+        table = self._rows(row, "state")
         for column, what in ((5, "layouts (the plan's fingerprint)"), (6, "bucket_bytes")):
             values = table[:, column].tolist()
             if len(set(values)) != 1:
@@ -693,7 +717,7 @@ class WeightSync:
         for attempt in range(3):
             vote = torch.tensor([1 if error is not None else 0, sum(map(len, failed.values()))],
                                 dtype=torch.int64)
-            table = self._exchange.all_rows(vote, "vote")
+            table = self._rows(vote, "vote")
             if bool(table[:, 0].any()):
                 self._raise_failed(table, error)
             if not bool(table[:, 1].any()):
@@ -828,12 +852,12 @@ class WeightSync:
         them. Returns what _apply returns, and an error of this rank's apply or None."""
         asks = {s: torch.tensor(sorted(b), dtype=torch.int64).view(torch.uint8)
                 for s, b in failed.items()}
-        got, _ = self._exchange.messages(asks, "resend asks")
+        got, _ = self._messages(asks, "resend asks")
         try:
             messages = self._resend_records(got, fresh, stats)
         except Exception as e:  # noqa: B902  (raised on every rank: the peers wait in the next round)
             self._fail(e, "resend sizes")
-        received, _ = self._exchange.messages(messages, "resend")
+        received, _ = self._messages(messages, "resend")
         if not self.destination_boxes:
             return {}, None
         try:

@@ -22,6 +22,7 @@
 #include "plans.h"
 #include "quantize.h"
 #include "reshard.h"
+#include "round_call.h"
 #include "stream.h"
 #include "torch_allocator.h"
 #include "torch_tensors.h"
@@ -78,17 +79,6 @@ py::list result_lists(std::unique_ptr<GatherResult> result) {
     PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), per_rank.release().ptr());
   }
   return out;
-}
-
-// The operation operation_name() calls `name` (an unknown name is this binding's own bug).
-Operation operation_named(const std::string& name) {
-  for (auto code = static_cast<std::uint8_t>(Operation::kForeachAllGather);
-       code < static_cast<std::uint8_t>(Operation::kEnd); ++code) {
-    if (operation_name(static_cast<Operation>(code)) == name) {
-      return static_cast<Operation>(code);
-    }
-  }
-  throw std::invalid_argument("no operation is called " + name);
 }
 
 // The options of a collective call; a bad strategy name or timeout fails the call on every rank.
@@ -317,6 +307,9 @@ void register_communicator(py::module_& m) {
           "Default deadline of a call, in seconds")
       .def_property_readonly("is_poisoned", &Communicator::is_poisoned)
       .def_property_readonly("collectives_issued", &Communicator::collectives_issued)
+      .def_property_readonly("calls_issued", &Communicator::calls_issued,
+                             "Operations made on this communicator (one per call, whatever its "
+                             "collectives)")
       .def_property_readonly("ranks_on_host", &Communicator::ranks_on_host,
                              "How many ranks of the group share this rank's host")
       .def_property_readonly(
@@ -524,17 +517,6 @@ void register_unshard_stream(py::module_& m) {
       });
 }
 
-// The error class error_code_name() calls `name` (an unknown name is this binding's own bug).
-ErrorCode error_code_named(const std::string& name) {
-  for (auto code = static_cast<std::uint8_t>(ErrorCode::kInvalidArgument);
-       code <= static_cast<std::uint8_t>(kLastErrorCode); ++code) {
-    if (error_code_name(static_cast<ErrorCode>(code)) == name) {
-      return static_cast<ErrorCode>(code);
-    }
-  }
-  throw std::invalid_argument("no error class is called " + name);
-}
-
 // A local error in a Python-level wrapper (full_tensors, streams, the export, a compound
 // operation's step) fails the call the peers are making (`op`, as operation_name() spells it,
 // and `stage`) with this message, instead of leaving them waiting for their deadline. The class
@@ -605,5 +587,6 @@ PYBIND11_MODULE(_shardgather, m) {
   register_unshard_stream(m);
   register_quantize(m);
   register_delta(m);
+  register_round_call(m);
   register_hooks(m);
 }

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -328,6 +329,28 @@ void fail_call(Communicator& comm, const LocalError& error, const CallShape& cal
   fail_call(comm,
             error.kind == LocalError::kType ? ErrorCode::kInvalidType : ErrorCode::kInvalidArgument,
             error.message, call);
+}
+
+// The operation operation_name() calls `name` (an unknown name is this binding's own bug).
+Operation operation_named(const std::string& name) {
+  for (auto code = static_cast<std::uint8_t>(Operation::kForeachAllGather);
+       code < static_cast<std::uint8_t>(Operation::kEnd); ++code) {
+    if (operation_name(static_cast<Operation>(code)) == name) {
+      return static_cast<Operation>(code);
+    }
+  }
+  throw std::invalid_argument("no operation is called " + name);
+}
+
+// The error class error_code_name() calls `name` (an unknown name is this binding's own bug).
+ErrorCode error_code_named(const std::string& name) {
+  for (auto code = static_cast<std::uint8_t>(ErrorCode::kInvalidArgument);
+       code <= static_cast<std::uint8_t>(kLastErrorCode); ++code) {
+    if (error_code_name(static_cast<ErrorCode>(code)) == name) {
+      return static_cast<ErrorCode>(code);
+    }
+  }
+  throw std::invalid_argument("no error class is called " + name);
 }
 
 std::optional<std::chrono::milliseconds> timeout_or_fail(Communicator& comm,

@@ -116,6 +116,12 @@ bool hint_given(pybind11::handle hint);
 [[noreturn]] void fail_call(Communicator& comm, ErrorCode code, const std::string& message,
                             const CallShape& call);
 
+// The operation operation_name() calls `name` (an unknown name is this binding's own bug).
+Operation operation_named(const std::string& name);
+
+// The error class error_code_name() calls `name` (an unknown name is this binding's own bug).
+ErrorCode error_code_named(const std::string& name);
+
 // The timeout argument of a collective call; a bad one (negative, NaN) fails the call on every
 // rank, as any argument error does.
 std::optional<std::chrono::milliseconds> timeout_or_fail(Communicator& comm,

@@ -28,6 +28,8 @@ std::string_view operation_name(Operation op) noexcept {
       return "UnshardStream";
     case Operation::kReshardExecute:
       return "ReshardPlan::execute";
+    case Operation::kWeightSync:
+      return "WeightSync::sync";
     case Operation::kEnd:
       break;
   }

@@ -14,6 +14,8 @@ Communicator::~Communicator() = default;
 
 void Communicator::finish_operations() noexcept { ops_->stop(); }
 
+std::uint64_t Communicator::calls_issued() const noexcept { return ops_->seqs_taken(); }
+
 Deadline Communicator::deadline_after(std::chrono::milliseconds timeout) const noexcept {
   const Deadline now = Clock::now();
   // Saturate: "a very long timeout" must not wrap into the past.

@@ -36,7 +36,11 @@ class OpQueue {
   ~OpQueue() { stop(); }
 
   // The next operation's sequence number (1, 2, ...).
-  std::uint64_t next_seq() noexcept { return ++seq_; }
+  std::uint64_t next_seq() noexcept { return seq_.fetch_add(1, std::memory_order_relaxed) + 1; }
+  // How many sequence numbers were taken (any thread may read it).
+  [[nodiscard]] std::uint64_t seqs_taken() const noexcept {
+    return seq_.load(std::memory_order_relaxed);
+  }
 
   // Runs `job` on the progress thread after every job submitted before it.
   void submit(std::function<void()> job);
@@ -84,7 +88,8 @@ class OpQueue {
  private:
   void run();
 
-  std::uint64_t seq_ = 0;  // read and written by whichever thread runs the current operation
+  // Taken by whichever thread runs the current operation; atomic so that a test may read it.
+  std::atomic<std::uint64_t> seq_{0};
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> jobs_;  // guarded by mu_

@@ -52,7 +52,7 @@ def _fault_run(world, stage, deadline, who="destination"):
         weight_sync_cases.step(mine, 1)
         if rank == victim:
             calls = [0]
-            real = ws._exchange.all_rows if stage == "vote" else ws._exchange.messages
+            real = ws._rows if stage == "vote" else ws._messages
 
             def dies(*a, **k):
                 calls[0] += 1
@@ -60,7 +60,7 @@ def _fault_run(world, stage, deadline, who="destination"):
                     return real(*a, **k)
                 raise SystemExit  # this rank is gone from here on
 
-            setattr(ws._exchange, "all_rows" if stage == "vote" else "messages", dies)
+            setattr(ws, "_rows" if stage == "vote" else "_messages", dies)
         began = time.monotonic()
         try:
             ws.sync(1, weight_sync_cases.shard_views(ws, mine))

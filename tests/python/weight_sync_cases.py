@@ -170,7 +170,12 @@ def check_sends_only_changes(rank, world, comm):
     ws.sync(0, shard_views(ws, full))
     for t in full:
         t.view(-1)[0] = t.view(-1)[1]
+    calls, collectives = ws.comm.calls_issued, ws.comm.collectives_issued
     stats = ws.sync(1, shard_views(ws, full))
+    # One call (one sequence number): its opening header, the state, the payload's sizes, the
+    # payload, the vote. Nothing is planned per sync.
+    assert ws.comm.calls_issued - calls == 1, (rank, ws.comm.calls_issued - calls)
+    assert ws.comm.collectives_issued - collectives == (5 if world > 1 else 0), rank
     check_held(ws, full, rank, 1)
     changed = sum(1 for t, off, _ in ws.destination_boxes if all(o == 0 for o in off))
     assert stats["changed_received"] <= changed, (rank, stats, changed)

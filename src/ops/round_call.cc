@@ -1,0 +1,186 @@
+#include "shardgather/round_call.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "ops/call.h"
+#include "ops/preflight.h"
+#include "ops/start.h"
+#include "transport/graveyard.h"
+
+namespace shardgather {
+
+// Every round's bytes: what this rank sends ([header | row]), every rank's, their headers laid
+// out for the header check, and the table of rows handed out.
+struct RoundCall::Buffers {
+  std::vector<std::byte> mine;
+  std::vector<std::byte> gathered;
+  std::vector<std::byte> headers;
+  std::vector<detail::PreflightHeader> decoded;
+  std::vector<std::int64_t> table;
+};
+
+namespace {
+
+std::size_t checked_width(std::size_t width, const Communicator& comm) {
+  // A messages() round sends one size per rank.
+  return std::max(width, static_cast<std::size_t>(comm.size()));
+}
+
+}  // namespace
+
+RoundCall::RoundCall(Communicator& comm, Operation op, std::string_view name,
+                     std::optional<std::chrono::milliseconds> timeout, std::size_t width)
+    : comm_(comm),
+      name_(name),
+      timeout_(timeout),
+      width_(checked_width(width, comm)),
+      buffers_(std::make_unique<Buffers>()) {
+  detail::run_blocking(comm, [&] {
+    call_ = std::make_unique<detail::Call>(comm, op, Stage(), timeout, /*exchange=*/true);
+  });
+}
+
+RoundCall::~RoundCall() = default;
+
+void RoundCall::fail(ErrorCode code, std::string_view message) { call_->fail(code, message); }
+
+void RoundCall::open(std::string_view round) {
+  name_round(call_->header(), round);
+  detail::run_blocking(comm_, [&] { call_->agree(); });
+}
+
+// Sets `header`'s stage to "<name>: <round>", even after a failure (which the peers meet in this
+// round, so it must name it); a name too long is this rank's failure.
+void RoundCall::name_round(detail::PreflightHeader& header, std::string_view round) {
+  try {
+    detail::set_stage(header, Stage(name_ + ": " + std::string(round)));
+  } catch (const Error& e) {
+    call_->fail(e.code(), e.what());
+    header = call_->header();  // a no-op for the opening, whose header is the call's
+  }
+}
+
+std::span<const std::int64_t> RoundCall::rows(std::span<const std::int64_t> row,
+                                              std::string_view round) {
+  const auto world = static_cast<std::size_t>(comm_.size());
+  Buffers& b = *buffers_;
+  b.table.assign(world * width_, 0);
+  if (!call_->exchanges()) {
+    // World size 1: a failure was raised when recorded; the table is this rank's row.
+    std::copy_n(row.begin(), std::min(row.size(), width_), b.table.begin());
+    return b.table;
+  }
+  if (row.size() > width_) {
+    call_->fail(ErrorCode::kInvalidArgument,
+                "round '" + std::string(round) + "' sends " + std::to_string(row.size()) +
+                    " values, more than the call's width " + std::to_string(width_));
+  }
+  const std::size_t stride = sizeof(detail::PreflightHeader) + width_ * sizeof(std::int64_t);
+  b.mine.assign(stride, std::byte{0});
+  std::memcpy(b.mine.data() + sizeof(detail::PreflightHeader), row.data(),
+              std::min(row.size(), width_) * sizeof(std::int64_t));
+  gather(round);
+  for (std::size_t r = 0; r < world; ++r) {
+    std::memcpy(b.table.data() + r * width_,
+                b.gathered.data() + r * stride + sizeof(detail::PreflightHeader),
+                width_ * sizeof(std::int64_t));
+  }
+  return b.table;
+}
+
+// One round's all-gather of [header | row] (b.mine holds the row), then the header check.
+void RoundCall::gather(std::string_view round) {
+  Buffers& b = *buffers_;
+  const auto world = static_cast<std::size_t>(comm_.size());
+  const std::size_t stride = b.mine.size();
+  detail::PreflightHeader header = call_->header();
+  name_round(header, round);
+  std::memcpy(b.mine.data(), &header, sizeof header);
+  b.gathered.resize(world * stride);
+  b.headers.resize(world * sizeof(detail::PreflightHeader));
+  b.decoded.resize(world);
+  detail::run_blocking(comm_, [&] {
+    try {
+      comm_.all_gather(b.mine, b.gathered,
+                       comm_.deadline_after(timeout_.value_or(comm_.timeout())));
+    } catch (const CommunicationError&) {
+      detail::park(b.mine);
+      detail::park(b.gathered);
+      throw;
+    }
+  });
+  for (std::size_t r = 0; r < world; ++r) {
+    std::memcpy(b.headers.data() + r * sizeof(detail::PreflightHeader),
+                b.gathered.data() + r * stride, sizeof(detail::PreflightHeader));
+  }
+  detail::check_headers(b.headers, b.decoded, comm_.rank());
+}
+
+RoundCall::Messages RoundCall::messages(
+    std::span<const std::span<const std::byte>> outgoing, std::string_view round,
+    const std::function<std::span<std::byte>(std::size_t)>& receive) {
+  const auto world = static_cast<std::size_t>(comm_.size());
+  const auto me = static_cast<std::size_t>(comm_.rank());
+  std::vector<std::int64_t> counts(world, 0);
+  if (outgoing.size() != world) {
+    call_->fail(ErrorCode::kInvalidArgument,
+                "round '" + std::string(round) + "' has " + std::to_string(outgoing.size()) +
+                    " messages for " + std::to_string(world) + " ranks");
+  } else {
+    std::transform(
+        outgoing.begin(), outgoing.end(), counts.begin(),
+        [](std::span<const std::byte> m) { return static_cast<std::int64_t>(m.size()); });
+  }
+  const std::span<const std::int64_t> sizes = rows(counts, std::string(round) + " sizes");
+  std::size_t total = 0;
+  bool cross = false;
+  for (std::size_t s = 0; s < world; ++s) {
+    for (std::size_t d = 0; d < world; ++d) {
+      const std::int64_t n = sizes[s * width_ + d];
+      if (n < 0) {
+        throw Mismatch("rank " + std::to_string(me) + ": round '" + std::string(round) +
+                       "': rank " + std::to_string(s) + " sends " + std::to_string(n) +
+                       " bytes to rank " + std::to_string(d));
+      }
+      cross = cross || (s != d && n > 0);
+      total += (d == me && s != me) ? static_cast<std::size_t>(n) : 0;
+    }
+  }
+  if (!cross) {
+    return {sizes, {}};
+  }
+  if (!comm_.capabilities().all_to_all) {  // the same on every rank: every rank raises
+    throw InvalidArgument("round '" + std::string(round) +
+                          "' sends each pair its own bytes, which the " +
+                          std::string(comm_.backend_name()) +
+                          " transport cannot (no point-to-point exchange on this group)");
+  }
+  const std::span<std::byte> recv = receive(total).first(total);
+  std::vector<ConstSegment> send;
+  std::vector<std::size_t> send_first(world + 1, 0);
+  std::vector<RecvPiece> pieces;
+  std::vector<std::size_t> first(world + 1, 0);
+  std::size_t at = 0;
+  for (std::size_t p = 0; p < world; ++p) {
+    if (p != me && !outgoing[p].empty()) {
+      send.push_back({outgoing[p].data(), outgoing[p].size()});
+    }
+    send_first[p + 1] = send.size();
+    const auto n = static_cast<std::uint64_t>(sizes[p * width_ + me]);
+    if (p != me && n > 0) {
+      pieces.push_back({recv.data() + at, n, 1, n});
+      at += n;
+    }
+    first[p + 1] = pieces.size();
+  }
+  detail::run_blocking(comm_, [&] {
+    comm_.all_to_all_scatter(send, send_first, pieces, first,
+                             comm_.deadline_after(timeout_.value_or(comm_.timeout())));
+  });
+  return {sizes, recv};
+}
+
+}  // namespace shardgather
