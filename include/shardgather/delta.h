@@ -37,6 +37,8 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -143,5 +145,65 @@ SHARDGATHER_API ApplyResult apply(std::span<const std::byte> record, const Strid
 // view apply() rejects.
 [[nodiscard]] SHARDGATHER_API std::uint64_t view_checksum(const StridedView& view,
                                                           std::uint64_t start, std::uint64_t n);
+
+// Messages: what a weight sync sends one peer is segments laid end to end (wire format, as the
+// records'; little-endian):
+//
+//   u32 origin (the source rank whose buckets the records are)   u32 zero
+//   u64 records_bytes (what follows the 24-byte header)
+//   u64 checksum() of those records (headers included: a record's own checksum covers its
+//       bucket's values, not which bucket it names)
+//   records_bytes bytes of records (each a multiple of 8 bytes long)
+inline constexpr std::size_t kSegmentHeaderBytes = 24;
+
+// One peer's message, built segment by segment with records encoded straight into it. Its
+// buffer is kept for the next message (clear()): a steady state of alike messages allocates
+// nothing, while a buffer more than 4 times the size of the message it last held (a dense
+// first sync's, once deltas are small) is let go by clear(). Each growth makes a new buffer (twice
+// the size), so bytes() views handed out before it stay valid as long as their owner (`storage()`)
+// is held. Threading: one thread at a time.
+class SHARDGATHER_API Message {
+ public:
+  // Closes the open segment (an empty one is dropped) and opens one for `origin`'s records.
+  void segment(std::uint32_t origin);
+  // encode() into the open segment (InvalidArgument when none is open; encode()'s own errors).
+  EncodeResult record(const void* before, const void* after, std::size_t n, std::size_t es,
+                      std::uint32_t bucket, double dense_ratio);
+  // This message becomes a copy of `other`'s bytes (closed first); its open segment is closed.
+  void copy_from(Message& other);
+  // Closes the open segment; the message's bytes.
+  std::span<const std::byte> finish();
+  // Empties the message, keeping its buffer unless it is oversized (above).
+  void clear() noexcept;
+  // The buffer's size (what the message holds between uses).
+  [[nodiscard]] std::size_t held_bytes() const noexcept {
+    return bytes_ == nullptr ? 0 : bytes_->size();
+  }
+  // The buffer's owner, for views of finish()'s bytes that must outlive a growth.
+  [[nodiscard]] const std::shared_ptr<std::vector<std::byte>>& storage() const noexcept {
+    return bytes_;
+  }
+
+ private:
+  void reserve(std::size_t more);
+  void close();
+
+  std::shared_ptr<std::vector<std::byte>> bytes_;
+  std::size_t used_ = 0;
+  std::optional<std::size_t> open_at_;  // the open segment's header
+  std::uint32_t origin_ = 0;
+};
+
+struct Segment {
+  std::uint32_t origin = 0;
+  std::size_t offset = 0;  // of its records in the message
+  std::size_t bytes = 0;
+  bool intact = false;  // its records have the header's checksum
+};
+
+// The segments of one message. InvalidArgument (naming the byte) for a truncated header, a
+// nonzero zero field, or records past the end. A segment whose checksum fails is returned with
+// intact false (damaged in flight: the caller asks for its buckets again).
+SHARDGATHER_API std::vector<Segment> segments(std::span<const std::byte> message);
 
 }  // namespace shardgather::delta

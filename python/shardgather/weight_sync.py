@@ -46,9 +46,7 @@ from ._shardgather import (InvalidArgumentError, InvalidTypeError, MismatchError
 # wins"): on 1 Gbit/s links sparse records stayed faster end to end than dense ones up to where
 # they are as large (30% random density in bf16), so the encoder goes by size alone.
 DENSE_RATIO = 1.0
-# A segment's header: u32 origin source, u32 0, u64 bytes of the records that follow, u64
-# checksum of those bytes (headers included: a record's own checksum covers its bucket's values,
-# not which bucket it names).
+# A segment's header (delta.h: origin, the records' length and checksum).
 _SEGMENT = 24
 _NONE = -1
 _INVALID = -2  # a buffer a failed sync wrote part of
@@ -213,6 +211,7 @@ class WeightSync:
         self._round_timeout = _setup_timeout(timeout)
         self._call = None  # the running sync's call of rounds
         self._recv = torch.empty(0, dtype=torch.uint8)  # the rounds' receive buffer, reused
+        self._outgoing = {}  # peer -> its message (_C._DeltaMessage), reused
         self.timeout = _setup_timeout(timeout) or 300.0
         # Readers holding a buffer a sync must write delay it by at most this, so that the
         # rank still reaches the vote before its peers' deadline.
@@ -379,9 +378,10 @@ class WeightSync:
           quarter of the boxes (and another quarter while a sync runs);
         - ``exchange``: the receive buffer the exchange keeps for reuse, as large as the most
           bytes received in one round so far (a dense round: the boxes' bytes).
-        While a sync runs, a source also builds its messages: the records it sends, up to its
-        boxes' bytes once per destination that receives them dense, in buffers grown by
-        doubling."""
+        - ``messages``: the buffers of the messages this rank sends, kept for reuse: the
+          records it sent each peer in the last sync, up to its boxes' bytes once per
+          destination that received them dense, in buffers grown by doubling (one more than 4
+          times its last message is let go by the next sync)."""
         def nbytes(boxes):
             return sum(_numel(n) * self.layouts[t].dtype.itemsize for t, _, n in boxes)
 
@@ -390,7 +390,8 @@ class WeightSync:
         return {"sources": 2 * nbytes([key[:3] for key in self._boxes]),
                 "destinations": (2 if staged else 0) * boxes,
                 "records": boxes // 4 if staged else 0,
-                "exchange": self._recv.numel()}
+                "exchange": self._recv.numel(),
+                "messages": sum(m.held_bytes for m in self._outgoing.values())}
 
     # --- readers -----------------------------------------------------------------------------
 
@@ -584,7 +585,7 @@ class WeightSync:
                  "changed_received": 0, "resent_buckets": 0, "encode_seconds": 0.0,
                  "from_sources": 0, "from_replicas": 0}
         t0 = time.perf_counter()
-        writer = _Writer()
+        writer = _Writer(self._outgoing)
         self._encode_sources(fresh, states, writer, stats)
         self._encode_replicas(states, writer, stats)
         stats["encode_seconds"] = time.perf_counter() - t0
@@ -867,7 +868,7 @@ class WeightSync:
 
     def _resend_records(self, got, fresh, stats):
         """The dense records of the buckets each destination asked again of this source."""
-        writer = _Writer()
+        writer = _Writer(self._outgoing)
         for d, ask in got.items():
             transfers = [tr for tr in self._sends if tr[0] == d]
             buckets = self._buckets(transfers)
@@ -917,58 +918,35 @@ def _describe(x):
 
 
 def _segments(sender, message):
-    """(origin source, records, whether their checksum holds) of each segment of a message."""
-    at, out = 0, []
-    while at < message.numel():
-        if message.numel() - at < _SEGMENT:
-            raise InvalidArgumentError("WeightSync.sync: rank %d sent a truncated segment "
-                                       "header" % sender)
-        head = message[at:at + _SEGMENT].view(torch.int64)
-        origin, nbytes, check = int(head[0]) & 0xFFFFFFFF, int(head[1]), int(head[2])
-        if nbytes < 0 or at + _SEGMENT + nbytes > message.numel():
-            raise InvalidArgumentError("WeightSync.sync: rank %d sent a segment of %d bytes "
-                                       "where %d remain" % (sender, nbytes,
-                                                            message.numel() - at - _SEGMENT))
-        body = message[at + _SEGMENT:at + _SEGMENT + nbytes]
-        out.append((origin, body, _signed(_C._delta_checksum(body, 0, nbytes)) == check))
-        at += _SEGMENT + nbytes
-    return out
+    """(origin source, records, whether their checksum holds) of each segment of a message
+    (delta.h's framing)."""
+    try:
+        found = _C._delta_segments(message)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError("WeightSync.sync: rank %d sent %s" % (sender, e)) from None
+    return [(origin, message[at:at + n], intact) for origin, at, n, intact in found]
 
 
 class _Writer:
     """Builds each peer's message: segments (origin source, records), records encoded straight
-    into a growing per-peer buffer."""
+    into it (C++ delta::Message). ``messages``: peer -> its message, kept by the caller so
+    that the buffers serve the next sync too."""
 
-    def __init__(self):
-        self._bufs, self._used, self._head = {}, {}, {}
+    def __init__(self, messages):
+        self._messages = messages
+        for m in messages.values():
+            m.clear()
+
+    def _of(self, peer):
+        if peer not in self._messages:
+            self._messages[peer] = _C._DeltaMessage()
+        return self._messages[peer]
 
     def segment(self, peer, origin):
-        self._close(peer)
-        self._reserve(peer, _SEGMENT)
-        at = self._used[peer]
-        self._head[peer] = (at, origin)
-        self._used[peer] = at + _SEGMENT
-
-    def _reserve(self, peer, nbytes):
-        buf = self._bufs.get(peer)
-        used = self._used.setdefault(peer, 0)
-        if buf is None or buf.numel() < used + nbytes:
-            grown = torch.empty(max(2 * (used + nbytes), 1 << 16), dtype=torch.uint8)
-            if buf is not None:
-                grown[:used] = buf[:used]
-            self._bufs[peer] = grown
+        self._of(peer).segment(origin)
 
     def record(self, peer, after, before, bucket, ratio, stats):
-        room = _C._delta_max_record_bytes(after.numel(), after.element_size())
-        self._reserve(peer, room)
-        at = self._used[peer]
-        if not after.is_contiguous():
-            after = after.contiguous()
-        if before is not None and not before.is_contiguous():
-            before = before.contiguous()
-        nbytes, encoding, changed = _C._delta_encode(before, after,
-                                                     self._bufs[peer][at:at + room], bucket, ratio)
-        self._used[peer] = at + nbytes
+        nbytes, encoding, changed = self._of(peer).record(before, after, bucket, ratio)
         if nbytes:
             stats["records"] += 1
             stats["dense_records"] += encoding == 1
@@ -976,26 +954,8 @@ class _Writer:
 
     def copy(self, peer, other):
         """``peer``'s message: a copy of ``other``'s (each holds one segment so far)."""
-        self._close(other)
-        n = self._used.get(other, 0)
-        self._reserve(peer, n)
-        self._bufs[peer][:n] = self._bufs[other][:n]
-        self._used[peer] = n
-
-    def _close(self, peer):
-        head = self._head.pop(peer, None)
-        if head is None:
-            return
-        at, origin = head
-        nbytes = self._used[peer] - at - _SEGMENT
-        if nbytes == 0:
-            self._used[peer] = at  # an empty segment is dropped
-            return
-        body = self._bufs[peer][at + _SEGMENT:at + _SEGMENT + nbytes]
-        self._bufs[peer][at:at + _SEGMENT].view(torch.int64)[:] = torch.tensor(
-            [origin, nbytes, _signed(_C._delta_checksum(body, 0, nbytes))], dtype=torch.int64)
+        self._of(peer).copy(self._messages[other])
 
     def finish(self):
-        for peer in list(self._head):
-            self._close(peer)
-        return {p: self._bufs[p][:n] for p, n in self._used.items() if n}
+        done = {p: m.finish() for p, m in self._messages.items()}
+        return {p: t for p, t in done.items() if t.numel()}

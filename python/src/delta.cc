@@ -2,10 +2,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
@@ -50,12 +52,9 @@ delta::StridedView view_of(const at::Tensor& t) {
           .strides = t.strides().vec()};
 }
 
-// (record bytes, encoding code, changed elements): the record of after against before (None:
-// dense) at out[0:nbytes].
-std::tuple<std::size_t, int, std::uint64_t> encode_py(const std::optional<at::Tensor>& before,
-                                                      const at::Tensor& after,
-                                                      const at::Tensor& out, std::uint32_t bucket,
-                                                      double dense_ratio) {
+// `after` and `before` (when given) as encode() takes them: contiguous CPU tensors alike.
+void check_pair(const std::optional<at::Tensor>& before, const at::Tensor& after,
+                std::uint32_t bucket) {
   check_cpu(after, "after", true);
   if (before) {
     check_cpu(*before, "before", true);
@@ -66,6 +65,15 @@ std::tuple<std::size_t, int, std::uint64_t> encode_py(const std::optional<at::Te
                             std::to_string(after.numel()));
     }
   }
+}
+
+// (record bytes, encoding code, changed elements): the record of after against before (None:
+// dense) at out[0:nbytes].
+std::tuple<std::size_t, int, std::uint64_t> encode_py(const std::optional<at::Tensor>& before,
+                                                      const at::Tensor& after,
+                                                      const at::Tensor& out, std::uint32_t bucket,
+                                                      double dense_ratio) {
+  check_pair(before, after, bucket);
   const std::span<std::byte> bytes = record_bytes(out, "out");
   const void* old = before ? before->data_ptr() : nullptr;
   const void* now = after.data_ptr();
@@ -101,9 +109,85 @@ std::uint64_t checksum_py(const at::Tensor& t, std::uint64_t start, std::uint64_
   return delta::view_checksum(view, start, n);
 }
 
+// A weight sync's message to one peer (delta::Message), kept across syncs for its buffer.
+class PyMessage {
+ public:
+  void segment(std::uint32_t origin) { message_.segment(origin); }
+
+  // (record bytes, encoding code, changed elements) of the record encoded into the open segment;
+  // views that are not contiguous are copied first.
+  std::tuple<std::size_t, int, std::uint64_t> record(const std::optional<at::Tensor>& before,
+                                                     const at::Tensor& after, std::uint32_t bucket,
+                                                     double dense_ratio) {
+    const at::Tensor now = after.contiguous();
+    const std::optional<at::Tensor> old =
+        before ? std::optional<at::Tensor>(before->contiguous()) : std::nullopt;
+    check_pair(old, now, bucket);
+    delta::EncodeResult r;
+    {
+      const py::gil_scoped_release unlocked;
+      r = message_.record(old ? old->data_ptr() : nullptr, now.data_ptr(),
+                          static_cast<std::size_t>(now.numel()),
+                          static_cast<std::size_t>(now.element_size()), bucket, dense_ratio);
+    }
+    return {r.bytes, static_cast<int>(r.encoding), r.changed};
+  }
+
+  void copy(PyMessage& other) { message_.copy_from(other.message_); }
+
+  // The message's bytes as a uint8 tensor over its buffer (no copy; the tensor holds the buffer,
+  // so a later growth does not free it under it).
+  at::Tensor finish() {
+    const std::span<const std::byte> bytes = message_.finish();
+    if (bytes.empty()) {
+      return at::empty({0}, at::kByte);
+    }
+    return at::from_blob(
+        const_cast<std::byte*>(bytes.data()),  // NOLINT(cppcoreguidelines-pro-type-const-cast)
+        {static_cast<std::int64_t>(bytes.size())},
+        [storage = message_.storage()](void*) {},  // the buffer lives as long as the tensor
+        at::TensorOptions().dtype(at::kByte));
+  }
+
+  void clear() noexcept { message_.clear(); }
+  [[nodiscard]] std::size_t held_bytes() const noexcept { return message_.held_bytes(); }
+
+ private:
+  delta::Message message_;
+};
+
+// [(origin, offset, bytes, intact)] of each segment of `message`.
+std::vector<std::tuple<std::uint32_t, std::size_t, std::size_t, bool>> segments_py(
+    const at::Tensor& message) {
+  const std::span<std::byte> bytes = record_bytes(message, "message");
+  std::vector<delta::Segment> found;
+  {
+    const py::gil_scoped_release unlocked;
+    found = delta::segments(bytes);
+  }
+  std::vector<std::tuple<std::uint32_t, std::size_t, std::size_t, bool>> out;
+  out.reserve(found.size());
+  for (const delta::Segment& g : found) {
+    out.emplace_back(g.origin, g.offset, g.bytes, g.intact);
+  }
+  return out;
+}
+
 }  // namespace
 
 void register_delta(py::module_& m) {
+  py::class_<PyMessage>(m, "_DeltaMessage",
+                        "One peer's message of a weight sync: segments of delta records "
+                        "(shardgather/delta.h), its buffer kept for the next one.")
+      .def(py::init<>())
+      .def("segment", &PyMessage::segment, py::arg("origin"))
+      .def("record", &PyMessage::record, py::arg("before"), py::arg("after"), py::arg("bucket"),
+           py::arg("dense_ratio"))
+      .def("copy", &PyMessage::copy, py::arg("other"))
+      .def("finish", &PyMessage::finish)
+      .def("clear", &PyMessage::clear)
+      .def_property_readonly("held_bytes", &PyMessage::held_bytes);
+  m.def("_delta_segments", &segments_py, py::arg("message"));
   m.def("_delta_encode", &encode_py, py::arg("before"), py::arg("after"), py::arg("out"),
         py::arg("bucket"), py::arg("dense_ratio"));
   m.def("_delta_apply", &apply_py, py::arg("record"), py::arg("dst"), py::arg("start"),

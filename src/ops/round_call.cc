@@ -177,8 +177,17 @@ RoundCall::Messages RoundCall::messages(
     first[p + 1] = pieces.size();
   }
   detail::run_blocking(comm_, [&] {
-    comm_.all_to_all_scatter(send, send_first, pieces, first,
-                             comm_.deadline_after(timeout_.value_or(comm_.timeout())));
+    try {
+      comm_.all_to_all_scatter(send, send_first, pieces, first,
+                               comm_.deadline_after(timeout_.value_or(comm_.timeout())));
+    } catch (const CommunicationError&) {
+      // A failed exchange may still read what it was handed (the bytes are the caller's).
+      detail::park(send);
+      detail::park(send_first);
+      detail::park(pieces);
+      detail::park(first);
+      throw;
+    }
   });
   return {sizes, recv};
 }

@@ -167,7 +167,11 @@ def check_sends_only_changes(rank, world, comm):
     only: with one element changed per tensor, one record per tensor box it holds at most."""
     ws = _make(rank, world, comm, "staged", bucket_bytes=64)
     full = initial()
-    ws.sync(0, shard_views(ws, full))
+    dense = ws.sync(0, shard_views(ws, full))
+    # what this rank keeps for reuse holds at least what the dense sync moved
+    held = ws.memory()
+    assert held["messages"] >= dense["bytes_sent"], (rank, held, dense)
+    assert held["exchange"] >= dense["bytes_received"], (rank, held, dense)
     for t in full:
         t.view(-1)[0] = t.view(-1)[1]
     calls, collectives = ws.comm.calls_issued, ws.comm.collectives_issued

@@ -776,5 +776,122 @@ TEST(Delta, ChecksumSeesLengthOrderAndEveryBit) {
   EXPECT_EQ(std::adjacent_find(seen.begin(), seen.end()), seen.end());
 }
 
+// Two sources' segments to one peer, as a weight sync frames them: each segment's records apply
+// back to the new bytes, an empty segment is dropped, and the checksum marks a damaged one.
+TEST(DeltaMessage, SegmentsCarryTheirOriginAndRecords) {
+  std::mt19937_64 rng(kSeed);
+  const std::size_t n = 1000;
+  const Bytes before = random_bytes(n * 4, rng);
+  Bytes after = before;
+  for (std::size_t i = 0; i < n; i += 31) {
+    change(after, 4, i, rng);
+  }
+  Message m;
+  m.segment(3);
+  EXPECT_EQ(m.record(before.data(), after.data(), n, 4, 0, 1.0).encoding, Encoding::kPairs);
+  EXPECT_EQ(m.record(nullptr, after.data(), n, 4, 1, 1.0).encoding, Encoding::kDense);
+  m.segment(4);  // nothing changed: no record, and the segment is dropped
+  EXPECT_EQ(m.record(before.data(), before.data(), n, 4, 0, 1.0).bytes, 0U);
+  m.segment(5);
+  m.record(nullptr, before.data(), n, 4, 7, 1.0);
+  const std::span<const std::byte> bytes = m.finish();
+  const std::vector<Segment> got = segments(bytes);
+  ASSERT_EQ(got.size(), 2U);
+  EXPECT_EQ(got[0].origin, 3U);
+  EXPECT_EQ(got[1].origin, 5U);
+  EXPECT_EQ(got[0].offset, kSegmentHeaderBytes);
+  EXPECT_EQ(got[1].offset, got[0].offset + got[0].bytes + kSegmentHeaderBytes);
+  EXPECT_EQ(got[1].offset + got[1].bytes, bytes.size());
+  Bytes dst = before;
+  const StridedView view = flat_view(dst, 4);
+  const std::span<const std::byte> first = bytes.subspan(got[0].offset, got[0].bytes);
+  const ApplyResult pairs = apply(first, view, 0, n);
+  EXPECT_TRUE(pairs.checksum_ok);
+  EXPECT_EQ(dst, after);
+  const ApplyResult dense = apply(first.subspan(pairs.record_bytes), view, 0, n);
+  EXPECT_TRUE(dense.checksum_ok);
+  EXPECT_EQ(dense.bucket, 1U);
+  EXPECT_TRUE(got[0].intact && got[1].intact);
+
+  Bytes damaged(bytes.begin(), bytes.end());
+  damaged[got[1].offset + 4] ^= std::byte{1};  // the bucket id of source 5's record
+  const std::vector<Segment> again = segments(damaged);
+  EXPECT_TRUE(again[0].intact);
+  EXPECT_FALSE(again[1].intact);
+}
+
+TEST(DeltaMessage, MalformedFramingIsRefusedNamingTheByte) {
+  const std::vector<std::byte> rec(40);
+  Message m;
+  m.segment(1);
+  m.record(nullptr, rec.data(), 5, 8, 0, 1.0);
+  const std::span<const std::byte> bytes = m.finish();
+  const auto refused = [](const Bytes& b, const std::string& needle) {
+    try {
+      (void)segments(b);
+      return std::string("accepted");
+    } catch (const InvalidArgument& e) {
+      const std::string what = e.what();
+      return what.find(needle) == std::string::npos ? what : std::string();
+    }
+  };
+  Bytes b(bytes.begin(), bytes.end());
+  b.resize(b.size() + 10);  // a second, truncated header
+  EXPECT_EQ(
+      refused(b, "truncated segment header: 10 bytes at byte " + std::to_string(bytes.size())), "");
+  b.assign(bytes.begin(), bytes.end() - 8);  // records past the end
+  EXPECT_EQ(
+      refused(b, "where " + std::to_string(bytes.size() - 8 - kSegmentHeaderBytes) + " remain"),
+      "");
+  b.assign(bytes.begin(), bytes.end());
+  b[4] = std::byte{1};  // the zero field
+  EXPECT_EQ(refused(b, "segment at byte 0"), "");
+  EXPECT_THROW(Message().record(nullptr, rec.data(), 5, 8, 0, 1.0), InvalidArgument);
+}
+
+TEST(DeltaMessage, ItsBufferServesTheNextMessageAndAnOversizedOneIsLetGo) {
+  std::mt19937_64 rng(kSeed);
+  const std::size_t big = 1 << 20;
+  const Bytes dense = random_bytes(big, rng);
+  Message m;
+  m.segment(0);
+  m.record(nullptr, dense.data(), 100, 1, 0, 1.0);
+  const std::span<const std::byte> small = m.finish();
+  const Bytes small_bytes(small.begin(), small.end());
+  const auto kept = m.storage();  // a view handed out holds its buffer
+  m.segment(1);
+  m.record(nullptr, dense.data(), big, 1, 1, 1.0);  // grows into a new buffer
+  EXPECT_NE(m.storage(), kept);
+  EXPECT_TRUE(std::equal(small.begin(), small.end(), small_bytes.begin(), small_bytes.end()))
+      << "the old view still reads its bytes";
+  (void)m.finish();
+  m.clear();
+  EXPECT_GE(m.held_bytes(), big) << "kept after its own (large) message";
+  m.segment(0);
+  m.record(nullptr, dense.data(), 100, 1, 0, 1.0);
+  (void)m.finish();
+  m.clear();
+  EXPECT_EQ(m.held_bytes(), 0U) << "more than 4 times its last message: let go";
+  m.segment(0);
+  m.record(nullptr, dense.data(), 100, 1, 0, 1.0);
+  (void)m.finish();
+  m.clear();
+  const std::uint64_t allocations = testing::thread_allocations();
+  for (int step = 0; step < 3; ++step) {
+    m.segment(0);
+    m.record(nullptr, dense.data(), 100, 1, 0, 1.0);
+    (void)m.finish();
+    m.clear();
+  }
+  EXPECT_EQ(testing::thread_allocations(), allocations) << "alike messages allocate nothing";
+  Message other;
+  m.segment(9);
+  m.record(nullptr, dense.data(), 100, 1, 0, 1.0);
+  other.copy_from(m);
+  const std::span<const std::byte> a = m.finish();
+  const std::span<const std::byte> b = other.finish();
+  EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin(), b.end()));
+}
+
 }  // namespace
 }  // namespace shardgather::delta
