@@ -94,7 +94,15 @@ class SHARDGATHER_API RoundCall {
 
  private:
   struct Buffers;
+  struct Incoming {
+    std::size_t total = 0;  // bytes the others send this rank
+    bool cross = false;     // whether any rank sends another anything
+  };
   void gather(std::string_view round);
+  [[nodiscard]] Incoming incoming(std::span<const std::int64_t> sizes,
+                                  std::string_view round) const;
+  void exchange(std::span<const std::span<const std::byte>> outgoing,
+                std::span<const std::int64_t> sizes, std::span<std::byte> recv);
   void name_round(detail::PreflightHeader& header, std::string_view round);
 
   Communicator& comm_;

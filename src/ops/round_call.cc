@@ -123,7 +123,6 @@ RoundCall::Messages RoundCall::messages(
     std::span<const std::span<const std::byte>> outgoing, std::string_view round,
     const std::function<std::span<std::byte>(std::size_t)>& receive) {
   const auto world = static_cast<std::size_t>(comm_.size());
-  const auto me = static_cast<std::size_t>(comm_.rank());
   std::vector<std::int64_t> counts(world, 0);
   if (outgoing.size() != world) {
     call_->fail(ErrorCode::kInvalidArgument,
@@ -135,21 +134,8 @@ RoundCall::Messages RoundCall::messages(
         [](std::span<const std::byte> m) { return static_cast<std::int64_t>(m.size()); });
   }
   const std::span<const std::int64_t> sizes = rows(counts, std::string(round) + " sizes");
-  std::size_t total = 0;
-  bool cross = false;
-  for (std::size_t s = 0; s < world; ++s) {
-    for (std::size_t d = 0; d < world; ++d) {
-      const std::int64_t n = sizes[s * width_ + d];
-      if (n < 0) {
-        throw Mismatch("rank " + std::to_string(me) + ": round '" + std::string(round) +
-                       "': rank " + std::to_string(s) + " sends " + std::to_string(n) +
-                       " bytes to rank " + std::to_string(d));
-      }
-      cross = cross || (s != d && n > 0);
-      total += (d == me && s != me) ? static_cast<std::size_t>(n) : 0;
-    }
-  }
-  if (!cross) {
+  const Incoming in = incoming(sizes, round);
+  if (!in.cross) {
     return {sizes, {}};
   }
   if (!comm_.capabilities().all_to_all) {  // the same on every rank: every rank raises
@@ -158,7 +144,38 @@ RoundCall::Messages RoundCall::messages(
                           std::string(comm_.backend_name()) +
                           " transport cannot (no point-to-point exchange on this group)");
   }
-  const std::span<std::byte> recv = receive(total).first(total);
+  const std::span<std::byte> recv = receive(in.total).first(in.total);
+  exchange(outgoing, sizes, recv);
+  return {sizes, recv};
+}
+
+// Checks every size (a negative one is a corrupt peer's) and sums this rank's receives.
+RoundCall::Incoming RoundCall::incoming(std::span<const std::int64_t> sizes,
+                                        std::string_view round) const {
+  const auto world = static_cast<std::size_t>(comm_.size());
+  const auto me = static_cast<std::size_t>(comm_.rank());
+  Incoming in;
+  for (std::size_t s = 0; s < world; ++s) {
+    for (std::size_t d = 0; d < world; ++d) {
+      const std::int64_t n = sizes[s * width_ + d];
+      if (n < 0) {
+        throw Mismatch("rank " + std::to_string(me) + ": round '" + std::string(round) +
+                       "': rank " + std::to_string(s) + " sends " + std::to_string(n) +
+                       " bytes to rank " + std::to_string(d));
+      }
+      in.cross = in.cross || (s != d && n > 0);
+      in.total += (d == me && s != me) ? static_cast<std::size_t>(n) : 0;
+    }
+  }
+  return in;
+}
+
+// One all_to_all_scatter: outgoing[p] to each other rank p, what each sends here adjacent in
+// rank order in `recv`.
+void RoundCall::exchange(std::span<const std::span<const std::byte>> outgoing,
+                         std::span<const std::int64_t> sizes, std::span<std::byte> recv) {
+  const auto world = static_cast<std::size_t>(comm_.size());
+  const auto me = static_cast<std::size_t>(comm_.rank());
   std::vector<ConstSegment> send;
   std::vector<std::size_t> send_first(world + 1, 0);
   std::vector<RecvPiece> pieces;
@@ -189,7 +206,6 @@ RoundCall::Messages RoundCall::messages(
       throw;
     }
   });
-  return {sizes, recv};
 }
 
 }  // namespace shardgather
