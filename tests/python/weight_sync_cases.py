@@ -456,12 +456,65 @@ def check_bad_arguments(rank, world, comm):
         check_held(good, full, rank, 1)
 
 
+def _oom(*args, **kwargs):
+    raise MemoryError("no room for the records")
+
+
+def _damage(sender, peer, message):
+    """Flips a byte of the first record of every message to another rank: its segment fails
+    its checksum, and every such pair's buckets are asked for again."""
+    if sender != peer and message.numel() > 40:
+        message[40] ^= 1
+
+
+def _fail_mid_sync(rank, world, comm, where, corrupt):
+    """Sync 0, then sync 1 with the last rank's step ``where`` raising MemoryError. Returns
+    (the object, the tensors, the error's text or None, the seconds the failed sync took)."""
+    ws = _make(rank, world, comm, "staged")
+    full = initial()
+    ws.sync(0, shard_views(ws, full))
+    step(full, 1)
+    if rank == world - 1:
+        setattr(ws, where, _oom)
+    ws._corrupt = corrupt
+    began, text = time.monotonic(), None
+    try:
+        ws.sync(1, shard_views(ws, full))
+    except shardgather.OutOfMemoryError as e:
+        text = str(e)
+    ws._corrupt = None
+    if rank == world - 1:
+        delattr(ws, where)
+    return ws, full, text, time.monotonic() - began
+
+
+def check_local_failure_mid_sync(rank, world, comm):
+    """A step that fails on one rank between two rounds of a sync (its encode, then its dense
+    resend, runs out of memory): every rank raises that error's class at the next round,
+    naming the rank, its text and the round, without waiting for a deadline; nothing commits,
+    and the next sync is exact."""
+    for where, round_name, corrupt in (("_encode_sources", "payload sizes", None),
+                                       ("_resend_records", "resend sizes", _damage)):
+        ws, full, text, seconds = _fail_mid_sync(rank, world, comm, where, corrupt)
+        if corrupt is not None and world == 1:
+            assert text is None  # nothing crosses a link: nothing to resend
+            continue
+        assert text is not None, (rank, where)
+        assert seconds < T / 2, (rank, where, seconds, "waited for a deadline")
+        assert "no room for the records" in text and "rank %d" % (world - 1) in text, text
+        if world > 1:
+            assert "WeightSync.sync: %s" % round_name in text, (rank, text)
+        assert ws.version == 0, (rank, ws.version)
+        ws.sync(1, shard_views(ws, full))
+        check_held(ws, full, rank, 1)
+
+
 CHECKS = [check_random_steps_staged, check_random_steps_in_place, check_sends_only_changes,
           check_checksum_resend, check_version_rules, check_restarted_destination,
           check_late_joiner, check_trainer_writes_during_sync,
           check_trainer_writes_during_sync_in_place, check_bad_arguments,
           check_header_damage, check_same_version_other_bytes,
-          check_in_place_failed_vote_then_rebuild]
+          check_in_place_failed_vote_then_rebuild, check_local_failure_mid_sync]
 for _check in CHECKS:
     globals()[on_default_group(_check).__name__] = on_default_group(_check)
 CASES = ["case_" + c.__name__[len("check_"):] for c in CHECKS]
