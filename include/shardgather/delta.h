@@ -160,8 +160,9 @@ inline constexpr std::size_t kSegmentHeaderBytes = 24;
 // buffer is kept for the next message (clear()): a steady state of alike messages allocates
 // nothing, while a buffer more than 4 times the size of the message it last held (a dense
 // first sync's, once deltas are small) is let go by clear(). Each growth makes a new buffer (twice
-// the size), so bytes() views handed out before it stay valid as long as their owner (`storage()`)
-// is held. Threading: one thread at a time.
+// the size), so a view of finish()'s bytes stays readable while its owner (`storage()`) is held;
+// its bytes hold until the next clear(), which writes the next message over them.
+// Threading: one thread at a time.
 class SHARDGATHER_API Message {
  public:
   // Closes the open segment (an empty one is dropped) and opens one for `origin`'s records.

@@ -24,9 +24,10 @@
 //
 // Threading: one thread drives a call, like any blocking operation; the communicator's other
 // operations may run between its rounds only if every rank orders them alike (its contract).
-// Ownership: the tables returned stay valid until the next round of this call. After a
-// CommunicationError the call's buffers are parked (a failed collective may still touch them);
-// a receive buffer is the caller's to park.
+// Ownership: a rows() table stays valid until the next round of this call, a messages() round's
+// sizes until the next messages() round. After a CommunicationError the call's buffers are
+// parked (a failed collective may still touch them); the outgoing bytes and the receive buffer
+// are the caller's to park.
 #pragma once
 
 #include <chrono>
@@ -55,7 +56,8 @@ class SHARDGATHER_API RoundCall {
  public:
   // `name` prefixes every round's stage ("<name>: <round>", at most Stage::kMaxBytes bytes).
   // `width`: the int64 values of the longest row a round sends (a messages() round's is the world
-  // size, so width() is at least that).
+  // size plus one, so width() is at least that); every rank must pass the same (open() checks).
+  // Nothing travels until open().
   RoundCall(Communicator& comm, Operation op, std::string_view name,
             std::optional<std::chrono::milliseconds> timeout, std::size_t width);
   RoundCall(const RoundCall&) = delete;
@@ -67,7 +69,8 @@ class SHARDGATHER_API RoundCall {
   [[nodiscard]] std::size_t width() const noexcept { return width_; }
 
   // The call's header exchange, with the stage "<name>: <round>": raises on every rank a failure
-  // recorded before it or a disagreement (another operation, step or sequence number).
+  // recorded before it or a disagreement (another operation, step, sequence number or width).
+  // Every round comes after it (InvalidArgument, on this rank, for a round before it).
   void open(std::string_view round);
 
   // Records this rank's failure: the next round (or open) raises it on every rank. The first one
@@ -79,17 +82,24 @@ class SHARDGATHER_API RoundCall {
   std::span<const std::int64_t> rows(std::span<const std::int64_t> row, std::string_view round);
 
   struct Messages {
-    // [world x width()]: sizes[s * width() + d] is what rank s sent rank d (its own included).
+    // [world x width()]: sizes[s * width() + d] is what rank s sent rank d (its own included);
+    // column world is rank s's receive capacity.
     std::span<const std::int64_t> sizes;
     // What every other rank sent this one, in rank order, adjacent (this rank's own message is
     // not copied here: the caller has it).
     std::span<std::byte> received;
   };
   // One personal exchange: outgoing[p] (world entries) goes to rank p. Its sizes travel first, as
-  // the round "<round> sizes"; then `receive(n)` is asked for at least n bytes (n: what the
-  // others send this rank, 0 included) and every other rank's message lands there. When no rank
-  // sends another anything, only the sizes travel. The caller keeps the outgoing bytes alive.
+  // the round "<round> sizes", with each rank's receive `capacity`; then `receive(n)` is asked for
+  // at least n bytes (n: what the others send this rank, 0 included) and every other rank's
+  // message lands there. Where some rank's n exceeds its capacity, every rank runs `receive` as a
+  // local step (what it throws, bad_alloc included, is recorded) and a header-only round
+  // "<round> ready" raises it on every rank before any byte moves; within the capacity,
+  // `receive` must not fail (nothing tells the peers). When no rank sends another anything, only
+  // the sizes travel. The caller keeps the outgoing bytes and the receive buffer alive, and
+  // after a CommunicationError parks them (a failed exchange may still touch them).
   Messages messages(std::span<const std::span<const std::byte>> outgoing, std::string_view round,
+                    std::size_t capacity,
                     const std::function<std::span<std::byte>(std::size_t)>& receive);
 
  private:
@@ -97,7 +107,9 @@ class SHARDGATHER_API RoundCall {
   struct Incoming {
     std::size_t total = 0;  // bytes the others send this rank
     bool cross = false;     // whether any rank sends another anything
+    bool grows = false;     // whether some rank receives more than its capacity
   };
+  void check_open(std::string_view round) const;
   void gather(std::string_view round);
   [[nodiscard]] Incoming incoming(std::span<const std::int64_t> sizes,
                                   std::string_view round) const;
@@ -109,6 +121,7 @@ class SHARDGATHER_API RoundCall {
   std::string name_;
   std::optional<std::chrono::milliseconds> timeout_;
   std::size_t width_;
+  bool opened_ = false;
   std::unique_ptr<detail::Call> call_;
   std::unique_ptr<Buffers> buffers_;
 };

@@ -391,7 +391,7 @@ class WeightSync:
                 "destinations": (2 if staged else 0) * boxes,
                 "records": boxes // 4 if staged else 0,
                 "exchange": self._recv.numel(),
-                "messages": sum(m.held_bytes for m in self._outgoing.values())}
+                "messages": sum(m.held_bytes for m in list(self._outgoing.values()))}
 
     # --- readers -----------------------------------------------------------------------------
 
@@ -474,7 +474,8 @@ class WeightSync:
         self._call.rows(torch.zeros(0, dtype=torch.int64), round_name)
 
     def _rows(self, row, name):
-        """Every rank's int64 ``row`` as a [world, 7] table (zero-padded), of round ``name``."""
+        """Every rank's int64 ``row`` as a [world, width] table (zero-padded: the width is
+        7, or the world size + 1 where that is more), of round ``name``."""
         return self._call.rows(row, name)
 
     def _messages(self, outgoing, name):

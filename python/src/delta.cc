@@ -1,5 +1,6 @@
 #include "delta.h"
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -112,7 +113,10 @@ std::uint64_t checksum_py(const at::Tensor& t, std::uint64_t start, std::uint64_
 // A weight sync's message to one peer (delta::Message), kept across syncs for its buffer.
 class PyMessage {
  public:
-  void segment(std::uint32_t origin) { message_.segment(origin); }
+  void segment(std::uint32_t origin) {
+    message_.segment(origin);
+    note_held();
+  }
 
   // (record bytes, encoding code, changed elements) of the record encoded into the open segment;
   // views that are not contiguous are copied first.
@@ -130,13 +134,18 @@ class PyMessage {
                           static_cast<std::size_t>(now.numel()),
                           static_cast<std::size_t>(now.element_size()), bucket, dense_ratio);
     }
+    note_held();
     return {r.bytes, static_cast<int>(r.encoding), r.changed};
   }
 
-  void copy(PyMessage& other) { message_.copy_from(other.message_); }
+  void copy(PyMessage& other) {
+    message_.copy_from(other.message_);
+    note_held();
+  }
 
-  // The message's bytes as a uint8 tensor over its buffer (no copy; the tensor holds the buffer,
-  // so a later growth does not free it under it).
+  // The message's bytes as a uint8 tensor over its buffer, no copy: the tensor keeps the buffer
+  // alive (a growth or a let-go does not free it under it), and its bytes hold until the next
+  // clear() (which reuses the buffer).
   at::Tensor finish() {
     const std::span<const std::byte> bytes = message_.finish();
     if (bytes.empty()) {
@@ -149,11 +158,18 @@ class PyMessage {
         at::TensorOptions().dtype(at::kByte));
   }
 
-  void clear() noexcept { message_.clear(); }
-  [[nodiscard]] std::size_t held_bytes() const noexcept { return message_.held_bytes(); }
+  void clear() noexcept {
+    message_.clear();
+    note_held();
+  }
+  // Readable from any thread (ws.memory() while a started sync encodes).
+  [[nodiscard]] std::size_t held_bytes() const noexcept { return held_.load(); }
 
  private:
+  void note_held() noexcept { held_.store(message_.held_bytes()); }
+
   delta::Message message_;
+  std::atomic<std::size_t> held_{0};
 };
 
 // [(origin, offset, bytes, intact)] of each segment of `message`.

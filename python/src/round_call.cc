@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "params.h"
@@ -52,47 +54,51 @@ class PyRoundCall {
   }
 
   void open(const std::string& round) {
-    const py::gil_scoped_release unlocked;
-    call_->open(round);
+    const auto mine = claim();
+    call_interruptible([&] { call_->open(round); });
   }
 
   void fail(const std::string& code, const std::string& message) {
+    const auto mine = claim();
     const py::gil_scoped_release unlocked;
     call_->fail(error_code_named(code), message);
   }
 
+  // A row that is not a 1-d int64 CPU tensor fails the round on every rank.
   at::Tensor rows(const at::Tensor& row, const std::string& round) {
-    check_flat(row, at::kLong, "a round's row");
-    const std::span<const std::int64_t> mine(row.data_ptr<std::int64_t>(),
-                                             static_cast<std::size_t>(row.numel()));
-    std::span<const std::int64_t> table;
-    {
-      const py::gil_scoped_release unlocked;
-      table = call_->rows(mine, round);
+    const auto mine = claim();
+    std::span<const std::int64_t> values;
+    try {
+      check_flat(row, at::kLong, "a round's row");
+      values = {row.data_ptr<std::int64_t>(), static_cast<std::size_t>(row.numel())};
+    } catch (const Error& e) {
+      call_->fail(e.code(), e.what());
     }
+    const std::span<const std::int64_t> table =
+        call_interruptible([&] { return call_->rows(values, round); });
     return table_tensor(table, call_->width());
   }
 
   // (peer -> the bytes it sent here, the [world, world] size table, the receive buffer: `recv`
   // or a larger one that replaced it). Received bytes are views of that buffer; this rank's own
-  // message is handed back as it was given.
+  // message is handed back as it was given. An argument that is not what it must be (a peer out
+  // of range, a message or buffer that is not a 1-d uint8 CPU tensor) fails the round on every
+  // rank.
   py::tuple messages(const py::dict& outgoing, const std::string& round, at::Tensor recv) {
+    const auto mine = claim();
     const auto world = static_cast<std::size_t>(comm_->size());
-    const auto me = static_cast<std::size_t>(comm_->rank());
     std::vector<at::Tensor> held(world);
     std::vector<std::span<const std::byte>> out(world);
-    for (const auto& [key, value] : outgoing) {
-      const auto peer = key.cast<std::size_t>();
-      if (peer >= world) {
-        throw InvalidArgument("a message to rank " + std::to_string(peer) + " of " +
-                              std::to_string(world));
-      }
-      held[peer] = value.cast<at::Tensor>();
-      check_flat(held[peer], at::kByte, "a message");
-      out[peer] = {static_cast<const std::byte*>(held[peer].data_ptr()),
-                   static_cast<std::size_t>(held[peer].numel())};
+    std::size_t capacity = 0;
+    try {
+      parse_messages(outgoing, held, out);
+      check_flat(recv, at::kByte, "the receive buffer");
+      capacity = static_cast<std::size_t>(recv.numel());
+    } catch (const Error& e) {
+      call_->fail(e.code(), e.what());
+      out.assign(world, {});
+      recv = at::empty({0}, at::kByte);
     }
-    check_flat(recv, at::kByte, "the receive buffer");
     auto receive = [&recv](std::size_t n) {
       if (static_cast<std::size_t>(recv.numel()) < n) {
         recv = at::empty({static_cast<std::int64_t>(n)}, at::kByte);
@@ -101,15 +107,55 @@ class PyRoundCall {
     };
     RoundCall::Messages got;
     try {
-      const py::gil_scoped_release unlocked;
-      got = call_->messages(out, round, receive);
+      got = call_interruptible([&] { return call_->messages(out, round, capacity, receive); });
     } catch (const CommunicationError&) {
       held.push_back(recv);
       keep_forever(held);
       throw;
     }
-    const at::Tensor sizes =
-        table_tensor(got.sizes, call_->width()).narrow(1, 0, static_cast<std::int64_t>(world));
+    return py::make_tuple(received_from(got, held, recv), sizes_of(got), recv);
+  }
+
+ private:
+  // One call at a time: a round driven from two threads would interleave its collectives.
+  [[nodiscard]] std::unique_lock<std::mutex> claim() {
+    std::unique_lock<std::mutex> mine(busy_, std::try_to_lock);
+    if (!mine.owns_lock()) {
+      throw InvalidArgument("a call of rounds is driven by one thread at a time");
+    }
+    return mine;
+  }
+
+  void parse_messages(const py::dict& outgoing, std::vector<at::Tensor>& held,
+                      std::vector<std::span<const std::byte>>& out) const {
+    const auto world = static_cast<std::size_t>(comm_->size());
+    for (const auto& [key, value] : outgoing) {
+      const auto peer = py::isinstance<py::int_>(key) ? key.cast<std::int64_t>() : -1;
+      if (peer < 0 || static_cast<std::size_t>(peer) >= world) {
+        throw InvalidArgument("a message to " + std::string(py::str(key)) + ", not a rank of " +
+                              std::to_string(world));
+      }
+      const auto p = static_cast<std::size_t>(peer);
+      if (!THPVariable_Check(value.ptr())) {
+        throw InvalidType("the message to rank " + std::to_string(p) + " is not a tensor");
+      }
+      held[p] = value.cast<at::Tensor>();
+      check_flat(held[p], at::kByte, "the message to rank " + std::to_string(p));
+      out[p] = {static_cast<const std::byte*>(held[p].data_ptr()),
+                static_cast<std::size_t>(held[p].numel())};
+    }
+  }
+
+  [[nodiscard]] at::Tensor sizes_of(const RoundCall::Messages& got) const {
+    return table_tensor(got.sizes, call_->width())
+        .narrow(1, 0, static_cast<std::int64_t>(comm_->size()));
+  }
+
+  [[nodiscard]] py::dict received_from(const RoundCall::Messages& got,
+                                       const std::vector<at::Tensor>& held,
+                                       const at::Tensor& recv) const {
+    const auto world = static_cast<std::size_t>(comm_->size());
+    const auto me = static_cast<std::size_t>(comm_->rank());
     py::dict received;
     if (held[me].defined() && held[me].numel() > 0) {
       received[py::int_(me)] = held[me];
@@ -122,10 +168,9 @@ class PyRoundCall {
       }
       at += n;
     }
-    return py::make_tuple(received, sizes, recv);
+    return received;
   }
 
- private:
   [[nodiscard]] at::Tensor table_tensor(std::span<const std::int64_t> table,
                                         std::size_t width) const {
     const auto world = static_cast<std::int64_t>(comm_->size());
@@ -136,6 +181,7 @@ class PyRoundCall {
 
   std::shared_ptr<Communicator> comm_;
   std::unique_ptr<RoundCall> call_;
+  std::mutex busy_;
 };
 
 }  // namespace

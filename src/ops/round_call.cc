@@ -20,13 +20,14 @@ struct RoundCall::Buffers {
   std::vector<std::byte> headers;
   std::vector<detail::PreflightHeader> decoded;
   std::vector<std::int64_t> table;
+  std::vector<std::int64_t> sizes;  // a messages() round's, kept past its "ready" round
 };
 
 namespace {
 
 std::size_t checked_width(std::size_t width, const Communicator& comm) {
-  // A messages() round sends one size per rank.
-  return std::max(width, static_cast<std::size_t>(comm.size()));
+  // A messages() round sends one size per rank and this rank's receive capacity.
+  return std::max(width, static_cast<std::size_t>(comm.size()) + 1);
 }
 
 }  // namespace
@@ -49,7 +50,28 @@ void RoundCall::fail(ErrorCode code, std::string_view message) { call_->fail(cod
 
 void RoundCall::open(std::string_view round) {
   name_round(call_->header(), round);
-  detail::run_blocking(comm_, [&] { call_->agree(); });
+  // What every round sends after its header: ranks that would send rows of other widths would
+  // mis-size every gather, so the opening compares it.
+  call_->header().payload_bytes = width_ * sizeof(std::int64_t);
+  std::span<const detail::PreflightHeader> headers;
+  detail::run_blocking(comm_, [&] { headers = call_->agree(); });
+  for (std::size_t r = 1; r < headers.size(); ++r) {
+    if (headers[r].payload_bytes != headers[0].payload_bytes) {
+      throw Mismatch("rank " + std::to_string(comm_.rank()) + ": " + name_ +
+                     ": the call's rows differ: rank 0 sends " +
+                     std::to_string(headers[0].payload_bytes / sizeof(std::int64_t)) +
+                     " values per round, rank " + std::to_string(r) + " sends " +
+                     std::to_string(headers[r].payload_bytes / sizeof(std::int64_t)));
+    }
+  }
+  opened_ = true;
+}
+
+void RoundCall::check_open(std::string_view round) const {
+  if (!opened_) {  // the embedder's bug, the same on every rank that runs the same code
+    throw InvalidArgument("round '" + std::string(round) + "' of " + name_ +
+                          " before the call was opened");
+  }
 }
 
 // Sets `header`'s stage to "<name>: <round>", even after a failure (which the peers meet in this
@@ -65,18 +87,19 @@ void RoundCall::name_round(detail::PreflightHeader& header, std::string_view rou
 
 std::span<const std::int64_t> RoundCall::rows(std::span<const std::int64_t> row,
                                               std::string_view round) {
+  check_open(round);
   const auto world = static_cast<std::size_t>(comm_.size());
   Buffers& b = *buffers_;
   b.table.assign(world * width_, 0);
+  if (row.size() > width_) {  // at world size 1 this raises at once
+    call_->fail(ErrorCode::kInvalidArgument,
+                "round '" + std::string(round) + "' sends " + std::to_string(row.size()) +
+                    " values, more than the call's width " + std::to_string(width_));
+  }
   if (!call_->exchanges()) {
     // World size 1: a failure was raised when recorded; the table is this rank's row.
     std::copy_n(row.begin(), std::min(row.size(), width_), b.table.begin());
     return b.table;
-  }
-  if (row.size() > width_) {
-    call_->fail(ErrorCode::kInvalidArgument,
-                "round '" + std::string(round) + "' sends " + std::to_string(row.size()) +
-                    " values, more than the call's width " + std::to_string(width_));
   }
   const std::size_t stride = sizeof(detail::PreflightHeader) + width_ * sizeof(std::int64_t);
   b.mine.assign(stride, std::byte{0});
@@ -121,9 +144,11 @@ void RoundCall::gather(std::string_view round) {
 
 RoundCall::Messages RoundCall::messages(
     std::span<const std::span<const std::byte>> outgoing, std::string_view round,
-    const std::function<std::span<std::byte>(std::size_t)>& receive) {
+    std::size_t capacity, const std::function<std::span<std::byte>(std::size_t)>& receive) {
+  check_open(round);
   const auto world = static_cast<std::size_t>(comm_.size());
-  std::vector<std::int64_t> counts(world, 0);
+  std::vector<std::int64_t> counts(world + 1, 0);
+  counts[world] = static_cast<std::int64_t>(capacity);  // after the sizes
   if (outgoing.size() != world) {
     call_->fail(ErrorCode::kInvalidArgument,
                 "round '" + std::string(round) + "' has " + std::to_string(outgoing.size()) +
@@ -133,7 +158,9 @@ RoundCall::Messages RoundCall::messages(
         outgoing.begin(), outgoing.end(), counts.begin(),
         [](std::span<const std::byte> m) { return static_cast<std::int64_t>(m.size()); });
   }
-  const std::span<const std::int64_t> sizes = rows(counts, std::string(round) + " sizes");
+  const std::span<const std::int64_t> table = rows(counts, std::string(round) + " sizes");
+  buffers_->sizes.assign(table.begin(), table.end());
+  const std::span<const std::int64_t> sizes = buffers_->sizes;
   const Incoming in = incoming(sizes, round);
   if (!in.cross) {
     return {sizes, {}};
@@ -144,7 +171,23 @@ RoundCall::Messages RoundCall::messages(
                           std::string(comm_.backend_name()) +
                           " transport cannot (no point-to-point exchange on this group)");
   }
-  const std::span<std::byte> recv = receive(in.total).first(in.total);
+  std::span<std::byte> recv;
+  const auto take = [&] {
+    recv = receive(in.total);
+    if (recv.size() < in.total) {
+      throw InvalidArgument("round '" + std::string(round) + "': a receive buffer of " +
+                            std::to_string(recv.size()) + " bytes for " + std::to_string(in.total));
+    }
+    recv = recv.first(in.total);
+  };
+  if (in.grows) {
+    // A buffer grows (a first or dense round): its allocation may fail on one rank, so it is a
+    // local step, and a header-only round tells every rank before any byte moves.
+    call_->check(take);
+    (void)rows({}, std::string(round) + " ready");
+  } else {
+    take();  // within the capacity every rank stated: nothing to allocate
+  }
   exchange(outgoing, sizes, recv);
   return {sizes, recv};
 }
@@ -155,6 +198,13 @@ RoundCall::Incoming RoundCall::incoming(std::span<const std::int64_t> sizes,
   const auto world = static_cast<std::size_t>(comm_.size());
   const auto me = static_cast<std::size_t>(comm_.rank());
   Incoming in;
+  for (std::size_t d = 0; d < world; ++d) {
+    std::int64_t need = 0;
+    for (std::size_t s = 0; s < world; ++s) {
+      need += s == d ? 0 : sizes[s * width_ + d];
+    }
+    in.grows = in.grows || need > sizes[d * width_ + world];
+  }
   for (std::size_t s = 0; s < world; ++s) {
     for (std::size_t d = 0; d < world; ++d) {
       const std::int64_t n = sizes[s * width_ + d];

@@ -209,3 +209,48 @@ def test_a_replacement_process_joins_a_new_group_gloo():
         if r != victim:  # the survivors raised the failed sync (at once or at the deadline)
             assert failed in ("RemoteError", "CollectiveTimeout"), (r, failed)
     assert got[victim][1]["from_replicas"] > 0, got[victim]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_bad_round_argument_on_one_rank_fails_every_rank(world):
+    """The call of rounds' binding (_C._RoundCall, what each sync runs in): a message that is
+    not a 1-d uint8 CPU tensor, one that is not a tensor, a peer that is not a rank, or a row
+    that is not int64, given on the last rank only, raises its class on every rank at that
+    round, naming the rank, without a deadline's wait; the group works after."""
+    import torch
+
+    from shardgather import _C
+
+    uint8 = torch.zeros(3, dtype=torch.uint8)
+    cases = [("messages", {0: torch.zeros(3)}, shardgather.InvalidArgumentError,
+              "the message to rank 0"),
+             ("messages", {world: uint8}, shardgather.InvalidArgumentError, "not a rank"),
+             ("messages", {0: "x"}, shardgather.InvalidTypeError, "not a tensor"),
+             ("rows", torch.zeros(2), shardgather.InvalidArgumentError, "a round's row")]
+
+    def body(rank, comm):
+        last = rank == world - 1
+        seen = []
+        for kind, bad, cls, needle in cases:
+            call = _C._RoundCall(comm, "WeightSync::sync", "test", 10.0, 2)
+            call.open("state")
+            began = time.monotonic()
+            try:
+                if kind == "messages":
+                    call.messages(bad if last else {}, "payload", torch.empty(0, dtype=torch.uint8))
+                else:
+                    call.rows(bad if last else torch.zeros(1, dtype=torch.int64), "state")
+                seen.append((kind, needle, "no error"))
+            except shardgather.ShardgatherError as e:
+                ok = (type(e) is cls and needle in str(e) and "rank %d" % (world - 1) in str(e)
+                      and time.monotonic() - began < 5)
+                if not ok:
+                    seen.append((kind, needle, type(e).__name__, str(e)))
+        call = _C._RoundCall(comm, "WeightSync::sync", "test", 10.0, 2)
+        call.open("state")
+        assert call.rows(torch.tensor([rank]), "state")[:, 0].tolist() == list(range(world))
+        return seen
+
+    results, errors = run_ranks(world, body)
+    assert errors == [None] * world, errors
+    assert results == [[]] * world, results

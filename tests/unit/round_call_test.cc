@@ -1,11 +1,10 @@
 // A compound operation's call of rounds (round_call.h) on the threads backend: one call per
 // operation however many rounds, every rank's row and message delivered, and a failure recorded
 // between rounds raised by every rank at the next round.
-#include "shardgather/round_call.h"
-
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <new>
 #include <span>
 #include <string>
 #include <vector>
@@ -67,7 +66,7 @@ TEST_P(RoundCallWorld, EveryRoundIsOneCallsAndEveryRankGetsEveryRowAndMessage) {
             EXPECT_EQ(cell(table, call.width(), r, 1), 10 * r + step);
             EXPECT_EQ(cell(table, call.width(), r, 2), 0) << "zero-padded";
           }
-          const auto got = call.messages(outgoing, "payload", [&](std::size_t n) {
+          const auto got = call.messages(outgoing, "payload", recv.size(), [&](std::size_t n) {
             recv.resize(n);
             return std::span<std::byte>(recv);
           });
@@ -87,8 +86,10 @@ TEST_P(RoundCallWorld, EveryRoundIsOneCallsAndEveryRankGetsEveryRowAndMessage) {
           }
           EXPECT_EQ(got.received.size(), at);
           EXPECT_EQ(comm.calls_issued() - calls, 1U) << "one call, whatever its rounds";
-          // open, state, payload sizes and the payload; nothing travels alone
-          EXPECT_EQ(comm.collectives_issued() - collectives, world == 1 ? 0U : 4U);
+          // open, state, payload sizes and the payload; the first time, a buffer grows, and a
+          // header-only round ("payload ready") lets its allocation fail on every rank
+          const std::uint64_t want = world == 1 ? 0U : step == 0 ? 5U : 4U;
+          EXPECT_EQ(comm.collectives_issued() - collectives, want) << step;
         }
       },
       test_name());
@@ -118,7 +119,7 @@ TEST_P(RoundCallWorld, AFailureBetweenRoundsIsRaisedByEveryRankAtTheNextRound) {
               call.fail(ErrorCode::kOutOfMemory, "no room for the records");
             }
             const std::vector<std::span<const std::byte>> none(static_cast<std::size_t>(world));
-            (void)call.messages(none, "payload",
+            (void)call.messages(none, "payload", 0,
                                 [](std::size_t) { return std::span<std::byte>(); });
           });
           const std::string w = where;
@@ -186,6 +187,52 @@ TEST_P(RoundCallWorld, RanksInDifferentRoundsOrOperationsRaiseMismatchNamingTheS
         RoundCall call(comm, Operation::kWeightSync, "test", 5s, 1);
         call.open("state");
         EXPECT_EQ(call.rows(row, "state")[0], 0) << "usable after";
+      },
+      test_name());
+}
+
+TEST_P(RoundCallWorld, AReceiveBufferThatCannotGrowFailsEveryRankBeforeAnyByteMoves) {
+  const int world = GetParam();
+  if (world == 1) {
+    GTEST_SKIP() << "nothing is received";
+  }
+  run_ranks(
+      world,
+      [&](int rank, Communicator& comm) {
+        const bool odd = rank == world - 1;
+        const std::vector<std::byte> m(1000, std::byte{7});
+        const std::vector<std::span<const std::byte>> outgoing(static_cast<std::size_t>(world), m);
+        const std::uint64_t moved = comm.exchange_bytes_received();
+        const auto [cls, what] = outcome([&] {
+          RoundCall call(comm, Operation::kWeightSync, "test", 5s, 1);
+          call.open("state");
+          (void)call.messages(outgoing, "payload", 0, [&](std::size_t n) -> std::span<std::byte> {
+            if (odd) {
+              throw std::bad_alloc();
+            }
+            static thread_local std::vector<std::byte> recv;
+            recv.resize(n);
+            return recv;
+          });
+        });
+        EXPECT_EQ(cls, "OutOfMemory") << what;
+        EXPECT_NE(what.find("failed on rank " + std::to_string(world - 1)), std::string::npos)
+            << what;
+        EXPECT_NE(what.find("'test: payload ready'"), std::string::npos) << what;
+        EXPECT_EQ(comm.exchange_bytes_received(), moved) << "no byte moved";
+        // A width that differs, and a round before the opening: refused, the group usable.
+        const auto [cls2, what2] = outcome([&] {
+          RoundCall call(comm, Operation::kWeightSync, "test", 5s,
+                         odd ? static_cast<std::size_t>(world) + 2 : 1);
+          call.open("state");
+        });
+        EXPECT_EQ(cls2, "Mismatch") << what2;
+        EXPECT_NE(what2.find("the call's rows differ"), std::string::npos) << what2;
+        RoundCall early(comm, Operation::kWeightSync, "test", 5s, 1);
+        EXPECT_THROW((void)early.rows({}, "state"), InvalidArgument);
+        early.open("state");
+        const std::vector<std::int64_t> row{rank};
+        EXPECT_EQ(early.rows(row, "state")[0], 0) << "usable after";
       },
       test_name());
 }
