@@ -103,8 +103,10 @@ std::span<const std::int64_t> RoundCall::rows(std::span<const std::int64_t> row,
   }
   const std::size_t stride = sizeof(detail::PreflightHeader) + width_ * sizeof(std::int64_t);
   b.mine.assign(stride, std::byte{0});
-  std::memcpy(b.mine.data() + sizeof(detail::PreflightHeader), row.data(),
-              std::min(row.size(), width_) * sizeof(std::int64_t));
+  // A copy, not memcpy: an empty row (a header-only round) may have no data pointer.
+  const std::span<const std::byte> values = std::as_bytes(row.first(std::min(row.size(), width_)));
+  std::copy(values.begin(), values.end(),
+            b.mine.begin() + static_cast<std::ptrdiff_t>(sizeof(detail::PreflightHeader)));
   gather(round);
   for (std::size_t r = 0; r < world; ++r) {
     std::memcpy(b.table.data() + r * width_,
