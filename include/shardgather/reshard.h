@@ -67,7 +67,9 @@ class SHARDGATHER_API ReshardPlan {
   // view of execute), or the dequantized values (float32 or bfloat16 views). Every execution is
   // still one call: its header, one all-gather of the maxima of blocks that ranks' pieces cut
   // (none where no block is cut), the payload; the planner runs here, never per execution.
-  // Host tensors only.
+  // Host or CUDA tensors: on a device the quantizer's steps are kernels on the caller's stream
+  // (element for element the host's arithmetic), and the host waits once per execution for its
+  // box's block maxima, from which it encodes the scales.
   ReshardPlan(std::span<const TensorRegions> tensors, int world_size, int rank,
               const PlanOptions& options = {}, const RegionOptions& regions = {},
               std::span<const QuantFormat> quantize = {});
@@ -133,7 +135,7 @@ class SHARDGATHER_API ReshardPlan {
                         std::span<const TensorView> destinations,
                         std::span<const TensorView> scales, std::optional<Device> device);
   // The views the exchange moves: the caller's, or a quantized plan's payload views.
-  void check_call(const Communicator& comm, std::span<const TensorView> sources,
+  void check_call(detail::Call& call, std::span<const TensorView> sources,
                   std::span<const TensorView> destinations, std::span<const TensorView> scales,
                   std::optional<Device> device, ExecStats& stats);
   [[nodiscard]] std::span<const TensorView> moved_sources(std::span<const TensorView> sources);

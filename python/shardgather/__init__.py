@@ -398,7 +398,7 @@ class AllGatherPlan(_PlanState):
     makes mismatches raise on every rank. ``timeout`` in seconds.
     A plan is executed by one thread at a time (another thread gets a RuntimeError).
 
-    ``quantize`` (as :func:`foreach_all_gather`'s; CPU tensors; the constructor and
+    ``quantize`` (as :func:`foreach_all_gather`'s; CPU or CUDA tensors; the constructor and
     :meth:`for_group`): FP8 on the wire, each execute one call of a quantized
     :class:`ReshardPlan` planned here (docs/quantization.md, "The reshard's quantize stage");
     ``out[i][r]`` is then as foreach_all_gather(quantize=...) gives it, in tensors the plan owns
@@ -485,9 +485,9 @@ class UnshardPlan(_PlanState):
     ``dst=r``: only rank r receives the full parameters (a gather to one rank, as a checkpoint
     export needs); on the other ranks ``execute`` only sends and returns an empty list.
 
-    ``quantize`` (as :func:`unshard`'s; CPU tensors): FP8 on the wire, each execute one call of
-    the quantized reshard from every rank's real rows to the full tensors that the C++ plan
-    holds, planned here (docs/quantization.md, "The reshard's quantize stage"). A quantized
+    ``quantize`` (as :func:`unshard`'s; CPU or CUDA tensors): FP8 on the wire, each execute one
+    call of the quantized reshard from every rank's real rows to the full tensors that the C++
+    plan holds, planned here (docs/quantization.md, "The reshard's quantize stage"). A quantized
     tensor's entry is ``(data, scales)`` or, with a dequantizing spec, its dequantized tensor,
     in tensors the plan owns (rewritten by every execute, as its buffer is); ``out`` is not
     taken, and ``strategy`` is "auto" or "direct".
@@ -542,6 +542,12 @@ class UnshardPlan(_PlanState):
 
             _refuse(self, group, "UnshardPlan(quantize=...): out is not taken (the entries are "
                     "the plan's own)")
+        from .quantized import destination_parts, follow_device
+
+        returned = self._entries["returned"]
+        moved = follow_device(returned, shards, self, group)
+        if moved is not returned:
+            self._entries = destination_parts(moved)
         return self._execute("UnshardPlan::execute", shards, group,
                              self._entries["destinations"], async_op,
                              scales=self._entries["scales"], returned=self._entries["returned"])
@@ -727,7 +733,8 @@ class ReshardPlan(_PlanState):
 
         A plan made with ``quantize`` quantizes on send (:func:`shardgather.quantized.reshard`:
         its quantized tensors' destinations are (data, scales) pairs or float32 / bfloat16
-        tensors to dequantize into; CPU tensors; ``async_op`` as for any plan)."""
+        tensors to dequantize into; CPU or CUDA tensors, the quantizer a kernel on the device;
+        ``async_op`` as for any plan)."""
         extra = {}
         if self._plan is not None and self._plan.quantized:  # (data, scales) pairs: FP8 data
             from .quantized import destination_parts            # as uint8, and its scales

@@ -791,6 +791,38 @@ def _entry(q, shape, box):
                         else torch.float32))
 
 
+def _device_of(tensors):
+    """The device of the first tensor in ``tensors`` (a list), or None."""
+    for t in tensors if isinstance(tensors, (list, tuple)) else ():
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return None
+
+
+def follow_device(entries, params, plan, group):
+    """A quantized plan's own entries (tensors, (data, scales) pairs, lists of them) remade on
+    the device of ``params``' first tensor where they are elsewhere (a plan is built before it
+    sees a tensor); ``entries`` where they are there, or ``params`` names no device. A failed
+    allocation fails ``plan``'s call on every rank."""
+    device = _device_of(params)
+    first = entries
+    while isinstance(first, (list, tuple)) and first:
+        first = first[0]
+    if device is None or not isinstance(first, torch.Tensor) or first.device == device:
+        return entries
+
+    def remake(x):
+        if isinstance(x, torch.Tensor):
+            return torch.empty_like(x, device=device)
+        return type(x)(remake(y) for y in x)
+
+    try:
+        return remake(entries)
+    except RuntimeError as e:  # out of memory, or a device torch cannot use
+        _refuse(plan, group, "the plan's own entries on %s: %s" % (device, e))
+        raise  # not reached: _refuse raises
+
+
 def _refuse(plan, group, message):
     """Fails a quantized plan's call on every rank (``plan``: the Python plan whose call it is;
     the call is its reshard's) with ``message``: the peers meet this rank's failed header in
@@ -868,6 +900,7 @@ class QuantizedGather:
         if out is not None:
             _refuse(self.plan, group, "AllGatherPlan(quantize=...): out is not taken (the "
                     "entries are the plan's own)")
+        self.entries = follow_device(self.entries, params, self.plan, group)
         flat = [e for row in self.entries for e in row]
         return self.plan.execute(params, flat, group, async_op=async_op,
                                  _returned=[list(row) for row in self.entries])

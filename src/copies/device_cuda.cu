@@ -76,6 +76,15 @@ __global__ void __launch_bounds__(kCopyThreads)
   }
 }
 
+// Thread t of block b takes elements b * blockDim + t, then every gridDim * blockDim-th after.
+__global__ void __launch_bounds__(kCopyThreads) quant_kernel(QuantBoxDesc desc) {
+  const std::int64_t step = std::int64_t{gridDim.x} * blockDim.x;
+  for (std::int64_t e = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < desc.elements;
+       e += step) {
+    quant_element(desc, e);
+  }
+}
+
 }  // namespace
 
 namespace {
@@ -169,6 +178,17 @@ void launch_copies(const CopyDesc* device_descs, std::size_t count, std::uint64_
   fused_copy<<<static_cast<unsigned>(blocks), kCopyThreads, 0, as_stream(stream)>>>(device_descs,
                                                                                     count);
   check(cudaGetLastError(), "fused_copy launch");
+}
+
+void launch_quant(const QuantBoxDesc& desc, void* stream) {
+  if (desc.elements == 0) {
+    return;
+  }
+  constexpr std::int64_t kMaxBlocks = 65536;  // then each thread takes several elements
+  const std::int64_t blocks =
+      std::min<std::int64_t>((desc.elements + kCopyThreads - 1) / kCopyThreads, kMaxBlocks);
+  quant_kernel<<<static_cast<unsigned>(blocks), kCopyThreads, 0, as_stream(stream)>>>(desc);
+  check(cudaGetLastError(), "quant_kernel launch");
 }
 
 DeviceEvent::DeviceEvent(DeviceEvent&& other) noexcept

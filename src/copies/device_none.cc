@@ -36,6 +36,7 @@ void launch_copies(const CopyDesc* /*device_descs*/, std::size_t /*count*/,
                    std::uint64_t /*blocks*/, void* /*stream*/) {
   no_cuda("launch_copies");
 }
+void launch_quant(const QuantBoxDesc& /*desc*/, void* /*stream*/) { no_cuda("launch_quant"); }
 DeviceEvent::DeviceEvent(DeviceEvent&& other) noexcept : event_(other.event_) {
   other.event_ = nullptr;
 }

@@ -15,6 +15,7 @@
 #include <span>
 
 #include "copies/copy_desc.h"
+#include "copies/quant_desc.h"
 
 #include "shardgather/device.h"
 #include "shardgather/device_allocator.h"
@@ -86,6 +87,10 @@ void copy_async(void* dst, const void* src, std::uint64_t bytes, void* stream);
 // `blocks` blocks in all (CopyTable::blocks()). Launches nothing when blocks is 0.
 void launch_copies(const CopyDesc* device_descs, std::size_t count, std::uint64_t blocks,
                    void* stream);
+
+// One launch of the quantizer kernel over the box `desc` describes (every pointer in it device
+// memory): quant_element for each of its elements. Launches nothing for an empty box.
+void launch_quant(const QuantBoxDesc& desc, void* stream);
 
 // A stream of the library's own on one device (cudaStreamNonBlocking: no implicit ordering with
 // the legacy default stream), for work that must queue behind nobody else's: created at the first

@@ -21,14 +21,12 @@
 #include <immintrin.h>
 #endif
 
+#include "copies/quant_desc.h"
+
 #include "shardgather/errors.h"
 
 namespace shardgather {
 namespace {
-
-constexpr std::uint32_t kAbsMask = 0x7FFFFFFFU;
-constexpr std::uint32_t kInfBits = 0x7F800000U;
-constexpr int kE8m0Bias = 127;
 
 // Element loads as fp32, exactly (every bf16 and f16 value is an fp32 value).
 struct LoadF32 {
@@ -37,32 +35,18 @@ struct LoadF32 {
 };
 struct LoadBf16 {
   using T = std::uint16_t;
-  static float get(std::uint16_t v) noexcept {
-    return std::bit_cast<float>(static_cast<std::uint32_t>(v) << 16);
-  }
+  static float get(std::uint16_t v) noexcept { return detail::float_of_bf16(v); }
 };
 struct LoadF16 {
   using T = std::uint16_t;
-  static float get(std::uint16_t h) noexcept {
-    // Branch-free, and with no fp32 subnormal on the way (a DAZ/FTZ mode, which torch's own
-    // conversion ignores, would flush it): a subnormal is its mantissa, a normal fp32, times
-    // 2^-24; a normal is rebiased (15 to 127) on the bits; Inf and NaN keep their payload.
-    const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000U) << 16;
-    const std::uint32_t exp = (h >> 10) & 0x1FU;
-    const std::uint32_t man = h & 0x3FFU;
-    const auto sub = std::bit_cast<std::uint32_t>(static_cast<float>(man) * 0x1p-24F);
-    const std::uint32_t normal = ((exp + (127U - 15U)) << 23) | (man << 13);
-    const std::uint32_t special = 0x7F800000U | (man << 13);
-    const std::uint32_t bits = exp == 0 ? sub : (exp == 0x1FU ? special : normal);
-    return std::bit_cast<float>(bits | sign);
-  }
+  static float get(std::uint16_t h) noexcept { return detail::float_of_f16(h); }
 };
 
-// abs(x)'s bits: their order as (non-negative) integers is the order of |x|, and every NaN is above
-// +inf, so a max over them is the max of |x| with a NaN winning.
-inline std::int32_t abs_bits(float x) noexcept {
-  return std::bit_cast<std::int32_t>(x) & 0x7FFFFFFF;
-}
+using detail::abs_bits;
+using detail::bf16_from_float;
+using detail::e4m3_code;
+using detail::e4m3_saturated;
+using detail::kE8m0Bias;
 
 // The strides of a view in elements (a contiguous view's when it has none).
 Shape strides_of(const TensorView& view) {
@@ -98,31 +82,12 @@ struct BoxRows {
 
 BoxRows box_rows(const QuantGrid& grid, const TensorView& box,
                  std::span<const std::int64_t> offset) {
-  const std::size_t ndim = grid.shape.size();
-  if (grid.format == QuantFormat::kNone || ndim == 0) {
-    throw InvalidArgument("quantize: a grid that quant_grid did not make (no format or no dims)");
-  }
   if (box.device.type != DeviceType::kCpu) {
     throw InvalidArgument("quantize: the host quantizer reads host memory only (a box on " +
                           std::string(device_type_name(box.device.type)) + ")");
   }
-  if (!box.strides.empty() && box.strides.size() != box.shape.size()) {
-    throw InvalidArgument("quantize: a box of shape " + shape_text(box.shape) + " with strides " +
-                          shape_text(box.strides));
-  }
-  if (box.shape.size() != ndim || offset.size() != ndim) {
-    throw InvalidArgument("quantize: a box of shape " + shape_text(box.shape) + " at offset " +
-                          shape_text(offset) + " does not have the " + std::to_string(ndim) +
-                          " dims of the tensor " + shape_text(grid.shape));
-  }
-  for (std::size_t d = 0; d < ndim; ++d) {
-    if (offset[d] < 0 || box.shape[d] < 0 || box.shape[d] > grid.shape[d] ||
-        offset[d] > grid.shape[d] - box.shape[d]) {
-      throw InvalidArgument("quantize: a box of shape " + shape_text(box.shape) + " at offset " +
-                            shape_text(offset) + " does not lie inside the tensor " +
-                            shape_text(grid.shape) + " (dim " + std::to_string(d) + ")");
-    }
-  }
+  detail::check_quant_box(grid, box, offset);
+  const std::size_t ndim = grid.shape.size();
   const Shape strides = strides_of(box);
   BoxRows rows;
   rows.cols = box.shape[ndim - 1];
@@ -144,8 +109,10 @@ BoxRows box_rows(const QuantGrid& grid, const TensorView& box,
 }
 
 // Calls fn(box_row, grid_row, element_offset) for every row of the box, in row-major order.
+// Not inlined into its caller (it runs once per box): GCC 12 at -O2 then misreads the index
+// vector's lifetime (a false -Wfree-nonheap-object).
 template <typename Fn>
-void for_each_row(const BoxRows& rows, Fn&& fn) {
+[[gnu::noinline]] void for_each_row(const BoxRows& rows, Fn&& fn) {
   const std::size_t lead = rows.lead_shape.size();
   Shape index(lead, 0);
   for (std::int64_t r = 0; r < rows.count; ++r) {
@@ -218,79 +185,27 @@ void check_scales(const QuantGrid& grid, std::size_t bytes) {
   }
 }
 
-// 2^k for k in [-149, 127], exactly, from its bits (std::ldexp is a call per block).
-float pow2(int k) noexcept {
-  if (k >= -126) {
-    return std::bit_cast<float>(static_cast<std::uint32_t>(k + 127) << 23);
-  }
-  return std::bit_cast<float>(1U << static_cast<unsigned>(k + 149));  // subnormal
-}
-
 // The fp32 factor a block's elements are multiplied by (MXFP8) or divided by (fp8 blocks),
-// from its encoded scale.
+// and the one a dequantizer multiplies by, from its encoded scale.
 float block_scale(const QuantGrid& grid, std::span<const std::byte> scales, std::size_t block) {
-  if (grid.format == QuantFormat::kMxfp8) {
-    const auto e = static_cast<int>(std::to_integer<std::uint8_t>(scales[block]));
-    return e == 0 ? 1.0F : pow2(kE8m0Bias - e);  // to_mxfp's descale_fp
-  }
-  float s = 0;
-  std::memcpy(&s, scales.data() + block * 4, 4);
-  return s;
+  return detail::quantize_factor(grid.format == QuantFormat::kMxfp8, scales.data(),
+                                 static_cast<std::int64_t>(block));
 }
 
-// The fp32 value of a block's encoded scale, as a dequantizer multiplies by it.
 float decoded_scale(const QuantGrid& grid, std::span<const std::byte> scales, std::size_t block) {
-  if (grid.format == QuantFormat::kMxfp8) {
-    const auto e = static_cast<int>(std::to_integer<std::uint8_t>(scales[block]));
-    return e == 0xFF ? std::numeric_limits<float>::quiet_NaN() : pow2(e - kE8m0Bias);
-  }
-  return block_scale(grid, scales, block);
+  return detail::dequantize_factor(grid.format == QuantFormat::kMxfp8, scales.data(),
+                                   static_cast<std::int64_t>(block));
 }
 
 const std::array<float, 256>& e4m3_table() {
   static const std::array<float, 256> table = [] {
     std::array<float, 256> values{};
     for (std::size_t code = 0; code < values.size(); ++code) {
-      const int exp = static_cast<int>((code >> 3) & 0xFU);
-      const int man = static_cast<int>(code & 0x7U);
-      float mag = exp == 0 ? std::ldexp(static_cast<float>(man), -9)
-                           : std::ldexp(1.0F + static_cast<float>(man) / 8.0F, exp - 7);
-      if ((code & 0x7FU) == 0x7FU) {
-        mag = std::numeric_limits<float>::quiet_NaN();
-      }
-      values[code] = (code & 0x80U) != 0 ? -mag : mag;
+      values[code] = detail::e4m3_value(static_cast<std::uint8_t>(code));
     }
     return values;
   }();
   return table;
-}
-
-// f32 (within +-448, or NaN) to e4m3fn, round to nearest even. Inline: the exported
-// e4m3_from_float may be interposed, so the loops would call it instead of vectorising it.
-inline std::uint8_t e4m3_code(float value) noexcept {
-  // Signed 32-bit lanes throughout: SSE2 compares and shifts them, not unsigned ones.
-  const auto bits = std::bit_cast<std::int32_t>(value);
-  const std::int32_t mag = bits & 0x7FFFFFFF;
-  const std::int32_t sign = (bits >> 24) & 0x80;
-  constexpr std::int32_t kNanFrom = 0x43F00000;     // 480: rounds past 448
-  constexpr std::int32_t kNormalFrom = 0x3C800000;  // 2^-6, the least normal e4m3
-  // Below 2^-6 the quantum is 2^-9: adding 2^14 (whose ulp is 2^-9) rounds to it, to even.
-  const std::int32_t sub =
-      std::bit_cast<std::int32_t>(std::bit_cast<float>(mag) + 16384.0F) - 0x46800000;
-  // Above it, rebias the exponent (127 to 7) and round the 20 dropped bits to even.
-  const std::int32_t normal = ((mag - (120 << 23)) + 0x7FFFF + ((mag >> 20) & 1)) >> 20;
-  const std::int32_t code = mag >= kNanFrom ? 0x7F : (mag < kNormalFrom ? sub : normal);
-  return static_cast<std::uint8_t>(code | sign);
-}
-
-// clamp(x, -448, 448) (a NaN kept, as torch.clamp keeps it), then e4m3_code: the clamp done on
-// the bits, where the compiler can vectorise it.
-inline std::uint8_t e4m3_saturated(float x) noexcept {
-  const auto bits = std::bit_cast<std::int32_t>(x);
-  const std::int32_t mag = bits & 0x7FFFFFFF;
-  constexpr std::int32_t k448 = 0x43E00000;
-  const std::int32_t clamped = mag > k448 && mag <= 0x7F800000 ? k448 : mag;
-  return e4m3_code(std::bit_cast<float>(clamped | (bits & ~0x7FFFFFFF)));
 }
 
 // The inner loops, over one block segment of one row: free functions with unaliased
@@ -486,16 +401,36 @@ void quantize_row(const typename Load::T* row, std::int64_t step, std::span<cons
   }
 }
 
-// f32 to bf16, round to nearest even; NaN to a quiet NaN.
-inline std::uint16_t bf16_from_float(float x) noexcept {
-  const auto u = std::bit_cast<std::uint32_t>(x);
-  if ((u & kAbsMask) > kInfBits) {
-    return static_cast<std::uint16_t>((u >> 16) | 0x40U);
+}  // namespace
+
+namespace detail {
+
+void check_quant_box(const QuantGrid& grid, const TensorView& box,
+                     std::span<const std::int64_t> offset) {
+  const std::size_t ndim = grid.shape.size();
+  if (grid.format == QuantFormat::kNone || ndim == 0) {
+    throw InvalidArgument("quantize: a grid that quant_grid did not make (no format or no dims)");
   }
-  return static_cast<std::uint16_t>((u + 0x7FFFU + ((u >> 16) & 1U)) >> 16);
+  if (!box.strides.empty() && box.strides.size() != box.shape.size()) {
+    throw InvalidArgument("quantize: a box of shape " + shape_text(box.shape) + " with strides " +
+                          shape_text(box.strides));
+  }
+  if (box.shape.size() != ndim || offset.size() != ndim) {
+    throw InvalidArgument("quantize: a box of shape " + shape_text(box.shape) + " at offset " +
+                          shape_text(offset) + " does not have the " + std::to_string(ndim) +
+                          " dims of the tensor " + shape_text(grid.shape));
+  }
+  for (std::size_t d = 0; d < ndim; ++d) {
+    if (offset[d] < 0 || box.shape[d] < 0 || box.shape[d] > grid.shape[d] ||
+        offset[d] > grid.shape[d] - box.shape[d]) {
+      throw InvalidArgument("quantize: a box of shape " + shape_text(box.shape) + " at offset " +
+                            shape_text(offset) + " does not lie inside the tensor " +
+                            shape_text(grid.shape) + " (dim " + std::to_string(d) + ")");
+    }
+  }
 }
 
-}  // namespace
+}  // namespace detail
 
 std::string_view quant_format_name(QuantFormat format) noexcept {
   switch (format) {

@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "copies/box_runs.h"
+#include "copies/device_runtime.h"
 #include "copies/local_input.h"
 
 #include "shardgather/copy.h"
@@ -360,16 +361,16 @@ std::string QuantStage::stage_text() const {
          std::to_string(tensors_.size()) + " tensors";
 }
 
-void QuantStage::check_source(std::size_t v, const TensorView& view) const {
+void QuantStage::check_source(std::size_t v, const TensorView& view, const Device& device) const {
   const ViewRef& ref = source_views_[v];
   const TensorRegions& t = tensors_[ref.tensor];
-  (void)check_reshard_view(view, "source", v, t.dtype, ref.tensor, t.sources[ref.entry], kCpu);
+  (void)check_reshard_view(view, "source", v, t.dtype, ref.tensor, t.sources[ref.entry], device);
 }
 
 // A destination of a plain tensor; of a quantized one given as values (float32 or bfloat16)
 // or as FP8 data (uint8) with `scales` (the scale box's shape, float32 or E8M0's uint8).
-void QuantStage::check_destination(std::size_t v, const TensorView& view,
-                                   const TensorView* scales) const {
+void QuantStage::check_destination(std::size_t v, const TensorView& view, const TensorView* scales,
+                                   const Device& device) const {
   const ViewRef& ref = destination_views_[v];
   const TensorRegions& t = tensors_[ref.tensor];
   const RankBox& box = t.destinations[ref.entry];
@@ -382,13 +383,13 @@ void QuantStage::check_destination(std::size_t v, const TensorView& view,
   if (d.tensor != SIZE_MAX) {
     const bool values = view.dtype == DType::kFloat32 || view.dtype == DType::kBFloat16;
     if (scales == nullptr && !values) {
-      throw InvalidArgument(where() + "a (data, scales) pair, or a float32 / bfloat16 CPU " +
+      throw InvalidArgument(where() + "a (data, scales) pair, or a float32 / bfloat16 " +
                             "tensor to dequantize into, got " +
                             std::string(dtype_name(view.dtype)));
     }
     want = scales == nullptr ? view.dtype : DType::kUInt8;
   }
-  (void)check_reshard_view(view, "destination", v, want, ref.tensor, box, kCpu);
+  (void)check_reshard_view(view, "destination", v, want, ref.tensor, box, device);
   if (scales != nullptr) {
     const DType scale = scale_dtype(formats_[ref.tensor]);
     if (scales->dtype != scale || scales->shape != d.scale_size) {
@@ -397,7 +398,7 @@ void QuantStage::check_destination(std::size_t v, const TensorView& view,
                             std::string(dtype_name(scale)) + " " + shape_str(d.scale_size) +
                             " (the blocks the box touches)");
     }
-    check_device(*scales, v, kCpu, "destination scales");
+    check_device(*scales, v, device, "destination scales");
     if (scales->data == nullptr && !empty(scales->shape)) {
       throw InvalidArgument(where() + "its scales have a null data pointer");
     }
@@ -441,7 +442,8 @@ std::span<float> QuantStage::amax_of(const Tensor& t, QuantScratch& q) const {
 
 void QuantStage::prepare(std::span<const TensorView> sources,
                          std::span<const TensorView> destinations,
-                         std::span<const TensorView> scales, QuantScratch& q) const {
+                         std::span<const TensorView> scales, const Device& device, void* stream,
+                         QuantScratch& q) const {
   if (sources.size() != source_views_.size() || destinations.size() != destination_views_.size() ||
       (!scales.empty() && scales.size() != destinations.size())) {
     throw InvalidArgument(
@@ -452,7 +454,7 @@ void QuantStage::prepare(std::span<const TensorView> sources,
         (scales.empty() ? std::string() : " with " + std::to_string(scales.size()) + " scales"));
   }
   for (std::size_t v = 0; v < sources.size(); ++v) {
-    check_source(v, sources[v]);
+    check_source(v, sources[v], device);
   }
   for (std::size_t v = 0; v < destinations.size(); ++v) {
     const bool given = gives_scales(scales, v);
@@ -461,25 +463,59 @@ void QuantStage::prepare(std::span<const TensorView> sources,
                             std::to_string(destination_views_[v].tensor) +
                             "): scales for a tensor that moves unquantized");
     }
-    check_destination(v, destinations[v], given ? &scales[v] : nullptr);
+    check_destination(v, destinations[v], given ? &scales[v] : nullptr, device);
   }
+  q.device = device;
+  q.stream = stream;
   build_views(sources, destinations, scales, q);
   q.amax.assign(amax_floats_, 0.0F);  // no allocation once sized
   q.row.assign(row_bytes(), std::byte{0});
   // Every rank's rows arrive after the header: sized here, where a failed allocation is an
   // error every rank hears of.
   q.table.resize(static_cast<std::size_t>(row_bytes()) * static_cast<std::size_t>(world_));
+}
+
+void QuantStage::fold(std::span<const TensorView> sources, QuantScratch& q,
+                      const std::function<void()>& wait_for_stream) const {
+  if (q.device.type != DeviceType::kCpu) {
+    fold_on_device(sources, q, wait_for_stream);
+  }
   for (const Tensor& t : quant_) {
     if (t.source_view == SIZE_MAX) {
       continue;
     }
-    fold_amax(t.grid, sources[t.source_view], t.inside, amax_of(t, q));
+    if (q.device.type == DeviceType::kCpu) {
+      fold_amax(t.grid, sources[t.source_view], t.inside, amax_of(t, q));
+    }
     auto* row = reinterpret_cast<float*>(q.row.data());
     for (const Cut& cut : t.cuts) {
       const std::size_t at = t.column + static_cast<std::size_t>(cut.slot * t.slot);
       gather_slab(t, cut.slot, amax_of(t, q), {row + at, static_cast<std::size_t>(t.slot)});
     }
   }
+}
+
+// The maxima's bits zeroed on the device, folded by one launch per source box, and brought to
+// q.amax once the device has run the launches (amaxes are maxima of |x|: their bits as unsigned
+// integers order as the values, a NaN above all).
+void QuantStage::fold_on_device(std::span<const TensorView> sources, QuantScratch& q,
+                                const std::function<void()>& wait_for_stream) const {
+  const std::uint64_t bytes = amax_floats_ * sizeof(float);
+  if (bytes == 0) {
+    return;
+  }
+  q.device_amax.reserve(bytes, q.device.index, q.stream);
+  auto* bits = reinterpret_cast<std::uint32_t*>(q.device_amax.data());
+  copy_async(bits, q.amax.data(), bytes, q.stream);  // zeros
+  for (const Tensor& t : quant_) {
+    if (t.source_view != SIZE_MAX) {
+      launch_quant(quant_box_desc(QuantStep::kFoldAmax, t.grid, sources[t.source_view], t.inside,
+                                  nullptr, bits + t.amax_at),
+                   q.stream);
+    }
+  }
+  wait_for_stream();
+  copy_async(q.amax.data(), bits, bytes, q.stream);  // the stream has run what it copies
 }
 
 namespace {
@@ -519,9 +555,16 @@ void QuantStage::place_decoded(std::span<const TensorView> destinations,
             aligned(static_cast<std::uint64_t>(numel(d.scale_size)) *
                     dtype_size(scale_dtype(quant_[d.tensor].format)));
   }
-  if (q.arena.size() < need) {
+  if (q.device.type != DeviceType::kCpu) {
+    q.device_arena.reserve(need, q.device.index, q.stream);
+    q.host_scales.resize(fixed_bytes_);
+  } else if (q.arena.size() < need) {
     q.arena = AlignedBuffer(need);
   }
+}
+
+std::byte* QuantStage::arena(QuantScratch& q) noexcept {
+  return q.device.type == DeviceType::kCpu ? q.arena.data() : q.device_arena.data();
 }
 
 // The payload's views of this call, in the payload plan's order: per tensor its own views, or
@@ -555,20 +598,21 @@ void QuantStage::build_views(std::span<const TensorView> sources,
 // none), then the scales of the slabs that start in its rows (the last ones of its window's).
 void QuantStage::add_source_views(const Tensor& t, std::span<const TensorView> sources,
                                   QuantScratch& q, std::size_t& n) const {
-  std::byte* base = q.arena.data();
+  std::byte* base = arena(q);
   for (std::size_t v = source_first_[t.index]; v < source_first_[t.index + 1]; ++v) {
     put(q.sources, n,
         {v == t.source_view ? base + t.data_at : nullptr,
          DType::kUInt8,
          sources[v].shape,
          {},
-         kCpu});
+         q.device});
   }
   if (t.owned > 0) {
     const DType sdtype = scale_dtype(t.format);
     const std::uint64_t skip =
         static_cast<std::uint64_t>((t.slabs - t.owned) * t.inner) * dtype_size(sdtype);
-    put(q.sources, n, {base + t.scales_at + skip, sdtype, t.owned_shape, t.owned_strides, kCpu});
+    put(q.sources, n,
+        {base + t.scales_at + skip, sdtype, t.owned_shape, t.owned_strides, q.device});
   }
 }
 
@@ -577,14 +621,14 @@ void QuantStage::add_source_views(const Tensor& t, std::span<const TensorView> s
 void QuantStage::add_destination_views(const Tensor& t, std::span<const TensorView> destinations,
                                        std::span<const TensorView> scales, QuantScratch& q,
                                        std::size_t& n, std::size_t& decoded) const {
-  std::byte* base = q.arena.data();
+  std::byte* base = arena(q);
   const std::size_t first = destination_first_[t.index];
   const std::size_t end = destination_first_[t.index + 1];
   const std::size_t first_decoded = decoded;
   for (std::size_t v = first; v < end; ++v) {
     if (decoded < q.decoded.size() && q.decoded[decoded] == v) {
       put(q.destinations, n,
-          {base + q.decoded_at[decoded], DType::kUInt8, destinations[v].shape, {}, kCpu});
+          {base + q.decoded_at[decoded], DType::kUInt8, destinations[v].shape, {}, q.device});
       ++decoded;
     } else {
       put(q.destinations, n, destinations[v]);
@@ -596,7 +640,7 @@ void QuantStage::add_destination_views(const Tensor& t, std::span<const TensorVi
       const std::uint64_t at =
           q.decoded_at[k] + aligned(static_cast<std::uint64_t>(numel(destinations[v].shape)));
       put(q.destinations, n,
-          {base + at, scale_dtype(t.format), destinations_[v].scale_size, {}, kCpu});
+          {base + at, scale_dtype(t.format), destinations_[v].scale_size, {}, q.device});
       ++k;
     } else {
       put(q.destinations, n, scales[v]);
@@ -632,12 +676,26 @@ void QuantStage::encode(std::span<const TensorView> sources, QuantScratch& q) co
       }
       scatter_slab(t, cut.slot, q.slab, amax);
     }
-    const std::span<std::byte> scales{
-        q.arena.data() + t.scales_at,
-        static_cast<std::size_t>(t.grid.num_blocks()) * t.grid.scale_size()};
-    encode_scales(t.grid, amax, scales);
-    quantize_box(t.grid, sources[t.source_view], t.inside, scales, q.arena.data() + t.data_at);
+    encode_tensor(t, sources[t.source_view], q);
   }
+}
+
+// The scales from the combined maxima, then the source box quantized with them: on the host
+// into the arena, or uploaded to the device arena and quantized there by one launch.
+void QuantStage::encode_tensor(const Tensor& t, const TensorView& source, QuantScratch& q) const {
+  const std::size_t bytes = static_cast<std::size_t>(t.grid.num_blocks()) * t.grid.scale_size();
+  const bool host = q.device.type == DeviceType::kCpu;
+  std::byte* scales = (host ? q.arena.data() : q.host_scales.data()) + t.scales_at;
+  encode_scales(t.grid, amax_of(t, q), {scales, bytes});
+  if (host) {
+    quantize_box(t.grid, source, t.inside, {scales, bytes}, q.arena.data() + t.data_at);
+    return;
+  }
+  std::byte* on_device = q.device_arena.data();
+  copy_async(on_device + t.scales_at, scales, bytes, q.stream);
+  launch_quant(quant_box_desc(QuantStep::kQuantize, t.grid, source, t.inside, on_device + t.data_at,
+                              on_device + t.scales_at),
+               q.stream);
 }
 
 void QuantStage::decode(std::span<const TensorView> destinations, QuantScratch& q) const {
@@ -648,10 +706,15 @@ void QuantStage::decode(std::span<const TensorView> destinations, QuantScratch& 
     if (empty(out.shape)) {
       continue;  // no element, and its window no block to read
     }
-    const std::byte* data = q.arena.data() + q.decoded_at[k];
-    const std::uint64_t at = aligned(static_cast<std::uint64_t>(numel(out.shape)));
+    std::byte* data = arena(q) + q.decoded_at[k];
+    std::byte* scales = data + aligned(static_cast<std::uint64_t>(numel(out.shape)));
+    if (q.device.type != DeviceType::kCpu) {
+      launch_quant(quant_box_desc(QuantStep::kDequantize, d.grid, out, d.inside, data, scales),
+                   q.stream);
+      continue;
+    }
     const std::size_t bytes = static_cast<std::size_t>(numel(d.scale_size)) * d.grid.scale_size();
-    dequantize_box(d.grid, data, d.inside, {q.arena.data() + q.decoded_at[k] + at, bytes}, out);
+    dequantize_box(d.grid, data, d.inside, {scales, bytes}, out);
   }
 }
 

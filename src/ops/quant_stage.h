@@ -5,18 +5,26 @@
 //     tensors (its FP8 data, uint8 of the tensor's boxes; its scales, the scale tensor's boxes
 //     of every block a destination box touches), which the plan's region planner plans once;
 //   prepare (in the call's checks): the caller's views checked, this call's payload views
-//     built, the block maxima of this rank's source box folded and its row of the cut blocks'
-//     maxima written;
+//     built over the staging (the arena: host memory, or device memory for device tensors);
+//   fold (in the call's checks, after the device checks): the block maxima of this rank's
+//     source box folded (on a device, by a kernel, then copied to the host once the host has
+//     waited for it) and its row of the cut blocks' maxima written;
 //   the header exchange, then one all-gather of those rows (the combine = max job; none where
 //     no block is cut across ranks);
-//   encode (after the rows arrived): the maxima combined, the scales encoded, the source box
-//     quantized into the plan's staging: what the payload sends;
+//   encode (after the rows arrived): the maxima combined, the scales encoded (on the host: a
+//     few bytes per block, uploaded to a device arena), the source box quantized into the
+//     arena: what the payload sends;
 //   the payload: the plan's personal exchange over the payload views;
 //   decode: the destinations given as values receive the dequantized box.
 //
+// On a device every step over elements is a launch of the quantizer kernel (copies/quant_desc.h,
+// element for element the host quantizer's arithmetic) on the caller's stream. The host waits
+// once per execution where this rank holds a quantized source box: its maxima come to the host,
+// where the scales are encoded (a few bytes per block), polled against the call's deadline.
+//
 // A quantized tensor's sources split one dim into disjoint pieces, one per rank (FSDP's rows, a
 // column or row split), so that each block's maximum is a max over at most the few ranks whose
-// pieces cut it. Host tensors only: a device view is refused, on every rank, in prepare.
+// pieces cut it. Host or CUDA tensors: every view of a call on one device.
 //
 // Threading: const after construction; an execution's state is the plan's scratch
 // (QuantScratch), used by one thread at a time.
@@ -24,10 +32,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "copies/device_runtime.h"
 #include "copies/local_input.h"
 
 #include "shardgather/buffer.h"
@@ -49,6 +59,13 @@ struct QuantScratch {
   std::vector<TensorView> sources, destinations;  // this call's payload views
   std::vector<std::size_t> decoded;               // destinations decoded here, by view index
   std::vector<std::uint64_t> decoded_at;          // their data's place in the arena
+  // A call on a device: the arena in device memory (the host one unused), the maxima's bits
+  // folded there, the scales encoded on the host before their upload, and the caller's stream.
+  Device device = kCpu;
+  void* stream = nullptr;
+  DeviceMemory device_arena;
+  DeviceMemory device_amax;
+  std::vector<std::byte> host_scales;
 };
 
 class QuantStage {
@@ -76,9 +93,15 @@ class QuantStage {
   [[nodiscard]] std::uint64_t fingerprint(std::uint64_t payload) const noexcept;
 
   // In the call's checks. `scales`: empty, or one per destination (a view whose data is null
-  // and shape empty: that destination receives values). Throws InvalidArgument naming the view.
+  // and shape empty: that destination receives values). `device`: every view's; a device's
+  // arena is reserved on `stream`. Throws InvalidArgument naming the view.
   void prepare(std::span<const TensorView> sources, std::span<const TensorView> destinations,
-               std::span<const TensorView> scales, QuantScratch& q) const;
+               std::span<const TensorView> scales, const Device& device, void* stream,
+               QuantScratch& q) const;
+  // After prepare and the device checks. On a device `wait_for_stream` is called once, after
+  // the fold's launches, to wait until the device has run them.
+  void fold(std::span<const TensorView> sources, QuantScratch& q,
+            const std::function<void()>& wait_for_stream) const;
   // After every rank's row arrived in q.table.
   void encode(std::span<const TensorView> sources, QuantScratch& q) const;
   // After the payload landed.
@@ -128,9 +151,14 @@ class QuantStage {
   static void scatter_slab(const Tensor& t, int slot, std::span<const float> slab,
                            std::span<float> amax);
   void add_payload(const Tensor& t, int world);
-  void check_source(std::size_t v, const TensorView& view) const;
-  void check_destination(std::size_t v, const TensorView& view, const TensorView* scales) const;
+  void check_source(std::size_t v, const TensorView& view, const Device& device) const;
+  void check_destination(std::size_t v, const TensorView& view, const TensorView* scales,
+                         const Device& device) const;
   std::span<float> amax_of(const Tensor& t, QuantScratch& q) const;
+  static std::byte* arena(QuantScratch& q) noexcept;
+  void fold_on_device(std::span<const TensorView> sources, QuantScratch& q,
+                      const std::function<void()>& wait_for_stream) const;
+  void encode_tensor(const Tensor& t, const TensorView& source, QuantScratch& q) const;
   static bool gives_scales(std::span<const TensorView> scales, std::size_t v) noexcept;
   void place_decoded(std::span<const TensorView> destinations, std::span<const TensorView> scales,
                      QuantScratch& q) const;

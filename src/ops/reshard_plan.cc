@@ -241,11 +241,12 @@ Work<ExecStats> ReshardPlan::start(std::span<const TensorView> sources, Communic
 }
 
 // The call's checks: the caller's views, and for a quantized plan its prepare stage (the
-// payload views of this call, the maxima of this rank's pieces), then the payload views.
-void ReshardPlan::check_call(const Communicator& comm, std::span<const TensorView> sources,
+// payload views of this call over its staging, on the views' device), then the payload views.
+void ReshardPlan::check_call(detail::Call& call, std::span<const TensorView> sources,
                              std::span<const TensorView> destinations,
                              std::span<const TensorView> scales, std::optional<Device> device,
                              ExecStats& stats) {
+  const Communicator& comm = call.comm();
   if (!quant_) {
     const auto given = [](const TensorView& t) { return t.data != nullptr || !t.shape.empty(); };
     if (std::any_of(scales.begin(), scales.end(), given)) {
@@ -255,15 +256,15 @@ void ReshardPlan::check_call(const Communicator& comm, std::span<const TensorVie
     return;
   }
   detail::check_plan_world(comm, regions_.world_size, regions_.rank);
-  if (device && device->type != DeviceType::kCpu) {
-    throw InvalidArgument(
-        "device: a quantized reshard moves host tensors (its quantizer runs on "
-        "the host), got a " +
-        std::string(device_type_name(device->type)) + " device");
-  }
+  const Device on = device             ? *device
+                    : !sources.empty() ? sources.front().device
+                                       : detail::call_device(destinations);
+  // Before the stage touches device memory: the build and the transport carry device tensors.
+  detail::check_call_device(call, on);
   detail::QuantScratch& q = scratch_.get().quant;
-  quant_->prepare(sources, destinations, scales, q);
-  check_views(comm, q.sources, q.destinations, kCpu, stats);
+  quant_->prepare(sources, destinations, scales, on,
+                  on.type == DeviceType::kCpu ? nullptr : current_cuda_stream(), q);
+  check_views(comm, q.sources, q.destinations, on, stats);
   // The destinations decoded here are not among the payload's views: checked against them too.
   detail::ExecScratch& x = scratch_.get();
   const std::size_t payload_views = x.view_extents.size();
@@ -494,11 +495,17 @@ ExecStats ReshardPlan::execute_now(std::span<const TensorView> sources, Communic
       .personal_sent = regions_.rank_sent.empty() ? 0 : regions_.rank_sent[me]};
   ExecStats stats;
   const auto check = [&](ExecStats& s) {
-    check_call(call.comm(), sources, destinations, scales, device, s);
+    check_call(call, sources, destinations, scales, device, s);
   };
   // On a device the exchange's buffers are reserved before the agreement, so that a failed
-  // allocation travels in the header to every rank.
+  // allocation travels in the header to every rank; a quantized plan's maxima are folded there
+  // too, so that a failed fold (or the host's wait for it) does.
   const auto reserve = [&](ExecStats& /*stats*/) {
+    if (quant_) {
+      detail::QuantScratch& q = scratch_.get().quant;
+      quant_->fold(sources, q,
+                   [&] { detail::wait_on_host(q.stream, call.comm(), call.deadline()); });
+    }
     detail::StrategyScratch& s = scratch_.get().strategy;
     const Device& on = scratch_.get().device;
     if (on.type != DeviceType::kCpu && regions_.world_size > 1) {

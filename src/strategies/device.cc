@@ -263,28 +263,6 @@ namespace {
 // a microsecond, and a call this waits for has a collective in it.
 constexpr std::chrono::microseconds kHostPoll{50};
 
-// DeviceWait::kHost: the host waits until the device has run what `stream` holds, within the
-// deadline. The enqueued work cannot be called back: after Timeout or Aborted it still runs when
-// the peers' does, into memory released in stream order (safe to reuse only after it).
-void wait_on_host(void* stream, Communicator& comm, Deadline deadline) {
-  DeviceEvent done;
-  done.record(stream);
-  while (!done.query()) {
-    comm.check_interrupt();
-    if (comm.is_poisoned()) {
-      throw Aborted("rank " + std::to_string(comm.rank()) +
-                    ": the communicator was aborted while the host waited for the call's "
-                    "device work (which stays enqueued)");
-    }
-    if (Clock::now() >= deadline) {
-      throw Timeout("rank " + std::to_string(comm.rank()) +
-                    ": the call's device work had not run by its deadline (a peer's "
-                    "collective is late; the work stays enqueued on the stream)");
-    }
-    std::this_thread::sleep_for(kHostPoll);
-  }
-}
-
 // The end of every device job: the started operation's completion mark, and the host wait
 // where asked.
 void finish_device_job(const ExchangeJob& job, Communicator& comm, Deadline deadline) {
@@ -426,6 +404,27 @@ void run_device_personal(const ExchangeJob& job, Communicator& comm, Deadline de
 }
 
 }  // namespace
+
+// DeviceWait::kHost and the quantize stage's maxima: the enqueued work runs when the peers'
+// does, into memory released in stream order (safe to reuse only after it).
+void wait_on_host(void* stream, Communicator& comm, Deadline deadline) {
+  DeviceEvent done;
+  done.record(stream);
+  while (!done.query()) {
+    comm.check_interrupt();
+    if (comm.is_poisoned()) {
+      throw Aborted("rank " + std::to_string(comm.rank()) +
+                    ": the communicator was aborted while the host waited for the call's "
+                    "device work (which stays enqueued)");
+    }
+    if (Clock::now() >= deadline) {
+      throw Timeout("rank " + std::to_string(comm.rank()) +
+                    ": the call's device work had not run by its deadline (a peer's "
+                    "collective is late; the work stays enqueued on the stream)");
+    }
+    std::this_thread::sleep_for(kHostPoll);
+  }
+}
 
 void run_device(const ExchangeJob& job, DeviceGather request, Communicator& comm, Deadline deadline,
                 StrategyScratch& s) {

@@ -268,6 +268,11 @@ DeviceGatherForm device_gather_form(std::span<const std::uint64_t> counts,
 void run_device(const ExchangeJob& job, DeviceGather request, Communicator& comm, Deadline deadline,
                 StrategyScratch& scratch);
 
+// The host waits until the device has run what `stream` holds, polling against `deadline`
+// (Timeout), the communicator's abort (Aborted) and an interrupt. The enqueued work cannot be
+// called back: after Timeout or Aborted it still runs, into memory released in stream order.
+void wait_on_host(void* stream, Communicator& comm, Deadline deadline);
+
 // The personal exchange's parts on a device: slice k of `parts` of a pair's `bytes` (both sides
 // of the pair cut it alike; every slice but the last a multiple of 16 bytes), and the largest
 // part over pairs of those byte counts (the send or receive buffer's size), which the operation

@@ -10,7 +10,10 @@
   device gather (per-rank broadcasts, padded all-gather), a transposed input, a side stream, and
   unshard along dims 0, 1 and the last, bit-exact against the shards' source tensors;
 - a reshard on the device at both (row shards into a fused parameter's columns, a transposed
-  source, one part and many), bit-exact.
+  source, one part and many), bit-exact;
+- a quantized reshard on the device at both (each FP8 format; the rows cut inside blocks at world
+  2; destinations as (data, scales) and as float32 / bfloat16 values), bit-identical to the same
+  plan on CPU tensors.
 """
 import os
 import tempfile
@@ -98,6 +101,48 @@ def _check_reshard(rank, world):
     assert rank != 0 or torch.equal(out[0].cpu(), full[:5, :3].cpu())
 
 
+def _check_quantized_reshard(rank, world):
+    """The quantize stage's kernels: the same plan's call on CUDA tensors gives the bytes of its
+    call on CPU tensors (which the CPU suites hold to quantizing the whole tensor)."""
+    from shardgather.layouts import Box, TensorLayout
+    from shardgather.quantized import scale_box
+
+    group = dist.group.WORLD
+    cases = [("fp8_e4m3_128x128", torch.float32, (300, 256)),
+             ("fp8_e4m3_1x128", torch.bfloat16, (200, 384)),
+             ("mxfp8", torch.float16, (96, 256))]
+    for k, (fmt, dtype, shape) in enumerate(cases):
+        torch.manual_seed(5)
+        full = (torch.randn(shape) * torch.logspace(-4, 4, shape[0]).unsqueeze(1)).to(dtype)
+        full[7, 9] = float("nan")
+        cuts = [0, 100, shape[0]] if world == 2 else [0, shape[0]]
+        rows = [(r, Box((cuts[r], 0), (cuts[r + 1] - cuts[r], shape[1]))) for r in range(world)]
+        want = Box((0, 0), (shape[0] // 2 + 3, shape[1]))
+        layout = TensorLayout(shape, dtype, rows,
+                              [(r, Box((0, 0), shape) if r == 0 else want)
+                               for r in range(world)])
+        plan = sg.ReshardPlan.for_group([layout], group, quantize=fmt)
+        mine = full[cuts[rank]:cuts[rank + 1]]
+        box = Box((0, 0), shape) if rank == 0 else want
+        results = []
+        for device in ("cpu", "cuda"):
+            scales = scale_box(fmt, shape, box).size
+            sdtype = torch.float8_e8m0fnu if fmt == "mxfp8" else torch.float32
+            out = [torch.empty(box.size, dtype=torch.float32, device=device),
+                   (torch.empty(box.size, dtype=torch.float8_e4m3fn, device=device),
+                    torch.empty(scales, dtype=sdtype, device=device)),
+                   torch.empty(box.size, dtype=torch.bfloat16, device=device)]
+            dest = out[0] if rank == 0 else out[1 + k % 2]
+            src = mine.to(device)
+            if device == "cuda" and src.dim() == 2:
+                src = src.t().contiguous().t()  # strided: the kernel reads any view
+            got = plan.execute([src], [dest], group)
+            torch.cuda.synchronize()
+            parts = got[0] if isinstance(got[0], tuple) else (got[0],)
+            results.append([p.cpu().view(torch.uint8) for p in parts])
+        assert all(torch.equal(a, b) for a, b in zip(*results)), (fmt, rank)
+
+
 def _gloo_worker(rank, world, store_path, errors):
     try:
         torch.cuda.set_device(0)
@@ -118,6 +163,7 @@ def _gloo_worker(rank, world, store_path, errors):
         _check_gather(out, world, every)
         _check_unshard(rank, world)
         _check_reshard(rank, world)
+        _check_quantized_reshard(rank, world)
         dist.destroy_process_group()
     except BaseException as e:  # reported to the parent, which fails the test
         errors.put("rank %d: %r" % (rank, e))
@@ -151,6 +197,7 @@ def test_nccl_world1():
                           [mine])
             _check_unshard(0, 1)
             _check_reshard(0, 1)
+            _check_quantized_reshard(0, 1)
         finally:
             dist.destroy_process_group()
 

@@ -26,3 +26,24 @@ def test_quantized_gloo(world, case):
 @pytest.mark.parametrize("np_", [2, 3, 4])
 def test_quantized_mpi(np_):
     run_mpi_checks("quantized_cases", np_, timeout=240)
+
+
+def test_a_plans_own_entries_follow_the_device_of_its_tensors():
+    """follow_device (the quantized plans' entries): remade alike, shape, dtype and nesting, on
+    the device of the first tensor given (the meta device here: CPU hosts have no CUDA); left
+    as they are where they are there already or no tensor names a device."""
+    import torch
+    from shardgather.quantized import follow_device
+
+    entries = [[torch.zeros(3, 4), (torch.zeros(2, dtype=torch.uint8), torch.ones(1))],
+               [torch.zeros(5, dtype=torch.bfloat16)]]
+    assert follow_device(entries, [torch.zeros(1)], None, None) is entries
+    assert follow_device(entries, [], None, None) is entries
+    moved = follow_device(entries, [None, torch.zeros(1, device="meta")], None, None)
+
+    def flat(x):
+        return [y for z in x for y in (flat(z) if isinstance(z, (list, tuple)) else [z])]
+
+    assert [type(x) for x in moved] == [list, list] and isinstance(moved[0][1], tuple)
+    assert [(t.shape, t.dtype, t.device.type) for t in flat(moved)] == [
+        (t.shape, t.dtype, "meta") for t in flat(entries)]

@@ -157,6 +157,36 @@ void launch_copies(const CopyDesc* device_descs, std::size_t count, std::uint64_
   r.counters.stray += stray;
 }
 
+// The kernel's own element code on the host, after checking that the box's first and last
+// elements, its codes and the scales it reads are device memory.
+void launch_quant(const QuantBoxDesc& desc, void* /*stream*/) {
+  if (desc.elements == 0) {
+    return;
+  }
+  std::uint64_t stray = 0;
+  const auto check = [&](const void* base, std::int64_t element, std::uint64_t size) {
+    const auto p = reinterpret_cast<std::uintptr_t>(base) +
+                   static_cast<std::uintptr_t>(element) * static_cast<std::uintptr_t>(size);
+    stray += testing::on_device(p, size) ? 0U : 1U;
+  };
+  const std::uint64_t element_size = desc.element == QuantElement::kF32 ? 4 : 2;
+  for (const std::int64_t e : {std::int64_t{0}, desc.elements - 1}) {
+    const QuantPlace place = quant_place(desc, e);
+    check(desc.view, place.at, element_size);
+    check(desc.scales, place.block, desc.mxfp8 && desc.step != QuantStep::kFoldAmax ? 1 : 4);
+    if (desc.step != QuantStep::kFoldAmax) {
+      check(desc.codes, e, 1);
+    }
+  }
+  if (stray == 0) {
+    run_quant_on_host(desc);
+  }
+  testing::Registry& r = testing::registry();
+  const std::lock_guard<std::mutex> lock(r.mu);
+  ++r.counters.launches;
+  r.counters.stray += stray;
+}
+
 // Work runs when it is enqueued here, so an event only counts: what ordering it gives cannot be
 // checked on the fake (tools/device-check runs the real thing).
 DeviceEvent::DeviceEvent(DeviceEvent&& other) noexcept

@@ -6,6 +6,7 @@
 // larger than one part of staging. (tools/device-check runs a reshard on a real GPU.)
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -242,6 +243,289 @@ TEST(DeviceReshard, TheTransportNeedsOnlyTheDeviceExchange) {
       }
     }
   }
+}
+
+// ---- Quantize on send, on the device ----
+
+// A quantized tensor on 3 ranks: the sources split `dim` at `cuts` (inside blocks, so that maxima
+// are combined across ranks); rank 0 wants it whole as float32 values, rank 1 a box as FP8 data
+// and scales, rank 2 a box as bfloat16 values.
+struct QuantCase {
+  QuantFormat format;
+  DType dtype;
+  Shape shape;
+  int dim;
+  std::int64_t cuts[2];
+};
+
+std::int64_t numel(const Shape& shape) {
+  std::int64_t n = 1;
+  for (const std::int64_t d : shape) {
+    n *= d;
+  }
+  return n;
+}
+
+Box box_along(const Shape& shape, std::size_t dim, std::int64_t lo, std::int64_t hi) {
+  Box b{Shape(shape.size(), 0), shape};
+  b.offset[dim] = lo;
+  b.size[dim] = hi - lo;
+  return b;
+}
+
+std::vector<TensorRegions> quant_layout(const QuantCase& c) {
+  TensorRegions t{.dtype = c.dtype, .shape = c.shape, .sources = {}, .destinations = {}};
+  const auto d = static_cast<std::size_t>(c.dim);
+  const std::int64_t at[4] = {0, c.cuts[0], c.cuts[1], c.shape[d]};
+  for (int r = 0; r < 3; ++r) {
+    t.sources.push_back({r, box_along(c.shape, d, at[r], at[r + 1])});
+  }
+  const std::int64_t cols = c.shape.back();
+  t.destinations = {{0, Box{Shape(c.shape.size(), 0), c.shape}},
+                    {1, box_along(c.shape, 0, 0, c.shape[0] > 8 ? c.shape[0] / 2 + 3 : 3)},
+                    {2, box_along(c.shape, c.shape.size() - 1, cols / 2 - 32, cols)}};
+  return {t};
+}
+
+// The scales of every block a box touches: quantize.h's scale layout.
+Shape scale_shape_of(QuantFormat format, const Box& box) {
+  Shape out;
+  for (std::size_t d = 0; d < box.size.size(); ++d) {
+    const bool blocked =
+        d + 1 == box.size.size() || (format == QuantFormat::kFp8Block128 && d == 0);
+    const std::int64_t e = !blocked ? 1 : format == QuantFormat::kMxfp8 ? 32 : 128;
+    out.push_back((box.offset[d] + box.size[d] + e - 1) / e - box.offset[d] / e);
+  }
+  return out;
+}
+
+// Element i of the tensor as its dtype's bits: magnitudes varied by block, a NaN, and (f32) an
+// all-zero stretch; f16 also subnormals.
+std::vector<std::byte> quant_values(DType dtype, std::int64_t n) {
+  const std::size_t size = dtype_size(dtype);
+  std::vector<std::byte> out(static_cast<std::size_t>(n) * size);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const auto x = static_cast<float>(
+        std::ldexp(std::sin(0.37 * static_cast<double>(i)), static_cast<int>((i / 37) % 11) - 5));
+    std::uint32_t bits = 0;
+    std::memcpy(&bits, &x, 4);
+    std::uint16_t half = 0;
+    if (dtype == DType::kFloat16) {
+      const auto u = static_cast<std::uint32_t>(i) * 2654435761U;
+      half = static_cast<std::uint16_t>(((u >> 31) << 15) | (((i / 41) % 24) << 10) | (u & 0x3FFU));
+    }
+    half = dtype == DType::kBFloat16 ? static_cast<std::uint16_t>(bits >> 16) : half;
+    if (i == 1234) {
+      bits = 0xFFC00000U;  // a negative NaN: its block's maximum and scale are NaN
+      half = 0xFE00U;
+    }
+    if (dtype == DType::kFloat32 && i >= n - 600) {
+      bits = 0;
+    }
+    std::memcpy(out.data() + static_cast<std::size_t>(i) * size,
+                dtype == DType::kFloat32 ? static_cast<const void*>(&bits) : &half, size);
+  }
+  return out;
+}
+
+// One rank's views of a quantized case, on the host or copied to fake device memory: its source
+// (2-d sources column-major, so the kernel reads a strided view), its three destinations'
+// buffers and the FP8 destination's scales.
+struct QuantViews {
+  std::vector<std::vector<std::byte>> host;  // source, destination, scales
+  std::vector<std::byte*> memory;            // their fake device copies
+  TensorView source;
+  TensorView destination;
+  TensorView scales;  // default: values
+  bool on_device = false;
+
+  QuantViews(const QuantCase& c, const ReshardPlan& plan, int rank, bool device)
+      : on_device(device) {
+    const TensorRegions& t = plan.tensor(0);
+    const Box& src = plan.source(0).box;
+    const std::vector<std::byte> full = quant_values(c.dtype, numel(t.shape));
+    const std::size_t esize = dtype_size(c.dtype);
+    host.emplace_back(static_cast<std::size_t>(numel(src.size)) * esize);
+    const bool transposed = src.size.size() == 2;
+    Shape strides = transposed ? Shape{1, src.size[0]} : Shape{};
+    Shape dense(src.size.size(), 1);
+    for (std::size_t d = src.size.size(); d-- > 1;) {
+      dense[d - 1] = dense[d] * src.size[d];
+    }
+    const Shape& lay = transposed ? strides : dense;
+    for (std::int64_t e = 0; e < numel(src.size); ++e) {  // element e of the box, row-major
+      std::int64_t rest = e;
+      std::int64_t global = 0;
+      std::int64_t at = 0;
+      std::int64_t step = 1;
+      for (std::size_t d = src.size.size(); d-- > 0;) {
+        const std::int64_t i = rest % src.size[d];
+        rest /= src.size[d];
+        at += i * lay[d];
+        global += (src.offset[d] + i) * step;
+        step *= t.shape[d];
+      }
+      std::memcpy(host[0].data() + static_cast<std::size_t>(at) * esize,
+                  full.data() + static_cast<std::size_t>(global) * esize, esize);
+    }
+    const Box& want = plan.destination(0).box;
+    const DType out = rank == 0 ? DType::kFloat32 : rank == 1 ? DType::kUInt8 : DType::kBFloat16;
+    host.emplace_back(static_cast<std::size_t>(numel(want.size)) * dtype_size(out),
+                      std::byte{0x5A});
+    const Shape scale_shape = scale_shape_of(c.format, want);
+    const DType sdtype = c.format == QuantFormat::kMxfp8 ? DType::kUInt8 : DType::kFloat32;
+    host.emplace_back(rank == 1 ? static_cast<std::size_t>(numel(scale_shape)) * dtype_size(sdtype)
+                                : 0);
+    std::vector<void*> at;
+    for (std::vector<std::byte>& h : host) {
+      if (device) {
+        memory.push_back(static_cast<std::byte*>(testing::alloc_fake(h.size())));
+        std::copy(h.begin(), h.end(), memory.back());
+      }
+      at.push_back(device ? static_cast<void*>(memory.back()) : h.data());
+    }
+    const Device where = device ? cuda_device(0) : kCpu;
+    source = TensorView{at[0], c.dtype, src.size, strides, where};
+    destination = TensorView{at[1], out, want.size, {}, where};
+    if (rank == 1) {
+      scales = TensorView{at[2], sdtype, scale_shape, {}, where};
+    }
+  }
+  QuantViews(const QuantViews&) = delete;
+  QuantViews& operator=(const QuantViews&) = delete;
+  QuantViews(QuantViews&&) = delete;
+  QuantViews& operator=(QuantViews&&) = delete;
+  ~QuantViews() {
+    for (std::byte* p : memory) {
+      testing::free_fake(p);
+    }
+  }
+
+  // The destination's and the scales' bytes as they are now.
+  std::vector<std::byte> result() const {
+    std::vector<std::byte> out;
+    for (std::size_t k = 1; k < host.size(); ++k) {
+      const std::byte* from = on_device ? memory[k] : host[k].data();
+      out.insert(out.end(), from, from + host[k].size());
+    }
+    return out;
+  }
+};
+
+const QuantCase kQuantCases[] = {
+    {QuantFormat::kFp8Block128, DType::kFloat32, {300, 256}, 0, {100, 200}},
+    {QuantFormat::kFp8Row128, DType::kBFloat16, {4, 50, 384}, 2, {100, 250}},
+    {QuantFormat::kMxfp8, DType::kFloat16, {96, 256}, 1, {80, 176}},
+    {QuantFormat::kFp8Row128, DType::kFloat16, {130, 200}, 0, {33, 90}},
+};
+
+// The same plan's executions on host and on fake device memory give the same bytes (the host
+// path is held to quantizing the whole tensor by quantized_reshard_test), through the quantizer
+// kernel's element code; a steady state allocates nothing and touches only device memory.
+TEST(DeviceQuantizedReshard, IsBitIdenticalToTheHostPath) {
+  for (const QuantCase& c : kQuantCases) {
+    const std::vector<TensorRegions> layout = quant_layout(c);
+    const std::vector<QuantFormat> formats = {c.format};
+    run_ranks(3, one_host(3), [&](int rank, Communicator& comm) {
+      PlanOptions options;
+      options.timeout = std::chrono::seconds(60);
+      ReshardPlan plan(layout, 3, rank, options, {}, formats);
+      QuantViews host(c, plan, rank, false);
+      QuantViews device(c, plan, rank, true);
+      plan.execute(std::span(&host.source, 1), comm, std::span(&host.destination, 1),
+                   std::span(&host.scales, 1));
+      plan.execute(std::span(&device.source, 1), comm, std::span(&device.destination, 1),
+                   std::span(&device.scales, 1), cuda_device(0));
+      comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
+      if (rank == 0) {
+        testing::reset_fake_device_counters();
+      }
+      comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
+      const std::uint64_t planned = plan_regions_runs();
+      const ExecStats stats =
+          plan.execute(std::span(&device.source, 1), comm, std::span(&device.destination, 1),
+                       std::span(&device.scales, 1), cuda_device(0));
+      EXPECT_EQ(plan_regions_runs(), planned);
+      // The maxima's all-gather (where a block is cut across ranks), the payload.
+      EXPECT_EQ(stats.payload_collectives, plan.amax_row_bytes() != 0 ? 2U : 1U);
+      comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
+      EXPECT_EQ(device.result(), host.result())
+          << quant_format_name(c.format) << " " << dtype_name(c.dtype) << " rank " << rank;
+      EXPECT_NE(host.result(), std::vector<std::byte>(host.result().size(), std::byte{0x5A}));
+      if (rank == 0) {
+        const testing::FakeDeviceCounters n = testing::fake_device_counters();
+        EXPECT_EQ(n.allocations, 0U);
+        EXPECT_EQ(n.stray, 0U);
+        // Per rank: its fold, its quantize, and a dequantize where it wants values.
+        EXPECT_GE(n.launches, 3U + 3U + 2U);
+        EXPECT_GE(n.host_waits, 3U);  // each rank's maxima
+      }
+    });
+  }
+}
+
+// A host view in a device call is refused on every rank, naming it, before anything moves.
+TEST(DeviceQuantizedReshard, AHostViewInADeviceCallFailsEveryRank) {
+  const QuantCase& c = kQuantCases[0];
+  const std::vector<TensorRegions> layout = quant_layout(c);
+  const std::vector<QuantFormat> formats = {c.format};
+  std::vector<std::string> errors(3);
+  run_ranks(3, one_host(3), [&](int rank, Communicator& comm) {
+    ReshardPlan plan(layout, 3, rank, {}, {}, formats);
+    QuantViews device(c, plan, rank, true);
+    QuantViews host(c, plan, rank, false);
+    const TensorView& out = rank == 2 ? host.destination : device.destination;
+    try {
+      plan.execute(std::span(&device.source, 1), comm, std::span(&out, 1),
+                   std::span(&device.scales, 1), cuda_device(0));
+    } catch (const InvalidArgument& e) {
+      errors[static_cast<std::size_t>(rank)] = e.what();
+    }
+  });
+  for (const std::string& e : errors) {
+    EXPECT_NE(e.find("rank 2"), std::string::npos) << e;
+    EXPECT_NE(e.find("destination 0"), std::string::npos) << e;
+  }
+}
+
+// A quantized UnshardPlan (FSDP's padded shards, rows cut inside blocks) on fake device memory,
+// executed and started: every rank's dequantized full tensor has the bytes of the same plan's
+// call on host memory.
+TEST(DeviceQuantizedReshard, AQuantizedUnshardOnTheDeviceIsBitIdenticalToTheHostOne) {
+  const Shape full{300, 256};
+  const std::vector<ShardSpec> specs = {{DType::kBFloat16, full, 0, {}, 110}};
+  const std::vector<QuantFormat> formats = {QuantFormat::kFp8Block128};
+  const std::vector<std::byte> values = quant_values(DType::kBFloat16, numel(full));
+  run_ranks(3, one_host(3), [&](int rank, Communicator& comm) {
+    UnshardPlan plan(specs, 3, rank, {}, -1, formats);
+    const std::size_t row = 256 * 2;
+    std::vector<std::byte> shard(110 * row, std::byte{0x7F});  // the padding: garbage
+    std::memcpy(shard.data(), values.data() + static_cast<std::size_t>(100 * rank) * row,
+                100 * row);
+    std::vector<std::byte> host_out(300 * 256 * 4);
+    auto* dev_shard = static_cast<std::byte*>(testing::alloc_fake(shard.size()));
+    auto* dev_out = static_cast<std::byte*>(testing::alloc_fake(host_out.size()));
+    std::memcpy(dev_shard, shard.data(), shard.size());
+    const TensorView host_in{shard.data(), DType::kBFloat16, {110, 256}, {}, kCpu};
+    const TensorView host_to{host_out.data(), DType::kFloat32, full, {}, kCpu};
+    const TensorView dev_in{dev_shard, DType::kBFloat16, {110, 256}, {}, cuda_device(0)};
+    const TensorView dev_to{dev_out, DType::kFloat32, full, {}, cuda_device(0)};
+    const std::vector<TensorView> no_scales(1);
+    (void)plan.execute(std::span(&host_in, 1), comm, std::span(&host_to, 1), no_scales);
+    for (const bool started : {false, true}) {
+      std::memset(dev_out, 0, host_out.size());
+      if (started) {
+        (void)plan.start(std::span(&dev_in, 1), comm, std::span(&dev_to, 1), no_scales).wait();
+      } else {
+        (void)plan.execute(std::span(&dev_in, 1), comm, std::span(&dev_to, 1), no_scales);
+      }
+      EXPECT_EQ(std::memcmp(dev_out, host_out.data(), host_out.size()), 0)
+          << "rank " << rank << (started ? " started" : "");
+    }
+    testing::free_fake(dev_shard);
+    testing::free_fake(dev_out);
+  });
+  EXPECT_EQ(testing::fake_device_counters().stray, 0U);
 }
 
 }  // namespace
