@@ -191,7 +191,12 @@ class WeightSync:
     Memory, stated in advance (:meth:`memory`): a source holds two copies of its shards (the
     committed snapshot and the copy a running sync reads, so the trainer may write its shards
     as soon as :meth:`start` returns); a staged destination two buffers of its boxes; an
-    in-place one none. Messages: a delta's records, dense at worst (a new destination's boxes).
+    in-place one none, or for a CUDA destination a host mirror of it.
+
+    CUDA tensors: sources are copied to the host by :meth:`start` (after the work queued on
+    the current stream); an in-place CUDA destination is written through its host mirror, each
+    transfer a sync wrote copied to the device before the sync commits (a staged sync's
+    buffers are host tensors). The diff, the records and their apply run on the host. Messages: a delta's records, dense at worst (a new destination's boxes).
 
     The constructor is pure (nothing is exchanged): an argument error found there (layouts,
     ``mode``, ``destinations``, ``bucket_bytes``, ``dense_ratio``, ``timeout``) is kept and
@@ -202,6 +207,8 @@ class WeightSync:
     Threading: one sync at a time per object; :meth:`read`, :meth:`fence`, :attr:`version`
     from any thread.
     """
+
+    _mirror_host = False  # test hook: in place, host destinations mirrored as CUDA ones are
 
     def __init__(self, layouts, group=None, *, mode="staged", destinations=None,
                  bucket_bytes=1 << 20, dense_ratio=DENSE_RATIO, timeout=None, _state=None):
@@ -311,11 +318,13 @@ class WeightSync:
                     raise InvalidTypeError("in_place: destination %d of rank %d must be a "
                                            "torch.Tensor, got %s"
                                            % (v, self.comm.rank, type(d).__name__))
-                if d.dtype != dtype or tuple(d.shape) != tuple(size) or d.device.type != "cpu":
+                if (d.dtype != dtype or tuple(d.shape) != tuple(size)
+                        or d.device.type not in ("cpu", "cuda")):
                     raise InvalidArgumentError(
                         "in_place: destination %d of rank %d is %s %s on %s; its box wants "
-                        "%s %s on the host" % (v, self.comm.rank, d.dtype, tuple(d.shape),
-                                               d.device, dtype, tuple(size)))
+                        "%s %s on the host or a CUDA device"
+                        % (v, self.comm.rank, d.dtype, tuple(d.shape), d.device, dtype,
+                           tuple(size)))
                 if _C._overlaps_itself(d):
                     raise InvalidArgumentError(
                         "in_place: destination %d of rank %d: its elements share memory (a "
@@ -339,6 +348,33 @@ class WeightSync:
                 for v, b in enumerate(self.destination_boxes):
                     self._buffers[0][v].copy_(kept[self._key(b)])
                 self.version = self._buffer_version[0] = state["version"]
+        self._mirror = self._mirrors()
+
+    def _mirrors(self):
+        """In place: per destination the tensor a sync applies records to: itself on the host,
+        or for a CUDA tensor a host copy of it (pinned), whose transfers a sync writes are then
+        copied to the device (the records are applied by the host; docs/weight-sync.md)."""
+        if self.mode != "in_place":
+            return None
+        mirror = []
+        for d in self._buffers[0]:
+            if d.device.type == "cpu" and not self._mirror_host:
+                mirror.append(d)
+                continue
+            m = torch.empty(d.shape, dtype=d.dtype, pin_memory=d.device.type == "cuda")
+            m.copy_(d)
+            mirror.append(m)
+        return mirror
+
+    def _push(self, written):
+        """In place: the transfers ``written`` copied from their host mirrors to the CUDA
+        destinations (the caller holds the writers' side of the readers)."""
+        for k in sorted(written):
+            dv = self._receives[k][3]
+            if self._mirror[dv] is not self._buffers[0][dv]:
+                box = self.destination_boxes[dv][1:]
+                where = _slices(box, self._receives[k][4:6])
+                self._buffers[0][dv][where].copy_(self._mirror[dv][where])
 
     def rebuild(self, layouts, group=None, **kwargs):
         """The same sync over a changed set of ranks (a new or restarted engine, a new group):
@@ -373,7 +409,8 @@ class WeightSync:
         """Bytes this object holds between syncs, stated in advance:
         - ``sources``: two copies (the snapshot, the sync's copy) of each box this rank sends,
           which is its shards' bytes twice when destination boxes do not overlap;
-        - ``destinations``: two buffers of its boxes staged, none in place;
+        - ``destinations``: two buffers of its boxes staged; in place none, but a host mirror
+          of each CUDA destination (the records are applied on the host);
         - ``records``: staged, the last commit's records kept for the catch-up, at most a
           quarter of the boxes (and another quarter while a sync runs);
         - ``exchange``: the receive buffer the exchange keeps for reuse, as large as the most
@@ -387,8 +424,10 @@ class WeightSync:
 
         staged = self.mode == "staged"
         boxes = nbytes(self.destination_boxes)
+        mirrored = sum(m.numel() * m.element_size()
+                       for m, d in zip(self._mirror or [], self._buffers[0]) if m is not d)
         return {"sources": 2 * nbytes([key[:3] for key in self._boxes]),
-                "destinations": (2 if staged else 0) * boxes,
+                "destinations": (2 if staged else 0) * boxes + mirrored,
                 "records": boxes // 4 if staged else 0,
                 "exchange": self._recv.numel(),
                 "messages": sum(m.held_bytes for m in list(self._outgoing.values()))}
@@ -501,11 +540,12 @@ class WeightSync:
             if not isinstance(s, torch.Tensor):
                 raise InvalidTypeError("source %d of rank %d (tensor %d) must be a torch.Tensor, "
                                        "got %s" % (v, self.comm.rank, t, type(s).__name__))
-            if s.dtype != dtype or tuple(s.shape) != tuple(size) or s.device.type != "cpu":
+            if (s.dtype != dtype or tuple(s.shape) != tuple(size)
+                    or s.device.type not in ("cpu", "cuda")):
                 raise InvalidArgumentError(
-                    "source %d of rank %d (tensor %d) must be a host %s tensor of shape %s, "
-                    "got %s" % (v, self.comm.rank, t, dtype, tuple(size),
-                                _describe(s)))
+                    "source %d of rank %d (tensor %d) must be a host or CUDA %s tensor of "
+                    "shape %s, got %s" % (v, self.comm.rank, t, dtype, tuple(size),
+                                          _describe(s)))
         return version
 
     def _run(self, version, fresh):
@@ -772,9 +812,11 @@ class WeightSync:
         return not failed
 
     def _transfer_view(self, buffer, k):
+        """Transfer k's view in ``buffer`` as a sync writes it (in place: the mirror)."""
         _, _, _, dv, offset, size = self._receives[k]
         box = self.destination_boxes[dv][1:]
-        return self._buffers[buffer][dv][_slices(box, (offset, size))]
+        tensors = self._mirror if self._mirror is not None else self._buffers[buffer]
+        return tensors[dv][_slices(box, (offset, size))]
 
     def _apply(self, received, target, touched, stats, version):
         """Applies the segments received: replicas' first (their dense bytes are the snapshot's
@@ -797,9 +839,16 @@ class WeightSync:
             try:
                 if self.mode == "in_place":
                     self._buffer_version[0] = _INVALID  # readers wait meanwhile
-                for sender, origin, body in replicas + direct:
-                    self._apply_segment(sender, origin, body, target, touched, failed, stats)
-                    self._keep(origin, body)
+                written = set()
+                try:
+                    for sender, origin, body in replicas + direct:
+                        self._apply_segment(sender, origin, body, target, written, failed,
+                                            stats)
+                        self._keep(origin, body)
+                finally:  # a failed apply's partial writes too: the device holds the mirror's
+                    touched |= written
+                    if self.mode == "in_place":
+                        self._push(written)
                 if self.mode == "in_place" and not failed:
                     # Whole and checked: what a reader sees is this version's bytes, though
                     # the sync may still fail to commit (then `mixed` names them).

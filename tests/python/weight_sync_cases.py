@@ -130,15 +130,21 @@ def check_held(ws, full, rank, k):
             assert same_bits(have, want), (rank, k, v, ws.destination_boxes[v])
 
 
-def _make(rank, world, comm, mode, **kw):
+class _Mirrored(WeightSync):
+    """In place through host mirrors, as CUDA destinations are (here on host tensors: the
+    mirror logic is the same, the copies are host ones)."""
+    _mirror_host = True
+
+
+def _make(rank, world, comm, mode, cls=WeightSync, **kw):
     layouts = layouts_for(world)
     dests = None
     if mode == "in_place":
         probe = shardgather.ReshardPlan(layouts, world, rank)
         dests = [torch.zeros(size, dtype=layouts[t].dtype)
                  for t, _, size in probe.destination_boxes]
-    return WeightSync(layouts, comm, mode=mode, destinations=dests, timeout=T,
-                      bucket_bytes=kw.pop("bucket_bytes", 256), **kw)
+    return cls(layouts, comm, mode=mode, destinations=dests, timeout=T,
+               bucket_bytes=kw.pop("bucket_bytes", 256), **kw)
 
 
 def _random_steps(rank, world, comm, mode):
@@ -204,6 +210,29 @@ def _damaged_in_flight(rank, world, comm, at, mask):
     ws._corrupt = None
     check_held(ws, full, rank, 0)
     assert (stats["resent_buckets"] > 0) == any(tr[0] != rank for tr in ws._sends), stats
+
+
+def check_in_place_through_mirrors(rank, world, comm):
+    """In place through host mirrors (the CUDA destinations' path): every version lands in the
+    destination tensors themselves, the resend of a bucket damaged in flight too; the mirrors
+    are counted in memory()."""
+    ws = _make(rank, world, comm, "in_place", cls=_Mirrored)
+    views = ws._buffers[0]
+    assert all(m is not d for m, d in zip(ws._mirror, views))
+    boxes = sum(d.numel() * d.element_size() for d in views)
+    assert ws.memory()["destinations"] == boxes, (rank, ws.memory(), boxes)
+    full = initial()
+    for k in range(6):
+        if k:
+            step(full, k)
+        if k == 3 and world > 1:
+            ws._corrupt = lambda sender, peer, m: (
+                m.__setitem__(24 + 40, m[24 + 40] ^ 0x5A)
+                if sender != peer and m.numel() > 64 else None)
+        ws.sync(k, shard_views(ws, full))
+        ws._corrupt = None
+        check_held(ws, full, rank, k)
+        assert all(v is d for v, d in zip(ws._buffers[0], views))
 
 
 def check_checksum_resend(rank, world, comm):
@@ -514,7 +543,8 @@ CHECKS = [check_random_steps_staged, check_random_steps_in_place, check_sends_on
           check_late_joiner, check_trainer_writes_during_sync,
           check_trainer_writes_during_sync_in_place, check_bad_arguments,
           check_header_damage, check_same_version_other_bytes,
-          check_in_place_failed_vote_then_rebuild, check_local_failure_mid_sync]
+          check_in_place_failed_vote_then_rebuild, check_local_failure_mid_sync,
+          check_in_place_through_mirrors]
 for _check in CHECKS:
     globals()[on_default_group(_check).__name__] = on_default_group(_check)
 CASES = ["case_" + c.__name__[len("check_"):] for c in CHECKS]
