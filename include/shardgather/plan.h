@@ -22,12 +22,16 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
 #include "shardgather/communicator.h"
 #include "shardgather/export.h"
 #include "shardgather/layout.h"
+#include "shardgather/plan_options.h"
+#include "shardgather/quantize.h"
+#include "shardgather/reshard.h"
 #include "shardgather/stage.h"
 #include "shardgather/stats.h"
 #include "shardgather/strategy.h"
@@ -36,58 +40,27 @@
 
 namespace shardgather {
 
-struct PlanOptions {
-  // Deadline of each execution; unset: the communicator's timeout().
-  std::optional<std::chrono::milliseconds> timeout;
-  // Exchange the fixed-size pre-flight header on each execution (a check, never metadata).
-  bool preflight = true;
-  Strategy strategy = Strategy::kAuto;
-  // Threads for copy-in and copy-out; 0: this host's cores divided by the ranks on it.
-  int copy_threads = 0;
-  // >= 0: a gather to one rank: only rank `dst` receives (unshard, UnshardPlan, UnshardStream:
-  // the one place every operation reads it from). -1: every rank receives. The all-gathers
-  // (AllGatherPlan, and so foreach_all_gather's plan) refuse it: every rank gets every tensor.
-  int dst = -1;
-  // The step of a compound operation every execution of the plan is (stage.h); empty for a
-  // plan of its own. Part of what the ranks must agree on: it travels in each header.
-  Stage stage{};
-};
-
-namespace detail {
-struct ExecScratch;
-struct ExchangeJob;
-struct Stager;
-class Call;
-struct PlanAccess;
-// Owns an execution's scratch space. Copies get their own, empty scratch: a plan copied to
-// another thread never shares mutable state with the original.
-class SHARDGATHER_API ScratchHolder {
- public:
-  ScratchHolder();
-  ~ScratchHolder();
-  ScratchHolder(const ScratchHolder& other);
-  ScratchHolder& operator=(const ScratchHolder& other);
-  ScratchHolder(ScratchHolder&& other) noexcept;
-  ScratchHolder& operator=(ScratchHolder&& other) noexcept;
-  // Created on first use (also after a move left this holder empty).
-  [[nodiscard]] ExecScratch& get();
-  [[nodiscard]] const ExecScratch* peek() const noexcept { return scratch_.get(); }
-  // After a communication failure: gives the scratch up without freeing it, since a posted
-  // collective may still read or write it; the next execution starts with fresh scratch.
-  void leak() noexcept;
-
- private:
-  std::unique_ptr<ExecScratch> scratch_;
-};
-}  // namespace detail
-
 class SHARDGATHER_API AllGatherPlan {
  public:
   AllGatherPlan() = default;
   // Pure: from the dtypes (one per tensor index) and every rank's shapes ([r][i]).
+  //
+  // `quantize`: empty, or one format per tensor index (QuantFormat::kNone: that index travels
+  // as it is). A quantized index is read as one tensor, its ranks' tensors the rows of it along
+  // dim 0 (FSDP's reading: they must differ only along dim 0), quantized on send and
+  // bit-identical to quantizing that tensor whole (docs/quantization.md). The plan then holds a
+  // quantized ReshardPlan (planned here, once) from every rank's tensors to every rank's
+  // entries, and each execution is one call of it, through the overloads that take `outputs`
+  // and `scales` (the buffer forms are refused on every rank): output i * world + r is rank
+  // r's rows of quantized index i (its FP8 data as uint8, with `scales[i * world + r]` the
+  // scales of every block those rows touch, or a float32 / bfloat16 view that receives the
+  // dequantized rows when that scales view is a default TensorView), or rank r's tensor i of a
+  // plain index. Host or CUDA tensors; strategy kAuto or kDirect. InvalidArgument where a
+  // format cannot quantize its index (quant_grid's rules on the formed tensor) or the ranks'
+  // tensors do not form one.
   AllGatherPlan(std::span<const DType> dtypes,
                 std::span<const std::vector<Shape>> shapes_across_group, int rank,
-                const PlanOptions& options = {});
+                const PlanOptions& options = {}, std::span<const QuantFormat> quantize = {});
 
   // From this rank's tensors: with a hint, no communication (this rank's row is checked);
   // without, one pre-flight header and one exchange of the shape records (both collective:
@@ -105,6 +78,11 @@ class SHARDGATHER_API AllGatherPlan {
   }
 
   [[nodiscard]] const LayoutPlan& layout() const noexcept { return layout_; }
+  // Whether an index travels quantized; then reshard() is the plan each execution runs.
+  [[nodiscard]] bool quantized() const noexcept { return quantized_.has_value(); }
+  [[nodiscard]] const ReshardPlan* reshard() const noexcept {
+    return quantized_ ? &*quantized_ : nullptr;
+  }
   [[nodiscard]] int rank() const noexcept { return rank_; }
   [[nodiscard]] std::uint64_t output_bytes() const noexcept { return layout_.total_bytes; }
   [[nodiscard]] const PlanOptions& options() const noexcept { return options_; }
@@ -133,6 +111,14 @@ class SHARDGATHER_API AllGatherPlan {
   Work<ExecStats> start(std::span<const TensorView> params, Communicator& comm,
                         std::span<std::byte> out);
 
+  // A quantized plan's execution (see the constructor): `outputs` and `scales` hold
+  // num_tensors() * world entries each (`scales` may be empty: every output receives values).
+  // Refused on every rank for a plan that quantizes nothing. Blocking, or started.
+  ExecStats execute(std::span<const TensorView> params, Communicator& comm,
+                    std::span<const TensorView> outputs, std::span<const TensorView> scales);
+  Work<ExecStats> start(std::span<const TensorView> params, Communicator& comm,
+                        std::span<const TensorView> outputs, std::span<const TensorView> scales);
+
  private:
   friend struct detail::PlanAccess;
   ExecStats execute_now(std::span<const TensorView> params, Communicator& comm,
@@ -151,7 +137,17 @@ class SHARDGATHER_API AllGatherPlan {
   detail::ExchangeJob bind_job(std::span<const TensorView> params, std::byte* out,
                                detail::Stager& stager);
 
+  void plan_quantized(std::span<const DType> dtypes,
+                      std::span<const std::vector<Shape>> shapes_across_group,
+                      std::span<const QuantFormat> quantize);
+  // The quantized reshard, or the call refused on every rank (a plan that quantizes nothing).
+  ReshardPlan& quantized_plan(Communicator& comm);
+  // Fails this rank's part of the call its peers are in (the quantized reshard's or the
+  // gather's) with `message`, on every rank.
+  [[noreturn]] void refuse(Communicator& comm, const std::string& message) const;
+
   LayoutPlan layout_;
+  std::optional<ReshardPlan> quantized_;
   int rank_ = 0;
   PlanOptions options_;
   std::uint64_t fingerprint_ = 0;  // of the layout, compared in the pre-flight header

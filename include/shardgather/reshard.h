@@ -40,7 +40,7 @@
 #include "shardgather/communicator.h"
 #include "shardgather/device.h"
 #include "shardgather/export.h"
-#include "shardgather/plan.h"
+#include "shardgather/plan_options.h"
 #include "shardgather/quantize.h"
 #include "shardgather/regions.h"
 #include "shardgather/stats.h"

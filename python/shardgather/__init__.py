@@ -342,8 +342,7 @@ class _PlanState:
     def last_stats(self):
         """Collectives and staged bytes of the last execution, and its strategy (a quantized
         AllGatherPlan's: its reshard's)."""
-        return (self._quantized.plan if self._quantized is not None
-                else self._built()).last_stats
+        return self._built().last_stats
     buffer = _from_plan(
         "buffer",
         "The plan-owned uint8 output buffer (None before the first execution without out).",
@@ -352,14 +351,37 @@ class _PlanState:
     world_size = _from_plan("world_size")
 
     _error = None
-    _quantized = None  # a quantized AllGatherPlan's reshard (quantized.py)
-    _entries = None  # a quantized UnshardPlan's own outputs (quantized.unshard_entries)
+    _entries = None  # a quantized plan's own outputs (quantized.destination_parts)
     _preflight = True
     _given_timeout = None
     _stage = ""  # the step of a compound operation its executions are (the package's own plans)
 
     def _timeout(self):
         return self._plan.timeout if self._plan is not None else None
+
+    def _execute_entries(self, name, args, group, out, async_op):
+        """A quantized plan's execute into its own entries (the C++ plan's one call, whose
+        outputs and scales they are), remade on the device of ``args`` where they are elsewhere;
+        ``out`` is not taken. A plan that quantizes nothing executes as a plain one into its
+        entries' tensors' views (the C++ plan is then a plain plan)."""
+        from .quantized import _refuse, destination_parts, follow_device
+
+        plain = self._plan is not None and not self._plan.quantized
+        if out is not None:
+            _refuse(self, group, "%s(quantize=...): out is not taken (the entries are the "
+                    "plan's own)" % name, name + "::execute" if plain else "ReshardPlan::execute")
+        if plain:
+            return self._execute(name + "::execute", args, group, None, async_op)
+        returned = self._entries["returned"]
+        moved = follow_device(returned, args, self, group)
+        if moved is not returned:
+            nested = isinstance(moved[0], list) if moved else False
+            self._entries = destination_parts([e for row in moved for e in row] if nested
+                                              else moved)
+            self._entries["returned"] = moved
+        return self._execute(name + "::execute", args, group, self._entries["destinations"],
+                             async_op, scales=self._entries["scales"],
+                             returned=self._entries["returned"])
 
     def _built(self):
         if self._plan is None:
@@ -408,20 +430,18 @@ class AllGatherPlan(_PlanState):
     def __init__(self, dtypes, shapes_across_group, rank, *, strategy="auto", preflight=True,
                  timeout=None, quantize=None):
         self._preflight, self._given_timeout = preflight, timeout
-        self._quantized = None
+        self._entries = None
 
         def build():
             listed = list(dtypes)
             shapes = [[tuple(s) for s in row] for row in shapes_across_group]
-            plan = _C.AllGatherPlan(listed, shapes, check_int("rank", rank, 0), strategy,
-                                    preflight, timeout)
-            if quantize is not None:
-                from .quantized import QuantizedGather
+            formats = []
+            if quantize is not None:  # the formats resolved against the tensors they form
+                from .quantized import gather_entries
 
-                self._quantized = QuantizedGather(listed, shapes, rank, quantize,
-                                                  strategy=strategy, preflight=preflight,
-                                                  timeout=timeout)
-            return plan
+                formats, self._entries = gather_entries(listed, shapes, quantize, strategy)
+            return _C.AllGatherPlan(listed, shapes, check_int("rank", rank, 0), strategy,
+                                    preflight, timeout, formats)
 
         self._plan, self._error = _deferred(build)
 
@@ -463,9 +483,9 @@ class AllGatherPlan(_PlanState):
     def execute(self, params, group=None, out=None, *, async_op=False):
         """Gathers ``params`` (matching the plan); returns ``out[i][r]`` views (see the class).
         ``async_op=True`` returns a :class:`Work` whose ``wait()`` returns them."""
-        if self._quantized is not None:
-            return self._quantized.execute(params, group, out, async_op)
-        return self._execute("AllGatherPlan::execute", params, group, out, async_op)
+        if self._entries is None:
+            return self._execute("AllGatherPlan::execute", params, group, out, async_op)
+        return self._execute_entries("AllGatherPlan", params, group, out, async_op)
 
     rank = _from_plan("rank")
     num_tensors = _from_plan("num_tensors")
@@ -537,20 +557,7 @@ class UnshardPlan(_PlanState):
         out = out if out is not None else outputs
         if self._entries is None:
             return self._execute("UnshardPlan::execute", shards, group, out, async_op)
-        if out is not None:
-            from .quantized import _refuse
-
-            _refuse(self, group, "UnshardPlan(quantize=...): out is not taken (the entries are "
-                    "the plan's own)")
-        from .quantized import destination_parts, follow_device
-
-        returned = self._entries["returned"]
-        moved = follow_device(returned, shards, self, group)
-        if moved is not returned:
-            self._entries = destination_parts(moved)
-        return self._execute("UnshardPlan::execute", shards, group,
-                             self._entries["destinations"], async_op,
-                             scales=self._entries["scales"], returned=self._entries["returned"])
+        return self._execute_entries("UnshardPlan", shards, group, out, async_op)
 
     def shard_shape(self, rank, index):
         """The local shard shape rank ``rank`` passes for parameter ``index`` (padded if the

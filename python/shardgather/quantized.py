@@ -823,14 +823,14 @@ def follow_device(entries, params, plan, group):
         raise  # not reached: _refuse raises
 
 
-def _refuse(plan, group, message):
+def _refuse(plan, group, message, op="ReshardPlan::execute"):
     """Fails a quantized plan's call on every rank (``plan``: the Python plan whose call it is;
-    the call is its reshard's) with ``message``: the peers meet this rank's failed header in
-    their own call."""
+    the call is its reshard's, ``op``, unless the plan quantizes nothing) with ``message``: the
+    peers meet this rank's failed header in their own call."""
     from . import _setup_timeout, communicator  # the package imports this module
 
     comm = communicator(group, plan._timeout())
-    _C._fail_call(comm, "ReshardPlan::execute", message, False, plan._preflight is not False,
+    _C._fail_call(comm, op, message, False, plan._preflight is not False,
                   _setup_timeout(plan._given_timeout), "")
 
 
@@ -844,66 +844,35 @@ def unshard_entries(specs, specs_q):
     return destination_parts(entries)
 
 
-class QuantizedGather:
-    """``AllGatherPlan(quantize=...)``: ``out[i][r]`` as :func:`foreach_all_gather` with
-    ``quantize`` gives it (tensor i of every rank is rank r's rows of one tensor along dim 0),
-    from one quantized :class:`shardgather.ReshardPlan` made here: a quantized index is one
-    tensor whose every rank's rows go to every rank as a box of their own; a plain index is one
-    tensor per rank (its pieces may differ in any dim). Each execute is its one call; the
-    entries are the plan's own, rewritten by every later execute."""
-
-    def __init__(self, dtypes, shapes, rank, quantize, *, strategy, preflight, timeout):
-        from . import ReshardPlan  # the package imports this module
-
-        if strategy not in ("auto", "direct"):
-            raise InvalidArgumentError(
-                "AllGatherPlan(quantize=...): strategy is %r; a quantized plan moves as one "
-                "personal exchange (auto or direct)" % (strategy,))
-        world, dtypes = len(shapes), list(dtypes)
-        shapes = [[tuple(s) for s in row] for row in shapes]
-        formed = [_RowsQuantizer._formed(i, d, [row[i] for row in shapes])
-                  for i, d in enumerate(dtypes)]
-        specs_q = resolve(quantize, [Described(d, f or (1, 32)) for d, f in zip(dtypes, formed)])
-        layouts, self.entries = [], [[] for _ in dtypes]
-        for i, (q, f, dtype) in enumerate(zip(specs_q, formed, dtypes)):
-            if q is not None and f is None and isinstance(quantize, (str, Quantize)):
-                specs_q[i] = q = None  # ragged pieces travel plain under one format
-            if q is not None and f is None:
-                raise InvalidArgumentError("quantize[%d]: the ranks' tensors must differ only "
-                                           "along dim 0 to form one tensor, got %s"
-                                           % (i, [row[i] for row in shapes]))
-            if q is None:
-                for r in range(world):
-                    whole = Box((0,) * len(shapes[r][i]), shapes[r][i])
-                    layouts.append(TensorLayout(shapes[r][i], dtype, [(r, whole)],
-                                                [(p, whole) for p in range(world)]))
-                    self.entries[i].append(torch.empty(shapes[r][i], dtype=dtype))
-                continue
-            rows, at = [], 0
-            for row in shapes:
-                rows.append(Box((at,) + (0,) * (len(f) - 1), row[i]))
-                at += row[i][0]
-            layouts.append(TensorLayout(f, dtype, list(enumerate(rows)),
-                                        [(p, box) for p in range(world) for box in rows]))
-            self.entries[i] = [_entry(q, f, box) for box in rows]
-        self.plan = ReshardPlan(layouts, world, rank, strategy=strategy, preflight=preflight,
-                                timeout=timeout, quantize=[q for q, _ in self._per_layout(
-                                    specs_q, world)])
-        self.plan._built()  # its constructor's error, here (the caller defers it)
-
-    @staticmethod
-    def _per_layout(specs_q, world):
-        """(spec, tensor index) per layout: a plain index has one layout per rank."""
-        return [(q, i) for i, q in enumerate(specs_q) for _ in range(1 if q else world)]
-
-    def execute(self, params, group, out, async_op):
-        if out is not None:
-            _refuse(self.plan, group, "AllGatherPlan(quantize=...): out is not taken (the "
-                    "entries are the plan's own)")
-        self.entries = follow_device(self.entries, params, self.plan, group)
-        flat = [e for row in self.entries for e in row]
-        return self.plan.execute(params, flat, group, async_op=async_op,
-                                 _returned=[list(row) for row in self.entries])
+def gather_entries(dtypes, shapes, quantize, strategy):
+    """``AllGatherPlan(quantize=...)``'s formats (one per index, None: plain) for the C++ plan,
+    which reads a quantized index as one tensor whose every rank's rows go to every rank as a
+    box of their own, and its own entries as its execute takes them
+    (:func:`destination_parts`, ``returned`` as ``out[i][r]``): per quantized index and rank
+    (FP8 data, scales) or the dequantized rows, per plain index each rank's tensor."""
+    if strategy not in ("auto", "direct"):
+        raise InvalidArgumentError(
+            "AllGatherPlan(quantize=...): strategy is %r; a quantized plan moves as one "
+            "personal exchange (auto or direct)" % (strategy,))
+    world = len(shapes)
+    formed = [_RowsQuantizer._formed(i, d, [row[i] for row in shapes])
+              for i, d in enumerate(dtypes)]
+    specs_q = resolve(quantize, [Described(d, f or (1, 32)) for d, f in zip(dtypes, formed)])
+    entries = []
+    for i, (q, f, dtype) in enumerate(zip(specs_q, formed, dtypes)):
+        if q is not None and f is None and isinstance(quantize, (str, Quantize)):
+            specs_q[i] = q = None  # ragged pieces travel plain under one format
+        if q is None:
+            entries.append([torch.empty(shapes[r][i], dtype=dtype) for r in range(world)])
+            continue
+        rows, at = [], 0
+        for row in shapes:
+            rows.append(Box((at,) + (0,) * (len(f) - 1), row[i]))
+            at += row[i][0]
+        entries.append([_entry(q, f, box) for box in rows])
+    parts = destination_parts([e for row in entries for e in row])
+    parts["returned"] = [list(row) for row in entries]
+    return [None if q is None else q.format for q in specs_q], parts
 
 
 # ---------------------------------------------------------------------------------------------

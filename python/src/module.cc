@@ -143,15 +143,16 @@ ShardSpec make_shard_spec(py::handle dtype, Shape full_shape, int shard_dim,
 std::unique_ptr<PyAllGatherPlan> make_all_gather_plan(
     const std::vector<py::handle>& dtypes,
     const std::vector<std::vector<Shape>>& shapes_across_group, int rank,
-    const std::string& strategy, bool preflight, std::optional<double> timeout) {
+    const std::string& strategy, bool preflight, std::optional<double> timeout,
+    const std::vector<std::optional<std::string>>& quantize) {
   std::vector<DType> wire;
   wire.reserve(dtypes.size());
   for (std::size_t i = 0; i < dtypes.size(); ++i) {
     wire.push_back(dtype_from_py(dtypes[i], "dtypes[" + std::to_string(i) + "]"));
   }
   const PlanOptions options = plan_options(strategy, preflight, timeout);
-  return std::make_unique<PyAllGatherPlan>(AllGatherPlan(wire, shapes_across_group, rank, options),
-                                           options);
+  return std::make_unique<PyAllGatherPlan>(
+      AllGatherPlan(wire, shapes_across_group, rank, options, quant_formats(quantize)), options);
 }
 
 py::list make_thread_group_py(int world_size) {
@@ -402,8 +403,9 @@ std::unique_ptr<PyAllGatherPlan> create_all_gather_plan(py::handle params, Commu
 
 // `self` travels with the call: a started execution keeps its plan alive until waited for.
 py::object execute_all_gather_plan(const py::object& self, py::handle params, const CommPtr& comm,
-                                   std::optional<at::Tensor> out, bool async_op) {
-  return self.cast<PyAllGatherPlan&>().execute(params, comm, std::move(out), async_op, self);
+                                   py::handle out, bool async_op, py::handle scales,
+                                   py::handle returned) {
+  return self.cast<PyAllGatherPlan&>().execute(params, comm, out, async_op, scales, returned, self);
 }
 
 void register_all_gather_plan(py::module_& m) {
@@ -411,12 +413,15 @@ void register_all_gather_plan(py::module_& m) {
   py::class_<P>(m, "AllGatherPlan")
       .def(py::init(&make_all_gather_plan), py::arg("dtypes"), py::arg("shapes_across_group"),
            py::arg("rank"), py::arg("strategy") = "auto", py::arg("preflight") = true,
-           py::arg("timeout") = py::none())
+           py::arg("timeout") = py::none(),
+           py::arg("quantize") = std::vector<std::optional<std::string>>{})
       .def_static("create", &create_all_gather_plan, py::arg("params"), py::arg("comm"),
                   py::arg("params_shapes_across_group") = py::none(), py::arg("strategy") = "auto",
                   py::arg("preflight") = true, py::arg("timeout") = py::none())
       .def("execute", &execute_all_gather_plan, py::arg("params"), py::arg("comm"),
-           py::arg("out") = py::none(), py::arg("async_op") = false)
+           py::arg("out") = py::none(), py::arg("async_op") = false, py::arg("scales") = py::none(),
+           py::arg("returned") = py::none())
+      .def_property_readonly("quantized", [](const P& p) { return p.plan().quantized(); })
       .def_property_readonly("output_bytes", [](const P& p) { return p.plan().output_bytes(); })
       .def_property_readonly("world_size", [](const P& p) { return p.plan().layout().world_size; })
       .def_property_readonly("rank", [](const P& p) { return p.plan().rank(); })

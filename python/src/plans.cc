@@ -297,10 +297,24 @@ std::unique_ptr<PyAllGatherPlan> PyAllGatherPlan::create(py::handle params, Comm
 }
 
 py::object PyAllGatherPlan::execute(py::handle params, const std::shared_ptr<Communicator>& comm,
-                                    std::optional<at::Tensor> out, bool async_op,
-                                    const py::object& self) {
+                                    py::handle out, bool async_op, py::handle scales,
+                                    py::handle returned, const py::object& self) {
+  if (plan_.quantized()) {
+    return run(params, comm, async_op, self, [&](Parsed& parsed, Communicator& c) {
+      return into_quantized(out, scales, returned, parsed, c);
+    });
+  }
   return run(params, comm, async_op, self, [&](Parsed& /*parsed*/, Communicator& c) {
-    const at::Tensor dest = target(out, c);
+    std::optional<at::Tensor> given;
+    if (!out.is_none()) {
+      if (!THPVariable_Check(out.ptr())) {
+        fail_locally(c, {LocalError::kType, 0,
+                         "out must be a torch.Tensor or None, got " +
+                             std::string(py::str(py::type::of(out).attr("__name__")))});
+      }
+      given = py::cast<at::Tensor>(out);
+    }
+    const at::Tensor dest = target(given, c);
     return PlanOutput{[bytes = bytes_of(dest)](auto method) { return method(bytes); },
                       [this, dest]() -> py::object { return results_over(dest); }};
   });
@@ -339,13 +353,8 @@ py::object PyUnshardPlan::execute(py::handle shards, const std::shared_ptr<Commu
                                   py::handle scales, py::handle returned, const py::object& self) {
   if (plan_.quantized()) {
     return run(shards, comm, async_op, self, [&](Parsed& parsed, Communicator& c) {
-      parse_or_fail(outputs ? *outputs : py::handle(py::list()), "outputs", parsed.outputs, c);
-      parse_scales(scales, parsed, c);
-      const auto result = py::reinterpret_borrow<py::object>(returned);
-      const std::span<const TensorView> views(parsed.outputs.views);
-      const std::span<const TensorView> scale_views(parsed.scale_views);
-      return PlanOutput{[views, scale_views](auto method) { return method(views, scale_views); },
-                        [result]() -> py::object { return result; }};
+      return into_quantized(outputs ? *outputs : py::handle(py::list()), scales, returned, parsed,
+                            c);
     });
   }
   return run(shards, comm, async_op, self, [&](Parsed& parsed, Communicator& c) {

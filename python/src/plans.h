@@ -104,7 +104,7 @@ class PyPlan {
     std::vector<TensorView> scale_views;  // one per destination, or none
   };
 
-  PyPlan(Plan plan, const PlanOptions& options, Names names)
+  PyPlan(Plan&& plan, const PlanOptions& options, Names names)
       : plan_(std::move(plan)), options_(options), names_(names) {}
 
   // `prepare(parsed, comm)` runs once the inputs are parsed: it checks the outputs (failing
@@ -119,6 +119,18 @@ class PyPlan {
   // A quantized plan's scales: None, or one entry per output (None: that output receives
   // values), parsed as the outputs are.
   void parse_scales(pybind11::handle scales, Parsed& parsed, Communicator& comm) const;
+  // A quantized plan's `outputs` and `scales` parsed as above, and what its execution hands
+  // the plan (method(outputs, scales)) and returns (`returned`, as it is).
+  auto into_quantized(pybind11::handle outputs, pybind11::handle scales, pybind11::handle returned,
+                      Parsed& parsed, Communicator& comm) const {
+    parse_or_fail(outputs, "outputs", parsed.outputs, comm);
+    parse_scales(scales, parsed, comm);
+    const auto result = pybind11::reinterpret_borrow<pybind11::object>(returned);
+    const std::span<const TensorView> views(parsed.outputs.views);
+    const std::span<const TensorView> scale_views(parsed.scale_views);
+    return PlanOutput{[views, scale_views](auto method) { return method(views, scale_views); },
+                      [result]() -> pybind11::object { return result; }};
+  }
 
   Plan plan_;
   at::Tensor buffer_;
@@ -141,8 +153,11 @@ class PyPlan {
 class PyAllGatherPlan : public PyPlan<AllGatherPlan> {
  public:
   // `options`: those `plan` was built with.
-  PyAllGatherPlan(AllGatherPlan plan, const PlanOptions& options)
-      : PyPlan(std::move(plan), options, {"AllGatherPlan", "params", Operation::kPlanExecute}) {}
+  // A quantized plan's calls are its reshard's, whose operation a local error names.
+  PyAllGatherPlan(AllGatherPlan&& plan, const PlanOptions& options)
+      : PyPlan(std::move(plan), options,
+               {"AllGatherPlan", "params",
+                plan.quantized() ? Operation::kReshardExecute : Operation::kPlanExecute}) {}
 
   // shapes_across_group None: gather the shapes (collective). Errors raise on every rank.
   static std::unique_ptr<PyAllGatherPlan> create(pybind11::handle params, Communicator& comm,
@@ -152,9 +167,12 @@ class PyAllGatherPlan : public PyPlan<AllGatherPlan> {
   // out[i][r]: rank r's params[i], views of `out` (a contiguous CPU tensor of at least
   // output_bytes bytes) or, when none, of the plan's own buffer.
   // `async_op`: returns a Work whose wait() returns the lists (`self` is kept alive until then).
+  // A quantized plan takes `out` as the list of its outputs (entry i * world + r: FP8 data as
+  // uint8, or a tensor to dequantize into) with `scales` as a quantized reshard does, and
+  // returns `returned` as it is.
   pybind11::object execute(pybind11::handle params, const std::shared_ptr<Communicator>& comm,
-                           std::optional<at::Tensor> out, bool async_op,
-                           const pybind11::object& self);
+                           pybind11::handle out, bool async_op, pybind11::handle scales,
+                           pybind11::handle returned, const pybind11::object& self);
 
  private:
   // `out` once checked, else the plan's buffer (allocated by the first execution).
@@ -169,8 +187,11 @@ class PyAllGatherPlan : public PyPlan<AllGatherPlan> {
 
 class PyUnshardPlan : public PyPlan<UnshardPlan> {
  public:
-  PyUnshardPlan(UnshardPlan plan, const PlanOptions& options)
-      : PyPlan(std::move(plan), options, {"UnshardPlan", "shards", Operation::kUnshardExecute}) {}
+  // A quantized plan's calls are its reshard's, whose operation a local error names.
+  PyUnshardPlan(UnshardPlan&& plan, const PlanOptions& options)
+      : PyPlan(std::move(plan), options,
+               {"UnshardPlan", "shards",
+                plan.quantized() ? Operation::kReshardExecute : Operation::kUnshardExecute}) {}
 
   // The full parameters: `outputs` (contiguous tensors of each full shape and dtype, returned
   // as a new list) or, when none, views of the plan's own buffer.

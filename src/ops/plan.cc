@@ -3,6 +3,7 @@
 // builds the send list and the destination pieces into reused scratch, and runs one strategy.
 #include "shardgather/plan.h"
 
+#include <algorithm>
 #include <string>
 
 #include "copies/device_runtime.h"
@@ -15,15 +16,90 @@
 #include "ops/start.h"
 
 #include "shardgather/copy.h"
+#include "shardgather/embedding.h"
 #include "shardgather/errors.h"
 
 namespace shardgather {
 
 using detail::ExecScratch;
 
+namespace {
+
+// The tensor index i of every rank forms along dim 0 (their shapes equal past it), or
+// InvalidArgument naming them.
+Shape formed_along_rows(std::size_t i, std::span<const std::vector<Shape>> shapes) {
+  Shape formed = shapes[0][i];
+  std::string listed;
+  bool ok = !formed.empty();
+  for (std::size_t r = 0; r < shapes.size(); ++r) {
+    const Shape& s = shapes[r][i];
+    listed += (r == 0 ? "" : ", ") + detail::shape_str(s);
+    ok = ok && s.size() == formed.size() && std::equal(s.begin() + 1, s.end(), formed.begin() + 1);
+    if (ok && r != 0) {
+      formed[0] += s[0];
+    }
+  }
+  if (!ok) {
+    throw InvalidArgument("quantize[" + std::to_string(i) +
+                          "]: the ranks' tensors must differ only along dim 0 to form one "
+                          "tensor, got [" +
+                          listed + "]");
+  }
+  return formed;
+}
+
+// The gather as a reshard, per index: a quantized one is the tensor its ranks' rows form,
+// every rank's rows a source and a destination box of every rank; a plain one is a tensor per
+// rank, held by that rank and wanted whole by every rank. Each rank's boxes come in the order
+// outputs take them: index by index, rank by rank.
+std::vector<TensorRegions> gather_regions(std::span<const DType> dtypes,
+                                          std::span<const std::vector<Shape>> shapes,
+                                          std::span<const QuantFormat> quantize,
+                                          std::vector<QuantFormat>& formats) {
+  const auto world = static_cast<int>(shapes.size());
+  std::vector<TensorRegions> out;
+  for (std::size_t i = 0; i < dtypes.size(); ++i) {
+    if (quantize[i] == QuantFormat::kNone) {
+      for (int r = 0; r < world; ++r) {
+        const Shape& s = shapes[static_cast<std::size_t>(r)][i];
+        const Box whole{Shape(s.size(), 0), s};
+        TensorRegions t{
+            .dtype = dtypes[i], .shape = s, .sources = {{r, whole}}, .destinations = {}};
+        for (int p = 0; p < world; ++p) {
+          t.destinations.push_back({p, whole});
+        }
+        out.push_back(std::move(t));
+        formats.push_back(QuantFormat::kNone);
+      }
+      continue;
+    }
+    TensorRegions t{.dtype = dtypes[i],
+                    .shape = formed_along_rows(i, shapes),
+                    .sources = {},
+                    .destinations = {}};
+    std::int64_t at = 0;
+    for (int r = 0; r < world; ++r) {
+      Box rows{Shape(t.shape.size(), 0), shapes[static_cast<std::size_t>(r)][i]};
+      rows.offset[0] = at;
+      at += rows.size[0];
+      t.sources.push_back({r, rows});
+    }
+    for (int p = 0; p < world; ++p) {
+      for (const RankBox& b : t.sources) {
+        t.destinations.push_back({p, b.box});
+      }
+    }
+    out.push_back(std::move(t));
+    formats.push_back(quantize[i]);
+  }
+  return out;
+}
+
+}  // namespace
+
 AllGatherPlan::AllGatherPlan(std::span<const DType> dtypes,
                              std::span<const std::vector<Shape>> shapes_across_group, int rank,
-                             const PlanOptions& options)
+                             const PlanOptions& options, std::span<const QuantFormat> quantize)
     : rank_(rank), options_(options) {
   if (options.dst != -1) {
     throw InvalidArgument("AllGatherPlan: dst " + std::to_string(options.dst) +
@@ -48,6 +124,38 @@ AllGatherPlan::AllGatherPlan(std::span<const DType> dtypes,
   layout_ = plan_layout(dtypes, flat, world);
   fingerprint_ = detail::hash_hint(flat, world);
   dtype_hash_ = detail::hash_dtypes(dtypes);
+  plan_quantized(dtypes, shapes_across_group, quantize);
+}
+
+void AllGatherPlan::plan_quantized(std::span<const DType> dtypes,
+                                   std::span<const std::vector<Shape>> shapes_across_group,
+                                   std::span<const QuantFormat> quantize) {
+  if (std::all_of(quantize.begin(), quantize.end(),
+                  [](QuantFormat f) { return f == QuantFormat::kNone; })) {
+    return;  // quantizes nothing: a plain plan
+  }
+  if (quantize.size() != dtypes.size()) {
+    throw InvalidArgument("AllGatherPlan: " + std::to_string(quantize.size()) +
+                          " quantize formats for " + std::to_string(dtypes.size()) + " tensors");
+  }
+  if (options_.strategy != Strategy::kAuto && options_.strategy != Strategy::kDirect) {
+    throw InvalidArgument(
+        "AllGatherPlan: a quantized plan moves as one personal exchange (auto or direct), not " +
+        std::string(strategy_name(options_.strategy)));
+  }
+  std::vector<QuantFormat> formats;
+  const std::vector<TensorRegions> regions =
+      gather_regions(dtypes, shapes_across_group, quantize, formats);
+  quantized_.emplace(regions, layout_.world_size, rank_, options_, RegionOptions{}, formats);
+}
+
+void AllGatherPlan::refuse(Communicator& comm, const std::string& message) const {
+  fail_call(comm,
+            {.op = quantized_ ? Operation::kReshardExecute : Operation::kPlanExecute,
+             .header_exchanged = options_.preflight,
+             .timeout = options_.timeout,
+             .stage = options_.stage},
+            ErrorCode::kInvalidArgument, message);
 }
 
 std::vector<TensorView> AllGatherPlan::views(const std::byte* buffer) const {
@@ -176,13 +284,42 @@ ExecStats AllGatherPlan::execute_now(std::span<const TensorView> params, Communi
   return detail::PlanAccess::run(*this, call, params, out.data(), out.size());
 }
 
+constexpr const char* kIntoOutputs =
+    "AllGatherPlan: a quantized plan writes each rank's rows into outputs (FP8 data with its "
+    "scales, or values), not into one buffer";
+
 ExecStats AllGatherPlan::execute(std::span<const TensorView> params, Communicator& comm,
                                  std::span<std::byte> out) {
+  if (quantized_) {
+    refuse(comm, kIntoOutputs);
+  }
   return detail::run_blocking(comm, [&] { return execute_now(params, comm, out); });
+}
+
+ReshardPlan& AllGatherPlan::quantized_plan(Communicator& comm) {
+  if (!quantized_) {
+    refuse(comm, "AllGatherPlan: outputs and scales given to a plan that quantizes nothing");
+  }
+  return *quantized_;
+}
+
+ExecStats AllGatherPlan::execute(std::span<const TensorView> params, Communicator& comm,
+                                 std::span<const TensorView> outputs,
+                                 std::span<const TensorView> scales) {
+  return quantized_plan(comm).execute(params, comm, outputs, scales);
+}
+
+Work<ExecStats> AllGatherPlan::start(std::span<const TensorView> params, Communicator& comm,
+                                     std::span<const TensorView> outputs,
+                                     std::span<const TensorView> scales) {
+  return quantized_plan(comm).start(params, comm, outputs, scales);
 }
 
 Work<ExecStats> AllGatherPlan::start(std::span<const TensorView> params, Communicator& comm,
                                      std::span<std::byte> out) {
+  if (quantized_) {
+    refuse(comm, kIntoOutputs);
+  }
   return detail::start_on<ExecStats>(
       comm, [this, &comm, views = std::vector<TensorView>(params.begin(), params.end()), out] {
         return execute_now(views, comm, out);
@@ -191,6 +328,9 @@ Work<ExecStats> AllGatherPlan::start(std::span<const TensorView> params, Communi
 
 std::span<const std::byte> AllGatherPlan::execute_shared(std::span<const TensorView> params,
                                                          Communicator& comm, ExecStats* stats) {
+  if (quantized_) {
+    refuse(comm, kIntoOutputs);
+  }
   ExecStats local;
   ExecStats& st = stats != nullptr ? *stats : local;
   st = ExecStats{};

@@ -1,7 +1,8 @@
-// A quantized ReshardPlan through the C++ API, on the threads backend: every destination's FP8
-// data and scales, or its dequantized values, bit-identical to quantizing the whole tensor at
-// once, with cuts inside 128 x 128 blocks; each execution one call (its header, the all-gather of
-// cut blocks' maxima, the payload) and no planning; the views' errors on every rank.
+// Quantized plans through the C++ API (ReshardPlan, UnshardPlan, AllGatherPlan). A quantized
+// ReshardPlan, on the threads backend: every destination's FP8 data and scales, or its dequantized
+// values, bit-identical to quantizing the whole tensor at once, with cuts inside 128 x 128 blocks;
+// each execution one call (its header, the all-gather of cut blocks' maxima, the payload) and no
+// planning; the views' errors on every rank.
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -425,6 +426,100 @@ TEST(QuantizedUnshard, FormatsMustMatchTheSpecsAndAStrategyThatMovesOnce) {
   EXPECT_THROW(UnshardPlan(specs, 2, 0, packed, -1, one), InvalidArgument);
   const std::vector<QuantFormat> none(1, QuantFormat::kNone);
   EXPECT_FALSE(UnshardPlan(specs, 2, 0, packed, -1, none).quantized());
+}
+
+// A quantized AllGatherPlan through the C++ API: index 0 is every rank's 100 rows of one
+// [300, 256] tensor (cuts inside 128 x 128 blocks), index 1 an int32 tensor per rank of its own
+// shape. Every rank's entry of every rank's rows is bit-identical to quantizing the formed tensor
+// whole (FP8 data and the scales of the blocks the rows touch on rank 0, values elsewhere), the
+// plain index exact; each execution is one call of 3 collectives and plans nothing, started
+// too; the buffer form is refused on every rank, naming the outputs.
+TEST(QuantizedGather, EveryRanksRowsAreBitIdenticalToQuantizingTheFormedTensor) {
+  const std::vector<float> full = values();
+  const Reference ref = reference(full);
+  const std::vector<DType> dtypes = {DType::kFloat32, DType::kInt32};
+  std::vector<std::vector<Shape>> shapes;
+  for (int r = 0; r < 3; ++r) {
+    shapes.push_back({{100, kCols}, {r + 1, 3}});
+  }
+  const std::vector<QuantFormat> formats = {QuantFormat::kFp8Block128, QuantFormat::kNone};
+  EXPECT_THROW(
+      AllGatherPlan(dtypes,
+                    std::vector<std::vector<Shape>>{{{100, kCols}, {1, 3}}, {{100, 128}, {1, 3}}},
+                    0, {}, formats),
+      InvalidArgument);  // rows that do not form one tensor
+  run_ranks(
+      3,
+      [&](int rank, Communicator& comm) {
+        AllGatherPlan plan(dtypes, shapes, rank, {}, formats);
+        ASSERT_TRUE(plan.quantized());
+        std::vector<float> mine(full.begin() + 100 * rank * kCols,
+                                full.begin() + (100 * rank + 100) * kCols);
+        std::vector<std::int32_t> ints(static_cast<std::size_t>(3 * (rank + 1)), 7 * rank);
+        const std::vector<TensorView> params = {view_of(mine.data(), DType::kFloat32, {100, kCols}),
+                                                view_of(ints.data(), DType::kInt32, {rank + 1, 3})};
+        const bool raw = rank == 0;
+        std::vector<std::vector<std::uint8_t>> data(3);
+        std::vector<std::vector<float>> got(3);
+        std::vector<std::vector<float>> scales(3);
+        std::vector<std::vector<std::int32_t>> plain(3);
+        std::vector<TensorView> outs(6);
+        std::vector<TensorView> scale_views(6);
+        for (std::size_t r = 0; r < 3; ++r) {
+          const std::int64_t blocks = (100 * static_cast<std::int64_t>(r) + 99) / 128 -
+                                      100 * static_cast<std::int64_t>(r) / 128 + 1;
+          data[r].assign(100 * kCols, 0);
+          got[r].assign(100 * kCols, 0.0F);
+          scales[r].assign(static_cast<std::size_t>(blocks * 2), 0.0F);
+          plain[r].assign(3 * (r + 1), -1);
+          outs[r] = raw ? view_of(data[r].data(), DType::kUInt8, {100, kCols})
+                        : view_of(got[r].data(), DType::kFloat32, {100, kCols});
+          if (raw) {
+            scale_views[r] = view_of(scales[r].data(), DType::kFloat32, {blocks, 2});
+          }
+          outs[3 + r] =
+              view_of(plain[r].data(), DType::kInt32, {static_cast<std::int64_t>(r) + 1, 3});
+        }
+        for (int step = 0; step < 2; ++step) {
+          const std::uint64_t planned = plan_regions_runs();
+          const std::uint64_t issued = comm.collectives_issued();
+          if (step == 1) {
+            (void)plan.start(params, comm, outs, scale_views).wait();
+          } else {
+            (void)plan.execute(params, comm, outs, scale_views);
+          }
+          EXPECT_EQ(comm.collectives_issued() - issued, 3U);  // header, maxima, payload
+          if (step > 0) {  // every rank had built its plan before the first call completed
+            EXPECT_EQ(plan_regions_runs(), planned) << "an execution planned";
+          }
+          for (std::size_t r = 0; r < 3; ++r) {
+            const std::size_t from = r * 100 * kCols;
+            EXPECT_TRUE(raw ? same_bits(data[r].data(), ref.data.data() + from, 100 * kCols)
+                            : same_bits(got[r].data(), ref.values.data() + from, 4 * 100 * kCols))
+                << "rank " << rank << " rows of " << r;
+            if (raw) {
+              const std::size_t first = 2 * (100 * r / 128);
+              EXPECT_TRUE(
+                  same_bits(scales[r].data(), ref.scales.data() + first, 4 * scales[r].size()))
+                  << "scales of rank " << r << "'s rows";
+            }
+            EXPECT_EQ(plain[r], std::vector<std::int32_t>(3 * (r + 1), 7 * static_cast<int>(r)));
+          }
+        }
+        std::vector<std::byte> buffer(static_cast<std::size_t>(plan.output_bytes()));
+        try {
+          if (rank == 1) {
+            (void)plan.execute(params, comm, std::span(buffer));
+          } else {
+            (void)plan.execute(params, comm, outs, scale_views);
+          }
+          ADD_FAILURE() << "one buffer on rank 1 must fail on every rank";
+        } catch (const InvalidArgument& e) {
+          EXPECT_NE(std::string(e.what()).find("not into one buffer"), std::string::npos)
+              << e.what();
+        }
+      },
+      "quantized gather");
 }
 
 }  // namespace
