@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -283,6 +284,74 @@ void reshard_case(int rank, sg::Communicator& comm, int world, std::uint64_t buc
   }
 }
 
+// A quantized reshard on the device against the same plan on the host: random bytes as the
+// values (NaNs, infinities and subnormals among them), rows cut inside blocks; every rank wants
+// the whole tensor dequantized (float32 on even ranks, bfloat16 on odd ones), rank 0 also its
+// first 100 rows as FP8 data and scales. The quantizer kernel's bytes must be the host's.
+void quantized_case(int rank, sg::Communicator& comm, int world, sg::QuantFormat format,
+                    sg::DType dtype) {
+  const auto w = static_cast<std::int64_t>(world);
+  const sg::Shape shape{256, 160};
+  sg::TensorRegions t{.dtype = dtype, .shape = shape, .sources = {}, .destinations = {}};
+  std::int64_t at = 0;
+  for (std::int64_t r = 0; r < w; ++r) {  // uneven rows: cuts inside 32- and 128-row blocks
+    const std::int64_t end = r + 1 == w ? 256 : 256 * (r + 1) / w + 3;
+    t.sources.push_back({static_cast<int>(r), {{at, 0}, {end - at, 160}}});
+    t.destinations.push_back({static_cast<int>(r), {{0, 0}, shape}});
+    at = end;
+  }
+  const sg::Box rows{{0, 0}, {100, 160}};
+  t.destinations.push_back({0, rows});
+  const std::vector<sg::TensorRegions> layout{t};
+  const std::vector<sg::QuantFormat> formats{format};
+  sg::ReshardPlan plan(layout, world, rank, {}, {}, formats);
+  Pair src;
+  const sg::Shape& size = plan.source(0).box.size;
+  make(src, dtype, size, {}, static_cast<std::size_t>(size[0] * size[1]),
+       4000U + 31U * static_cast<std::uint64_t>(rank) + static_cast<std::uint64_t>(format));
+  std::vector<Pair> dst(plan.destination_count());
+  std::vector<Pair> scales(dst.size());
+  std::vector<sg::TensorView> dd, hd, ds, hs;
+  const bool mx = format == sg::QuantFormat::kMxfp8;
+  for (std::size_t v = 0; v < dst.size(); ++v) {
+    const sg::Box& box = plan.destination(v).box;
+    const bool raw = box.size[0] == 100;
+    const sg::DType out = raw             ? sg::DType::kUInt8
+                          : rank % 2 == 0 ? sg::DType::kFloat32
+                                          : sg::DType::kBFloat16;
+    make(dst[v], out, box.size, {}, static_cast<std::size_t>(box.size[0] * box.size[1]), 5U + v);
+    dd.push_back(dst[v].device_view);
+    hd.push_back(dst[v].host_view);
+    if (raw) {
+      const std::int64_t block_rows = format == sg::QuantFormat::kFp8Block128 ? 128 : 1;
+      const sg::Shape s{(100 + block_rows - 1) / block_rows, mx ? 160 / 32 : 2};
+      make(scales[v], mx ? sg::DType::kUInt8 : sg::DType::kFloat32, s, {},
+           static_cast<std::size_t>(s[0] * s[1]), 9U + v);
+      ds.push_back(scales[v].device_view);
+      hs.push_back(scales[v].host_view);
+    } else {
+      ds.emplace_back();
+      hs.emplace_back();
+    }
+  }
+  plan.execute(std::span(&src.device_view, 1), comm, dd, ds, sg::cuda_device(0));
+  plan.execute(std::span(&src.host_view, 1), comm, hd, hs);
+  cuda(cudaStreamSynchronize(static_cast<cudaStream_t>(sg::current_cuda_stream())),
+       "cudaStreamSynchronize");
+  const std::string where = "quantized reshard " + std::string(sg::quant_format_name(format)) +
+                            " " + std::string(sg::dtype_name(dtype)) + " world " +
+                            std::to_string(world) + " rank " + std::to_string(rank);
+  for (std::size_t v = 0; v < dst.size(); ++v) {
+    expect(same(to_host(dst[v].device, dst[v].host.size()), dst[v].host.data(), dst[v].host.size()),
+           where + ": destination " + std::to_string(v) + " equals the host's");
+    if (!scales[v].host.empty()) {
+      expect(same(to_host(scales[v].device, scales[v].host.size()), scales[v].host.data(),
+                  scales[v].host.size()),
+             where + ": the scales of destination " + std::to_string(v) + " equal the host's");
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -305,6 +374,15 @@ int main() {
     for (const std::uint64_t bucket : {std::uint64_t{256} << 20, std::uint64_t{256}}) {
       run_world(world,
                 [=](int rank, sg::Communicator& comm) { reshard_case(rank, comm, world, bucket); });
+    }
+    for (const sg::QuantFormat format :
+         {sg::QuantFormat::kFp8Block128, sg::QuantFormat::kFp8Row128, sg::QuantFormat::kMxfp8}) {
+      for (const sg::DType dtype :
+           {sg::DType::kFloat32, sg::DType::kBFloat16, sg::DType::kFloat16}) {
+        run_world(world, [=](int rank, sg::Communicator& comm) {
+          quantized_case(rank, comm, world, format, dtype);
+        });
+      }
     }
   }
   // A CUDA view over host memory is refused on every rank, the device still usable after.

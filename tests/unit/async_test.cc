@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include "support/test_name.h"
 #include "support/testing.h"
 
 #include "shardgather/shardgather.h"
@@ -21,10 +22,7 @@ using namespace std::chrono_literals;
 using testing::make_tensor;
 using testing::run_ranks;
 
-std::string test_name() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  return std::string(info->test_suite_name()) + "." + info->name();
-}
+using testing::test_name;
 
 // Rank r's shapes: uneven rows, so every rank's block differs.
 std::vector<std::vector<Shape>> shapes_for(int world) {

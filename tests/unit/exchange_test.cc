@@ -11,6 +11,7 @@
 #include "ops/call.h"
 #include "ops/payload.h"
 #include "strategies/strategy.h"
+#include "support/test_name.h"
 #include "support/testing.h"
 
 #include "shardgather/shardgather.h"
@@ -22,10 +23,7 @@ using detail::ExchangeJob;
 using detail::ExchangeShape;
 using testing::run_ranks;
 
-std::string test_name() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  return std::string(info->test_suite_name()) + "." + info->name();
-}
+using testing::test_name;
 
 // Bytes rank `from` sends rank `to`: uneven, and nothing for some pairs (including to oneself).
 std::uint64_t pair_bytes(int from, int to) {

@@ -12,6 +12,7 @@
 
 #include "ops/call.h"
 #include "ops/preflight.h"
+#include "support/test_name.h"
 #include "support/testing.h"
 #include "transport/graveyard.h"
 
@@ -23,10 +24,7 @@ namespace {
 using namespace std::chrono_literals;
 using testing::run_ranks;
 
-std::string test_name() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  return std::string(info->test_suite_name()) + "." + info->name();
-}
+using testing::test_name;
 
 using testing::outcome;
 

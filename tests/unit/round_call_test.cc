@@ -11,6 +11,7 @@
 
 #include <gtest/gtest.h>
 
+#include "support/test_name.h"
 #include "support/testing.h"
 
 #include "shardgather/shardgather.h"
@@ -22,10 +23,7 @@ using namespace std::chrono_literals;
 using testing::outcome;
 using testing::run_ranks;
 
-std::string test_name() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  return std::string(info->test_suite_name()) + "." + info->name();
-}
+using testing::test_name;
 
 // What rank s sends rank d: (s * 7 + d) % 5 * 100 + s bytes (some empty), each byte s ^ d.
 std::size_t message_bytes(int s, int d) {
