@@ -360,18 +360,14 @@ class _PlanState:
         return self._plan.timeout if self._plan is not None else None
 
     def _execute_entries(self, name, args, group, out, async_op):
-        """A quantized plan's execute into its own entries (the C++ plan's one call, whose
-        outputs and scales they are), remade on the device of ``args`` where they are elsewhere;
-        ``out`` is not taken. A plan that quantizes nothing executes as a plain one into its
-        entries' tensors' views (the C++ plan is then a plain plan)."""
+        """A quantized plan's execute into its own entries (the C++ plan's one call, its
+        reshard's, whose outputs and scales they are), remade on the device of ``args`` where
+        they are elsewhere; ``out`` is not taken."""
         from .quantized import _refuse, destination_parts, follow_device
 
-        plain = self._plan is not None and not self._plan.quantized
         if out is not None:
             _refuse(self, group, "%s(quantize=...): out is not taken (the entries are the "
-                    "plan's own)" % name, name + "::execute" if plain else "ReshardPlan::execute")
-        if plain:
-            return self._execute(name + "::execute", args, group, None, async_op)
+                    "plan's own)" % name)
         returned = self._entries["returned"]
         moved = follow_device(returned, args, self, group)
         if moved is not returned:
@@ -379,7 +375,7 @@ class _PlanState:
             self._entries = destination_parts([e for row in moved for e in row] if nested
                                               else moved)
             self._entries["returned"] = moved
-        return self._execute(name + "::execute", args, group, self._entries["destinations"],
+        return self._execute("ReshardPlan::execute", args, group, self._entries["destinations"],
                              async_op, scales=self._entries["scales"],
                              returned=self._entries["returned"])
 

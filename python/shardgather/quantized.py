@@ -823,14 +823,14 @@ def follow_device(entries, params, plan, group):
         raise  # not reached: _refuse raises
 
 
-def _refuse(plan, group, message, op="ReshardPlan::execute"):
+def _refuse(plan, group, message):
     """Fails a quantized plan's call on every rank (``plan``: the Python plan whose call it is;
-    the call is its reshard's, ``op``, unless the plan quantizes nothing) with ``message``: the
-    peers meet this rank's failed header in their own call."""
+    the call is its reshard's) with ``message``: the peers meet this rank's failed header in
+    their own call."""
     from . import _setup_timeout, communicator  # the package imports this module
 
     comm = communicator(group, plan._timeout())
-    _C._fail_call(comm, op, message, False, plan._preflight is not False,
+    _C._fail_call(comm, "ReshardPlan::execute", message, False, plan._preflight is not False,
                   _setup_timeout(plan._given_timeout), "")
 
 
@@ -849,7 +849,8 @@ def gather_entries(dtypes, shapes, quantize, strategy):
     which reads a quantized index as one tensor whose every rank's rows go to every rank as a
     box of their own, and its own entries as its execute takes them
     (:func:`destination_parts`, ``returned`` as ``out[i][r]``): per quantized index and rank
-    (FP8 data, scales) or the dequantized rows, per plain index each rank's tensor."""
+    (FP8 data, scales) or the dequantized rows, per plain index each rank's tensor; None where
+    no index is quantized (the plan is then a plain one)."""
     if strategy not in ("auto", "direct"):
         raise InvalidArgumentError(
             "AllGatherPlan(quantize=...): strategy is %r; a quantized plan moves as one "
@@ -858,10 +859,14 @@ def gather_entries(dtypes, shapes, quantize, strategy):
     formed = [_RowsQuantizer._formed(i, d, [row[i] for row in shapes])
               for i, d in enumerate(dtypes)]
     specs_q = resolve(quantize, [Described(d, f or (1, 32)) for d, f in zip(dtypes, formed)])
+    for i, (q, f) in enumerate(zip(specs_q, formed)):
+        if q is not None and f is None and isinstance(quantize, (str, Quantize)):
+            specs_q[i] = None  # ragged pieces travel plain under one format
+    formats = [None if q is None else q.format for q in specs_q]
+    if all(f is None for f in formats):
+        return formats, None  # a plain plan, into its own buffer or `out`
     entries = []
     for i, (q, f, dtype) in enumerate(zip(specs_q, formed, dtypes)):
-        if q is not None and f is None and isinstance(quantize, (str, Quantize)):
-            specs_q[i] = q = None  # ragged pieces travel plain under one format
         if q is None:
             entries.append([torch.empty(shapes[r][i], dtype=dtype) for r in range(world)])
             continue
@@ -872,7 +877,7 @@ def gather_entries(dtypes, shapes, quantize, strategy):
         entries.append([_entry(q, f, box) for box in rows])
     parts = destination_parts([e for row in entries for e in row])
     parts["returned"] = [list(row) for row in entries]
-    return [None if q is None else q.format for q in specs_q], parts
+    return formats, parts
 
 
 # ---------------------------------------------------------------------------------------------

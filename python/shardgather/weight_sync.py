@@ -731,8 +731,9 @@ class WeightSync:
         _, t, _, _, offset, size = tr
         for v, (tv, o, n) in enumerate(self.destination_boxes):
             if tv == t and _contains((o, n), (tuple(offset), tuple(size))):
-                view = self._buffers[buffer][v][_slices((o, n), (offset, size))]
-                return view.reshape(-1)
+                # In place, the host mirror (a CUDA destination's records are encoded from it).
+                tensors = self._mirror if self._mirror is not None else self._buffers[buffer]
+                return tensors[v][_slices((o, n), (offset, size))].reshape(-1)
         raise AssertionError("replica holds no box for %r" % (tr,))
 
     # --- receiving ---------------------------------------------------------------------------

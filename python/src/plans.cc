@@ -305,6 +305,9 @@ py::object PyAllGatherPlan::execute(py::handle params, const std::shared_ptr<Com
     });
   }
   return run(params, comm, async_op, self, [&](Parsed& /*parsed*/, Communicator& c) {
+    if (!scales.is_none()) {
+      fail_locally(c, {LocalError::kValue, 0, "scales given to a plan that quantizes nothing"});
+    }
     std::optional<at::Tensor> given;
     if (!out.is_none()) {
       if (!THPVariable_Check(out.ptr())) {

@@ -259,13 +259,18 @@ SG_HOST_DEVICE inline void fold_into(std::uint32_t* amax, std::int64_t block,
 #endif
 }
 
-// r = a op b as x86 gives it where an operand is NaN: the first NaN operand, quietened. The
-// GPU's arithmetic gives its one canonical NaN instead; choosing here makes the bytes agree.
+// r = a op b as x86 gives it where r is NaN: the first NaN operand, quietened, or where neither
+// operand is NaN (inf / inf, 0 x inf) the default NaN, 0xFFC00000. The GPU's arithmetic gives its
+// one canonical NaN (0x7FFFFFFF) instead; choosing here makes the bytes agree with the host
+// quantizer on x86 (another host ISA's own default NaN may differ: the host loops use the CPU's).
 SG_HOST_DEVICE inline float x86_nan(float a, float b, float r) noexcept {
   if (abs_bits(a) > 0x7F800000) {
     return float_of(bits_of(a) | 0x00400000U);
   }
-  return abs_bits(b) > 0x7F800000 ? float_of(bits_of(b) | 0x00400000U) : r;
+  if (abs_bits(b) > 0x7F800000) {
+    return float_of(bits_of(b) | 0x00400000U);
+  }
+  return abs_bits(r) > 0x7F800000 ? float_of(0xFFC00000U) : r;
 }
 
 // Element e's work in step d.step.

@@ -130,13 +130,16 @@ AllGatherPlan::AllGatherPlan(std::span<const DType> dtypes,
 void AllGatherPlan::plan_quantized(std::span<const DType> dtypes,
                                    std::span<const std::vector<Shape>> shapes_across_group,
                                    std::span<const QuantFormat> quantize) {
-  if (std::all_of(quantize.begin(), quantize.end(),
-                  [](QuantFormat f) { return f == QuantFormat::kNone; })) {
-    return;  // quantizes nothing: a plain plan
+  if (quantize.empty()) {
+    return;
   }
   if (quantize.size() != dtypes.size()) {
     throw InvalidArgument("AllGatherPlan: " + std::to_string(quantize.size()) +
                           " quantize formats for " + std::to_string(dtypes.size()) + " tensors");
+  }
+  if (std::all_of(quantize.begin(), quantize.end(),
+                  [](QuantFormat f) { return f == QuantFormat::kNone; })) {
+    return;  // quantizes nothing: a plain plan
   }
   if (options_.strategy != Strategy::kAuto && options_.strategy != Strategy::kDirect) {
     throw InvalidArgument(

@@ -465,6 +465,14 @@ void QuantStage::prepare(std::span<const TensorView> sources,
     }
     check_destination(v, destinations[v], given ? &scales[v] : nullptr, device);
   }
+  for (const Tensor& t : quant_) {
+    const std::size_t ndim = tensors_[t.index].shape.size();
+    if (device.type != DeviceType::kCpu && ndim > static_cast<std::size_t>(kQuantMaxDims)) {
+      throw InvalidArgument(name(t.index) + ": a tensor of " + std::to_string(ndim) +
+                            " dims; the device quantizer takes at most " +
+                            std::to_string(kQuantMaxDims));
+    }
+  }
   q.device = device;
   q.stream = stream;
   build_views(sources, destinations, scales, q);
@@ -504,6 +512,7 @@ void QuantStage::fold_on_device(std::span<const TensorView> sources, QuantScratc
   if (bytes == 0) {
     return;
   }
+  const CurrentDevice on(q.device.index);
   q.device_amax.reserve(bytes, q.device.index, q.stream);
   auto* bits = reinterpret_cast<std::uint32_t*>(q.device_amax.data());
   copy_async(bits, q.amax.data(), bytes, q.stream);  // zeros
@@ -514,8 +523,11 @@ void QuantStage::fold_on_device(std::span<const TensorView> sources, QuantScratc
                    q.stream);
     }
   }
+  // The fold waits behind whatever the caller queued first: that wait is the bounded one. The
+  // copy back is then the stream's only work, waited for again before q.amax is read.
   wait_for_stream();
-  copy_async(q.amax.data(), bits, bytes, q.stream);  // the stream has run what it copies
+  copy_async(q.amax.data(), bits, bytes, q.stream);
+  wait_for_stream();
 }
 
 namespace {
@@ -691,6 +703,7 @@ void QuantStage::encode_tensor(const Tensor& t, const TensorView& source, QuantS
     quantize_box(t.grid, source, t.inside, {scales, bytes}, q.arena.data() + t.data_at);
     return;
   }
+  const CurrentDevice on(q.device.index);
   std::byte* on_device = q.device_arena.data();
   copy_async(on_device + t.scales_at, scales, bytes, q.stream);
   launch_quant(quant_box_desc(QuantStep::kQuantize, t.grid, source, t.inside, on_device + t.data_at,
@@ -709,6 +722,7 @@ void QuantStage::decode(std::span<const TensorView> destinations, QuantScratch& 
     std::byte* data = arena(q) + q.decoded_at[k];
     std::byte* scales = data + aligned(static_cast<std::uint64_t>(numel(out.shape)));
     if (q.device.type != DeviceType::kCpu) {
+      const CurrentDevice on(q.device.index);
       launch_quant(quant_box_desc(QuantStep::kDequantize, d.grid, out, d.inside, data, scales),
                    q.stream);
       continue;

@@ -236,12 +236,13 @@ std::vector<TensorView> UnshardPlan::real_rows(std::span<const TensorView> shard
   return rows;
 }
 
+// The call the peers are in: the quantized reshard's, or the plain plan's.
 void UnshardPlan::refuse(Communicator& comm, const std::string& message) const {
   fail_call(comm,
-            {.op = Operation::kReshardExecute,
+            {.op = quantized_ ? Operation::kReshardExecute : Operation::kUnshardExecute,
              .header_exchanged = options_.preflight,
              .timeout = options_.timeout,
-             .stage = {}},
+             .stage = options_.stage},
             ErrorCode::kInvalidArgument, message);
 }
 

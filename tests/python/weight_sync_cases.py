@@ -235,6 +235,12 @@ def check_in_place_through_mirrors(rank, world, comm):
         assert all(v is d for v, d in zip(ws._buffers[0], views))
 
 
+def check_restarted_destination_through_mirrors(rank, world, comm):
+    """The restart above in place through host mirrors (the CUDA destinations' path): the
+    replicas encode the restarted rank's records from their mirrors."""
+    check_restarted_destination(rank, world, comm, "in_place", _Mirrored)
+
+
 def check_checksum_resend(rank, world, comm):
     """A byte flipped in flight (the first value of the first dense record to each peer) fails
     that bucket's checksum; the destination gets it resent dense and ends bit-exact."""
@@ -318,7 +324,7 @@ def check_version_rules(rank, world, comm):
     check_held(ws, full, rank, 5)
 
 
-def check_restarted_destination(rank, world, comm):
+def check_restarted_destination(rank, world, comm, mode="staged", cls=WeightSync):
     """A destination restarts (a new WeightSync: nothing held) between two syncs: it is
     brought up to the version from a replica of its boxes, bit-exact; on a sync at the same
     version the sources send nothing at all."""
@@ -326,13 +332,13 @@ def check_restarted_destination(rank, world, comm):
     if len(groups) < 2:
         return
     victim = groups[-1][0]
-    ws = _make(rank, world, comm, "staged")
+    ws = _make(rank, world, comm, mode, cls=cls)
     full = initial()
     ws.sync(0, shard_views(ws, full))
     step(full, 1)
     ws.sync(1, shard_views(ws, full))
     if rank == victim:
-        ws = _make(rank, world, comm, "staged")
+        ws = _make(rank, world, comm, mode, cls=cls)
     stats = ws.sync(1, shard_views(ws, full))  # the same version: only the restarted one moves
     check_held(ws, full, rank, 1)
     if rank in sources:
@@ -544,7 +550,7 @@ CHECKS = [check_random_steps_staged, check_random_steps_in_place, check_sends_on
           check_trainer_writes_during_sync_in_place, check_bad_arguments,
           check_header_damage, check_same_version_other_bytes,
           check_in_place_failed_vote_then_rebuild, check_local_failure_mid_sync,
-          check_in_place_through_mirrors]
+          check_in_place_through_mirrors, check_restarted_destination_through_mirrors]
 for _check in CHECKS:
     globals()[on_default_group(_check).__name__] = on_default_group(_check)
 CASES = ["case_" + c.__name__[len("check_"):] for c in CHECKS]

@@ -299,8 +299,8 @@ Shape scale_shape_of(QuantFormat format, const Box& box) {
   return out;
 }
 
-// Element i of the tensor as its dtype's bits: magnitudes varied by block, a NaN, and (f32) an
-// all-zero stretch; f16 also subnormals.
+// Element i of the tensor as its dtype's bits: magnitudes varied by block, a NaN, an infinity,
+// and (f32) an all-zero stretch; f16 also subnormals.
 std::vector<std::byte> quant_values(DType dtype, std::int64_t n) {
   const std::size_t size = dtype_size(dtype);
   std::vector<std::byte> out(static_cast<std::size_t>(n) * size);
@@ -318,6 +318,10 @@ std::vector<std::byte> quant_values(DType dtype, std::int64_t n) {
     if (i == 1234) {
       bits = 0xFFC00000U;  // a negative NaN: its block's maximum and scale are NaN
       half = 0xFE00U;
+    }
+    if (i == 2345) {  // +inf, in another block: an infinite scale, NaNs made of no NaN
+      bits = 0x7F800000U;
+      half = dtype == DType::kFloat16 ? 0x7C00U : 0x7F80U;
     }
     if (dtype == DType::kFloat32 && i >= n - 600) {
       bits = 0;

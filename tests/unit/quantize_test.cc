@@ -16,6 +16,8 @@
 
 #include <gtest/gtest.h>
 
+#include "copies/quant_desc.h"
+
 #include "shardgather/errors.h"
 
 namespace shardgather {
@@ -390,6 +392,30 @@ TEST(QuantGrid, RefusesWhatAFormatCannotCarry) {
   EXPECT_THROW(encode_scales(grid, amax, scales), InvalidArgument);
   EXPECT_EQ(quant_format_from_name("mxfp8"), QuantFormat::kMxfp8);
   EXPECT_FALSE(quant_format_from_name("fp4").has_value());
+}
+
+// The device kernel's NaN rule (copies/quant_desc.h, x86_nan): a NaN result is the first NaN
+// operand quietened, or the default NaN 0xFFC00000 where no operand was NaN, whatever the GPU's
+// arithmetic gave (its canonical 0x7FFFFFFF); and on this host that is what the arithmetic gives.
+TEST(QuantDesc, NanResultsAreChosenAsX86ChoosesThem) {
+  using detail::bits_of;
+  using detail::float_of;
+  using detail::x86_nan;
+  const float gpu_nan = float_of(0x7FFFFFFFU);
+  const float inf = std::numeric_limits<float>::infinity();
+  const float snan = float_of(0xFF800001U);  // negative, signalling
+  EXPECT_EQ(bits_of(x86_nan(snan, 2.0F, gpu_nan)), 0xFFC00001U);
+  EXPECT_EQ(bits_of(x86_nan(2.0F, float_of(0x7FC00000U), gpu_nan)), 0x7FC00000U);
+  EXPECT_EQ(bits_of(x86_nan(inf, inf, gpu_nan)), 0xFFC00000U);
+  EXPECT_EQ(bits_of(x86_nan(0.0F, inf, gpu_nan)), 0xFFC00000U);
+  EXPECT_EQ(x86_nan(2.0F, 3.0F, 6.0F), 6.0F);
+#if defined(__x86_64__)
+  volatile float a = inf;  // computed at run time, by this CPU
+  volatile float zero = 0.0F;
+  EXPECT_EQ(bits_of(a / a), 0xFFC00000U);
+  EXPECT_EQ(bits_of(zero * a), 0xFFC00000U);
+  EXPECT_EQ(bits_of(snan * a), 0xFFC00001U);
+#endif
 }
 
 }  // namespace
