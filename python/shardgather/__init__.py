@@ -192,8 +192,10 @@ def foreach_all_gather(
     (docs/gpu.md); the results are on that device. Without the shapes hint, the shapes are first
     gathered on the host in one small call of their own.
 
-    ``quantize`` (:mod:`shardgather.quantized`; CPU tensors, not with ``async_op``): FP8 on the
-    wire. Tensor i of every rank is read as rank r's rows of one tensor (their concatenation
+    ``quantize`` (:mod:`shardgather.quantized`; CUDA tensors or started: an agreement, then
+    one call of a quantized :class:`AllGatherPlan` made for it, ``strategy`` "auto" or
+    "direct"; blocking on CPU tensors: composed, faster on a host): FP8 on the wire. Tensor i
+    of every rank is read as rank r's rows of one tensor (their concatenation
     along dim 0, FSDP's reading), quantized bit-identically to quantizing that tensor whole;
     ``out[i][r]`` is ``(data, scales)``: rank r's FP8 rows and the scales of the blocks they
     touch (a block two ranks' rows share is in both entries), or with a dequantizing spec those
@@ -424,8 +426,8 @@ class AllGatherPlan(_PlanState):
     """
 
     def __init__(self, dtypes, shapes_across_group, rank, *, strategy="auto", preflight=True,
-                 timeout=None, quantize=None):
-        self._preflight, self._given_timeout = preflight, timeout
+                 timeout=None, quantize=None, _stage=""):
+        self._preflight, self._given_timeout, self._stage = preflight, timeout, _stage
         self._entries = None
 
         def build():
@@ -437,7 +439,7 @@ class AllGatherPlan(_PlanState):
 
                 formats, self._entries = gather_entries(listed, shapes, quantize, strategy)
             return _C.AllGatherPlan(listed, shapes, check_int("rank", rank, 0), strategy,
-                                    preflight, timeout, formats)
+                                    preflight, timeout, formats, _stage)
 
         self._plan, self._error = _deferred(build)
 
@@ -510,20 +512,21 @@ class UnshardPlan(_PlanState):
     """
 
     def __init__(self, specs, world_size, rank, *, strategy="auto", preflight=True,
-                 timeout=None, dst=None, quantize=None):
-        self._preflight, self._given_timeout = preflight, timeout
+                 timeout=None, dst=None, quantize=None, _stage=""):
+        self._preflight, self._given_timeout, self._stage = preflight, timeout, _stage
         self._entries = None
 
         def build():
             args = (list(specs), check_int("world_size", world_size, 1),
                     check_int("rank", rank, 0), strategy, preflight, timeout,
                     None if dst is None else check_int("dst", dst, 0))
-            plan = _C.UnshardPlan(*args)
+            plan = _C.UnshardPlan(*args, stage=_stage)
             if quantize is not None:  # the specs' sizes filled in first, to resolve against
                 from .quantized import resolve, unshard_entries
 
                 specs_q = resolve(quantize, plan.specs)
-                plan = _C.UnshardPlan(*args, [None if q is None else q.format for q in specs_q])
+                plan = _C.UnshardPlan(*args, [None if q is None else q.format for q in specs_q],
+                                      _stage)
                 # Made here, where running out of memory is an error every rank hears of.
                 if plan.quantized:
                     self._entries = (unshard_entries(plan.specs, specs_q) if plan.receives
@@ -827,7 +830,9 @@ def unshard(shards, specs, group=None, *, strategy="auto", preflight=True, timeo
     :class:`Quantize` for every tensor of 2 or more dims it can quantize, or a list or dict (by
     index) of them.
     A quantized tensor's entry is ``(data, scales)``, or the dequantized tensor when the spec
-    asks for a dtype. CPU tensors; not with ``async_op``."""
+    asks for a dtype. An agreement, then one call of a quantized :class:`UnshardPlan` made for
+    it (``strategy`` "auto" or "direct"); shards passed through as (FP8 data, scales): CPU
+    tensors, not with ``async_op``."""
     comm = communicator(group, _setup_timeout(timeout))
     if quantize is not None:  # its agreement checks every argument, on every rank
         from . import quantized

@@ -2,7 +2,11 @@
 cross the wire and every receiver gets exactly the bytes that quantizing the unsharded tensor
 gives (docs/quantization.md, "Quantized transfers").
 
-How one call runs, every rank alike:
+The one-shot ``unshard``, and ``foreach_all_gather`` on CUDA tensors or started, are an
+agreement (step 1 below) and one call of a quantized plan made for the call (the C++ quantize
+stage: CPU or CUDA tensors, ``async_op``). The stream, the export, ``full_tensors``, an unshard
+of FP8 data passed through and a blocking foreach_all_gather on CPU tensors run, every rank
+alike:
 
 1. an agreement (``_agree.Agreement``): the specs, the quantize spec of every tensor and the
    options, so a spec that differs on one rank is a MismatchError on every rank before anything
@@ -17,7 +21,8 @@ How one call runs, every rank alike:
    one payload collective, exactly data + scales on the wire;
 5. each receiver returns (data, scales), or dequantizes them to the asked dtype.
 
-CPU tensors only (the quantizer is the host one); one call at a time (no ``async_op``).
+These take CPU tensors only (the quantizer is the host one); one call at a time (no
+``async_op``).
 """
 
 from dataclasses import dataclass
@@ -291,7 +296,52 @@ FOREACH = "foreach_all_gather(quantize)"
 
 
 def unshard(shards, specs, comm, quantize, *, strategy, preflight, timeout, async_op, dst):
-    """shardgather.unshard with ``quantize`` given (see the module)."""
+    """shardgather.unshard with ``quantize`` given (see the module): an agreement, then one
+    call of a one-shot UnshardPlan(quantize=...); where a shard is passed through (FP8 data
+    and its scales), the steps of the module, on the host."""
+    if _passes_through(shards):
+        return _unshard_given(shards, specs, comm, quantize, strategy=strategy,
+                              preflight=preflight, timeout=timeout, async_op=async_op, dst=dst)
+    agreement = Agreement("unshard", UNSHARD + ": agreement")
+    agreement.capture(lambda: check_keywords(timeout=timeout, strategy=strategy,
+                                             preflight=preflight, async_op=async_op, dst=dst,
+                                             world=comm.size))
+    plan = agreement.capture(lambda: _unshard_plan(agreement, shards, specs, quantize, comm,
+                                                   strategy=strategy, preflight=preflight,
+                                                   timeout=timeout, dst=dst))
+    valid = agreement.error is None
+    agreement.options = [(k, v if valid else None) for k, v in
+                         (("dst", dst), ("strategy", strategy), ("preflight", preflight))]
+    agreement.run(comm, _timeout_seconds(timeout))
+    return plan.execute(shards, comm, async_op=async_op)
+
+
+def _passes_through(shards):
+    return isinstance(shards, (list, tuple)) and any(
+        isinstance(s, tuple) and len(s) == 2 for s in shards)
+
+
+def _unshard_plan(agreement, shards, specs, quantize, comm, **options):
+    """The one-shot UnshardPlan, its specs and quantize specs told to ``agreement``; or the
+    first argument error."""
+    from . import UnshardPlan  # the package imports this module
+
+    specs = list(specs)
+    if not all(isinstance(s, _C.ShardSpec) for s in specs):
+        raise InvalidTypeError("specs must be a list of ShardSpec")
+    agreement.specs = specs
+    if len(shards) != len(specs):
+        raise InvalidArgumentError("%d shards for %d specs" % (len(shards), len(specs)))
+    plan = UnshardPlan(specs, comm.size, comm.rank, quantize=quantize,
+                       _stage=UNSHARD + ": payload", **options)
+    plan._built()  # its argument error, raised here, is the agreement's
+    specs_q = resolve(quantize, plan._plan.specs)
+    agreement.quantize = [None if q is None else _text(q) for q in specs_q]
+    return plan
+
+
+def _unshard_given(shards, specs, comm, quantize, *, strategy, preflight, timeout, async_op,
+                   dst):
     quantizer, sent = encode(shards, specs, comm, quantize, timeout=timeout,
                              options=[("dst", dst), ("strategy", strategy),
                                       ("preflight", preflight)], async_op=async_op)
@@ -322,8 +372,6 @@ def check_keywords(*, timeout=None, strategy="auto", preflight=True, async_op=Fa
     for name, value in (("preflight", preflight), ("async_op", async_op)):
         if not isinstance(value, bool):
             raise InvalidTypeError("%s must be a bool, got %s" % (name, type(value).__name__))
-    if async_op:
-        raise InvalidArgumentError("quantize: async_op=True is not supported yet")
     if dst is not None and (isinstance(dst, bool) or not isinstance(dst, int)
                             or not 0 <= dst < world):
         raise InvalidArgumentError("dst must be a rank of the group's %d, or None, got %r"
@@ -343,6 +391,9 @@ def encode(shards, specs, comm, quantize, *, timeout=None, options=(), async_op=
     agreement = Agreement("unshard", UNSHARD + ": agreement")
     agreement.capture(lambda: check_keywords(timeout=timeout, async_op=async_op,
                                              **dict(options), world=comm.size))
+    if async_op is True:
+        agreement.fail(InvalidArgumentError, "quantize: async_op=True is not supported with "
+                       "FP8 data passed through")
     quantizer = agree(agreement, comm, lambda: (None, list(shards), list(specs)), quantize,
                       op=UNSHARD)
     valid = agreement.error is None
@@ -781,14 +832,43 @@ def destination_parts(destinations):
 
 
 def _entry(q, shape, box):
-    """A quantized plan's own entry for ``box`` of a tensor of ``shape``: the dequantized box,
-    or (FP8 data, the scales of every block the box touches)."""
+    """A quantized plan's own entry for ``box`` of a tensor of ``shape`` (on the meta device,
+    for :func:`_carved`): the dequantized box, or (FP8 data, the scales of every block the box
+    touches)."""
     if q.dequantize is not None:
-        return torch.empty(tuple(box.size), dtype=q.dequantize)
+        return torch.empty(tuple(box.size), dtype=q.dequantize, device="meta")
     scales = scale_box(q.format, shape, box).size
-    return (torch.empty(tuple(box.size), dtype=torch.float8_e4m3fn),
+    return (torch.empty(tuple(box.size), dtype=torch.float8_e4m3fn, device="meta"),
             torch.empty(scales, dtype=torch.float8_e8m0fnu if q.format == "mxfp8"
-                        else torch.float32))
+                        else torch.float32, device="meta"))
+
+
+def _carved(entries):
+    """``entries`` (meta tensors, tuples and lists of them) made in one host buffer of huge
+    pages, at 64-byte offsets: a fresh plan (a one-shot call's) first-touches its entries, and
+    that costs 40 times more on 4 KiB pages (docs/benchmarking.md)."""
+    flat = _flat(entries)
+    sizes = [t.numel() * t.element_size() for t in flat]
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + -(-n // 64) * 64)
+    buffer = _C._host_staging(starts[-1])
+    made = iter([buffer[a:a + n].view(t.dtype).view(t.shape)
+                 for t, a, n in zip(flat, starts, sizes)])
+    return _nested_like(entries, made)
+
+
+def _flat(x):
+    """The tensors of ``x`` (a tensor, or tuples and lists of them), in order."""
+    return [x] if isinstance(x, torch.Tensor) else [t for y in x for t in _flat(y)]
+
+
+def _nested_like(x, made):
+    """``x``'s nesting, each tensor the next of ``made``. (Module functions, not closures: a
+    recursive closure is a reference cycle, which would hold the buffer until a gc pass.)"""
+    if isinstance(x, torch.Tensor):
+        return next(made)
+    return type(x)(_nested_like(y, made) for y in x)
 
 
 def _device_of(tensors):
@@ -838,10 +918,34 @@ def unshard_entries(specs, specs_q):
     """A quantized UnshardPlan's own entries (its C++ plan writes them every execute): per
     parameter its full tensor, or (FP8 data, the scales of every block) or its dequantized
     tensor, as :func:`destination_parts` hands them to the plan."""
-    entries = [torch.empty(tuple(s.full_shape), dtype=s.dtype) if q is None
+    entries = [torch.empty(tuple(s.full_shape), dtype=s.dtype, device="meta") if q is None
                else _entry(q, s.full_shape, Box((0,) * len(s.full_shape), s.full_shape))
                for s, q in zip(specs, specs_q)]
-    return destination_parts(entries)
+    return destination_parts(_carved(entries))
+
+
+def _formed(per_rank):
+    """The shape the ranks' tensors form along dim 0 (each ``per_rank[r]`` a shape), or None
+    where they cannot."""
+    if any(len(s) != len(per_rank[0]) or not s or s[1:] != per_rank[0][1:] for s in per_rank):
+        return None
+    return (sum(s[0] for s in per_rank),) + tuple(per_rank[0][1:])
+
+
+def _gather_specs(dtypes, shapes, quantize):
+    """Each index's spec (None: plain) and the shape its ranks' tensors form: a format for
+    every index leaves ragged pieces plain; one named by index must form a tensor."""
+    formed = [_formed([row[i] for row in shapes]) for i in range(len(dtypes))]
+    specs_q = resolve(quantize, [Described(d, f or (1, 32)) for d, f in zip(dtypes, formed)])
+    for i, (q, f) in enumerate(zip(specs_q, formed)):
+        if q is None or f is not None:
+            continue
+        if not isinstance(quantize, (str, Quantize)):
+            raise InvalidArgumentError("quantize[%d]: the ranks' tensors must differ only "
+                                       "along dim 0 to form one tensor, got %s"
+                                       % (i, [row[i] for row in shapes]))
+        specs_q[i] = None  # ragged pieces travel plain under one format
+    return specs_q, formed
 
 
 def gather_entries(dtypes, shapes, quantize, strategy):
@@ -855,26 +959,21 @@ def gather_entries(dtypes, shapes, quantize, strategy):
         raise InvalidArgumentError(
             "AllGatherPlan(quantize=...): strategy is %r; a quantized plan moves as one "
             "personal exchange (auto or direct)" % (strategy,))
-    world = len(shapes)
-    formed = [_RowsQuantizer._formed(i, d, [row[i] for row in shapes])
-              for i, d in enumerate(dtypes)]
-    specs_q = resolve(quantize, [Described(d, f or (1, 32)) for d, f in zip(dtypes, formed)])
-    for i, (q, f) in enumerate(zip(specs_q, formed)):
-        if q is not None and f is None and isinstance(quantize, (str, Quantize)):
-            specs_q[i] = None  # ragged pieces travel plain under one format
+    specs_q, formed = _gather_specs(dtypes, shapes, quantize)
     formats = [None if q is None else q.format for q in specs_q]
     if all(f is None for f in formats):
         return formats, None  # a plain plan, into its own buffer or `out`
     entries = []
     for i, (q, f, dtype) in enumerate(zip(specs_q, formed, dtypes)):
         if q is None:
-            entries.append([torch.empty(shapes[r][i], dtype=dtype) for r in range(world)])
+            entries.append([torch.empty(row[i], dtype=dtype, device="meta") for row in shapes])
             continue
         rows, at = [], 0
         for row in shapes:
             rows.append(Box((at,) + (0,) * (len(f) - 1), row[i]))
             at += row[i][0]
         entries.append([_entry(q, f, box) for box in rows])
+    entries = _carved(entries)
     parts = destination_parts([e for row in entries for e in row])
     parts["returned"] = [list(row) for row in entries]
     return formats, parts
@@ -882,7 +981,8 @@ def gather_entries(dtypes, shapes, quantize, strategy):
 
 # ---------------------------------------------------------------------------------------------
 # foreach_all_gather: each index's tensors, one per rank, are the rows of one tensor (FSDP's
-# reading: rank r's rows follow rank r-1's along dim 0).
+# reading: rank r's rows follow rank r-1's along dim 0), gathered by a one-shot
+# AllGatherPlan(quantize=...).
 
 
 def foreach_all_gather(params, comm, shapes, quantize, *, timeout, preflight, strategy,
@@ -890,7 +990,11 @@ def foreach_all_gather(params, comm, shapes, quantize, *, timeout, preflight, st
     """shardgather.foreach_all_gather with ``quantize`` given: ``out[i][r]`` is rank r's rows of
     the quantized tensor that tensor i of every rank forms along dim 0, with the scales of the
     blocks those rows touch (a block shared by two ranks' rows is in both entries), or those
-    rows dequantized. ``shapes``: the shapes hint, or None (one small gather of the shapes)."""
+    rows dequantized. ``shapes``: the shapes hint, or None (one small gather of the shapes).
+    An agreement (every argument, the specs), then one call of a quantized AllGatherPlan made
+    for it; blocking on CPU tensors, the steps of the module instead: its one all-gather of
+    every rank's FP8 rows into one buffer is faster on a host than the plan's personal
+    exchange into entries of their own (docs/benchmarking.md)."""
     agreement = Agreement("foreach_all_gather", FOREACH + ": agreement")
     agreement.capture(lambda: check_keywords(timeout=timeout, strategy=strategy,
                                              preflight=preflight, async_op=async_op))
@@ -902,10 +1006,15 @@ def foreach_all_gather(params, comm, shapes, quantize, *, timeout, preflight, st
 
         shapes = _gather_shapes(list(params) if isinstance(params, (list, tuple)) else [],
                                 comm, _timeout_seconds(timeout), FOREACH + ": shapes")
-    plan = agreement.capture(lambda: _RowsQuantizer(list(params), shapes, quantize, comm.rank,
-                                                    comm.size))
+    composed = async_op is False and _device_of(params) in (None, torch.device("cpu"))
+    build = _RowsQuantizer if composed else _GatherPlan
+    plan = agreement.capture(lambda: build(params, shapes, quantize, comm, strategy=strategy,
+                                           preflight=preflight, timeout=timeout))
     agreement.quantize = None if plan is None else plan.agreed
+    agreement.options = [("async_op", int(async_op) if agreement.error is None else None)]
     agreement.run(comm, _timeout_seconds(timeout))
+    if not composed:
+        return plan.plan.execute(params, comm, async_op=async_op)
     params = list(params)
     quantized = plan.encode_quantized(params, comm, timeout)
     sent = []
@@ -916,41 +1025,63 @@ def foreach_all_gather(params, comm, shapes, quantize, *, timeout, preflight, st
     return plan.outputs(got)
 
 
-class _RowsQuantizer(_Encoder):
-    def __init__(self, params, shapes, quantize, rank, world):
-        if len(shapes) != world or any(len(row) != len(params) for row in shapes):
-            raise InvalidArgumentError("quantize: the shapes hint has not %d tensors for each "
-                                       "of %d ranks" % (len(params), world))
+def _checked_rows(params, shapes, world):
+    """``params`` as a list and ``shapes`` as tuples, checked against each other."""
+    params, shapes = list(params), [[tuple(s) for s in row] for row in shapes]
+    if len(shapes) != world or any(len(row) != len(params) for row in shapes):
+        raise InvalidArgumentError("quantize: the shapes hint has not %d tensors for each of "
+                                   "%d ranks" % (len(params), world))
+    for i, t in enumerate(params):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidTypeError("params[%d] must be a tensor, got %s"
+                                   % (i, type(t).__name__))
+    return params, shapes
+
+
+def _agreed(specs_q, dtypes, formed):
+    """What every rank must agree on: each quantized index's spec, dtype and formed shape."""
+    return [None if q is None else _text(q) + [str(dtypes[i]), list(formed[i])]
+            for i, q in enumerate(specs_q)]
+
+
+class _GatherPlan:
+    """A one-shot quantized foreach_all_gather's AllGatherPlan (``plan``), and ``agreed``."""
+
+    def __init__(self, params, shapes, quantize, comm, **options):
+        from . import AllGatherPlan  # the package imports this module
+
+        params, shapes = _checked_rows(params, shapes, comm.size)
         for i, t in enumerate(params):
-            if not isinstance(t, torch.Tensor):
-                raise InvalidTypeError("params[%d] must be a tensor, got %s"
-                                       % (i, type(t).__name__))
-        self.world = world
-        shapes = [[tuple(s) for s in row] for row in shapes]
-        formed = [self._formed(i, t.dtype, [row[i] for row in shapes])
-                  for i, t in enumerate(params)]
-        self.specs_q = resolve(quantize, [Described(t.dtype, f or (1, 32))
-                                          for t, f in zip(params, formed)])
+            if tuple(t.shape) != shapes[comm.rank][i]:
+                raise InvalidArgumentError("params[%d] has shape %s on rank %d; the shapes "
+                                           "hint says %s" % (i, tuple(t.shape), comm.rank,
+                                                             shapes[comm.rank][i]))
+        dtypes = [t.dtype for t in params]
+        self.plan = AllGatherPlan(dtypes, shapes, comm.rank, quantize=quantize,
+                                  _stage=FOREACH + ": payload", **options)
+        self.plan._built()  # its argument error, raised here, is the agreement's
+        specs_q, formed = _gather_specs(dtypes, shapes, quantize)
+        self.agreed = _agreed(specs_q, dtypes, formed)
+
+
+class _RowsQuantizer(_Encoder):
+    def __init__(self, params, shapes, quantize, comm, **options):
+        del options  # the payload call takes them
+        rank, world = comm.rank, comm.size
+        params, shapes = _checked_rows(params, shapes, world)
+        dtypes = [t.dtype for t in params]
+        self.specs_q, formed = _gather_specs(dtypes, shapes, quantize)
         tensors = []
-        for i, (q, f) in enumerate(zip(self.specs_q, formed)):
-            if q is not None and f is None and isinstance(quantize, (str, Quantize)):
-                self.specs_q[i] = q = None  # ragged pieces travel plain under one format
-            if q is None:
-                continue
-            if f is None:
-                raise InvalidArgumentError("quantize[%d]: the ranks' tensors must differ only "
-                                           "along dim 0 to form one tensor, got %s"
-                                           % (i, [row[i] for row in shapes]))
-            sizes = [row[i][0] for row in shapes]
-            tensors.append(_plan_tensor(i, q, f, 0, sizes,
-                                        [sum(sizes[:r]) for r in range(world)]))
+        for i, q in enumerate(self.specs_q):
+            if q is not None:
+                sizes = [row[i][0] for row in shapes]
+                tensors.append(_plan_tensor(i, q, formed[i], 0, sizes,
+                                            [sum(sizes[:r]) for r in range(world)]))
         for t in tensors:
             _check_shard(params[t.index], params[t.index].dtype, 0, t, rank, world, "params")
         super().__init__(tensors, rank, world, op=FOREACH)
         self.by_index = {t.index: t for t in tensors}
-        # What every rank must agree on: each quantized index's spec, dtype and formed shape.
-        self.agreed = [None if q is None else _text(q) + [str(params[i].dtype), list(formed[i])]
-                       for i, q in enumerate(self.specs_q)]
+        self.agreed = _agreed(self.specs_q, dtypes, formed)
         self.payload_shapes = [[] for _ in range(world)]
         for r in range(world):
             for i in range(len(params)):
@@ -959,15 +1090,6 @@ class _RowsQuantizer(_Encoder):
                     self.payload_shapes[r].append(shapes[r][i])
                 else:
                     self.payload_shapes[r] += [shapes[r][i], self._scales_shape(t, r)]
-
-    @staticmethod
-    def _formed(i, dtype, per_rank):
-        """The shape the ranks' tensors form along dim 0, or None where they cannot."""
-        del i, dtype
-        if any(len(s) != len(per_rank[0]) or not s or s[1:] != per_rank[0][1:]
-               for s in per_rank):
-            return None
-        return (sum(s[0] for s in per_rank),) + tuple(per_rank[0][1:])
 
     @staticmethod
     def _scales_shape(t, r):

@@ -144,13 +144,14 @@ std::unique_ptr<PyAllGatherPlan> make_all_gather_plan(
     const std::vector<py::handle>& dtypes,
     const std::vector<std::vector<Shape>>& shapes_across_group, int rank,
     const std::string& strategy, bool preflight, std::optional<double> timeout,
-    const std::vector<std::optional<std::string>>& quantize) {
+    const std::vector<std::optional<std::string>>& quantize, const std::string& stage) {
   std::vector<DType> wire;
   wire.reserve(dtypes.size());
   for (std::size_t i = 0; i < dtypes.size(); ++i) {
     wire.push_back(dtype_from_py(dtypes[i], "dtypes[" + std::to_string(i) + "]"));
   }
-  const PlanOptions options = plan_options(strategy, preflight, timeout);
+  PlanOptions options = plan_options(strategy, preflight, timeout);
+  options.stage = Stage(stage);
   return std::make_unique<PyAllGatherPlan>(
       AllGatherPlan(wire, shapes_across_group, rank, options, quant_formats(quantize)), options);
 }
@@ -414,7 +415,7 @@ void register_all_gather_plan(py::module_& m) {
       .def(py::init(&make_all_gather_plan), py::arg("dtypes"), py::arg("shapes_across_group"),
            py::arg("rank"), py::arg("strategy") = "auto", py::arg("preflight") = true,
            py::arg("timeout") = py::none(),
-           py::arg("quantize") = std::vector<std::optional<std::string>>{})
+           py::arg("quantize") = std::vector<std::optional<std::string>>{}, py::arg("stage") = "")
       .def_static("create", &create_all_gather_plan, py::arg("params"), py::arg("comm"),
                   py::arg("params_shapes_across_group") = py::none(), py::arg("strategy") = "auto",
                   py::arg("preflight") = true, py::arg("timeout") = py::none())
@@ -439,8 +440,9 @@ void register_all_gather_plan(py::module_& m) {
 std::unique_ptr<PyUnshardPlan> make_unshard_plan(
     const std::vector<ShardSpec>& specs, int world_size, int rank, const std::string& strategy,
     bool preflight, std::optional<double> timeout, std::optional<int> dst,
-    const std::vector<std::optional<std::string>>& quantize) {
-  const PlanOptions options = plan_options(strategy, preflight, timeout);
+    const std::vector<std::optional<std::string>>& quantize, const std::string& stage) {
+  PlanOptions options = plan_options(strategy, preflight, timeout);
+  options.stage = Stage(stage);
   return std::make_unique<PyUnshardPlan>(
       UnshardPlan(specs, world_size, rank, options, dst.value_or(-1), quant_formats(quantize)),
       options);
@@ -467,7 +469,7 @@ void register_unshard_plan(py::module_& m) {
       .def(py::init(&make_unshard_plan), py::arg("specs"), py::arg("world_size"), py::arg("rank"),
            py::arg("strategy") = "auto", py::arg("preflight") = true,
            py::arg("timeout") = py::none(), py::arg("dst") = py::none(),
-           py::arg("quantize") = std::vector<std::optional<std::string>>{})
+           py::arg("quantize") = std::vector<std::optional<std::string>>{}, py::arg("stage") = "")
       .def("execute", &execute_unshard_plan, py::arg("shards"), py::arg("comm"),
            py::arg("outputs") = py::none(), py::arg("async_op") = false,
            py::arg("scales") = py::none(), py::arg("returned") = py::none())

@@ -14,6 +14,8 @@
 - a quantized reshard on the device at both (each FP8 format; the rows cut inside blocks at world
   2; destinations as (data, scales) and as float32 / bfloat16 values), bit-identical to the same
   plan on CPU tensors;
+- one-shot quantized unshard and foreach_all_gather on CUDA tensors, blocking and started, the
+  bytes of the same calls on CPU tensors;
 - a weight sync with CUDA sources into in-place CUDA destinations (through host memory) at both,
   every version bit-exact in the destination tensors themselves.
 """
@@ -145,6 +147,33 @@ def _check_quantized_reshard(rank, world):
         assert all(torch.equal(a, b) for a, b in zip(*results)), (fmt, rank)
 
 
+def _check_one_shot_quantized(rank, world):
+    """unshard(quantize=...) and foreach_all_gather(quantize=...) on CUDA tensors (one-shot
+    quantized plans: the quantize stage's kernels), sync and started: the bytes of the same
+    calls on CPU tensors."""
+    group = dist.group.WORLD
+    torch.manual_seed(9)
+    full = torch.randn(300, 256, dtype=torch.bfloat16) * 3
+    spec = sg.ShardSpec(full.dtype, full.shape, 0)
+    sizes = sg.chunk_sizes(300, world)
+    mine = full[sum(sizes[:rank]):sum(sizes[:rank + 1])]
+    hint = [[(n, 256)] for n in sizes]
+    for fmt in ("fp8_e4m3_128x128", "mxfp8"):
+        results = []
+        for device, async_op in (("cpu", False), ("cuda", False), ("cuda", True)):
+            src = mine.to(device)
+            got = sg.unshard([src], [spec], group, quantize=fmt, async_op=async_op)
+            every = sg.foreach_all_gather([src], group, hint, quantize=fmt, async_op=async_op)
+            if async_op:
+                got, every = got.wait(), every.wait()
+            torch.cuda.synchronize()
+            parts = list(got[0]) + [x for pair in every[0] for x in pair]
+            assert all(p.device.type == device for p in parts), (fmt, device)
+            results.append([p.cpu().view(torch.uint8) for p in parts])
+        for other in results[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(results[0], other)), (fmt, rank)
+
+
 def _check_weight_sync(rank, world, device="cuda"):
     """WeightSync with CUDA sources and in-place CUDA destinations: each version lands bit-exact
     in the destination tensors themselves (the records applied on the host mirrors)."""
@@ -188,6 +217,7 @@ def _gloo_worker(rank, world, store_path, errors):
         _check_unshard(rank, world)
         _check_reshard(rank, world)
         _check_quantized_reshard(rank, world)
+        _check_one_shot_quantized(rank, world)
         _check_weight_sync(rank, world)
         dist.destroy_process_group()
     except BaseException as e:  # reported to the parent, which fails the test
@@ -223,6 +253,7 @@ def test_nccl_world1():
             _check_unshard(0, 1)
             _check_reshard(0, 1)
             _check_quantized_reshard(0, 1)
+            _check_one_shot_quantized(0, 1)
         finally:
             dist.destroy_process_group()
 

@@ -214,7 +214,7 @@ def check_disagreement(rank, world, group):
                                                    [one_d], group, timeout=T,
                                                    quantize=["fp8_e4m3_128x128"]))
     wrong = shard if rank != last else shard[:, :64]
-    _raises_everywhere(shardgather.InvalidArgumentError, "the layout wants",
+    _raises_everywhere(shardgather.InvalidArgumentError, "its box in the plan is",
                        lambda: shardgather.unshard([wrong], [spec], group, timeout=T,
                                                    quantize="mxfp8"))
     got = shardgather.unshard([shard], [spec], group, timeout=T, quantize="mxfp8")
@@ -621,6 +621,43 @@ def check_foreach_quantized(rank, world, group):
 
 
 
+def check_one_shot_quantized_calls(rank, world, group):
+    """A one-shot quantized unshard is two calls: its agreement and one call of a quantized
+    plan made for it; so is a started foreach_all_gather with the shapes hint (a blocking one
+    on CPU tensors composes its agreement and payload, and here no amax exchange: MXFP8 blocks
+    are never cut along dim 0). Started (async_op=True), the Work returns what the blocking
+    call does."""
+    comm = shardgather.communicator(group)
+    full = _values((300, 256), torch.bfloat16, seed=71)
+    sizes = _cuts(300, world, 72)
+    spec = ShardSpec(full.dtype, full.shape, 0, sizes)
+    mine = _shard(full, spec, rank, world)
+    hint = [[(n, 256)] for n in sizes]
+    data, scales = reference(full, "mxfp8")
+    for async_op in (False, True):
+        calls = comm.calls_issued
+        got = shardgather.unshard([mine], [spec], group, timeout=T, quantize="mxfp8",
+                                  async_op=async_op)
+        every = shardgather.foreach_all_gather([mine], group, hint, timeout=T,
+                                               quantize="mxfp8", async_op=async_op)
+        if async_op:
+            got, every = got.wait(), every.wait()
+        if world > 1:
+            assert comm.calls_issued - calls == 4, (rank, comm.calls_issued - calls)
+        _same_bits(got[0][0], data)
+        _same_bits(got[0][1], scales)
+        for r in range(world):
+            lo, n = sum(sizes[:r]), sizes[r]
+            _same_bits(every[0][r][0], data[lo:lo + n])
+            _same_bits(every[0][r][1], scales[lo:lo + n])  # a block is one row
+    if world > 1:  # a started call on one rank only: its path differs, refused everywhere
+        started = rank == world - 1
+        _raises_everywhere(shardgather.MismatchError, "async_op differs",
+                           lambda: shardgather.foreach_all_gather(
+                               [mine], group, hint, timeout=T, quantize="mxfp8",
+                               async_op=started))
+
+
 def check_reshard_plan_quantized(rank, world, group):
     """A ReshardPlan made once with quantize, executed every step: each execute quantizes the
     sources' current values (a weight sync), bit-identical to the reference each time, also
@@ -825,8 +862,8 @@ def check_gather_plan_quantized(rank, world, group):
 CHECKS = [check_unshard_bit_exact, check_one_spec_for_every_tensor, check_gather_to_one_rank,
           check_padded_shards, check_disagreement, check_bytes_on_the_wire,
           check_stream_quantized, check_export_fp8, check_reshard_quantized, check_pass_through,
-          check_foreach_quantized, check_reshard_plan_quantized, check_unshard_plan_quantized,
-          check_gather_plan_quantized, check_plans_quantizing_nothing,
+          check_foreach_quantized, check_one_shot_quantized_calls, check_reshard_plan_quantized,
+          check_unshard_plan_quantized, check_gather_plan_quantized, check_plans_quantizing_nothing,
           check_plan_quantize_disagrees,
           check_export_mxfp8_names_what_a_loader_reads]
 for _check in CHECKS:

@@ -538,7 +538,12 @@ def _run_foreach_q(kw, group, rank, world):
     mine = [_full((2 + rank, 64), torch.bfloat16, seed=rank)]
     kw.setdefault("timeout", T)
     kw.setdefault("quantize", "mxfp8")
-    return shardgather.foreach_all_gather(mine, group, shapes, **kw)
+    return _waited(shardgather.foreach_all_gather(mine, group, shapes, **kw))
+
+
+def _waited(got):
+    """A started call's results (its Work waited for), or ``got``."""
+    return got.wait() if isinstance(got, shardgather.Work) else got
 
 
 def _run_unshard_q(kw, group, rank, world):
@@ -548,7 +553,7 @@ def _run_unshard_q(kw, group, rank, world):
     mine = [_full((spec.sizes[rank], 64), torch.bfloat16, seed=rank)]
     kw.setdefault("timeout", T)
     kw.setdefault("quantize", "mxfp8")
-    return shardgather.unshard(mine, [spec], group, **kw)
+    return _waited(shardgather.unshard(mine, [spec], group, **kw))
 
 
 def _run_stream_q(kw, group, rank, world):
@@ -819,7 +824,10 @@ ROWS = [
     ("foreach_q_int", "foreach_q", dict(quantize=5), "InvalidTypeError", "quantize must be", 2),
     ("foreach_q_none", "foreach_q", dict(quantize=None), "MismatchError", "operation differs",
      2),
-    ("foreach_q_async", "foreach_q", dict(async_op=True), "InvalidArgumentError", "async_op", 2),
+    ("foreach_q_async", "foreach_q", dict(async_op=True), "MismatchError", "async_op differs",
+     2),
+    ("foreach_q_async_str", "foreach_q", dict(async_op="yes"), "InvalidTypeError",
+     "async_op must be a bool", 2),
     ("foreach_q_timeout_negative", "foreach_q", dict(timeout=-1.0), "InvalidArgumentError",
      "timeout", 2),
     ("unshard_q_format_differs", "unshard_q", dict(quantize="fp8_e4m3_1x128"), "MismatchError",
@@ -828,6 +836,9 @@ ROWS = [
     ("unshard_q_none", "unshard_q", dict(quantize=None), "MismatchError", "operation differs",
      2),
     ("unshard_q_dst_differs", "unshard_q", dict(dst=0), "MismatchError", "dst differs", 2),
+    ("unshard_q_async", "unshard_q", dict(async_op=True), "ok", "", 2),
+    ("unshard_q_async_str", "unshard_q", dict(async_op=1), "InvalidTypeError",
+     "async_op must be a bool", 2),
     ("reshard_q_format_differs", "reshard_q", dict(quantize="fp8_e4m3_1x128"),
      "MismatchError", "quantize spec", 2),
     ("reshard_q_unknown", "reshard_q", dict(quantize="fp9"), "InvalidArgumentError", "fp9", 2),
