@@ -13,6 +13,7 @@
 #include "ops/payload.h"
 #include "ops/plan_access.h"
 #include "ops/plan_execution.h"
+#include "ops/quant_stage.h"
 #include "ops/start.h"
 
 #include "shardgather/copy.h"
@@ -130,21 +131,9 @@ AllGatherPlan::AllGatherPlan(std::span<const DType> dtypes,
 void AllGatherPlan::plan_quantized(std::span<const DType> dtypes,
                                    std::span<const std::vector<Shape>> shapes_across_group,
                                    std::span<const QuantFormat> quantize) {
-  if (quantize.empty()) {
+  if (!detail::plans_quantized("AllGatherPlan", quantize, dtypes.size(), "tensors",
+                               options_.strategy)) {
     return;
-  }
-  if (quantize.size() != dtypes.size()) {
-    throw InvalidArgument("AllGatherPlan: " + std::to_string(quantize.size()) +
-                          " quantize formats for " + std::to_string(dtypes.size()) + " tensors");
-  }
-  if (std::all_of(quantize.begin(), quantize.end(),
-                  [](QuantFormat f) { return f == QuantFormat::kNone; })) {
-    return;  // quantizes nothing: a plain plan
-  }
-  if (options_.strategy != Strategy::kAuto && options_.strategy != Strategy::kDirect) {
-    throw InvalidArgument(
-        "AllGatherPlan: a quantized plan moves as one personal exchange (auto or direct), not " +
-        std::string(strategy_name(options_.strategy)));
   }
   std::vector<QuantFormat> formats;
   const std::vector<TensorRegions> regions =

@@ -732,4 +732,27 @@ void QuantStage::decode(std::span<const TensorView> destinations, QuantScratch& 
   }
 }
 
+bool plans_quantized(std::string_view plan, std::span<const QuantFormat> quantize,
+                     std::size_t count, std::string_view what, Strategy strategy) {
+  if (quantize.empty()) {
+    return false;
+  }
+  if (quantize.size() != count) {
+    throw InvalidArgument(std::string(plan) + ": " + std::to_string(quantize.size()) +
+                          " quantize formats for " + std::to_string(count) + " " +
+                          std::string(what));
+  }
+  if (std::all_of(quantize.begin(), quantize.end(),
+                  [](QuantFormat f) { return f == QuantFormat::kNone; })) {
+    return false;
+  }
+  if (strategy != Strategy::kAuto && strategy != Strategy::kDirect) {
+    throw InvalidArgument(std::string(plan) +
+                          ": a quantized plan moves as one personal exchange (auto or direct), "
+                          "not " +
+                          std::string(strategy_name(strategy)));
+  }
+  return true;
+}
+
 }  // namespace shardgather::detail

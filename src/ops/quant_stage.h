@@ -35,6 +35,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "copies/device_runtime.h"
@@ -43,6 +44,7 @@
 #include "shardgather/buffer.h"
 #include "shardgather/quantize.h"
 #include "shardgather/regions.h"
+#include "shardgather/strategy.h"
 #include "shardgather/types.h"
 
 namespace shardgather::detail {
@@ -184,6 +186,13 @@ class QuantStage {
   std::uint64_t fixed_bytes_ = 0;  // the arena's data and scales of the sources
   std::uint64_t amax_floats_ = 0;
 };
+
+// Whether a plan given one format per tensor (`quantize`; empty: none) quantizes anything: where
+// every format is none it is a plain plan. Throws InvalidArgument, named by `plan`, where there
+// are not `count` formats (`what` names the tensors), or where a quantized plan's strategy is
+// neither auto nor direct (it moves as one personal exchange). AllGatherPlan's and UnshardPlan's.
+[[nodiscard]] bool plans_quantized(std::string_view plan, std::span<const QuantFormat> quantize,
+                                   std::size_t count, std::string_view what, Strategy strategy);
 
 // A reshard's view against its box and its tensor's dtype; returns its bytes (reshard_plan.cc).
 std::uint64_t check_reshard_view(const TensorView& t, const char* side, std::size_t v, DType dtype,

@@ -17,6 +17,7 @@
 #include "ops/payload.h"
 #include "ops/plan_access.h"
 #include "ops/plan_execution.h"
+#include "ops/quant_stage.h"
 #include "ops/start.h"
 #include "vocabulary/checked_math.h"
 #include "vocabulary/hash.h"
@@ -195,22 +196,9 @@ UnshardPlan::UnshardPlan(std::span<const ShardSpec> specs, int world_size, int r
 }
 
 void UnshardPlan::plan_quantized(std::span<const QuantFormat> quantize) {
-  if (quantize.empty()) {
+  if (!detail::plans_quantized("UnshardPlan", quantize, specs_.size(), "specs",
+                               options_.strategy)) {
     return;
-  }
-  if (quantize.size() != specs_.size()) {
-    throw InvalidArgument("UnshardPlan: " + std::to_string(quantize.size()) +
-                          " quantize formats for " + std::to_string(specs_.size()) + " specs");
-  }
-  if (std::all_of(quantize.begin(), quantize.end(),
-                  [](QuantFormat f) { return f == QuantFormat::kNone; })) {
-    return;  // quantizes nothing: a plain plan
-  }
-  if (options_.strategy != Strategy::kAuto && options_.strategy != Strategy::kDirect) {
-    throw InvalidArgument(
-        "UnshardPlan: a quantized plan moves as one personal exchange (auto or "
-        "direct), not " +
-        std::string(strategy_name(options_.strategy)));
   }
   PlanOptions reshard = options_;
   reshard.dst = -1;  // a reshard's receivers are its destination boxes
