@@ -25,7 +25,10 @@ loads or what the trainer had:
   bf16-foreach, fp8-foreach
                 foreach_all_gather of the shards (the shapes hint given), without and with
                 quantize="fp8_e4m3_128x128": out[i][r], rank r's rows, FP8 with the scales of
-                the blocks they touch.
+                the blocks they touch (blocking on CPU tensors: composed in Python);
+  fp8-foreach-started
+                the same started (async_op=True) and waited for: an agreement and one call of
+                a quantized AllGatherPlan made for the call, the route CUDA tensors take.
 Per call: an MPI barrier (not timed), then the call; each iteration takes the max over ranks,
 and the methods take turns in a shuffled order. Prints medians and the ratios the bars name:
 fp8-on-send / bf16 (<= 0.60 link-bound, <= 1.10 on one host), bf16+quantize / fp8-on-send (>=
@@ -135,6 +138,8 @@ def main():
         "bf16-foreach": lambda: sg.foreach_all_gather(shards, comm, shapes_across_group=hint),
         "fp8-foreach": lambda: sg.foreach_all_gather(shards, comm, shapes_across_group=hint,
                                                      quantize=FMT),
+        "fp8-foreach-started": lambda: sg.foreach_all_gather(
+            shards, comm, shapes_across_group=hint, quantize=FMT, async_op=True).wait(),
         "bf16": lambda: sg.unshard(shards, specs, comm),
         "fp8-plan": lambda: fp8_plan.execute(shards, comm),
         "fp8-on-send": lambda: sg.unshard(shards, specs, comm, quantize=FMT),
@@ -161,12 +166,15 @@ def main():
     for i, t in enumerate(full):  # the gather's rows: rank r's rows of the quantized tensor
         if t.dim() != 2:
             continue
-        want, at = quantize(t, FMT), 0
-        for data, scales in first["fp8-foreach"][i]:
-            n = data.shape[0]
-            assert torch.equal(data.view(torch.uint8), want[0][at:at + n].view(torch.uint8)), i
-            assert torch.equal(scales, want[1][at // 128:-(-(at + n) // 128)]), i
-            at += n
+        want = quantize(t, FMT)
+        for method in ("fp8-foreach", "fp8-foreach-started"):
+            at = 0
+            for data, scales in first[method][i]:
+                n = data.shape[0]
+                assert torch.equal(data.view(torch.uint8),
+                                   want[0][at:at + n].view(torch.uint8)), (i, method)
+                assert torch.equal(scales, want[1][at // 128:-(-(at + n) // 128)]), (i, method)
+                at += n
     del first, full, streamed
     time_methods(methods, times, args.iters, mpi)
     if rank != 0:
@@ -178,13 +186,14 @@ def main():
               "mxfp8-on-send/bf16": med["mxfp8-on-send"] / med["bf16"],
               "bf16+quantize/fp8-on-send": med["bf16+quantize"] / med["fp8-on-send"],
               "fp8-stream/bf16-stream": med["fp8-stream"] / med["bf16-stream"],
-              "fp8-foreach/bf16-foreach": med["fp8-foreach"] / med["bf16-foreach"]}
+              "fp8-foreach/bf16-foreach": med["fp8-foreach"] / med["bf16-foreach"],
+              "fp8-foreach-started/fp8-foreach": med["fp8-foreach-started"] / med["fp8-foreach"]}
     if args.json:
         print(json.dumps({"world": world, "median_s": med, "all_s": times, "ratios": ratios}))
         return
     print("world %d, Qwen3-8B layer, %d timed calls each (max over ranks)" % (world, args.iters))
     for m in methods:
-        print("  %-15s median %8.1f ms   (%s)" % (m, med[m] * 1e3,
+        print("  %-19s median %8.1f ms   (%s)" % (m, med[m] * 1e3,
                                                   " ".join("%.0f" % (t * 1e3) for t in times[m])))
     for k, v in ratios.items():
         print("  %-27s %.3f" % (k, v))
