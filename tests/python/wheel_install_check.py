@@ -7,7 +7,10 @@ libraries is 5 GB: installing it again would test PyPI, not us), so the wheel is
 --no-deps --no-index (nothing is downloaded) and the gather script checks that the installed
 package's own `torch` requirement is met by the torch it runs with.
 
-    .venv/bin/python tests/python/wheel_install_check.py [SOURCE_DIR]
+    .venv/bin/python tests/python/wheel_install_check.py [SOURCE_DIR [--config-settings=KEY=VALUE ...]]
+
+The settings go to `pip wheel` (scikit-build-core's: the ctest that runs this passes its own
+build's type and flags, so that a compiler cache can serve the objects).
 """
 
 import glob
@@ -59,7 +62,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="sg-wheel-") as tmp:
         dist_dir = os.path.join(tmp, "dist")
         run([sys.executable, "-m", "pip", "wheel", source, "--no-build-isolation", "--no-deps",
-             "-q", "-w", dist_dir])
+             "-q", "-w", dist_dir, *sys.argv[2:]])
         wheels = glob.glob(os.path.join(dist_dir, "shardgather-*.whl"))
         assert len(wheels) == 1, wheels
         venv = os.path.join(tmp, "venv")
