@@ -114,7 +114,8 @@ def test_killed_mid_sync_gloo(victim, seed):
     """kill -9 of a source or a destination at a random moment of a dense sync on a Gloo group
     of 4 processes: every survivor raises (never hangs, never commits) within 2 x the deadline
     (a closed connection is usually seen at once, well before it). The kill lands 2%, 10% or
-    25% into a sync as long as the one before, so at least one survivor must raise."""
+    25% into a sync as long as the shorter of the two before, so at least one survivor must
+    raise."""
     import os
     import tempfile
 

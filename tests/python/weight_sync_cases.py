@@ -558,9 +558,9 @@ CASES = ["case_" + c.__name__[len("check_"):] for c in CHECKS]
 
 def kill_worker(rank, world, init_file, victim, deadline, seed, queue):
     """One process of a Gloo group (test_weight_sync.py's kill -9 case): a dense sync of a few
-    MB, during which rank ``victim`` SIGKILLs itself ``seed`` x the time of the sync before
-    (an arbitrary byte of the exchange, or of the encoding or the apply). Each survivor puts (rank, error class or None,
-    seconds) on ``queue``."""
+    MB, during which rank ``victim`` SIGKILLs itself ``seed`` x the time of a sync before it
+    (an arbitrary byte of the exchange, or of the encoding or the apply). Each survivor puts
+    (rank, error class or None, seconds) on ``queue``."""
     import datetime
     import signal
 
@@ -572,19 +572,24 @@ def kill_worker(rank, world, init_file, victim, deadline, seed, queue):
     ws = WeightSync(layouts_for(world, model=big), None, timeout=deadline, bucket_bytes=1 << 16)
     full = initial(model=big)
     ws.sync(0, shard_views(ws, full))
-    for t in full:
-        t.add_(1)  # every element changes: the sync is dense, the longest there is
-    began = time.monotonic()
-    ws.sync(1, shard_views(ws, full))
-    took = time.monotonic() - began  # the next one is as dense
+    # Two dense syncs (every element changes: the longest there is), timed: the first one after
+    # sync 0 also touches its buffers for the first time, so the shorter of the two is the
+    # measure of the one the kill lands in (a longer measure could put the kill after its commit).
+    took = []
+    for version in (1, 2):
+        for t in full:
+            t.add_(1)
+        began = time.monotonic()
+        ws.sync(version, shard_views(ws, full))
+        took.append(time.monotonic() - began)
     for t in full:
         t.add_(1)
     if rank == victim:
-        delay = seed * took  # seed: a fraction of a sync
+        delay = seed * min(took)  # seed: a fraction of a sync
         threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     began = time.monotonic()
     try:
-        ws.sync(2, shard_views(ws, full))
+        ws.sync(3, shard_views(ws, full))
         outcome = None
     except shardgather.ShardgatherError as e:
         outcome = type(e).__name__
