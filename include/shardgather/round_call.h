@@ -12,13 +12,17 @@
 // and every round is one all-gather of every rank's header followed by its row, so that
 //  - a rank whose local step failed between two rounds makes every rank raise its error (class
 //    and text, naming it) at the next round, not a deadline later;
-//  - ranks in different rounds (or calls) raise Mismatch naming both steps ("<name>: <round>").
+//  - ranks in different rounds (or calls) raise Mismatch naming both steps ("<name>: <round>");
+//  - a round whose collective fails (a timeout, an abort, a peer gone) raises that class with the
+//    round named ("... (in round '<name>: <round>')").
 // Every round gathers the same number of bytes (width() int64 per rank after the header), so
 // ranks in different rounds always complete the gather and meet the header check. The opening is
 // the plain 400-byte header exchange of every call, so a rank making any other operation raises
 // Mismatch ("operation differs") there.
 //
-// Each round waits at most `timeout` (the communicator's when unset): the deadline is per round.
+// One deadline for the whole call: `timeout` (the communicator's when unset) from when the call
+// is made. Every round, the opening included, ends by it, however long the embedder's own steps
+// between rounds take, so a stalled peer costs a caller at most one timeout per call.
 // A round runs as a blocking operation of the communicator (after every operation started before
 // it). World size 1: nothing travels, and fail() raises at once.
 //
@@ -114,12 +118,13 @@ class SHARDGATHER_API RoundCall {
   [[nodiscard]] Incoming incoming(std::span<const std::int64_t> sizes,
                                   std::string_view round) const;
   void exchange(std::span<const std::span<const std::byte>> outgoing,
-                std::span<const std::int64_t> sizes, std::span<std::byte> recv);
+                std::span<const std::int64_t> sizes, std::span<std::byte> recv,
+                std::string_view round);
+  [[noreturn]] void raise_in_round(const CommunicationError& e, std::string_view round) const;
   void name_round(detail::PreflightHeader& header, std::string_view round);
 
   Communicator& comm_;
   std::string name_;
-  std::optional<std::chrono::milliseconds> timeout_;
   std::size_t width_;
   bool opened_ = false;
   std::unique_ptr<detail::Call> call_;

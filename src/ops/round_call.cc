@@ -12,6 +12,14 @@
 
 namespace shardgather {
 
+// A collective's failure (a timeout, an abort, a peer gone) with the round it ended, of the same
+// class: which step of a compound operation a stalled peer never came to.
+[[noreturn]] void RoundCall::raise_in_round(const CommunicationError& e,
+                                            std::string_view round) const {
+  throw_error(e.code(),
+              std::string(e.what()) + " (in round '" + name_ + ": " + std::string(round) + "')");
+}
+
 // Every round's bytes: what this rank sends ([header | row]), every rank's, their headers laid
 // out for the header check, and the table of rows handed out.
 struct RoundCall::Buffers {
@@ -36,7 +44,6 @@ RoundCall::RoundCall(Communicator& comm, Operation op, std::string_view name,
                      std::optional<std::chrono::milliseconds> timeout, std::size_t width)
     : comm_(comm),
       name_(name),
-      timeout_(timeout),
       width_(checked_width(width, comm)),
       buffers_(std::make_unique<Buffers>()) {
   detail::run_blocking(comm, [&] {
@@ -54,7 +61,13 @@ void RoundCall::open(std::string_view round) {
   // mis-size every gather, so the opening compares it.
   call_->header().payload_bytes = width_ * sizeof(std::int64_t);
   std::span<const detail::PreflightHeader> headers;
-  detail::run_blocking(comm_, [&] { headers = call_->agree(); });
+  detail::run_blocking(comm_, [&] {
+    try {
+      headers = call_->agree();
+    } catch (const CommunicationError& e) {  // the call parked its own buffers
+      raise_in_round(e, round);
+    }
+  });
   for (std::size_t r = 1; r < headers.size(); ++r) {
     if (headers[r].payload_bytes != headers[0].payload_bytes) {
       throw Mismatch("rank " + std::to_string(comm_.rank()) + ": " + name_ +
@@ -129,12 +142,11 @@ void RoundCall::gather(std::string_view round) {
   b.decoded.resize(world);
   detail::run_blocking(comm_, [&] {
     try {
-      comm_.all_gather(b.mine, b.gathered,
-                       comm_.deadline_after(timeout_.value_or(comm_.timeout())));
-    } catch (const CommunicationError&) {
+      comm_.all_gather(b.mine, b.gathered, call_->deadline());
+    } catch (const CommunicationError& e) {
       detail::park(b.mine);
       detail::park(b.gathered);
-      throw;
+      raise_in_round(e, round);
     }
   });
   for (std::size_t r = 0; r < world; ++r) {
@@ -190,7 +202,7 @@ RoundCall::Messages RoundCall::messages(
   } else {
     take();  // within the capacity every rank stated: nothing to allocate
   }
-  exchange(outgoing, sizes, recv);
+  exchange(outgoing, sizes, recv, round);
   return {sizes, recv};
 }
 
@@ -225,7 +237,8 @@ RoundCall::Incoming RoundCall::incoming(std::span<const std::int64_t> sizes,
 // One all_to_all_scatter: outgoing[p] to each other rank p, what each sends here adjacent in
 // rank order in `recv`.
 void RoundCall::exchange(std::span<const std::span<const std::byte>> outgoing,
-                         std::span<const std::int64_t> sizes, std::span<std::byte> recv) {
+                         std::span<const std::int64_t> sizes, std::span<std::byte> recv,
+                         std::string_view round) {
   const auto world = static_cast<std::size_t>(comm_.size());
   const auto me = static_cast<std::size_t>(comm_.rank());
   std::vector<ConstSegment> send;
@@ -247,15 +260,14 @@ void RoundCall::exchange(std::span<const std::span<const std::byte>> outgoing,
   }
   detail::run_blocking(comm_, [&] {
     try {
-      comm_.all_to_all_scatter(send, send_first, pieces, first,
-                               comm_.deadline_after(timeout_.value_or(comm_.timeout())));
-    } catch (const CommunicationError&) {
+      comm_.all_to_all_scatter(send, send_first, pieces, first, call_->deadline());
+    } catch (const CommunicationError& e) {
       // A failed exchange may still read what it was handed (the bytes are the caller's).
       detail::park(send);
       detail::park(send_first);
       detail::park(pieces);
       detail::park(first);
-      throw;
+      raise_in_round(e, round);
     }
   });
 }

@@ -1,12 +1,14 @@
 // A compound operation's call of rounds (round_call.h) on the threads backend: one call per
 // operation however many rounds, every rank's row and message delivered, and a failure recorded
 // between rounds raised by every rank at the next round.
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <new>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -236,6 +238,43 @@ TEST_P(RoundCallWorld, AReceiveBufferThatCannotGrowFailsEveryRankBeforeAnyByteMo
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, RoundCallWorld, ::testing::Values(1, 2, 3, 5));
+
+// The call has one deadline, from when it is made: a round after a long local step waits only
+// for what is left of it (per round, it would wait a whole timeout again). Rank 1 never comes to
+// the second round; rank 0 enters it 60% into the timeout and must raise at the call's deadline.
+TEST(RoundCallDeadline, EveryRoundEndsByTheCallsOneDeadline) {
+  constexpr auto kTimeout = 2000ms;
+  std::atomic<bool> done{false};
+  run_ranks(
+      2,
+      [&](int rank, Communicator& comm) {
+        if (rank == 1) {
+          RoundCall call(comm, Operation::kWeightSync, "test", kTimeout, 1);
+          call.open("state");
+          const auto until = std::chrono::steady_clock::now() + 4 * kTimeout;
+          while (!done && std::chrono::steady_clock::now() < until) {
+            std::this_thread::sleep_for(10ms);
+          }
+          return;
+        }
+        const auto made = std::chrono::steady_clock::now();
+        const auto [cls, what] = outcome([&] {
+          RoundCall call(comm, Operation::kWeightSync, "test", kTimeout, 1);
+          call.open("state");
+          std::this_thread::sleep_for(kTimeout * 6 / 10);  // the embedder's own step
+          (void)call.rows({}, "vote");
+        });
+        const auto took = std::chrono::steady_clock::now() - made;
+        done = true;
+        EXPECT_EQ(cls, "Timeout") << what;
+        EXPECT_NE(what.find("(in round 'test: vote')"), std::string::npos) << what;
+        // By the call's deadline (2 s), not the vote's own (3.2 s); the margin is for a slow
+        // sanitized run.
+        EXPECT_GE(took, kTimeout * 9 / 10);
+        EXPECT_LT(took, kTimeout * 14 / 10);
+      },
+      test_name());
+}
 
 }  // namespace
 }  // namespace shardgather
