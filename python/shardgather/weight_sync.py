@@ -164,7 +164,8 @@ class SyncWork:
         return self._result
 
 
-_REBUILD_KEYWORDS = ("mode", "destinations", "bucket_bytes", "dense_ratio", "timeout")
+_REBUILD_KEYWORDS = ("mode", "destinations", "chunk_bytes", "bucket_bytes", "dense_ratio",
+                     "timeout")
 
 
 class WeightSync:
@@ -185,8 +186,12 @@ class WeightSync:
       (:attr:`mixed` names their tensors meanwhile); :meth:`read` and :meth:`fence` wait for
       the apply to end.
 
-    ``bucket_bytes``: the unit of change detection, encoding and checksum (default 1 MiB).
-    ``dense_ratio``: see :data:`DENSE_RATIO`. ``timeout``: each round's deadline, in seconds.
+    ``chunk_bytes``: the unit of change detection, encoding and checksum (default 1 MiB; every
+    rank passes the same). ``bucket_bytes`` is its older name (give one): a bucket is what the
+    stream and the export hold at a time, and the device reshard's staging is
+    ``device_bucket_bytes``.
+    ``dense_ratio``: see :data:`DENSE_RATIO`. ``timeout``: each sync's deadline, in seconds (one
+    for the whole sync, every round included).
 
     Memory, stated in advance (:meth:`memory`): a source holds two copies of its shards (the
     committed snapshot and the copy a running sync reads, so the trainer may write its shards
@@ -199,7 +204,7 @@ class WeightSync:
     buffers are host tensors). The diff, the records and their apply run on the host. Messages: a delta's records, dense at worst (a new destination's boxes).
 
     The constructor is pure (nothing is exchanged): an argument error found there (layouts,
-    ``mode``, ``destinations``, ``bucket_bytes``, ``dense_ratio``, ``timeout``) is kept and
+    ``mode``, ``destinations``, ``chunk_bytes``, ``dense_ratio``, ``timeout``) is kept and
     raised by the first :meth:`sync`, on every rank, with its class (docs/errors.md), as every
     argument error of :meth:`sync` and :meth:`start` is. :attr:`version`: the last version this
     rank committed, on every rank (a trainer's too); -1 before the first commit.
@@ -211,7 +216,8 @@ class WeightSync:
     _mirror_host = False  # test hook: in place, host destinations mirrored as CUDA ones are
 
     def __init__(self, layouts, group=None, *, mode="staged", destinations=None,
-                 bucket_bytes=1 << 20, dense_ratio=DENSE_RATIO, timeout=None, _state=None):
+                 chunk_bytes=None, dense_ratio=DENSE_RATIO, timeout=None, bucket_bytes=None,
+                 _state=None):
         from . import communicator, _setup_timeout
 
         self.comm = communicator(group, _setup_timeout(timeout))
@@ -225,7 +231,7 @@ class WeightSync:
         self._reader_wait = 0.5 * self.timeout
         self.layouts, self.mode = [], "staged"
         self.source_boxes, self.destination_boxes, self._sends, self._receives = [], [], [], []
-        self.bucket_bytes, self.fingerprint = 0, 0
+        self.chunk_bytes, self.fingerprint = 0, 0
         self._init_sources(None)
         self._init_destinations(None, None)
         self.last_stats = None
@@ -236,18 +242,23 @@ class WeightSync:
         # constructor is pure: the others cannot know).
         self._error = None
         try:
-            self._build(layouts, mode, destinations, bucket_bytes, dense_ratio, timeout,
-                        _state)
+            self._build(layouts, mode, destinations, _chunk_bytes(chunk_bytes, bucket_bytes),
+                        dense_ratio, timeout, _state)
         except Exception as e:  # noqa: BLE001  (whatever it is, the first sync tells the peers)
             self._error = e
 
-    def _build(self, layouts, mode, destinations, bucket_bytes, dense_ratio, timeout, state):
+    @property
+    def bucket_bytes(self):
+        """:attr:`chunk_bytes` under its older name."""
+        return self.chunk_bytes
+
+    def _build(self, layouts, mode, destinations, chunk_bytes, dense_ratio, timeout, state):
         from . import ReshardPlan
         from ._agree import check_int
 
         if mode not in ("staged", "in_place"):
             raise InvalidArgumentError("mode must be 'staged' or 'in_place', got %r" % (mode,))
-        self.bucket_bytes = check_int("bucket_bytes", bucket_bytes, 8)
+        self.chunk_bytes = check_int(*chunk_bytes, 8)
         if isinstance(dense_ratio, bool) or not isinstance(dense_ratio, (int, float)):
             raise InvalidTypeError("dense_ratio must be a number, got %s"
                                    % type(dense_ratio).__name__)
@@ -383,7 +394,7 @@ class WeightSync:
         rank). A rank new to the group constructs a WeightSync instead; its first sync fills it
         from replicas where they exist. Pure, as the constructor: an argument error (an unknown
         keyword included) is raised by the first sync, on every rank. ``kwargs`` are the
-        constructor's (``mode``, ``destinations``, ``bucket_bytes``, ``dense_ratio``,
+        constructor's (``mode``, ``destinations``, ``chunk_bytes``, ``dense_ratio``,
         ``timeout``), this object's by default, except ``destinations``: an in-place sync's
         rebuild takes its views again (the same ones, or the new layout's)."""
         # Tensors an in-place apply left written but uncommitted hold no version a peer knows:
@@ -396,7 +407,8 @@ class WeightSync:
         unknown = sorted(set(kwargs) - set(_REBUILD_KEYWORDS))
         kwargs = {k: v for k, v in kwargs.items() if k in _REBUILD_KEYWORDS}
         kwargs.setdefault("mode", self.mode)
-        kwargs.setdefault("bucket_bytes", self.bucket_bytes)
+        if "bucket_bytes" not in kwargs:
+            kwargs.setdefault("chunk_bytes", self.chunk_bytes)
         kwargs.setdefault("dense_ratio", self.dense_ratio)
         kwargs.setdefault("timeout", self.timeout)
         out = WeightSync(layouts, group, _state=state, **kwargs)
@@ -505,11 +517,12 @@ class WeightSync:
         from ._agree import _CORE_NAMES, classify
 
         cls, message = classify(error)
-        if round_name is None:
+        code, text = _CORE_NAMES.get(cls, "InvalidArgument"), "WeightSync.sync: " + message
+        if round_name is None:  # the sync's call is made for it, and its opening raises it
             self._call = self._rounds()
-        self._call.fail(_CORE_NAMES.get(cls, "InvalidArgument"), "WeightSync.sync: " + message)
-        if round_name is None:
+            self._call.fail(code, text)
             self._call.open("state")
+        self._call.fail(code, text)
         self._call.rows(torch.zeros(0, dtype=torch.int64), round_name)
 
     def _rows(self, row, name):
@@ -581,9 +594,9 @@ class WeightSync:
         row = torch.tensor([version, self.snapshot_version, held,
                             1 if self._mixed else 0,
                             (1 if self.source_boxes else 0) | (2 if self.destination_boxes else 0),
-                            fingerprint, self.bucket_bytes], dtype=torch.int64)
+                            fingerprint, self.chunk_bytes], dtype=torch.int64)
         table = self._rows(row, "state")
-        for column, what in ((5, "layouts (the plan's fingerprint)"), (6, "bucket_bytes")):
+        for column, what in ((5, "layouts (the plan's fingerprint)"), (6, "chunk_bytes")):
             values = table[:, column].tolist()
             if len(set(values)) != 1:
                 r = next(r for r, v in enumerate(values) if v != values[0])
@@ -610,7 +623,7 @@ class WeightSync:
         out = []
         for k, (_, t, _, _, _, size) in enumerate(transfers):
             n = _numel(size)
-            step = max(1, self.bucket_bytes // self.layouts[t].dtype.itemsize)
+            step = max(1, self.chunk_bytes // self.layouts[t].dtype.itemsize)
             out.extend((k, at, min(step, n - at)) for at in range(0, n, step))
         return out
 
@@ -956,6 +969,15 @@ class WeightSync:
                 self._readers.label(self._buffer_version, 0, version)
                 self._mixed = set()
         self.version = version  # every rank's, a trainer's too
+
+
+def _chunk_bytes(chunk_bytes, bucket_bytes):
+    """(the name given, the value) of the change-detection unit, which has two names."""
+    if bucket_bytes is None:
+        return "chunk_bytes", 1 << 20 if chunk_bytes is None else chunk_bytes
+    if chunk_bytes is not None:
+        raise InvalidArgumentError("chunk_bytes was given twice (bucket_bytes is its older name)")
+    return "bucket_bytes", bucket_bytes
 
 
 def _signed(u64):

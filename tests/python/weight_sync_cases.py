@@ -438,9 +438,13 @@ def _arguments(rank, world):
     other[0] = TensorLayout((48, 41), other[0].dtype, [], [])
     last_holds = bool(shardgather.ReshardPlan(layouts, world, world - 1).destination_boxes)
     return [
-        ("bucket_bytes 0", {"bucket_bytes": 0}, None, shardgather.InvalidArgumentError),
-        ("bucket_bytes '64'", {"bucket_bytes": "64"}, None, shardgather.InvalidTypeError),
-        ("bucket_bytes 512", {"bucket_bytes": 512}, None, shardgather.MismatchError),
+        ("chunk_bytes 0", {"chunk_bytes": 0}, None, shardgather.InvalidArgumentError),
+        ("chunk_bytes '64'", {"chunk_bytes": "64"}, None, shardgather.InvalidTypeError),
+        ("chunk_bytes 512", {"chunk_bytes": 512}, None, shardgather.MismatchError),
+        ("bucket_bytes 512 (its older name)", {"bucket_bytes": 512}, None,
+         shardgather.MismatchError),
+        ("chunk_bytes given twice", {"bucket_bytes": 256, "chunk_bytes": 256}, None,
+         shardgather.InvalidArgumentError),
         ("dense_ratio 2", {"dense_ratio": 2.0}, None, shardgather.InvalidArgumentError),
         ("dense_ratio 'x'", {"dense_ratio": "x"}, None, shardgather.InvalidTypeError),
         ("mode 'bogus'", {"mode": "bogus"}, None, shardgather.InvalidArgumentError),
@@ -465,9 +469,11 @@ def check_bad_arguments(rank, world, comm):
     cases, layouts = _arguments(rank, world)
     full = initial()
     for what, kw, call, cls in cases:
-        mine = dict(timeout=T, bucket_bytes=256)
+        mine = dict(timeout=T, chunk_bytes=256)
         if rank == world - 1:
             mine.update(kw)
+            if kw.keys() == {"bucket_bytes"}:
+                del mine["chunk_bytes"]
         lays = mine.pop("layouts", layouts)
         ws = WeightSync(lays, comm, **mine)
         version, sources = 1, shard_views(ws, full) if ws.destination_boxes or \
