@@ -137,6 +137,9 @@ class SHARDGATHER_API UnshardPlan {
   void build_job(std::span<const TensorView> shards, detail::Stager& stager);
   // Plans the quantized reshard where a format quantizes (the constructor's last step).
   void plan_quantized(std::span<const QuantFormat> quantize);
+  // What is wrong with the shards' count, dtypes or shapes against the specs (the first thing),
+  // in the unshard's words; nothing when they fit.
+  [[nodiscard]] std::optional<std::string> shards_error(std::span<const TensorView> shards) const;
   // A quantized plan's shards as its reshard's sources: each padded shard's real rows.
   [[nodiscard]] std::vector<TensorView> real_rows(std::span<const TensorView> shards) const;
   // Fails a quantized plan's call on every rank (the peers are in its reshard's call).

@@ -213,8 +213,8 @@ std::vector<TensorView> UnshardPlan::real_rows(std::span<const TensorView> shard
     const auto d = static_cast<std::size_t>(s.shard_dim);
     const std::int64_t real = s.sizes[static_cast<std::size_t>(rank_)];
     TensorView& v = rows[i];
-    if (s.padded_size == 0 || v.shape.size() <= d || v.shape[d] < real) {
-      continue;  // the reshard's checks name what is wrong with it
+    if (s.padded_size == 0) {
+      continue;  // shards_error has checked its shape
     }
     Shape strides;  // a contiguous view's, before its shape shrinks
     detail::resolve_strides(v.shape, v.strides, strides);
@@ -387,6 +387,9 @@ ExecStats UnshardPlan::execute(std::span<const TensorView> shards, Communicator&
     }
     return execute(shards, comm, outputs);
   }
+  if (const std::optional<std::string> wrong = shards_error(shards)) {
+    refuse(comm, "UnshardPlan::execute: " + *wrong);
+  }
   // A rank that receives nothing passes whatever it likes, untouched, as for a plain plan.
   const std::span<const TensorView> none;
   return quantized_->execute(real_rows(shards), comm, receives() ? outputs : none,
@@ -401,6 +404,9 @@ Work<ExecStats> UnshardPlan::start(std::span<const TensorView> shards, Communica
       refuse(comm, "UnshardPlan::start: scales given to a plan that quantizes nothing");
     }
     return start(shards, comm, outputs);
+  }
+  if (const std::optional<std::string> wrong = shards_error(shards)) {
+    refuse(comm, "UnshardPlan::start: " + *wrong);
   }
   const std::span<const TensorView> none;
   return quantized_->start(real_rows(shards), comm, receives() ? outputs : none,
@@ -419,11 +425,9 @@ void UnshardPlan::check_shards(const Communicator& comm, std::span<const TensorV
                                bool one_buffer, ExecStats& stats) {
   detail::ExecScratch& x = scratch_.get();
   const std::size_t n = specs_.size();
-  const auto me = static_cast<std::size_t>(rank_);
   detail::check_plan_world(comm, world_, rank_);
-  if (shards.size() != n) {
-    throw InvalidArgument("the plan has " + std::to_string(n) + " parameters, got " +
-                          std::to_string(shards.size()) + " shards");
+  if (const std::optional<std::string> wrong = shards_error(shards)) {
+    throw InvalidArgument(*wrong);
   }
   x.device = detail::call_device(shards);
   check_output_device();
@@ -437,24 +441,6 @@ void UnshardPlan::check_shards(const Communicator& comm, std::span<const TensorV
   for (std::size_t i = 0; i < n; ++i) {
     const ShardSpec& s = specs_[i];
     const TensorView& t = shards[i];
-    if (t.dtype != s.dtype || t.shape.size() != s.full_shape.size()) {
-      throw InvalidArgument("tensor " + std::to_string(i) + ": expected a " +
-                            std::string(dtype_name(s.dtype)) + " shard of rank " +
-                            std::to_string(s.full_shape.size()) + ", got " +
-                            std::string(dtype_name(t.dtype)) + " " + detail::shape_str(t.shape));
-    }
-    for (std::size_t d = 0; d < t.shape.size(); ++d) {
-      const std::int64_t want = d != static_cast<std::size_t>(s.shard_dim) ? s.full_shape[d]
-                                : s.padded_size != 0                       ? s.padded_size
-                                                                           : s.sizes[me];
-      if (t.shape[d] != want) {
-        throw InvalidArgument("tensor " + std::to_string(i) + ": shard shape " +
-                              detail::shape_str(t.shape) + ", rank " + std::to_string(rank_) +
-                              " should pass dim " + std::to_string(d) + " = " +
-                              std::to_string(want) + " (full " + detail::shape_str(s.full_shape) +
-                              ", shard dim " + std::to_string(s.shard_dim) + ")");
-      }
-    }
     detail::check_tensor_matches(t, i, s.dtype, t.shape, local_bytes_[i]);
     detail::check_device(t, i, x.device, "shard");
     if (!is_contiguous(t)) {
@@ -481,6 +467,36 @@ void UnshardPlan::check_shards(const Communicator& comm, std::span<const TensorV
     x.staging.resize(staged);
   }
   stats.staged_bytes = staged;
+}
+
+std::optional<std::string> UnshardPlan::shards_error(std::span<const TensorView> shards) const {
+  const std::size_t n = specs_.size();
+  if (shards.size() != n) {
+    return "the plan has " + std::to_string(n) + " parameters, got " +
+           std::to_string(shards.size()) + " shards";
+  }
+  const auto me = static_cast<std::size_t>(rank_);
+  for (std::size_t i = 0; i < n; ++i) {
+    const ShardSpec& s = specs_[i];
+    const TensorView& t = shards[i];
+    if (t.dtype != s.dtype || t.shape.size() != s.full_shape.size()) {
+      return "tensor " + std::to_string(i) + ": expected a " + std::string(dtype_name(s.dtype)) +
+             " shard of rank " + std::to_string(s.full_shape.size()) + ", got " +
+             std::string(dtype_name(t.dtype)) + " " + detail::shape_str(t.shape);
+    }
+    for (std::size_t d = 0; d < t.shape.size(); ++d) {
+      const std::int64_t want = d != static_cast<std::size_t>(s.shard_dim) ? s.full_shape[d]
+                                : s.padded_size != 0                       ? s.padded_size
+                                                                           : s.sizes[me];
+      if (t.shape[d] != want) {
+        return "tensor " + std::to_string(i) + ": shard shape " + detail::shape_str(t.shape) +
+               ", rank " + std::to_string(rank_) + " should pass dim " + std::to_string(d) + " = " +
+               std::to_string(want) + " (full " + detail::shape_str(s.full_shape) + ", shard dim " +
+               std::to_string(s.shard_dim) + ")";
+      }
+    }
+  }
+  return std::nullopt;
 }
 
 void UnshardPlan::check_output_device() {

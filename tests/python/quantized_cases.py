@@ -214,7 +214,9 @@ def check_disagreement(rank, world, group):
                                                    [one_d], group, timeout=T,
                                                    quantize=["fp8_e4m3_128x128"]))
     wrong = shard if rank != last else shard[:, :64]
-    _raises_everywhere(shardgather.InvalidArgumentError, "its box in the plan is",
+    # named in the unshard's words (the shard and its spec), not its reshard's
+    _raises_everywhere(shardgather.InvalidArgumentError,
+                       ", 64], rank %d should pass dim 1 = 128 (full [256, 128]" % last,
                        lambda: shardgather.unshard([wrong], [spec], group, timeout=T,
                                                    quantize="mxfp8"))
     got = shardgather.unshard([shard], [spec], group, timeout=T, quantize="mxfp8")
