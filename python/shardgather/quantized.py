@@ -911,7 +911,7 @@ def _refuse(plan, group, message):
 
     comm = communicator(group, plan._timeout())
     _C._fail_call(comm, "ReshardPlan::execute", message, False, plan._preflight is not False,
-                  _setup_timeout(plan._given_timeout), "")
+                  _setup_timeout(plan._given_timeout), plan._stage)
 
 
 def unshard_entries(specs, specs_q):

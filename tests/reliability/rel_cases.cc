@@ -709,7 +709,8 @@ enum class DOp : std::uint8_t {
   kUnshard,
   kUnshardExecute,
   kStream,
-  kReshard
+  kReshard,
+  kRounds  // a compound operation's call of rounds (RoundCall: the weight sync's)
 };
 
 struct DCall {
@@ -731,7 +732,9 @@ struct DCall {
   bool fan_out = true;              // reshards: RegionOptions::fan_out
   std::size_t fan_out_waves = 4;    // reshards: RegionOptions::fan_out_waves
   std::uint64_t device_bucket = std::uint64_t{256} << 20;  // RegionOptions::device_bucket_bytes
-  const char* stage = "";  // the call's stage (a step of a compound operation; "" for none)
+  const char* stage = "";       // the call's stage (a step of a compound operation; "" for none)
+  std::size_t round_width = 7;  // rounds: the values per row
+  const char* round = "state";  // rounds: the round the call opens with
   // Reshards: destination 0 of this rank (a [rows, 4] box) is a view with these strides over
   // storage just large enough (alias_rows 0: contiguous). {1, 1}, {2, 1}: rows that overlap;
   // {0, 1}: one row repeated. Family A: such views must be refused on every rank, unwritten.
@@ -1035,6 +1038,34 @@ const DRow kDRows[] = {
      2,
      {.op = DOp::kUnshard},
      {.op = DOp::kUnshard, .stage = "full_tensors(quantize): payload"}},
+    {"D-rounds-width",
+     "a call of rounds whose rows are wider on one rank",
+     "Mismatch",
+     "the call's rows differ",
+     2,
+     {.op = DOp::kRounds},
+     {.op = DOp::kRounds, .round_width = 9}},
+    {"D-rounds-round",
+     "a call of rounds opened at another round",
+     "Mismatch",
+     "as the step 'WeightSync.sync: vote'",
+     2,
+     {.op = DOp::kRounds},
+     {.op = DOp::kRounds, .round = "vote"}},
+    {"D-rounds-foreach",
+     "a call of rounds against a foreach",
+     "Mismatch",
+     "operation differs",
+     2,
+     kRefForeach,
+     {.op = DOp::kRounds}},
+    {"D-rounds-timeout",
+     "a call of rounds with a negative timeout",
+     "InvalidArgument",
+     "timeout must be >= 0",
+     2,
+     {.op = DOp::kRounds},
+     {.op = DOp::kRounds, .timeout_ms = -5}},
     {"D-stage-plan",
      "a plan's execute against the same plan's execute as a step",
      "Mismatch",
@@ -1257,6 +1288,13 @@ GatherResult d_call(const DCall& c, Communicator& comm, const CaseContext& ctx, 
     case DOp::kReshard:
       d_reshard(c, comm, po, in);
       return {};
+    case DOp::kRounds: {
+      RoundCall call(comm, Operation::kWeightSync, "WeightSync.sync", timeout, c.round_width);
+      call.open(c.round);
+      const std::vector<std::int64_t> row{comm.rank()};
+      (void)call.rows(row, "state");
+      return {};
+    }
   }
   return {};
 }
