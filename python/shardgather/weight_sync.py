@@ -139,29 +139,28 @@ class _Readers:
             self._cond.notify_all()
 
 
-class SyncWork:
-    """A started sync (:meth:`WeightSync.start`): the sources' copy is taken; the rest runs on a
-    thread of its own. ``wait()`` returns the sync's stats or raises its error."""
+def _started(comm, run):
+    """(a :class:`shardgather.Work` whose ``wait()`` returns ``run()``'s result or raises its
+    error, the thread running it): a started sync runs on a thread of its own."""
+    outcome = {}
 
-    def __init__(self, run):
-        self._result, self._error = None, None
-        self._thread = threading.Thread(target=self._body, args=(run,), daemon=True)
-        self._thread.start()
-
-    def _body(self, run):
+    def body():
         try:
-            self._result = run()
+            outcome["value"] = run()
         except BaseException as e:  # noqa: B902  (handed to wait())
-            self._error = e
+            outcome["error"] = e
+        finally:
+            done()
 
-    def is_completed(self):
-        return not self._thread.is_alive()
+    def result():
+        if "error" in outcome:
+            raise outcome.pop("error")
+        return outcome.get("value")
 
-    def wait(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._result
+    work, done = _C._thread_work(comm, result)
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return work, thread
 
 
 _REBUILD_KEYWORDS = ("mode", "destinations", "chunk_bytes", "bucket_bytes", "dense_ratio",
@@ -237,7 +236,7 @@ class WeightSync:
         self.last_stats = None
         self._corrupt = None  # test hook: (sender, peer, message) -> None, may flip bytes
         self._settle = False  # bench hook: a sync point before the payload exchange
-        self._work = None  # the last started sync
+        self._thread = None  # the last started sync's
         # An argument wrong on this rank only is raised by the first sync, on every rank (the
         # constructor is pure: the others cannot know).
         self._error = None
@@ -479,12 +478,14 @@ class WeightSync:
 
     def start(self, version, sources=()):
         """:meth:`sync`, started: returns once this rank's sources are copied (the trainer may
-        write them from then on), the rest runs on a thread; a :class:`SyncWork`. A sync still
-        running on this object is waited for first (its outcome stays in its own work)."""
-        if self._work is not None:
-            self._work._thread.join()
-        self._work = self._start(version, sources)
-        return self._work
+        write them from then on), the rest runs on a thread of its own; a
+        :class:`shardgather.Work` whose ``wait()`` returns the stats (Ctrl-C in it aborts the
+        group, as for every Work). A sync still running on this object is waited for first
+        (its outcome stays in its own work)."""
+        if self._thread is not None:
+            self._thread.join()
+        work, self._thread = self._start(version, sources)
+        return work
 
     def _start(self, version, sources):
         try:
@@ -493,7 +494,7 @@ class WeightSync:
             version = self._check_sources(version, sources)
         except Exception as e:  # noqa: BLE001  (raised on every rank by the state round)
             error = e
-            return SyncWork(lambda: self._fail(error, None))
+            return _started(self.comm, lambda: self._fail(error, None))
         fresh = version != self.snapshot_version
         t0 = time.perf_counter()
         if fresh:
@@ -503,7 +504,7 @@ class WeightSync:
                     self._pending[key] = torch.empty(region.numel(), dtype=region.dtype)
                 self._pending[key].view(region.shape).copy_(region)
         self._copy_seconds = time.perf_counter() - t0
-        return SyncWork(lambda: self._run(version, fresh))
+        return _started(self.comm, lambda: self._run(version, fresh))
 
     def _rounds(self):
         """A sync's call of rounds: the state row is the widest (7 values)."""

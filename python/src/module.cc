@@ -336,6 +336,24 @@ void register_work(py::module_& m) {
                      "returns (or raises its error, on every rank); is_completed() polls.")
       .def("wait", &PyWork::wait)
       .def("is_completed", &PyWork::is_completed);
+  // The Work of an operation that runs on a Python thread of its own (WeightSync.start): the
+  // thread calls `done()` when it has ended, and wait() then returns `result()` (which raises
+  // what the thread raised). Ctrl-C in wait() aborts `comm`, as for any Work: the thread's
+  // rounds on it end with Aborted.
+  m.def(
+      "_thread_work",
+      [](const CommPtr& comm, py::function result) {
+        auto state = std::make_shared<shardgather::detail::WorkResult<bool>>();
+        state->value = true;
+        // The last reference may go on the thread that calls done(): the state holds no Python
+        // object, so that needs no GIL.
+        py::cpp_function done([state] { shardgather::detail::WorkState::finish(state, nullptr); });
+        auto work = std::make_unique<PyWork>(
+            comm, Work<bool>(std::move(state)),
+            [result = std::move(result)](bool /*ended*/) { return result(); }, py::none());
+        return py::make_tuple(py::cast(std::move(work)), std::move(done));
+      },
+      py::arg("comm"), py::arg("result"));
 }
 
 std::string shard_spec_repr(const ShardSpec& s) {

@@ -104,7 +104,7 @@ def _outcome(call):
     began = time.monotonic()
     try:
         result = call()
-        if isinstance(result, (shardgather.Work, shardgather.weight_sync.SyncWork)):
+        if isinstance(result, shardgather.Work):
             result.wait()
     except shardgather.ShardgatherError as e:
         return type(e).__name__, str(e), time.monotonic() - began

@@ -320,6 +320,32 @@ def timeout_case_ctrl_c_then_late_peer(rank, world):
     _ctrl_c_then_late_peer(rank, world, 1, "unshard along dim 1")
 
 
+def timeout_case_ctrl_c_in_weight_sync(rank, world):
+    """Ctrl-C while rank 0 waits on a started weight sync (its Work) whose peer never comes:
+    KeyboardInterrupt within about a second, not at the 30 s deadline, and the group poisoned
+    (the sync's thread, blocked in its opening round, ends with it). The blocking sync alike."""
+    from shardgather.layouts import Box, TensorLayout
+
+    layouts = [TensorLayout((8, 4), torch.float32, [(0, Box((0, 0), (8, 4)))],
+                            [(1, Box((0, 0), (8, 4)))])]
+    comms = [shardgather._C._process_group_communicator(dist.new_group(list(range(world))), "cpu",
+                                                        True, False)
+             for _ in range(2)]
+    if rank != 0:
+        time.sleep(8.0)  # alive, never calling
+        return
+    for started, comm in zip((True, False), comms):
+        ws = shardgather.WeightSync(layouts, comm, timeout=30.0)
+        if started:
+            work = ws.start(1, [torch.ones(8, 4)])
+            assert isinstance(work, shardgather.Work)
+            call = work.wait
+        else:
+            call = lambda: ws.sync(1, [torch.ones(8, 4)])  # noqa: E731
+        _interrupted(call, "started=%s" % started)
+        assert comm.is_poisoned
+
+
 CASES = [
     "case_env_differs_between_ranks",
     "case_bad_group_argument",

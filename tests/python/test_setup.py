@@ -10,6 +10,7 @@ _timeouts = CaseResults("setup_cases", ["timeout_case_first_call_honours_timeout
 _late = CaseResults("setup_cases", ["timeout_case_late_rank_zero_bytes"])
 _ctrl_c = CaseResults("setup_cases", ["timeout_case_ctrl_c_in_gloo_waits"])
 _ctrl_c_setup = CaseResults("setup_cases", ["timeout_case_ctrl_c_during_setup"])
+_ctrl_c_sync = CaseResults("setup_cases", ["timeout_case_ctrl_c_in_weight_sync"])
 _ctrl_c_payload = CaseResults("setup_cases", ["timeout_case_ctrl_c_in_gloo_payload_gather",
                                               "timeout_case_ctrl_c_in_gloo_payload_scatter",
                                               "timeout_case_ctrl_c_then_late_peer"])
@@ -33,6 +34,10 @@ def test_late_rank_zero_bytes(world):
 
 def test_ctrl_c_in_gloo_waits():
     _ctrl_c.check(2, "timeout_case_ctrl_c_in_gloo_waits")
+
+
+def test_ctrl_c_in_weight_sync():
+    _ctrl_c_sync.check(2, "timeout_case_ctrl_c_in_weight_sync")
 
 
 def test_ctrl_c_during_setup():

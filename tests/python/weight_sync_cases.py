@@ -418,10 +418,13 @@ def _torn_reads(rank, world, comm, mode):
         for s, new in zip(shards, shard_views(ws, full)):
             s.copy_(new)
         work = ws.start(k, shards)
+        assert isinstance(work, shardgather.Work), type(work)  # the one async type
         # the trainer's next optimizer step, while the sync runs: the copy keeps the sync whole
         for s in shards:
             s.add_(1) if not s.dtype.is_floating_point else s.mul_(2)
-        work.wait()
+        stats = work.wait()
+        assert work.is_completed() and stats["version"] == k, stats
+        assert work.wait() is stats  # a second wait returns the same outcome
     time.sleep(0.05)
     stop.set()
     if ws.destination_boxes:
