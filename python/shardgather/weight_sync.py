@@ -159,7 +159,11 @@ def _started(comm, run):
 
     work, done = _C._thread_work(comm, result)
     thread = threading.Thread(target=body, daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except BaseException:  # noqa: B902  (no thread: the work must not wait for one)
+        done()
+        raise
     return work, thread
 
 

@@ -31,6 +31,30 @@ def test_weight_sync_mpi(np_):
     run_mpi_checks("weight_sync_cases", np_, timeout=300)
 
 
+def test_start_without_a_thread_raises_and_leaves_nothing_waiting(monkeypatch):
+    """A sync whose thread cannot start raises that error from start(), and its handle, dropped,
+    does not wait for a thread that never ran; the next sync works."""
+    import threading
+
+    import torch
+    from shardgather.layouts import Box, TensorLayout
+
+    box = Box((0, 0), (4, 4))
+    layouts = [TensorLayout((4, 4), torch.float32, [(0, box)], [(0, box)])]
+    ws = shardgather.WeightSync(layouts, shardgather.ThreadGroup(1)[0], timeout=5.0)
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    with monkeypatch.context() as m:
+        m.setattr(threading.Thread, "start", refuse)
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            ws.start(1, [torch.ones(4, 4)])
+    ws.sync(1, [torch.full((4, 4), 2.0)])
+    with ws.read() as (version, tensors):
+        assert version == 1 and bool((tensors[0] == 2.0).all())
+
+
 def _fault_run(world, stage, deadline, who="destination"):
     """One sync at version 1 in which ``who`` (the last destination, or the first source) stops
     answering at ``stage`` (it returns from its exchange: a rank killed or cut off there, seen
