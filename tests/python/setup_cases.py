@@ -126,6 +126,19 @@ def _interrupt_after(seconds):
     return timer
 
 
+def _two_gloo_p2p_comms(rank, world):
+    """Two communicators over Gloo point to point (no host mailbox: the header goes over Gloo),
+    a group each, since an interrupted call closes its group's Gloo context. Rank 0 gets them;
+    every other rank stays alive, never calling, and gets None."""
+    comms = [shardgather._C._process_group_communicator(dist.new_group(list(range(world))), "cpu",
+                                                        True, False)
+             for _ in range(2)]
+    if rank != 0:
+        time.sleep(8.0)
+        return None
+    return comms
+
+
 def timeout_case_ctrl_c_in_gloo_waits(rank, world):
     """Ctrl-C while rank 0 waits over Gloo point to point (the header over Gloo: a
     communicator without the host mailbox; its peer never comes), in a started call and in a
@@ -133,11 +146,8 @@ def timeout_case_ctrl_c_in_gloo_waits(rank, world):
     send/recv works can neither be waited on in slices nor polled: the blocking call waits on a
     helper thread; see src/transport/backends/torch/process_group.h.) A group each: an interrupted call closes
     its group's Gloo context."""
-    comms = [shardgather._C._process_group_communicator(dist.new_group(list(range(world))), "cpu",
-                                                        True, False)
-             for _ in range(2)]
-    if rank != 0:
-        time.sleep(8.0)  # alive, never calling
+    comms = _two_gloo_p2p_comms(rank, world)
+    if comms is None:
         return
     for started, comm in zip((True, False), comms):
         if started:
@@ -328,11 +338,8 @@ def timeout_case_ctrl_c_in_weight_sync(rank, world):
 
     layouts = [TensorLayout((8, 4), torch.float32, [(0, Box((0, 0), (8, 4)))],
                             [(1, Box((0, 0), (8, 4)))])]
-    comms = [shardgather._C._process_group_communicator(dist.new_group(list(range(world))), "cpu",
-                                                        True, False)
-             for _ in range(2)]
-    if rank != 0:
-        time.sleep(8.0)  # alive, never calling
+    comms = _two_gloo_p2p_comms(rank, world)
+    if comms is None:
         return
     for started, comm in zip((True, False), comms):
         ws = shardgather.WeightSync(layouts, comm, timeout=30.0)
