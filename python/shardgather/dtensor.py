@@ -11,8 +11,10 @@ wire once; the whole list is then one :func:`shardgather.unshard` over the mesh'
 from torch.distributed.tensor import DTensor, Replicate, Shard
 import torch.distributed as dist
 
-from . import (_C, InvalidArgumentError, ShardSpec, _setup_timeout,
-               communicator, unshard)
+from . import _shardgather as _C
+from ._groups import _setup_timeout, communicator
+from ._ops import unshard
+from ._shardgather import InvalidArgumentError, ShardSpec
 from ._agree import Agreement, check_str, fail_call
 
 # DTensor's own chunking of a dim (size, offset of chunk c of n): Shard's public static method

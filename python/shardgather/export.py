@@ -24,7 +24,10 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from . import InvalidArgumentError, InvalidTypeError, _setup_timeout, communicator
+from . import _shardgather as _C
+from ._groups import _setup_timeout, communicator
+from ._ops import ReshardPlan
+from ._shardgather import InvalidArgumentError, InvalidTypeError, chunk_sizes
 from ._agree import Agreement, check_int
 from .checkpoint_dir import INDEX_NAME, CheckpointWriter
 from .stream import UnshardStream, _stream_group
@@ -168,7 +171,6 @@ def _assign_files(file_bytes, world, writers):
 
 def _split(spec, world):
     """(shard dim, every rank's real size along it) of ``spec``; torch.chunk sizes by default."""
-    from . import chunk_sizes
 
     dim = spec.shard_dim % len(spec.full_shape)
     return dim, list(spec.sizes) or chunk_sizes(spec.full_shape[dim], world)
@@ -191,7 +193,6 @@ def _source_boxes(spec, world):
 
 def _staging_everywhere(comm, writer):
     """``dst``'s staging directory, on every rank (one small gather of its path)."""
-    from . import _C
 
     mine = writer.staging_dir.encode() if writer is not None else b""
     got = _C.foreach_all_gather([torch.frombuffer(bytearray(mine), dtype=torch.uint8)
@@ -249,7 +250,6 @@ def _export_round(files, stream, params, owner, names, file_bytes, staging, head
     """One round: every writer receives the full tensors of ``files`` it owns in one reshard
     and writes them. What can fail on one rank (its tensors, a write) is agreed on, before the
     reshard and after the writes, so it raises on every rank instead of leaving them waiting."""
-    from . import ReshardPlan
     from .layouts import Box, TensorLayout
 
     comm, me, world = stream._comm, stream.rank, stream._comm.size

@@ -32,6 +32,7 @@ import torch
 
 from . import _shardgather as _C
 from ._agree import Agreement, InvalidArgumentError, InvalidTypeError
+from ._groups import _setup_timeout, communicator
 from .layouts import Box, TensorLayout
 
 # (block rows, block cols) of each format; the rows only ever matter for 128 x 128.
@@ -324,7 +325,7 @@ def _passes_through(shards):
 def _unshard_plan(agreement, shards, specs, quantize, comm, **options):
     """The one-shot UnshardPlan, its specs and quantize specs told to ``agreement``; or the
     first argument error."""
-    from . import UnshardPlan  # the package imports this module
+    from ._ops import UnshardPlan  # _ops imports this module
 
     specs = list(specs)
     if not all(isinstance(s, _C.ShardSpec) for s in specs):
@@ -379,7 +380,6 @@ def check_keywords(*, timeout=None, strategy="auto", preflight=True, async_op=Fa
 
 
 def _timeout_seconds(timeout):
-    from . import _setup_timeout  # the package imports this module
 
     return _setup_timeout(timeout)
 
@@ -625,7 +625,7 @@ def _amax_plan(tensors, world, rank, timeout, stage, hosts=None):
                         wanted.append((t, slot, box))
     layout = TensorLayout((world, width), torch.float32,
                           [(q, Box((q, 0), (1, width))) for q in range(world)], destinations)
-    from . import ReshardPlan  # the package imports this module
+    from ._ops import ReshardPlan  # _ops imports this module
 
     plan = ReshardPlan([layout], world, rank, hosts=hosts, fan_out=False, timeout=timeout,
                        _stage=stage)
@@ -794,7 +794,7 @@ def reshard(sources, destinations, layouts, comm, quantize, *, timeout, async_op
     scale box's shape: float32, or float8_e8m0fnu / uint8 for mxfp8), or a float32 / bfloat16
     tensor, which receives the dequantized values. A one-shot :class:`shardgather.ReshardPlan`
     made with ``quantize`` (plan once to reshard every step)."""
-    from . import ReshardPlan  # the package imports this module
+    from ._ops import ReshardPlan  # _ops imports this module
 
     plan = ReshardPlan(layouts, comm.size, comm.rank, hosts=comm.hosts or None, timeout=timeout,
                        quantize=quantize)
@@ -907,7 +907,6 @@ def _refuse(plan, group, message):
     """Fails a quantized plan's call on every rank (``plan``: the Python plan whose call it is;
     the call is its reshard's) with ``message``: the peers meet this rank's failed header in
     their own call."""
-    from . import _setup_timeout, communicator  # the package imports this module
 
     comm = communicator(group, plan._timeout())
     _C._fail_call(comm, "ReshardPlan::execute", message, False, plan._preflight is not False,
@@ -1002,7 +1001,7 @@ def foreach_all_gather(params, comm, shapes, quantize, *, timeout, preflight, st
         agreement.fail(InvalidArgumentError, "the shapes hint was given twice "
                        "(shapes_across_group and params_shapes_across_group)")
     if shapes is None:
-        from . import _gather_shapes  # the package imports this module
+        from ._ops import _gather_shapes  # _ops imports this module
 
         shapes = _gather_shapes(list(params) if isinstance(params, (list, tuple)) else [],
                                 comm, _timeout_seconds(timeout), FOREACH + ": shapes")
@@ -1048,7 +1047,7 @@ class _GatherPlan:
     """A one-shot quantized foreach_all_gather's AllGatherPlan (``plan``), and ``agreed``."""
 
     def __init__(self, params, shapes, quantize, comm, **options):
-        from . import AllGatherPlan  # the package imports this module
+        from ._ops import AllGatherPlan  # _ops imports this module
 
         params, shapes = _checked_rows(params, shapes, comm.size)
         for i, t in enumerate(params):

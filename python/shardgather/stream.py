@@ -30,7 +30,9 @@ import math
 
 import torch
 
-from . import _C, InvalidArgumentError, InvalidTypeError, ShardSpec, _setup_timeout, communicator
+from . import _shardgather as _C
+from ._groups import _setup_timeout, communicator
+from ._shardgather import InvalidArgumentError, InvalidTypeError, ShardSpec
 from ._agree import Agreement, check_int, check_str
 
 __all__ = ["UnshardStream", "unshard_stream"]

@@ -38,6 +38,8 @@ from contextlib import contextmanager
 import torch
 
 from . import _shardgather as _C
+from ._groups import _setup_timeout, communicator
+from ._ops import ReshardPlan
 from ._shardgather import (InvalidArgumentError, InvalidTypeError, MismatchError, RemoteError,
                            ShardgatherError)
 
@@ -221,8 +223,6 @@ class WeightSync:
     def __init__(self, layouts, group=None, *, mode="staged", destinations=None,
                  chunk_bytes=None, dense_ratio=DENSE_RATIO, timeout=None, bucket_bytes=None,
                  _state=None):
-        from . import communicator, _setup_timeout
-
         self.comm = communicator(group, _setup_timeout(timeout))
         self._round_timeout = _setup_timeout(timeout)
         self._call = None  # the running sync's call of rounds
@@ -256,7 +256,6 @@ class WeightSync:
         return self.chunk_bytes
 
     def _build(self, layouts, mode, destinations, chunk_bytes, dense_ratio, timeout, state):
-        from . import ReshardPlan
         from ._agree import check_int
 
         if mode not in ("staged", "in_place"):
