@@ -11,7 +11,6 @@ wire once; the whole list is then one :func:`shardgather.unshard` over the mesh'
 from torch.distributed.tensor import DTensor, Replicate, Shard
 import torch.distributed as dist
 
-from . import _shardgather as _C
 from ._groups import _setup_timeout, communicator
 from ._ops import unshard
 from ._shardgather import InvalidArgumentError, ShardSpec
@@ -83,8 +82,11 @@ def full_tensors(tensors, group=None, *, strategy="auto", timeout=None, quantize
 
 def _full_quantized(tensors, items, where, group, strategy, timeout, quantize):
     """full_tensors with ``quantize``: one agreement (keys, specs, quantize specs, strategy),
-    then the sharded DTensors quantized on send in one unshard and the others quantized here."""
+    then one call of a quantized UnshardPlan made for the call over the sharded DTensors (FP8
+    on send in the plan's quantize stage, the cut blocks' maxima in the same call); replicated
+    and plain tensors are quantized here."""
     from . import quantized
+    from ._ops import UnshardPlan
 
     keys = list(tensors.keys()) if isinstance(tensors, dict) else list(range(len(items)))
     if not where:
@@ -101,31 +103,30 @@ def _full_quantized(tensors, items, where, group, strategy, timeout, quantize):
     agreement.capture(lambda: quantized.check_keywords(timeout=timeout))
     per_item, sharded = [], []
 
-    def inputs():
+    def plan():
         described = [quantized.Described(t.dtype, t.shape) for t in items]
         per_item.extend(quantized.resolve(quantize, described,
                                           keys if isinstance(tensors, dict) else None))
+        agreement.quantize = [None if q is None else quantized._text(q) for q in per_item]
         for i, q in enumerate(per_item):
             if q is not None and items[i].device.type != "cpu":
                 raise InvalidArgumentError("full_tensors: quantize runs on CPU tensors (the "
                                            "host quantizer); %r is on %s" % (keys[i],
                                                                             items[i].device))
         sharded.extend(_layouts([items[i] for i in where], mesh, mesh_group))
-        return None, [sh for _, sh, _ in sharded], [spec for _, _, spec in sharded]
+        agreement.specs = [spec for _, _, spec in sharded]
+        made = UnshardPlan(agreement.specs, comm.size, comm.rank, strategy=strategy,
+                           timeout=timeout, _stage="full_tensors(quantize): payload",
+                           quantize=[per_item[where[k]] for k, _, _ in sharded])
+        made._built()  # its argument error, raised here, is the agreement's
+        return made
 
-    quantizer = quantized.agree(agreement, comm, inputs,
-                                lambda specs: [per_item[where[k]] for k, _, _ in sharded],
-                                op="full_tensors(quantize)")
-    if quantizer is not None:  # every entry's spec, replicated and plain ones too
-        agreement.quantize = [None if q is None else quantized._text(q) for q in per_item]
+    made = agreement.capture(plan)
     agreement.names = keys if isinstance(tensors, dict) else None
     agreement.run(comm, _setup_timeout(timeout))
-    shards = [sh for _, sh, _ in sharded]
-    sent = quantizer.encode(shards, comm, timeout)
-    got = _C.unshard(sent, comm, quantizer.payload_specs, strategy, True, timeout, False, None,
-                     "full_tensors(quantize): payload")
     out = list(items)
-    for (k, _, _), t in zip(sharded, quantizer.outputs(got)):
+    got = made.execute([sh for _, sh, _ in sharded], comm)
+    for (k, _, _), t in zip(sharded, got):
         out[where[k]] = t
     gathered = {where[k] for k, _, _ in sharded}
     for i, t in enumerate(items):

@@ -379,7 +379,11 @@ def case_full_tensors_quantized(rank, world):
         fully_shard(layer, mesh=mesh)
     state = model.state_dict()
     fmt = "fp8_e4m3_128x128"
+    comm = shardgather.communicator(mesh.get_group())
+    calls = comm.calls_issued
     got = shardgather.full_tensors(state, timeout=T, quantize=fmt)
+    # Its agreement, then one call of the quantized plan (header, cut blocks' maxima, payload).
+    assert comm.calls_issued - calls == 2, (rank, comm.calls_issued - calls)
     assert list(got) == list(state)
     for name, t in state.items():
         full = t.full_tensor()
