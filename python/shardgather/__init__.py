@@ -119,8 +119,8 @@ def unshard_stream(shards, specs=None, group=None, *, bucket_bytes=1 << 30, pref
                   copy=copy, strategy=strategy, timeout=timeout, quantize=quantize)
 
 
-# The classes are created by the extension, and the faces in modules of their own: show them
-# under the package users import.
+# The classes are created by the extension: show them under the package users import. (The
+# Python-defined ones keep their modules, where inspect.getsource finds them.)
 for _cls in (
     AbortedError,
     CollectiveTimeout,
@@ -136,17 +136,6 @@ for _cls in (
     ShardSpec,
     ShardgatherError,
     Work,
-    AllGatherPlan,
-    ReshardPlan,
-    ThreadGroup,
-    UnshardPlan,
-    communicator,
-    foreach_all_gather,
-    has_mpi,
-    mpi_communicator,
-    mpi_init,
-    reshard,
-    unshard,
 ):
     _cls.__module__ = __name__
 del _cls

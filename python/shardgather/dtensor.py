@@ -49,8 +49,9 @@ def full_tensors(tensors, group=None, *, strategy="auto", timeout=None, quantize
     ``quantize`` (:mod:`shardgather.quantized`): a format name or ``Quantize`` for every tensor
     of 2 or more dims it can quantize, or a dict (by key; by index for a list) or a list of
     them. A quantized entry is ``(data, scales)`` (or the dequantized tensor), bit-identical to
-    quantizing ``t.full_tensor()``: sharded DTensors are quantized on send, replicated and plain
-    ones here.
+    quantizing ``t.full_tensor()``: sharded DTensors are quantized on send, in one call of a
+    quantized plan (``strategy`` then "auto" or "direct", as for :func:`shardgather.unshard`
+    with ``quantize``), replicated and plain ones here.
     """
     is_dict = isinstance(tensors, dict)
     items = list(tensors.values()) if is_dict else list(tensors)
@@ -101,6 +102,10 @@ def _full_quantized(tensors, items, where, group, strategy, timeout, quantize):
     agreement = Agreement("full_tensors")
     agreement.capture(lambda: check_str("strategy", strategy))
     agreement.capture(lambda: quantized.check_keywords(timeout=timeout))
+    if isinstance(strategy, str) and strategy not in ("auto", "direct"):
+        agreement.fail(InvalidArgumentError, "full_tensors: with quantize, strategy is \"auto\" "
+                       "or \"direct\" (a quantized plan moves as one personal exchange), got %r"
+                       % strategy)
     per_item, sharded = [], []
 
     def plan():

@@ -1046,7 +1046,7 @@ for _check in CHECKS:
 
 def case_full_tensors_quantize_rows(rank, world):
     """full_tensors(quantize=) over DTensors (Gloo: they need torch.distributed): a spec that
-    differs on one rank, an unknown format, quantize on one rank only."""
+    differs on one rank, an unknown format, quantize on one rank only, a plain strategy."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from dtensor_cases import without_collectives
@@ -1055,14 +1055,18 @@ def case_full_tensors_quantize_rows(rank, world):
     odd = rank == world - 1
     full = torch.arange(64 * 4 * world, dtype=torch.float32).reshape(4 * world, 64)
     wrong = []
-    for rid, quantize, want, needle in (
-            ("format_differs", "fp8_e4m3_1x128" if odd else "mxfp8", "MismatchError",
+    for rid, quantize, strategy, want, needle in (
+            ("format_differs", "fp8_e4m3_1x128" if odd else "mxfp8", "auto", "MismatchError",
              "quantize spec"),
-            ("unknown", "fp9" if odd else "mxfp8", "InvalidArgumentError", "fp9"),
-            ("one_rank_only", "mxfp8" if odd else None, "MismatchError", "given on rank")):
+            ("unknown", "fp9" if odd else "mxfp8", "auto", "InvalidArgumentError", "fp9"),
+            ("one_rank_only", "mxfp8" if odd else None, "auto", "MismatchError", "given on rank"),
+            # The quantized plan's one personal exchange: a strategy of the plain unshard is
+            # refused, on every rank, in the agreement.
+            ("strategy", "mxfp8", "packed", "InvalidArgumentError",
+             'strategy is "auto" or "direct"')):
         t = {"w": without_collectives(full, mesh, 0)}
         got, message, seconds = _outcome(lambda: shardgather.full_tensors(
-            t, timeout=T, quantize=quantize))
+            t, timeout=T, quantize=quantize, strategy=strategy))
         _judge("full_tensors_" + rid, got, message, seconds, want, needle, wrong)
         _usable(None, rank, world)
     assert not wrong, "rank %d:\n  %s" % (rank, "\n  ".join(wrong))
