@@ -1063,6 +1063,9 @@ def case_full_tensors_quantize_rows(rank, world):
             # The quantized plan's one personal exchange: a strategy of the plain unshard is
             # refused, on every rank, in the agreement.
             ("strategy", "mxfp8", "packed", "InvalidArgumentError",
+             'strategy is "auto" or "direct"'),
+            # The same on one rank only: its agreement error reaches every rank, none waits.
+            ("strategy_one_rank", "mxfp8", "packed" if odd else "auto", "InvalidArgumentError",
              'strategy is "auto" or "direct"')):
         t = {"w": without_collectives(full, mesh, 0)}
         got, message, seconds = _outcome(lambda: shardgather.full_tensors(
