@@ -313,7 +313,7 @@ def unshard(shards, specs, comm, quantize, *, strategy, preflight, timeout, asyn
     valid = agreement.error is None
     agreement.options = [(k, v if valid else None) for k, v in
                          (("dst", dst), ("strategy", strategy), ("preflight", preflight))]
-    agreement.run(comm, _timeout_seconds(timeout))
+    agreement.run(comm, _setup_timeout(timeout))
     return plan.execute(shards, comm, async_op=async_op)
 
 
@@ -351,7 +351,7 @@ def _unshard_given(shards, specs, comm, quantize, *, strategy, preflight, timeou
     stage = UNSHARD + ": payload"
     if quantizer.disagreement is not None:
         _C._fail_call(comm, "unshard", quantizer.disagreement, False, True,
-                      _timeout_seconds(timeout), stage)
+                      _setup_timeout(timeout), stage)
     got = _C.unshard(sent, comm, quantizer.payload_specs, strategy, preflight, timeout, False,
                      dst, stage)
     return quantizer.outputs(got) if got else got
@@ -379,11 +379,6 @@ def check_keywords(*, timeout=None, strategy="auto", preflight=True, async_op=Fa
                                    % (world, dst))
 
 
-def _timeout_seconds(timeout):
-
-    return _setup_timeout(timeout)
-
-
 def encode(shards, specs, comm, quantize, *, timeout=None, options=(), async_op=False):
     """Steps 1 to 4 of the module, collective over ``comm``: (the :class:`Quantizer`, what this
     rank sends in the payload). ``options``: (name, int or None) pairs that every rank must
@@ -398,7 +393,7 @@ def encode(shards, specs, comm, quantize, *, timeout=None, options=(), async_op=
                       op=UNSHARD)
     valid = agreement.error is None
     agreement.options = [(k, v if valid else None) for k, v in options]
-    agreement.run(comm, _timeout_seconds(timeout))
+    agreement.run(comm, _setup_timeout(timeout))
     return quantizer, quantizer.encode(list(shards), comm, timeout)
 
 
@@ -1004,14 +999,14 @@ def foreach_all_gather(params, comm, shapes, quantize, *, timeout, preflight, st
         from ._ops import _gather_shapes  # _ops imports this module
 
         shapes = _gather_shapes(list(params) if isinstance(params, (list, tuple)) else [],
-                                comm, _timeout_seconds(timeout), FOREACH + ": shapes")
+                                comm, _setup_timeout(timeout), FOREACH + ": shapes")
     composed = async_op is False and _device_of(params) in (None, torch.device("cpu"))
     build = _RowsQuantizer if composed else _GatherPlan
     plan = agreement.capture(lambda: build(params, shapes, quantize, comm, strategy=strategy,
                                            preflight=preflight, timeout=timeout))
     agreement.quantize = None if plan is None else plan.agreed
     agreement.options = [("async_op", int(async_op) if agreement.error is None else None)]
-    agreement.run(comm, _timeout_seconds(timeout))
+    agreement.run(comm, _setup_timeout(timeout))
     if not composed:
         return plan.plan.execute(params, comm, async_op=async_op)
     params = list(params)
