@@ -4,6 +4,7 @@
         .venv/bin/python bench/python/bench_weight_sync.py            # 4 sources, TP 2 x 2
     ... bench_weight_sync.py --crossover                             # where dense wins
     .venv/bin/python bench/python/bench_weight_sync.py --kernel     # diff + encode, one core
+    .venv/bin/python bench/python/bench_weight_sync.py --per-bucket # one rank, small buckets
 
 (PYTHONPATH=build/ci/python in each.) Ranks 0-3 are the trainer (FSDP rows of every tensor),
 ranks 4-7 the engine: two replicas of TP 2 (a column split of each tensor). The model: a stack
@@ -238,6 +239,33 @@ def kernel(args):
                                                           2 * n / statistics.median(times) / 1e9))
 
 
+def per_bucket(args):
+    """One rank, source and destination of a 64 MiB bf16 tensor (the threads backend): median
+    seconds of a steady-state sync at ``--density``, in buckets of 4 KiB (16k of them) and of
+    1 MiB. What a bucket costs beyond its bytes shows as the difference."""
+    shape = (4096, 8192)
+    box = (0, Box((0, 0), shape))
+    lays = [TensorLayout(shape, torch.bfloat16, [box], [box])]
+    g = torch.Generator().manual_seed(1)
+    full = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+    comm = sg.ThreadGroup(1)[0]
+    for chunk in (4 << 10, 1 << 20):
+        ws = WeightSync(lays, comm, chunk_bytes=chunk, timeout=120.0,
+                        dense_ratio=args.dense_ratio)
+        ws.sync(0, [full])
+        times, stats = [], []
+        for version in range(1, args.iters + 1):
+            at = torch.randint(full.numel(), (int(full.numel() * args.density),), generator=g)
+            full.view(-1)[at] = torch.randn(at.numel(), generator=g).to(torch.bfloat16)
+            began = time.perf_counter()
+            stats.append(ws.sync(version, [full]))
+            times.append(time.perf_counter() - began)
+        print("chunk_bytes %7d: sync %.4f s (encode %.4f s, apply %.4f s; medians of %d)" % (
+            chunk, statistics.median(times),
+            statistics.median(st["encode_seconds"] for st in stats),
+            statistics.median(st["apply_seconds"] for st in stats), args.iters))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -247,6 +275,7 @@ def main():
     p.add_argument("--dense-ratio", type=float, default=None)
     p.add_argument("--mode", choices=["staged", "in_place"], default="staged")
     p.add_argument("--kernel", action="store_true")
+    p.add_argument("--per-bucket", action="store_true")
     p.add_argument("--verbose", action="store_true", help="per-phase seconds of ranks 0, 4")
     args = p.parse_args()
     if args.dense_ratio is None:
@@ -254,6 +283,8 @@ def main():
         args.dense_ratio = DENSE_RATIO
     if args.kernel:
         kernel(args)
+    elif args.per_bucket:
+        per_bucket(args)
     else:
         run(args)
 

@@ -141,6 +141,11 @@ struct ApplyResult {
 SHARDGATHER_API ApplyResult apply(std::span<const std::byte> record, const StridedView& dst,
                                   std::uint64_t start, std::uint64_t n, bool verify = true);
 
+// What apply() would check, writing nothing: InvalidArgument (as apply() raises it) for a record
+// or a view it refuses; else the record's bytes (where the next one starts).
+SHARDGATHER_API std::size_t check(std::span<const std::byte> record, const StridedView& dst,
+                                  std::uint64_t start, std::uint64_t n);
+
 // checksum() of flat elements [start, start + n) of `view`, as if packed. InvalidArgument for a
 // view apply() rejects.
 [[nodiscard]] SHARDGATHER_API std::uint64_t view_checksum(const StridedView& view,
@@ -163,6 +168,52 @@ inline constexpr std::size_t kSegmentHeaderBytes = 24;
 // the size), so a view of finish()'s bytes stays readable while its owner (`storage()`) is held;
 // its bytes hold until the next clear(), which writes the next message over them.
 // Threading: one thread at a time.
+// Pairs. What one source sends one destination in a sync is the transfers between them (the
+// reshard plan's, in its order), each cut into buckets of chunk_bytes (at least one element, the
+// last one shorter), numbered in that order across the pair: both sides number them alike from
+// the same transfers, so a record names its bucket by that number alone.
+struct Bucket {
+  std::size_t transfer = 0;  // index into the pair's transfers
+  std::uint64_t start = 0;   // its first element in the transfer
+  std::uint64_t n = 0;
+};
+
+// The buckets of a pair whose transfer k has elements[k] elements of es[k] bytes. InvalidArgument
+// for chunk_bytes 0, spans of different lengths or an element size 0.
+SHARDGATHER_API std::vector<Bucket> pair_buckets(std::span<const std::uint64_t> elements,
+                                                 std::span<const std::size_t> es,
+                                                 std::size_t chunk_bytes);
+
+// One transfer of a pair, as a message encodes it: n elements of es bytes, each side contiguous.
+// `after` null: none of its buckets is sent. `before` null: each is sent dense.
+struct PairTransfer {
+  const void* after = nullptr;
+  const void* before = nullptr;
+  std::uint64_t n = 0;
+  std::size_t es = 0;
+};
+
+struct PairEncoded {
+  std::uint64_t records = 0;        // records written (buckets that changed)
+  std::uint64_t dense_records = 0;  // of which dense
+  std::uint64_t changed = 0;        // elements that changed, summed over the records
+};
+
+// The applied records of one segment (apply_pair).
+struct PairApplied {
+  std::vector<std::uint32_t> failed;  // buckets whose checksum failed, in the records' order
+  std::vector<std::size_t> touched;   // transfers written, ascending
+  std::uint64_t changed = 0;          // elements written (ApplyResult::changed, summed)
+};
+
+// Applies the records of one segment (records laid end to end) to the pair's transfers, `views`
+// in the pair's order (each view its transfer's elements, as apply() takes them). Every record is
+// checked first (its bucket one of the pair's, then as check() does), so that InvalidArgument,
+// naming the record's place and bucket, leaves every view as it was. `verify`: as apply()'s.
+SHARDGATHER_API PairApplied apply_pair(std::span<const std::byte> records,
+                                       std::span<const StridedView> views, std::size_t chunk_bytes,
+                                       bool verify = true);
+
 class SHARDGATHER_API Message {
  public:
   // Closes the open segment (an empty one is dropped) and opens one for `origin`'s records.
@@ -170,6 +221,14 @@ class SHARDGATHER_API Message {
   // encode() into the open segment (InvalidArgument when none is open; encode()'s own errors).
   EncodeResult record(const void* before, const void* after, std::size_t n, std::size_t es,
                       std::uint32_t bucket, double dense_ratio);
+  // The records of every bucket of a pair (`transfers`, chunk_bytes: pair_buckets()) into the
+  // open segment, each numbered by its place in the pair: a delta of `before` (dense_ratio as
+  // encode() takes it), dense where `before` is null, none where `after` is. `only` given: those
+  // buckets alone, in its order (InvalidArgument naming the first that is not one of the pair's,
+  // before anything is written). encode()'s own errors, naming the bucket.
+  PairEncoded pair(std::span<const PairTransfer> transfers, std::size_t chunk_bytes,
+                   double dense_ratio,
+                   std::optional<std::span<const std::uint32_t>> only = std::nullopt);
   // This message becomes a copy of `other`'s bytes (closed first); its open segment is closed.
   void copy_from(Message& other);
   // Closes the open segment; the message's bytes.

@@ -621,15 +621,10 @@ class WeightSync:
 
     # --- sending ---------------------------------------------------------------------------
 
-    def _buckets(self, transfers):
-        """Per transfer (peer, tensor, src view, dst view, offset, size): its buckets as
-        (transfer index, start, elements), numbered in this order within the pair."""
-        out = []
-        for k, (_, t, _, _, _, size) in enumerate(transfers):
-            n = _numel(size)
-            step = max(1, self.chunk_bytes // self.layouts[t].dtype.itemsize)
-            out.extend((k, at, min(step, n - at)) for at in range(0, n, step))
-        return out
+    def _extent(self, tr):
+        """(elements, element size) of a transfer (peer, tensor, src view, dst view, offset,
+        size): what numbers its buckets within a pair (delta.h's pair_buckets)."""
+        return _numel(tr[5]), self.layouts[tr[1]].dtype.itemsize
 
     def _receives_of(self, d, s):
         """The transfers destination ``d`` receives from source ``s`` (d's plan, built once)."""
@@ -643,7 +638,7 @@ class WeightSync:
                  "changed_received": 0, "resent_buckets": 0, "encode_seconds": 0.0,
                  "from_sources": 0, "from_replicas": 0}
         t0 = time.perf_counter()
-        writer = _Writer(self._outgoing)
+        writer = _Writer(self._outgoing, self.chunk_bytes)
         self._encode_sources(fresh, states, writer, stats)
         self._encode_replicas(states, writer, stats)
         stats["encode_seconds"] = time.perf_counter() - t0
@@ -678,16 +673,15 @@ class WeightSync:
                 continue
             encoded[what] = d
             writer.segment(d, self.comm.rank)
-            for b, (j, start, n) in enumerate(self._buckets(transfers)):
-                tr = transfers[j]
+            items = []
+            for j, tr in enumerate(transfers):
                 after, before = self._regions(tr, fresh)
                 if current or j in replicas:
-                    if not fresh:
-                        continue  # the destination's bytes are the snapshot's already
-                    writer.record(d, after[start:start + n], before[start:start + n], b,
-                                  self.dense_ratio, stats)
+                    # a delta; nothing where the destination holds the snapshot's bytes already
+                    items.append((after if fresh else None, before) + self._extent(tr))
                 else:
-                    writer.record(d, after[start:start + n], None, b, 1.0, stats)
+                    items.append((after, None) + self._extent(tr))
+            writer.pair(d, items, self.dense_ratio, stats)
 
     def _regions(self, tr, fresh):
         """(after, before) of one transfer's box, flat: the sync's copy (the snapshot, on a
@@ -739,10 +733,9 @@ class WeightSync:
                 transfers = self._receives_of(d, s)
                 writer.segment(d, s)
                 with self._readers.reading() as (held, _):
-                    for b, (j, start, n) in enumerate(self._buckets(transfers)):
-                        if j in mine:
-                            region = self._held_region(held, transfers[j])
-                            writer.record(d, region[start:start + n], None, b, 1.0, stats)
+                    items = [(self._held_region(held, tr) if j in mine else None, None)
+                             + self._extent(tr) for j, tr in enumerate(transfers)]
+                    writer.pair(d, items, 1.0, stats)
 
     def _held_region(self, buffer, tr):
         _, t, _, _, offset, size = tr
@@ -844,8 +837,7 @@ class WeightSync:
         for sender, message in received.items():
             for origin, body, whole in _segments(sender, message):
                 if not whole:  # damaged in flight: every bucket of the pair, dense again
-                    failed.setdefault(origin, set()).update(
-                        range(len(self._pair_buckets(origin)[1])))
+                    failed.setdefault(origin, set()).update(range(self._pair_of(origin)[1]))
                     continue
                 (direct if origin == sender else replicas).append((sender, origin, body))
                 if sender != self.comm.rank:
@@ -886,33 +878,32 @@ class WeightSync:
         else:
             self._applied.append((origin, body.clone()))
 
-    def _pair_buckets(self, origin):
-        """This rank's receives from ``origin`` (indices) and their buckets, in the pair's
-        numbering."""
+    def _pair_of(self, origin):
+        """This rank's receives from ``origin`` (indices into its receives) and how many buckets
+        they are cut into."""
         if origin not in self._pair_cache:  # the receives never change: once per pair
             mine = [k for k, tr in enumerate(self._receives) if tr[0] == origin]
-            self._pair_cache[origin] = (mine, self._buckets([self._receives[k] for k in mine]))
+            count = _C._delta_bucket_count([self._extent(self._receives[k]) for k in mine],
+                                           self.chunk_bytes)
+            self._pair_cache[origin] = (mine, count)
         return self._pair_cache[origin]
 
     def _apply_segment(self, sender, origin, body, target, touched, failed, stats,
                        verify=True):
-        mine, buckets = self._pair_buckets(origin)
-        at = 0
-        while at < body.numel():
-            bucket = int(body[at + 4:at + 8].view(torch.int32)[0]) & 0xFFFFFFFF
-            if bucket >= len(buckets):
-                raise InvalidArgumentError(
-                    "WeightSync.sync: rank %d sent rank %d bucket %d of source %d, which has "
-                    "%d" % (sender, self.comm.rank, bucket, origin, len(buckets)))
-            j, start, n = buckets[bucket]
-            k = mine[j]
-            view = self._transfer_view(target, k)
-            _, ok, nbytes, changed = _C._delta_apply(body[at:], view, start, n, verify)
-            touched.add(k)
-            stats["changed_received"] += changed
-            if not ok:
-                failed.setdefault(origin, set()).add(bucket)
-            at += nbytes
+        """One segment's records, applied (delta.h's apply_pair: every record checked before
+        any is written)."""
+        mine, _ = self._pair_of(origin)
+        views = [self._transfer_view(target, k) for k in mine]
+        try:
+            written, bad, changed = _C._delta_apply_pair(body, views, self.chunk_bytes, verify)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError("WeightSync.sync: rank %d sent rank %d records of source "
+                                       "%d that do not apply: %s"
+                                       % (sender, self.comm.rank, origin, e)) from None
+        touched.update(mine[j] for j in written)
+        stats["changed_received"] += changed
+        if bad:
+            failed.setdefault(origin, set()).update(bad)
 
     def _resend(self, failed, target, touched, version, fresh, stats):
         """One repair round: each destination asks the origin sources of the buckets whose
@@ -936,20 +927,18 @@ class WeightSync:
 
     def _resend_records(self, got, fresh, stats):
         """The dense records of the buckets each destination asked again of this source."""
-        writer = _Writer(self._outgoing)
+        writer = _Writer(self._outgoing, self.chunk_bytes)
         for d, ask in got.items():
             transfers = [tr for tr in self._sends if tr[0] == d]
-            buckets = self._buckets(transfers)
+            only = ask.view(torch.int64).tolist()
             writer.segment(d, self.comm.rank)
-            for bucket in ask.view(torch.int64).tolist():
-                if not 0 <= bucket < len(buckets):
-                    raise InvalidArgumentError(
-                        "WeightSync.sync: rank %d asked rank %d again for bucket %d of %d"
-                        % (d, self.comm.rank, bucket, len(buckets)))
-                j, start, n = buckets[bucket]
-                after, _ = self._regions(transfers[j], fresh)
-                writer.record(d, after[start:start + n], None, bucket, 1.0, stats)
-                stats["resent_buckets"] += 1
+            items = [(self._regions(tr, fresh)[0], None) + self._extent(tr) for tr in transfers]
+            try:
+                writer.pair(d, items, 1.0, stats, only)
+            except InvalidArgumentError as e:
+                raise InvalidArgumentError("WeightSync.sync: rank %d asked rank %d: %s"
+                                           % (d, self.comm.rank, e)) from None
+            stats["resent_buckets"] += len(only)
         return writer.finish()
 
     def _commit(self, version, fresh, touched):
@@ -1009,8 +998,8 @@ class _Writer:
     into it (C++ delta::Message). ``messages``: peer -> its message, kept by the caller so
     that the buffers serve the next sync too."""
 
-    def __init__(self, messages):
-        self._messages = messages
+    def __init__(self, messages, chunk_bytes):
+        self._messages, self._chunk_bytes = messages, chunk_bytes
         for m in messages.values():
             m.clear()
 
@@ -1022,12 +1011,13 @@ class _Writer:
     def segment(self, peer, origin):
         self._of(peer).segment(origin)
 
-    def record(self, peer, after, before, bucket, ratio, stats):
-        nbytes, encoding, changed = self._of(peer).record(before, after, bucket, ratio)
-        if nbytes:
-            stats["records"] += 1
-            stats["dense_records"] += encoding == 1
-            stats["changed_sent"] += changed
+    def pair(self, peer, transfers, ratio, stats, only=None):
+        """The records of a pair's buckets into ``peer``'s open segment: ``transfers`` as
+        (after, before, elements, element size) (``_DeltaMessage.pair``)."""
+        records, dense, changed = self._of(peer).pair(transfers, self._chunk_bytes, ratio, only)
+        stats["records"] += records
+        stats["dense_records"] += dense
+        stats["changed_sent"] += changed
 
     def copy(self, peer, other):
         """``peer``'s message: a copy of ``other``'s (each holds one segment so far)."""

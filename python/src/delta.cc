@@ -3,11 +3,13 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -110,6 +112,69 @@ std::uint64_t checksum_py(const at::Tensor& t, std::uint64_t start, std::uint64_
   return delta::view_checksum(view, start, n);
 }
 
+// (after, before, elements, element size): one transfer of a pair, as Python gives it.
+using PyTransfer =
+    std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>, std::uint64_t, std::size_t>;
+
+// One side of a pair's transfer k: a contiguous CPU tensor of n elements of es bytes (a copy kept
+// in `held` where the view was not contiguous), or null.
+const void* transfer_side(const std::optional<at::Tensor>& t, const char* what, std::size_t k,
+                          std::uint64_t n, std::size_t es, std::vector<at::Tensor>& held) {
+  if (!t) {
+    return nullptr;
+  }
+  held.push_back(t->contiguous());
+  check_cpu(held.back(), what, true);
+  if (static_cast<std::uint64_t>(held.back().numel()) != n ||
+      static_cast<std::size_t>(held.back().element_size()) != es) {
+    throw InvalidArgument("delta: transfer " + std::to_string(k) + ": " + what + " is " +
+                          describe(held.back()) + " of " + std::to_string(held.back().numel()) +
+                          " elements, for " + std::to_string(n) + " of " + std::to_string(es) +
+                          " bytes");
+  }
+  return held.back().data_ptr();
+}
+
+delta::PairTransfer pair_transfer(const PyTransfer& t, std::size_t k,
+                                  std::vector<at::Tensor>& held) {
+  const auto& [after, before, n, es] = t;
+  return {.after = transfer_side(after, "after", k, n, es, held),
+          .before = transfer_side(before, "before", k, n, es, held),
+          .n = n,
+          .es = es};
+}
+
+// (touched transfers, buckets whose checksum failed, elements written) of one segment's records
+// applied to a pair's transfers (delta::apply_pair).
+std::tuple<std::vector<std::size_t>, std::vector<std::uint32_t>, std::uint64_t> apply_pair_py(
+    const at::Tensor& records, const std::vector<at::Tensor>& views, std::size_t chunk_bytes,
+    bool verify) {
+  const std::span<std::byte> bytes = record_bytes(records, "records");
+  std::vector<delta::StridedView> dst;
+  dst.reserve(views.size());
+  for (const at::Tensor& v : views) {
+    dst.push_back(view_of(v));
+  }
+  delta::PairApplied r;
+  {
+    const py::gil_scoped_release unlocked;
+    r = delta::apply_pair(bytes, dst, chunk_bytes, verify);
+  }
+  return {std::move(r.touched), std::move(r.failed), r.changed};
+}
+
+// How many buckets a pair of transfers of (elements, element size) has.
+std::size_t bucket_count_py(const std::vector<std::pair<std::uint64_t, std::size_t>>& transfers,
+                            std::size_t chunk_bytes) {
+  std::vector<std::uint64_t> elements;
+  std::vector<std::size_t> es;
+  for (const auto& [n, size] : transfers) {
+    elements.push_back(n);
+    es.push_back(size);
+  }
+  return delta::pair_buckets(elements, es, chunk_bytes).size();
+}
+
 // A weight sync's message to one peer (delta::Message), kept across syncs for its buffer.
 class PyMessage {
  public:
@@ -136,6 +201,38 @@ class PyMessage {
     }
     note_held();
     return {r.bytes, static_cast<int>(r.encoding), r.changed};
+  }
+
+  // (records, dense records, changed elements) of a pair's buckets (delta::Message::pair):
+  // `transfers` as (after, before, elements, element size), after and before flat tensors or
+  // None; `only`: None, or the bucket ids to encode.
+  std::tuple<std::uint64_t, std::uint64_t, std::uint64_t> pair(
+      const std::vector<PyTransfer>& transfers, std::size_t chunk_bytes, double dense_ratio,
+      const std::optional<std::vector<std::int64_t>>& only) {
+    std::optional<std::vector<std::uint32_t>> ids;
+    if (only) {
+      ids.emplace();
+      for (const std::int64_t b : *only) {
+        if (b < 0 || b > std::numeric_limits<std::uint32_t>::max()) {
+          throw InvalidArgument("delta: asked again for bucket " + std::to_string(b) +
+                                ", which no pair has");
+        }
+        ids->push_back(static_cast<std::uint32_t>(b));
+      }
+    }
+    std::vector<at::Tensor> held;  // contiguous copies, where a view was not
+    std::vector<delta::PairTransfer> pairs;
+    for (std::size_t k = 0; k < transfers.size(); ++k) {
+      pairs.push_back(pair_transfer(transfers[k], k, held));
+    }
+    delta::PairEncoded r;
+    {
+      const py::gil_scoped_release unlocked;
+      r = ids ? message_.pair(pairs, chunk_bytes, dense_ratio, std::span(*ids))
+              : message_.pair(pairs, chunk_bytes, dense_ratio);
+    }
+    note_held();
+    return {r.records, r.dense_records, r.changed};
   }
 
   void copy(PyMessage& other) {
@@ -199,11 +296,16 @@ void register_delta(py::module_& m) {
       .def("segment", &PyMessage::segment, py::arg("origin"))
       .def("record", &PyMessage::record, py::arg("before"), py::arg("after"), py::arg("bucket"),
            py::arg("dense_ratio"))
+      .def("pair", &PyMessage::pair, py::arg("transfers"), py::arg("chunk_bytes"),
+           py::arg("dense_ratio"), py::arg("only") = std::nullopt)
       .def("copy", &PyMessage::copy, py::arg("other"))
       .def("finish", &PyMessage::finish)
       .def("clear", &PyMessage::clear)
       .def_property_readonly("held_bytes", &PyMessage::held_bytes);
   m.def("_delta_segments", &segments_py, py::arg("message"));
+  m.def("_delta_apply_pair", &apply_pair_py, py::arg("records"), py::arg("views"),
+        py::arg("chunk_bytes"), py::arg("verify") = true);
+  m.def("_delta_bucket_count", &bucket_count_py, py::arg("transfers"), py::arg("chunk_bytes"));
   m.def("_delta_encode", &encode_py, py::arg("before"), py::arg("after"), py::arg("out"),
         py::arg("bucket"), py::arg("dense_ratio"));
   m.def("_delta_apply", &apply_py, py::arg("record"), py::arg("dst"), py::arg("start"),

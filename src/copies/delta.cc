@@ -1052,8 +1052,17 @@ EncodeResult encode(const void* before, const void* after, std::size_t n, std::s
   return {.bytes = bytes, .encoding = encoding, .changed = s.changed};
 }
 
-ApplyResult apply(std::span<const std::byte> record, const StridedView& dst, std::uint64_t start,
-                  std::uint64_t n, bool verify) {
+namespace {
+
+// What apply() and check() both refuse: the record's header, payload and destination range.
+struct Checked {
+  Header h;
+  Layout l;
+  Payload p;
+};
+
+Checked check_record(std::span<const std::byte> record, const StridedView& dst, std::uint64_t start,
+                     std::uint64_t n) {
   if (record.size() < kHeaderBytes) {
     throw InvalidArgument("delta: a record of " + std::to_string(record.size()) +
                           " bytes (shorter than the 40-byte header)");
@@ -1062,15 +1071,27 @@ ApplyResult apply(std::span<const std::byte> record, const StridedView& dst, std
   const Who who{.bucket = h.bucket};
   const Layout l = coalesce(dst, who);
   check_range(l, dst, start, n, who);
-  const Payload p = validate(record, h, dst, n);
+  return {.h = h, .l = l, .p = validate(record, h, dst, n)};
+}
+
+}  // namespace
+
+std::size_t check(std::span<const std::byte> record, const StridedView& dst, std::uint64_t start,
+                  std::uint64_t n) {
+  return kHeaderBytes + check_record(record, dst, start, n).h.payload_bytes;
+}
+
+ApplyResult apply(std::span<const std::byte> record, const StridedView& dst, std::uint64_t start,
+                  std::uint64_t n, bool verify) {
+  const Checked c = check_record(record, dst, start, n);
   auto* base = static_cast<std::byte*>(dst.data);
   if (n > 0) {
-    with_es(dst.es, [&](auto w) { write_values<w()>(p, l, base, start, n); });
+    with_es(dst.es, [&](auto w) { write_values<w()>(c.p, c.l, base, start, n); });
   }
-  return {.bucket = h.bucket,
-          .checksum_ok = !verify || hash_view_es(l, dst, start, n) == h.checksum,
-          .record_bytes = kHeaderBytes + h.payload_bytes,
-          .changed = p.written};
+  return {.bucket = c.h.bucket,
+          .checksum_ok = !verify || hash_view_es(c.l, dst, start, n) == c.h.checksum,
+          .record_bytes = kHeaderBytes + c.h.payload_bytes,
+          .changed = c.p.written};
 }
 
 std::uint64_t view_checksum(const StridedView& view, std::uint64_t start, std::uint64_t n) {

@@ -13,6 +13,7 @@ import time
 import torch
 
 import shardgather
+from shardgather import _shardgather as _C
 from conftest import on_default_group
 from shardgather.layouts import Box, TensorLayout
 from shardgather.weight_sync import WeightSync
@@ -553,13 +554,55 @@ def check_local_failure_mid_sync(rank, world, comm):
         check_held(ws, full, rank, 1)
 
 
+def _rename_first_bucket(sender, peer, message):
+    """The first record of every message to another rank names bucket 2^31 - 1 (no pair has
+    that many), its segment's checksum made to match: it arrives intact, and does not apply."""
+    if sender == peer or message.numel() < 24 + 40:
+        return
+    records = int(message[8:16].view(torch.int64)[0])
+    message[28:32] = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.uint8)
+    checksum = _C._delta_checksum(message[24:24 + records], 0, records)
+    signed = checksum - (1 << 64) if checksum >= 1 << 63 else checksum
+    message[16:24] = torch.tensor([signed], dtype=torch.int64).view(torch.uint8)
+
+
+def check_records_that_do_not_apply(rank, world, comm):
+    """RELIABILITY (adversarial input): an intact segment whose record names a bucket its pair
+    does not have. The rank that received it raises InvalidArgumentError naming the sender,
+    itself, the source and the bucket; its peers raise RemoteError from the vote; nothing
+    commits, and the next sync is exact."""
+    if world == 1:
+        return
+    for mode in ("staged", "in_place"):
+        ws = _make(rank, world, comm, mode)
+        full = initial()
+        ws.sync(0, shard_views(ws, full))
+        step(full, 1)
+        ws._corrupt = _rename_first_bucket
+        try:
+            ws.sync(1, shard_views(ws, full))
+        except shardgather.InvalidArgumentError as e:
+            text = str(e)
+            assert "rank %d records of source" % rank in text, (rank, text)
+            assert "that do not apply" in text and "bucket 2147483647" in text, (rank, text)
+        except shardgather.RemoteError as e:
+            assert "could not apply" in str(e), (rank, str(e))
+        else:
+            raise AssertionError("rank %d: the sync committed records that do not apply" % rank)
+        ws._corrupt = None
+        assert ws.version == 0, (rank, mode, ws.version)
+        ws.sync(1, shard_views(ws, full))
+        check_held(ws, full, rank, 1)
+
+
 CHECKS = [check_random_steps_staged, check_random_steps_in_place, check_sends_only_changes,
           check_checksum_resend, check_version_rules, check_restarted_destination,
           check_late_joiner, check_trainer_writes_during_sync,
           check_trainer_writes_during_sync_in_place, check_bad_arguments,
           check_header_damage, check_same_version_other_bytes,
           check_in_place_failed_vote_then_rebuild, check_local_failure_mid_sync,
-          check_in_place_through_mirrors, check_restarted_destination_through_mirrors]
+          check_in_place_through_mirrors, check_restarted_destination_through_mirrors,
+          check_records_that_do_not_apply]
 for _check in CHECKS:
     globals()[on_default_group(_check).__name__] = on_default_group(_check)
 CASES = ["case_" + c.__name__[len("check_"):] for c in CHECKS]

@@ -6,12 +6,14 @@
 #include "shardgather/delta.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
 #include <limits>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -891,6 +893,136 @@ TEST(DeltaMessage, ItsBufferServesTheNextMessageAndAnOversizedOneIsLetGo) {
   const std::span<const std::byte> a = m.finish();
   const std::span<const std::byte> b = other.finish();
   EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin(), b.end()));
+}
+
+TEST(DeltaPair, BucketsNumberThePairsTransfersInOrder) {
+  const std::vector<std::uint64_t> elements = {5, 0, 9};
+  const std::vector<std::size_t> es = {4, 2, 1};
+  const std::vector<Bucket> b = pair_buckets(elements, es, 8);
+  const std::vector<std::array<std::uint64_t, 3>> want = {
+      {0, 0, 2}, {0, 2, 2}, {0, 4, 1}, {2, 0, 8}, {2, 8, 1}};
+  ASSERT_EQ(b.size(), want.size());
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    EXPECT_EQ((std::array<std::uint64_t, 3>{b[i].transfer, b[i].start, b[i].n}), want[i]) << i;
+  }
+  EXPECT_EQ(pair_buckets(elements, es, 1).size(), 14U) << "a chunk below an element: one each";
+  EXPECT_THROW((void)pair_buckets(elements, es, 0), InvalidArgument);
+  EXPECT_THROW((void)pair_buckets(elements, std::vector<std::size_t>{4, 0, 1}, 8), InvalidArgument);
+  EXPECT_THROW((void)pair_buckets(elements, std::vector<std::size_t>{4}, 8), InvalidArgument);
+}
+
+// A pair of three transfers: a delta (4-byte elements), a dense one (2-byte), one not sent.
+struct PairCase {
+  std::mt19937_64 rng{kSeed};
+  Bytes before0 = random_bytes(1000 * 4, rng), after0 = before0;
+  Bytes after1 = random_bytes(300 * 2, rng), before1 = random_bytes(300 * 2, rng);
+  Bytes third = random_bytes(64, rng);
+  std::vector<PairTransfer> transfers;
+  static constexpr std::size_t kChunk = 256;  // buckets: 16 of t0, 3 of t1, 1 of t2
+
+  PairCase() {
+    for (std::size_t i = 0; i < 1000; i += 97) {
+      change(after0, 4, i, rng);  // one element in 11 of its 16 buckets
+    }
+    transfers = {{.after = after0.data(), .before = before0.data(), .n = 1000, .es = 4},
+                 {.after = after1.data(), .before = nullptr, .n = 300, .es = 2},
+                 {.after = nullptr, .before = nullptr, .n = 64, .es = 1}};
+  }
+};
+
+TEST(DeltaPair, EncodesAndAppliesAWholePair) {
+  PairCase c;
+  Message m;
+  m.segment(2);
+  const PairEncoded e = m.pair(c.transfers, PairCase::kChunk, 1.0);
+  EXPECT_EQ(e.dense_records, 3U);
+  EXPECT_EQ(e.records, 3U + 11U);
+  EXPECT_EQ(e.changed, 300U + 11U);
+  const std::span<const std::byte> bytes = m.finish();
+  const std::vector<Segment> seg = segments(bytes);
+  ASSERT_EQ(seg.size(), 1U);
+  EXPECT_EQ(seg[0].origin, 2U);
+  Bytes dst0 = c.before0, dst1 = c.before1, dst2 = c.third;
+  const std::vector<StridedView> views = {flat_view(dst0, 4), flat_view(dst1, 2),
+                                          flat_view(dst2, 1)};
+  const PairApplied a =
+      apply_pair(bytes.subspan(seg[0].offset, seg[0].bytes), views, PairCase::kChunk);
+  EXPECT_TRUE(a.failed.empty());
+  EXPECT_EQ(a.touched, (std::vector<std::size_t>{0, 1}));
+  EXPECT_EQ(dst0, c.after0);
+  EXPECT_EQ(dst1, c.after1);
+  EXPECT_EQ(dst2, c.third);
+
+  // Only buckets 17 and 3 (a resend), in that order; dense since no `before` is given.
+  Message again;
+  again.segment(2);
+  std::vector<PairTransfer> dense = c.transfers;
+  dense[0].before = nullptr;
+  const std::vector<std::uint32_t> only = {17, 3};
+  const PairEncoded r = again.pair(dense, PairCase::kChunk, 1.0, std::span(only));
+  EXPECT_EQ(r.records, 2U);
+  EXPECT_EQ(r.dense_records, 2U);
+  const std::span<const std::byte> resent = again.finish().subspan(kSegmentHeaderBytes);
+  Bytes scratch = c.before1;
+  const ApplyResult first = apply(resent, flat_view(scratch, 2), 128, 128);
+  EXPECT_EQ(first.bucket, 17U);
+  EXPECT_EQ(apply(resent.subspan(first.record_bytes), views[0], 192, 64).bucket, 3U);
+
+  Message refused;
+  refused.segment(2);
+  const std::vector<std::uint32_t> beyond = {3, 20};
+  try {
+    (void)refused.pair(dense, PairCase::kChunk, 1.0, std::span(beyond));
+    ADD_FAILURE() << "bucket 20 of 20 was encoded";
+  } catch (const InvalidArgument& err) {
+    EXPECT_NE(std::string(err.what()).find("bucket 20, of a pair of 20 buckets"), std::string::npos)
+        << err.what();
+  }
+  EXPECT_TRUE(refused.finish().empty()) << "nothing written before the refusal";
+}
+
+TEST(DeltaPair, ApplyChecksEveryRecordBeforeWritingAny) {
+  PairCase c;
+  Message m;
+  m.segment(0);
+  (void)m.pair(c.transfers, PairCase::kChunk, 1.0);
+  const std::span<const std::byte> bytes = m.finish().subspan(kSegmentHeaderBytes);
+  const Bytes good(bytes.begin(), bytes.end());
+  const std::size_t second = 40 + get64(good, 32);  // the second record's offset
+  const auto untouched_after = [&](Bytes records, const std::string& needle) {
+    Bytes dst0 = c.before0, dst1 = c.before1, dst2 = c.third;
+    const std::vector<StridedView> views = {flat_view(dst0, 4), flat_view(dst1, 2),
+                                            flat_view(dst2, 1)};
+    std::string what = "accepted";
+    try {
+      (void)apply_pair(records, views, PairCase::kChunk);
+    } catch (const InvalidArgument& e) {
+      what = e.what();
+    }
+    EXPECT_NE(what.find(needle), std::string::npos) << what;
+    EXPECT_TRUE(dst0 == c.before0 && dst1 == c.before1 && dst2 == c.third)
+        << needle << ": a view was written";
+  };
+  Bytes b = good;
+  put32(b, second, 0x12345678);  // the second record's magic
+  untouched_after(b, "bad magic");
+  b = good;
+  put32(b, second + 4, 99);  // the second record's bucket
+  untouched_after(
+      b, "the record at byte " + std::to_string(second) + ": bucket 99, of a pair of 20 buckets");
+  b = good;
+  b.resize(good.size() + 16);  // a truncated third header
+  untouched_after(b, "16 bytes, shorter than the 40-byte header");
+
+  // A destination that did not hold `before` in a bucket the delta leaves partly alone: its
+  // checksum fails (reported, not thrown), and what was written is told.
+  Bytes dst0 = c.before0, dst1 = c.before1, dst2 = c.third;
+  dst0[4 * 300 + 1] ^= std::byte{1};  // bucket 4 (elements 256..319), element 300 unchanged
+  const std::vector<StridedView> views = {flat_view(dst0, 4), flat_view(dst1, 2),
+                                          flat_view(dst2, 1)};
+  const PairApplied a = apply_pair(good, views, PairCase::kChunk);
+  EXPECT_EQ(a.failed, (std::vector<std::uint32_t>{4}));
+  EXPECT_EQ(a.touched, (std::vector<std::size_t>{0, 1}));
 }
 
 }  // namespace
