@@ -51,7 +51,8 @@ namespace shardgather {
 
 namespace detail {
 class QuantStage;
-}
+struct PlanAccess;
+}  // namespace detail
 
 class SHARDGATHER_API ReshardPlan {
  public:
@@ -131,6 +132,7 @@ class SHARDGATHER_API ReshardPlan {
                         std::optional<Device> device = std::nullopt);
 
  private:
+  friend struct detail::PlanAccess;  // a quantized UnshardPlan's execution on a running job
   ExecStats execute_now(std::span<const TensorView> sources, Communicator& comm,
                         std::span<const TensorView> destinations,
                         std::span<const TensorView> scales, std::optional<Device> device);

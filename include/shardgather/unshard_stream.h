@@ -51,6 +51,8 @@
 #include "shardgather/embedding.h"
 #include "shardgather/errors.h"
 #include "shardgather/export.h"
+#include "shardgather/quantize.h"
+#include "shardgather/types.h"
 #include "shardgather/unshard.h"
 #include "shardgather/work.h"
 
@@ -109,8 +111,8 @@ class SHARDGATHER_API BucketedPlans {
   // Bucket b's outputs over `buffer` (the bucket's views; their device is set by the stream).
   [[nodiscard]] virtual std::vector<TensorView> bucket_views(std::size_t b,
                                                              std::byte* buffer) const = 0;
-  // The operation each bucket's call names (fail() fails that call on its peers).
-  [[nodiscard]] virtual Operation bucket_operation() const noexcept = 0;
+  // The operation bucket b's call names (fail() fails that call on its peers).
+  [[nodiscard]] virtual Operation bucket_operation(std::size_t b) const noexcept = 0;
 };
 
 // What a BucketStream is, fixed when its plans were built.
@@ -186,12 +188,20 @@ class SHARDGATHER_API BucketStream {
 }  // namespace detail
 
 // The buckets of a whole model's unshard: a BucketStream over UnshardPlans.
+//
+// Quantized (`quantize`: one format per spec, kNone for a parameter that travels as it is): each
+// bucket is a quantized UnshardPlan (docs/quantization.md), one call per bucket that quantizes
+// the shards' current values on send, bit-identical to quantizing the full tensors, on the host
+// or a CUDA device alike. A quantized parameter arrives as two views, its FP8 data (uint8 of the
+// full shape: e4m3fn bytes) then its scales (float32, or uint8 E8M0 for mxfp8, of the format's
+// scale shape), and counts towards bucket_bytes with both; a bucket's `full` then holds more
+// views than it has parameters.
 class SHARDGATHER_API UnshardStream final : private detail::BucketedPlans {
  public:
   // Pure: cuts the buckets and builds their plans (InvalidArgument as UnshardPlan, or for a
-  // bucket_bytes of 0 or a negative prefetch).
+  // bucket_bytes of 0, a negative prefetch, or a format that cannot quantize its parameter).
   UnshardStream(std::span<const ShardSpec> specs, int world_size, int rank,
-                const StreamOptions& options = {});
+                const StreamOptions& options = {}, std::span<const QuantFormat> quantize = {});
   UnshardStream(const UnshardStream&) = delete;
   UnshardStream& operator=(const UnshardStream&) = delete;
   UnshardStream(UnshardStream&&) = delete;
@@ -240,18 +250,31 @@ class SHARDGATHER_API UnshardStream final : private detail::BucketedPlans {
                            std::span<std::byte> out) override;
   [[nodiscard]] std::vector<TensorView> bucket_views(std::size_t b,
                                                      std::byte* buffer) const override;
-  [[nodiscard]] Operation bucket_operation() const noexcept override {
-    return Operation::kUnshardExecute;
+  [[nodiscard]] Operation bucket_operation(std::size_t b) const noexcept override {
+    return plans_[b].quantized() ? Operation::kReshardExecute : Operation::kUnshardExecute;
   }
 
   // One plan per bucket, each folded into `hasher`; returns the ring buffers' size.
   std::uint64_t build_plans(std::span<const ShardSpec> specs, int world_size,
                             detail::Hasher& hasher);
+  // A quantized bucket's views over its buffer (data and scales of each quantized parameter);
+  // returns the bytes they take.
+  std::uint64_t lay_out_quantized(std::size_t b, std::span<const ShardSpec> specs);
+
+  // Where a quantized bucket's views lie in its buffer.
+  struct Slot {
+    std::uint64_t offset = 0;
+    DType dtype = DType::kUInt8;
+    Shape shape;
+    bool scales = false;  // the scales of the parameter before it
+  };
 
   StreamOptions options_;
   int rank_ = 0;
-  std::vector<std::size_t> firsts_;  // num_buckets() + 1
+  std::vector<QuantFormat> formats_;  // one per spec, or empty
+  std::vector<std::size_t> firsts_;   // num_buckets() + 1
   std::vector<UnshardPlan> plans_;
+  std::vector<std::vector<Slot>> slots_;          // per bucket; empty for a plain one
   std::unique_ptr<detail::BucketStream> stream_;  // last: destroyed (settled) first
 };
 

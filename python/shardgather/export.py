@@ -141,14 +141,13 @@ def _quantization_config(stream):
     """The quantization_config of a stream's quantized tensors (one format), or None."""
     from .quantized import quantization_config
 
-    quantizer = stream._quantizer
-    formats = {q.format for q in quantizer.specs_q if q is not None} if quantizer else set()
+    formats = {q.format for q in stream._specs_q if q is not None}
     if len(formats) != 1:
         return None if not formats else {"formats": sorted(formats)}
     # The modules whose matrices stay in high precision (a loader must not expect FP8 there).
     plain = [str(name).removesuffix(".weight")
-             for name, q, ndim in zip(quantizer.names or [], quantizer.specs_q, quantizer.ndims)
-             if q is None and ndim >= 2]
+             for name, q, spec in zip(stream._names, stream._specs_q, stream._specs)
+             if q is None and len(spec.full_shape) >= 2]
     return quantization_config(formats.pop(), plain)
 
 
@@ -382,7 +381,7 @@ def _check_premade(stream, dst, check, timeout, writers, quantize):
     if agreement.error is None and stream.dst != dst:
         agreement.fail(InvalidArgumentError, "the stream gathers to %s, not dst=%s"
                        % (stream.dst, dst))
-    agreement.capture(lambda: _one_writer(stream._quantizer, writers))
+    agreement.capture(lambda: _one_writer(stream._quantized(), writers))
     if agreement.error is None and quantize is not None:
         agreement.fail(InvalidArgumentError, "quantize: a stream made beforehand quantizes as "
                        "it was made to (pass quantize= to unshard_stream)")

@@ -2,11 +2,11 @@
 cross the wire and every receiver gets exactly the bytes that quantizing the unsharded tensor
 gives (docs/quantization.md, "Quantized transfers").
 
-The one-shot ``unshard``, and ``foreach_all_gather`` on CUDA tensors or started, are an
-agreement (step 1 below) and one call of a quantized plan made for the call (the C++ quantize
-stage: CPU or CUDA tensors, ``async_op``). The stream, the export, ``full_tensors``, an unshard
-of FP8 data passed through and a blocking foreach_all_gather on CPU tensors run, every rank
-alike:
+The one-shot ``unshard``, ``full_tensors``, and ``foreach_all_gather`` on CUDA tensors or
+started, are an agreement (step 1 below) and one call of a quantized plan made for the call (the
+C++ quantize stage: CPU or CUDA tensors, ``async_op``); the stream and the export, one call of
+such a plan per bucket (C++ ``UnshardStream``). An unshard of FP8 data passed through and a
+blocking foreach_all_gather on CPU tensors run, every rank alike:
 
 1. an agreement (``_agree.Agreement``): the specs, the quantize spec of every tensor and the
    options, so a spec that differs on one rank is a MismatchError on every rank before anything
@@ -158,6 +158,12 @@ def resolve(quantize, specs, names=None):
             raise InvalidArgumentError("%s: %s cannot quantize %s" % (what, spec.format, why))
         out.append(spec)
     return out
+
+
+def scale_name(name, fmt):
+    """What the scales of a quantized tensor ``name`` are called: ``name_scale_inv`` (float32
+    inverse scales), or ``name_scale`` for mxfp8's E8M0 scales, as FP8 checkpoints name them."""
+    return "%s_scale%s" % (name, "" if fmt == "mxfp8" else "_inv")
 
 
 def _text(spec):
@@ -397,25 +403,17 @@ def encode(shards, specs, comm, quantize, *, timeout=None, options=(), async_op=
     return quantizer, quantizer.encode(list(shards), comm, timeout)
 
 
-def agree(agreement, comm, inputs, quantize, raw_only=False, *, op):
+def agree(agreement, comm, inputs, quantize, *, op):
     """Adds a quantized transfer's checks to ``agreement`` (before its ``run``): ``inputs()``
     gives (names or None, shards, specs); returns the :class:`Quantizer` (None where a check
-    failed: ``run`` then raises on every rank). ``raw_only``: a spec may not ask to
-    dequantize (streams yield data and scales as they arrive). ``op`` names the entry point
-    in the stages of the quantizer's own calls (``"<op>: amax"``)."""
+    failed: ``run`` then raises on every rank). ``op`` names the entry point in the stages of
+    the quantizer's own calls (``"<op>: amax"``)."""
     def build():
         names, shards, specs = inputs()
         if not all(isinstance(s, _C.ShardSpec) for s in specs):
             raise InvalidTypeError("specs must be a list of ShardSpec")
         agreement.specs = specs
-        quantizer = Quantizer(names, shards, specs, quantize, comm.rank, comm.size, op=op)
-        if raw_only and any(q is not None and q.dequantize for q in quantizer.specs_q):
-            raise InvalidArgumentError("quantize: %s yields the FP8 data and scales as they "
-                                       "arrive; dequantize is for unshard" % agreement.what)
-        if raw_only and quantizer.passthrough:
-            raise InvalidArgumentError("quantize: FP8 data passed through (a (data, scales) "
-                                       "shard) is for unshard, not %s" % agreement.what)
-        return quantizer
+        return Quantizer(names, shards, specs, quantize, comm.rank, comm.size, op=op)
 
     quantizer = agreement.capture(build)
     agreement.quantize = None if quantizer is None else [
@@ -513,10 +511,10 @@ class _Encoder:
 
 
 class Quantizer(_Encoder):
-    """One quantized transfer's plan, the same on every rank but for ``rank``: which tensors are
-    quantized (``specs_q``), what the payload carries (``payload_specs``; with names,
-    ``payload_names``: a quantized tensor ``w`` travels as ``w`` and ``w_scale_inv``, or
-    ``w_scale`` for mxfp8's E8M0 scales), and the arithmetic of each quantized tensor."""
+    """One quantized transfer's plan (an unshard of FP8 data passed through), the same on every
+    rank but for ``rank``: which tensors are quantized (``specs_q``), what the payload carries
+    (``payload_specs``: a quantized tensor's data, then its scales), and the arithmetic of each
+    quantized tensor."""
 
     def __init__(self, names, shards, specs, quantize, rank, world, *, op):
         if len(shards) != len(specs):
@@ -533,29 +531,9 @@ class Quantizer(_Encoder):
             check = _check_given if t.index in passthrough else _check_shard
             check(shards[t.index], s.dtype, s.padded_size, t, rank, world)
         super().__init__(tensors, rank, world, passthrough, op=op)
-        self.names = names
-        self.ndims = [len(s.full_shape) for s in specs]
         by_index = {t.index: t for t in self.tensors}
-        taken = set() if names is None else {str(n) for n in names}
-        self.payload_specs, self.payload_names, self.views = [], [], {}
-        for i, s in enumerate(specs):
-            t = by_index.get(i)
-            name = None if names is None else names[i]
-            if t is None:
-                self.payload_specs.append(s)
-                self.payload_names.append(name)
-                continue
-            self.payload_specs += _payload_specs(t)
-            if names is None:
-                continue
-            scale = "%s_scale%s" % (name, "" if t.spec.format == "mxfp8" else "_inv")
-            if scale in taken:
-                raise InvalidArgumentError("quantize: the scales of %r would be named %r, "
-                                           "which is a tensor of its own" % (name, scale))
-            self.payload_names += [name, scale]
-            self.views[name] = torch.float8_e4m3fn
-            if t.spec.format == "mxfp8":
-                self.views[scale] = torch.float8_e8m0fnu
+        self.payload_specs = [x for i, s in enumerate(specs)
+                              for x in (_payload_specs(by_index[i]) if i in by_index else [s])]
 
     def encode(self, shards, comm, timeout):
         """Steps 2 to 4 of the module, collective over ``comm``: the payload this rank sends

@@ -77,24 +77,19 @@ class UnshardStream:
         self._comm = communicator(group, _setup_timeout(timeout))
         names, tensors, specs = agreement.capture(lambda: _inputs(shards, specs, group)) or (
             None, None, None)
-        self._quantizer, self._timeout = None, timeout
-        moved_names, moved_specs = names, specs  # what the stream moves
-        if quantize is not None and specs is not None:
-            from . import quantized
-
-            self._quantizer = quantized.agree(agreement, self._comm,
-                                              lambda: (names, tensors, specs), quantize,
-                                              raw_only=True, op=_op + "(quantize)")
-            if self._quantizer is not None:  # the payload's entries: data and scales
-                moved_names = self._quantizer.payload_names
-                moved_specs = self._quantizer.payload_specs
+        # Per parameter its Quantize spec or None; what each one arrives as (name, dtype view).
+        self._specs_q, self._payload = None, None
+        if specs is not None:
+            self._specs_q, self._payload = agreement.capture(
+                lambda: _payload(agreement, quantize, names, specs)) or (None, None)
         for check in _checks:  # the export's own arguments (its dst domain is narrower)
             agreement.capture(lambda: check(names))
         agreement.capture(lambda: _check_options(bucket_bytes, prefetch, dst, copy, strategy,
                                                  self._comm.size))
         self._stream = agreement.capture(lambda: _C.UnshardStream(
-            list(moved_specs), self._comm.size, self._comm.rank, bucket_bytes, prefetch, dst,
-            strategy, timeout))
+            list(specs), self._comm.size, self._comm.rank, bucket_bytes, prefetch, dst,
+            strategy, timeout, [q and q.format for q in self._specs_q or ()]
+            if any(self._specs_q or ()) else []))
         agreement.names = names if isinstance(shards, dict) else None
         agreement.specs = specs
         # _options: a caller's own (the export's writers), agreed on with the stream's.
@@ -103,17 +98,20 @@ class UnshardStream:
         if agreement.error is not None:
             agreement.options = [(k, None) for k, _ in agreement.options]
         agreement.run(self._comm, _setup_timeout(timeout))
-        self._names = moved_names
+        self._names = names
         self._tensors = tensors
-        self._specs = moved_specs
+        self._specs = specs
         self._copy = copy
         self._begun = False
         self._ended = False
         self._at = 0  # buckets yielded
         self.rank = self._comm.rank
         self.dst = dst
-        self.total_bytes = sum(math.prod(sp.full_shape) * sp.dtype.itemsize
-                               for sp in moved_specs)
+        self.total_bytes = sum(_arrives_bytes(sp, q) for sp, q in zip(specs, self._specs_q))
+
+    def _quantized(self):
+        """Whether a parameter arrives quantized (True), or None."""
+        return any(q is not None for q in self._specs_q) or None
 
     @property
     def num_buckets(self):
@@ -125,9 +123,11 @@ class UnshardStream:
         return self._stream.buffer_bytes
 
     def bucket_names(self, b):
-        """The names of bucket ``b``'s parameters (on every rank, also where nothing arrives)."""
+        """The names of bucket ``b``'s tensors (on every rank, also where nothing arrives): a
+        quantized parameter ``w``'s data and scales, ``w`` and ``w_scale_inv`` (``w_scale``
+        for mxfp8)."""
         first, end = self._stream.bucket_params(b)
-        return self._names[first:end]
+        return [name for i in range(first, end) for name, _ in self._payload[i]]
 
     def __enter__(self):
         self._begin()
@@ -158,15 +158,14 @@ class UnshardStream:
         if got is None:
             self._ended = True
             raise StopIteration
-        index, first, full = got
+        index, _, full = got
         self._at = index + 1
         if self._copy:
             full = [t.clone() for t in full]
-        bucket = dict(zip(self._names[first:first + len(full)], full))
-        if self._quantizer is not None:
-            views = self._quantizer.views
-            bucket = {k: t.view(views[k]) if k in views else t for k, t in bucket.items()}
-        return bucket
+        first, end = self._stream.bucket_params(index)
+        entries = [e for i in range(first, end) for e in self._payload[i]]
+        return {name: t if dtype is None else t.view(dtype)
+                for (name, dtype), t in zip(entries, full)}
 
     def _begin(self):
         """Begins the stream, or begins it again once it ran to its end (a weight sync every
@@ -176,10 +175,7 @@ class UnshardStream:
             return
         self._begun, self._ended, self._at = True, False, 0
         try:
-            tensors = self._tensors
-            if self._quantizer is not None:  # the shards' current values, quantized
-                tensors = self._quantizer.encode(tensors, self._comm, self._timeout)
-            self._stream.begin(tensors, self._comm)
+            self._stream.begin(self._tensors, self._comm)
         except BaseException:
             self._ended = True
             raise
@@ -194,6 +190,44 @@ def _check_options(bucket_bytes, prefetch, dst, copy, strategy, world):
     if not isinstance(copy, bool):
         raise InvalidTypeError("copy must be a bool, got %s" % type(copy).__name__)
     check_str("strategy", strategy)
+
+
+def _payload(agreement, quantize, names, specs):
+    """(per parameter its Quantize spec or None, per parameter what arrives: [(name, the dtype
+    its bytes are viewed as, or None)]): a quantized ``w`` arrives as its FP8 data ``w``
+    (float8_e4m3fn) and its scales ``w_scale_inv`` (float32; ``w_scale``, float8_e8m0fnu, for
+    mxfp8). The quantize specs are told to ``agreement`` (they must agree across ranks)."""
+    from .quantized import resolve, scale_name
+
+    specs_q = resolve(quantize, specs, names)
+    agreement.quantize = [None if q is None else [q.format, str(q.dequantize)] for q in specs_q]
+    if any(q is not None and q.dequantize for q in specs_q):
+        raise InvalidArgumentError("quantize: %s yields the FP8 data and scales as they "
+                                   "arrive; dequantize is for unshard" % agreement.what)
+    taken = {str(n) for n in names}
+    payload = []
+    for name, q in zip(names, specs_q):
+        if q is None:
+            payload.append([(name, None)])
+            continue
+        scale = scale_name(name, q.format)
+        if scale in taken:
+            raise InvalidArgumentError("quantize: the scales of %r would be named %r, which is "
+                                       "a tensor of its own" % (name, scale))
+        payload.append([(name, torch.float8_e4m3fn),
+                        (scale, torch.float8_e8m0fnu if q.format == "mxfp8" else None)])
+    return specs_q, payload
+
+
+def _arrives_bytes(spec, q):
+    """The bytes a parameter arrives as: its full tensor, or its FP8 data and scales."""
+    numel = math.prod(spec.full_shape)
+    if q is None:
+        return numel * spec.dtype.itemsize
+    from .quantized import _scale_shape
+
+    return numel + math.prod(_scale_shape(q.format, spec.full_shape)) * (
+        1 if q.format == "mxfp8" else 4)
 
 
 def _stream_group(shards, specs, group):

@@ -510,18 +510,17 @@ void register_unshard_plan(py::module_& m) {
       .def_property_readonly("buffer", [](const P& p) { return buffer_or_none(p.buffer()); });
 }
 
-std::unique_ptr<PyUnshardStream> make_unshard_stream(const std::vector<ShardSpec>& specs,
-                                                     int world_size, int rank,
-                                                     std::uint64_t bucket_bytes, int prefetch,
-                                                     std::optional<int> dst,
-                                                     const std::string& strategy,
-                                                     std::optional<double> timeout) {
+std::unique_ptr<PyUnshardStream> make_unshard_stream(
+    const std::vector<ShardSpec>& specs, int world_size, int rank, std::uint64_t bucket_bytes,
+    int prefetch, std::optional<int> dst, const std::string& strategy,
+    std::optional<double> timeout, const std::vector<std::optional<std::string>>& quantize) {
   StreamOptions options;
   options.bucket_bytes = bucket_bytes;
   options.prefetch = prefetch;
   options.dst = dst.value_or(-1);
   options.plan = plan_options(strategy, true, timeout);
-  return std::make_unique<PyUnshardStream>(specs, world_size, rank, options);
+  return std::make_unique<PyUnshardStream>(specs, world_size, rank, options,
+                                           quant_formats(quantize));
 }
 
 void register_unshard_stream(py::module_& m) {
@@ -529,7 +528,8 @@ void register_unshard_stream(py::module_& m) {
   py::class_<S>(m, "UnshardStream")
       .def(py::init(&make_unshard_stream), py::arg("specs"), py::arg("world_size"), py::arg("rank"),
            py::arg("bucket_bytes"), py::arg("prefetch") = 1, py::arg("dst") = py::none(),
-           py::arg("strategy") = "auto", py::arg("timeout") = py::none())
+           py::arg("strategy") = "auto", py::arg("timeout") = py::none(),
+           py::arg("quantize") = std::vector<std::optional<std::string>>{})
       .def("begin", &S::begin, py::arg("shards"), py::arg("comm"))
       .def("next", &S::next)
       .def("fail", &S::fail, py::arg("message"), py::arg("is_type_error") = false)

@@ -24,8 +24,8 @@ namespace shardgather::python {
 class PyUnshardStream {
  public:
   PyUnshardStream(const std::vector<ShardSpec>& specs, int world_size, int rank,
-                  const StreamOptions& options)
-      : stream_(std::make_shared<UnshardStream>(specs, world_size, rank, options)) {}
+                  const StreamOptions& options, const std::vector<QuantFormat>& quantize)
+      : stream_(std::make_shared<UnshardStream>(specs, world_size, rank, options, quantize)) {}
   PyUnshardStream(const PyUnshardStream&) = delete;
   PyUnshardStream& operator=(const PyUnshardStream&) = delete;
   PyUnshardStream(PyUnshardStream&&) = delete;

@@ -226,7 +226,7 @@ void BucketStream::fail(ErrorCode code, std::string_view message) {
     state_ = State::kFailed;
     shared_->broken.store(true);
     fail_call(*comm_,
-              {.op = bucket_next ? plans_.bucket_operation() : Operation::kUnshardStream,
+              {.op = bucket_next ? plans_.bucket_operation(started_) : Operation::kUnshardStream,
                .header_exchanged = true,
                .timeout = facts_.timeout},
               code, message);

@@ -26,6 +26,11 @@ struct PlanAccess {
   // (a started operation's job).
   static ExecStats execute(UnshardPlan& plan, Communicator& comm,
                            std::span<const TensorView> shards, std::span<std::byte> out);
+  // A quantized UnshardPlan's execution (outputs and scales as its execute takes them), on such
+  // a thread. The shards were checked against the plan (a stream's begin()).
+  static ExecStats execute(UnshardPlan& plan, Communicator& comm,
+                           std::span<const TensorView> shards, std::span<const TensorView> outputs,
+                           std::span<const TensorView> scales);
 };
 
 }  // namespace shardgather::detail

@@ -627,5 +627,17 @@ ExecStats PlanAccess::execute(UnshardPlan& plan, Communicator& comm,
   return plan.execute_now(shards, comm, error, true);
 }
 
+ExecStats PlanAccess::execute(UnshardPlan& plan, Communicator& comm,
+                              std::span<const TensorView> shards,
+                              std::span<const TensorView> outputs,
+                              std::span<const TensorView> scales) {
+  const std::span<const TensorView> none;
+  const std::optional<Device> device =
+      shards.empty() ? std::nullopt : std::optional<Device>(shards.front().device);
+  return plan.quantized_->execute_now(plan.real_rows(shards), comm,
+                                      plan.receives() ? outputs : none,
+                                      plan.receives() ? scales : none, device);
+}
+
 }  // namespace detail
 }  // namespace shardgather

@@ -27,14 +27,38 @@ namespace {
 
 constexpr std::uint64_t kParamAlignment = 64;  // as UnshardPlan lays out its buffer
 
-// Parameter boundaries of the buckets: greedy, in order, at most `limit` aligned full bytes each
-// (a larger parameter alone).
-std::vector<std::size_t> cut_buckets(std::span<const ShardSpec> specs, std::uint64_t limit) {
+std::uint64_t aligned(std::uint64_t bytes) {
+  return detail::align_up_checked(bytes, kParamAlignment, "parameter size");
+}
+
+// The grid of parameter i under `format`, its error naming the parameter.
+QuantGrid grid_of(const ShardSpec& spec, QuantFormat format, std::size_t i) {
+  return quant_grid(format, spec.full_shape, spec.dtype, "quantize[" + std::to_string(i) + "]");
+}
+
+// What parameter i takes of a bucket's buffer: its full bytes, or quantized its FP8 data and its
+// scales, each aligned.
+std::uint64_t param_bytes(const ShardSpec& spec, QuantFormat format, std::size_t i) {
+  if (format == QuantFormat::kNone) {
+    return aligned(checked_nbytes(spec.dtype, spec.full_shape));
+  }
+  const QuantGrid grid = grid_of(spec, format, i);
+  return aligned(checked_nbytes(DType::kUInt8, spec.full_shape)) +
+         aligned(static_cast<std::uint64_t>(grid.num_blocks()) * grid.scale_size());
+}
+
+QuantFormat format_of(std::span<const QuantFormat> formats, std::size_t i) {
+  return i < formats.size() ? formats[i] : QuantFormat::kNone;
+}
+
+// Parameter boundaries of the buckets: greedy, in order, at most `limit` aligned bytes each (a
+// larger parameter alone).
+std::vector<std::size_t> cut_buckets(std::span<const ShardSpec> specs,
+                                     std::span<const QuantFormat> formats, std::uint64_t limit) {
   std::vector<std::size_t> firsts{0};
   std::uint64_t used = 0;
   for (std::size_t i = 0; i < specs.size(); ++i) {
-    const std::uint64_t bytes = detail::align_up_checked(
-        checked_nbytes(specs[i].dtype, specs[i].full_shape), kParamAlignment, "parameter size");
+    const std::uint64_t bytes = param_bytes(specs[i], format_of(formats, i), i);
     if (i != firsts.back() && used + bytes > limit) {
       firsts.push_back(i);
       used = 0;
@@ -73,10 +97,15 @@ StreamOptions stream_options(StreamOptions options) {
 }  // namespace
 
 UnshardStream::UnshardStream(std::span<const ShardSpec> specs, int world_size, int rank,
-                             const StreamOptions& options)
+                             const StreamOptions& options, std::span<const QuantFormat> quantize)
     : options_(stream_options(options)),
       rank_(rank),
-      firsts_(cut_buckets(specs, options.bucket_bytes)) {
+      formats_(quantize.begin(), quantize.end()),
+      firsts_(cut_buckets(specs, quantize, options.bucket_bytes)) {
+  if (!formats_.empty() && formats_.size() != specs.size()) {
+    throw InvalidArgument("UnshardStream: " + std::to_string(formats_.size()) +
+                          " quantize formats for " + std::to_string(specs.size()) + " specs");
+  }
   detail::Hasher hasher;
   hasher.add(options.bucket_bytes);
   hasher.add(static_cast<std::uint64_t>(options.prefetch));
@@ -100,8 +129,12 @@ std::uint64_t UnshardStream::build_plans(std::span<const ShardSpec> specs, int w
     const auto from = static_cast<std::ptrdiff_t>(firsts_[b]);
     const auto to = static_cast<std::ptrdiff_t>(firsts_[b + 1]);
     std::vector<ShardSpec> bucket(specs.begin() + from, specs.begin() + to);
+    std::vector<QuantFormat> formats;
+    if (!formats_.empty()) {
+      formats.assign(formats_.begin() + from, formats_.begin() + to);
+    }
     try {
-      plans_.emplace_back(bucket, world_size, rank_, options_.plan);
+      plans_.emplace_back(bucket, world_size, rank_, options_.plan, -1, formats);
     } catch (const InvalidArgument& e) {
       // The plan numbers parameters within its bucket; the caller's index is what helps.
       throw InvalidArgument("UnshardStream: bucket " + std::to_string(b) + " (parameters " +
@@ -110,8 +143,11 @@ std::uint64_t UnshardStream::build_plans(std::span<const ShardSpec> specs, int w
     }
     hasher.add(firsts_[b]);
     hasher.add(plans_.back().fingerprint());
+    const std::uint64_t bytes =
+        plans_.back().quantized() ? lay_out_quantized(b, specs) : plans_.back().output_bytes();
+    slots_.resize(plans_.size());
     if (plans_.back().receives()) {
-      buffer_bytes = std::max(buffer_bytes, plans_.back().output_bytes());
+      buffer_bytes = std::max(buffer_bytes, bytes);
     }
   }
   if (std::any_of(plans_.begin(), plans_.end(),
@@ -121,6 +157,28 @@ std::uint64_t UnshardStream::build_plans(std::span<const ShardSpec> specs, int w
     buffer_bytes = std::max(buffer_bytes, kParamAlignment);
   }
   return buffer_bytes;
+}
+
+std::uint64_t UnshardStream::lay_out_quantized(std::size_t b, std::span<const ShardSpec> specs) {
+  slots_.resize(b + 1);
+  std::vector<Slot>& slots = slots_[b];
+  std::uint64_t at = 0;
+  for (std::size_t i = firsts_[b]; i < firsts_[b + 1]; ++i) {
+    const ShardSpec& spec = specs[i];
+    const QuantFormat format = format_of(formats_, i);
+    if (format == QuantFormat::kNone) {
+      slots.push_back({.offset = at, .dtype = spec.dtype, .shape = spec.full_shape});
+      at += aligned(checked_nbytes(spec.dtype, spec.full_shape));
+      continue;
+    }
+    const QuantGrid grid = grid_of(spec, format, i);
+    slots.push_back({.offset = at, .dtype = DType::kUInt8, .shape = spec.full_shape});
+    at += aligned(checked_nbytes(DType::kUInt8, spec.full_shape));
+    const DType scale = grid.scale_size() == 1 ? DType::kUInt8 : DType::kFloat32;
+    slots.push_back({.offset = at, .dtype = scale, .shape = grid.scale_shape(), .scales = true});
+    at += aligned(static_cast<std::uint64_t>(grid.num_blocks()) * grid.scale_size());
+  }
+  return at;
 }
 
 UnshardStream::~UnshardStream() = default;
@@ -144,11 +202,40 @@ void UnshardStream::check_inputs(std::span<const TensorView> shards) const {
 ExecStats UnshardStream::execute_bucket(std::size_t b, Communicator& comm,
                                         std::span<const TensorView> shards,
                                         std::span<std::byte> out) {
-  return detail::PlanAccess::execute(plans_[b], comm, shards, out);
+  if (!plans_[b].quantized()) {
+    return detail::PlanAccess::execute(plans_[b], comm, shards, out);
+  }
+  // One output and one scales view per parameter (a default one for a plain parameter); on a
+  // rank that receives nothing, none.
+  std::vector<TensorView> outputs;
+  std::vector<TensorView> scales;
+  if (!out.empty()) {
+    for (const Slot& s : slots_[b]) {
+      TensorView v{.data = out.data() + s.offset,
+                   .dtype = s.dtype,
+                   .shape = s.shape,
+                   .strides = {},
+                   .device = shards.front().device};  // the ring is made on the shards' device
+      if (s.scales) {
+        scales.back() = std::move(v);
+      } else {
+        outputs.push_back(std::move(v));
+        scales.emplace_back();
+      }
+    }
+  }
+  return detail::PlanAccess::execute(plans_[b], comm, shards, outputs, scales);
 }
 
 std::vector<TensorView> UnshardStream::bucket_views(std::size_t b, std::byte* buffer) const {
-  return plans_[b].views(buffer);
+  if (!plans_[b].quantized()) {
+    return plans_[b].views(buffer);
+  }
+  std::vector<TensorView> out;
+  for (const Slot& s : slots_[b]) {
+    out.push_back({.data = buffer + s.offset, .dtype = s.dtype, .shape = s.shape, .strides = {}});
+  }
+  return out;
 }
 
 }  // namespace shardgather

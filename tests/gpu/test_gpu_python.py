@@ -16,6 +16,8 @@
   plan on CPU tensors;
 - one-shot quantized unshard and foreach_all_gather on CUDA tensors, blocking and started, the
   bytes of the same calls on CPU tensors;
+- a quantized unshard_stream of CUDA shards (one bucket and one per tensor, two iterations), the
+  bytes of the same stream over CPU shards;
 - a weight sync with CUDA sources into in-place CUDA destinations (through host memory) at both,
   every version bit-exact in the destination tensors themselves.
 """
@@ -174,6 +176,46 @@ def _check_one_shot_quantized(rank, world):
             assert all(torch.equal(a, b) for a, b in zip(results[0], other)), (fmt, rank)
 
 
+def _check_quantized_stream(rank, world):
+    """unshard_stream(quantize=...) of CUDA shards (each bucket a quantized plan's call, its
+    buffers device memory): every bucket, on each of two iterations (the shards change between
+    them), has the bytes of the same stream over CPU shards."""
+    group = dist.group.WORLD
+    torch.manual_seed(11)
+    full = {"q.weight": torch.randn(300, 256, dtype=torch.bfloat16),
+            "norm": torch.randn(64, dtype=torch.bfloat16),
+            "up.weight": torch.randn(192, 128, dtype=torch.float32)}
+    specs = {k: sg.ShardSpec(t.dtype, t.shape, 0) for k, t in full.items()}
+    formats = {"q.weight": "fp8_e4m3_128x128", "up.weight": "mxfp8"}
+
+    def mine(device):
+        out = {}
+        for k, t in full.items():
+            sizes = sg.chunk_sizes(t.shape[0], world)
+            out[k] = t[sum(sizes[:rank]):sum(sizes[:rank + 1])].to(device, copy=True)
+        return out
+
+    for bucket_bytes in (1, 1 << 30):
+        got = {}
+        for device in ("cpu", "cuda"):
+            shards = mine(device)
+            stream = sg.unshard_stream(shards, specs, group, bucket_bytes=bucket_bytes,
+                                       copy=True, quantize=formats)
+            got[device] = []
+            for _ in range(2):
+                with stream:
+                    for bucket in stream:
+                        torch.cuda.synchronize()
+                        assert all(t.device.type == device for t in bucket.values())
+                        got[device].append({k: t.cpu().view(torch.uint8)
+                                            for k, t in bucket.items()})
+                for t in shards.values():
+                    t.mul_(-2)
+        assert len(got["cpu"]) == len(got["cuda"])
+        for a, b in zip(got["cpu"], got["cuda"]):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (rank, a)
+
+
 def _check_weight_sync(rank, world, device="cuda"):
     """WeightSync with CUDA sources and in-place CUDA destinations: each version lands bit-exact
     in the destination tensors themselves (the records applied on the host mirrors)."""
@@ -218,6 +260,7 @@ def _gloo_worker(rank, world, store_path, errors):
         _check_reshard(rank, world)
         _check_quantized_reshard(rank, world)
         _check_one_shot_quantized(rank, world)
+        _check_quantized_stream(rank, world)
         _check_weight_sync(rank, world)
         dist.destroy_process_group()
     except BaseException as e:  # reported to the parent, which fails the test
@@ -254,6 +297,7 @@ def test_nccl_world1():
             _check_reshard(0, 1)
             _check_quantized_reshard(0, 1)
             _check_one_shot_quantized(0, 1)
+            _check_quantized_stream(0, 1)
         finally:
             dist.destroy_process_group()
 

@@ -1006,9 +1006,10 @@ def check_device_cuda_fails_everywhere(rank, world, group):
 
 
 def check_stream_rerun_never_pairs(rank, world, group):
-    """A quantized stream run again (its amax exchange, where a cut falls inside a block, is
-    the first call of a later run) on the last rank while the others make a plain call: every
-    rank raises MismatchError naming the step (it used to pair headerless and crash)."""
+    """A quantized stream run again on the last rank while the others make a plain call:
+    every rank raises MismatchError naming the stream (its begin is a call with a header; the
+    amax exchange of the Python quantizer, once the first call of a later run, used to pair
+    headerless and crash)."""
     n = 130 * world
     spec = shardgather.ShardSpec(torch.bfloat16, (n, 256), 0, [s for _, s in _split(n, world)])
     mine = {"w": _full((spec.sizes[rank], 256), torch.bfloat16, seed=rank)}
@@ -1028,7 +1029,7 @@ def check_stream_rerun_never_pairs(rank, world, group):
     got, message, seconds = _outcome(again if odd else lambda: _foreach_int(group))
     wrong = []
     if _judge("stream_rerun", got, message, seconds, "MismatchError",
-              "as the step 'unshard_stream(quantize): amax'", wrong):
+              "calls UnshardStream", wrong):
         _usable(group, rank, world)
     assert not wrong, "rank %d:\n  %s" % (rank, "\n  ".join(wrong))
 

@@ -532,5 +532,62 @@ TEST(DeviceQuantizedReshard, AQuantizedUnshardOnTheDeviceIsBitIdenticalToTheHost
   EXPECT_EQ(testing::fake_device_counters().stray, 0U);
 }
 
+// A quantized UnshardStream over fake device shards (FSDP's padded rows, cut inside blocks, and
+// an mxfp8 parameter split by columns), two parameters to a bucket or one: every bucket's device
+// views (FP8 data and scales) have the bytes of the same stream's buckets over host shards.
+TEST(DeviceQuantizedReshard, AQuantizedStreamOnTheDeviceIsBitIdenticalToTheHostOne) {
+  const std::vector<ShardSpec> specs = {{DType::kBFloat16, {300, 256}, 0, {}, 110},
+                                        {DType::kFloat32, {4, 192}, 1, {64, 64, 64}, 0}};
+  const std::vector<QuantFormat> formats = {QuantFormat::kFp8Block128, QuantFormat::kMxfp8};
+  const std::vector<std::byte> rows = quant_values(DType::kBFloat16, 300 * 256);
+  const std::vector<std::byte> cols = quant_values(DType::kFloat32, 4 * 192);
+  for (const std::uint64_t bucket_bytes : {std::uint64_t{1}, std::uint64_t{1} << 20}) {
+    run_ranks(3, one_host(3), [&](int rank, Communicator& comm) {
+      std::vector<std::byte> a(110 * 256 * 2, std::byte{0x7F});  // the padding: garbage
+      std::memcpy(a.data(), rows.data() + static_cast<std::size_t>(100 * rank) * 512, 100 * 512);
+      std::vector<std::byte> b(4 * 64 * 4);
+      for (std::size_t r = 0; r < 4; ++r) {
+        std::memcpy(b.data() + r * 256, cols.data() + (r * 192 + 64 * static_cast<std::size_t>(rank)) * 4, 256);
+      }
+      auto* dev_a = static_cast<std::byte*>(testing::alloc_fake(a.size()));
+      auto* dev_b = static_cast<std::byte*>(testing::alloc_fake(b.size()));
+      std::memcpy(dev_a, a.data(), a.size());
+      std::memcpy(dev_b, b.data(), b.size());
+      const std::vector<TensorView> host = {{a.data(), DType::kBFloat16, {110, 256}, {}, kCpu},
+                                            {b.data(), DType::kFloat32, {4, 64}, {}, kCpu}};
+      const std::vector<TensorView> dev = {
+          {dev_a, DType::kBFloat16, {110, 256}, {}, cuda_device(0)},
+          {dev_b, DType::kFloat32, {4, 64}, {}, cuda_device(0)}};
+      const StreamOptions options{.bucket_bytes = bucket_bytes, .prefetch = 0, .dst = -1};
+      UnshardStream on_host(specs, 3, rank, options, formats);
+      UnshardStream on_device(specs, 3, rank, options, formats);
+      on_host.begin(host, comm);
+      on_device.begin(dev, comm);
+      std::size_t views = 0;
+      for (;;) {
+        std::optional<StreamBucket> d = on_device.next();
+        std::optional<StreamBucket> h = on_host.next();
+        ASSERT_EQ(d.has_value(), h.has_value());
+        if (!d) {
+          break;
+        }
+        ASSERT_EQ(d->full.size(), h->full.size());
+        for (std::size_t j = 0; j < d->full.size(); ++j) {
+          EXPECT_EQ(d->full[j].device, cuda_device(0));
+          const auto bytes = static_cast<std::size_t>(numel(h->full[j].shape)) *
+                             dtype_size(h->full[j].dtype);
+          EXPECT_EQ(std::memcmp(d->full[j].data, h->full[j].data, bytes), 0)
+              << "rank " << rank << " bucket " << d->index << " view " << j;
+        }
+        views += d->full.size();
+      }
+      EXPECT_EQ(views, 4U) << "data and scales of each";
+      testing::free_fake(dev_a);
+      testing::free_fake(dev_b);
+    });
+  }
+  EXPECT_EQ(testing::fake_device_counters().stray, 0U);
+}
+
 }  // namespace
 }  // namespace shardgather

@@ -416,6 +416,105 @@ TEST(QuantizedUnshard, EveryRanksFullTensorsAreBitIdenticalToQuantizingThem) {
       "quantized unshard");
 }
 
+// A quantized UnshardStream through the C++ API: a [300, 256] parameter split along dim 0 and its
+// transpose along dim 1 (both padded, cut inside 128 x 128 blocks), with a plain bf16 parameter
+// between them. One parameter per bucket and all in one bucket, to every rank and to rank 1
+// only; each run quantizes the shards' current values (the second run's are negated): every
+// bucket's FP8 data and scales are bit-identical to quantizing the full tensors, the plain one
+// exact.
+TEST(QuantizedStream, EveryBucketIsBitIdenticalToQuantizingTheFullTensors) {
+  std::vector<float> rows_full = values();
+  std::vector<float> cols_full(rows_full.size());
+  for (std::int64_t r = 0; r < kRows; ++r) {
+    for (std::int64_t c = 0; c < kCols; ++c) {
+      cols_full[static_cast<std::size_t>(c * kRows + r)] =
+          rows_full[static_cast<std::size_t>(r * kCols + c)];
+    }
+  }
+  std::vector<std::uint16_t> plain_full(9 * 4);
+  for (std::size_t i = 0; i < plain_full.size(); ++i) {
+    plain_full[i] = static_cast<std::uint16_t>(0x3F80U + i);
+  }
+  const std::vector<ShardSpec> specs = {{DType::kFloat32, {kRows, kCols}, 0, {}, 110},
+                                        {DType::kBFloat16, {9, 4}, 0, {3, 3, 3}, 0},
+                                        {DType::kFloat32, {kCols, kRows}, 1, {}, 110}};
+  const std::vector<QuantFormat> formats = {QuantFormat::kFp8Block128, QuantFormat::kNone,
+                                            QuantFormat::kFp8Block128};
+  for (const std::uint64_t bucket_bytes : {std::uint64_t{1}, std::uint64_t{1} << 30}) {
+    for (const int dst : {-1, 1}) {
+      run_ranks(
+          3,
+          [&](int rank, Communicator& comm) {
+            const StreamOptions options{.bucket_bytes = bucket_bytes, .prefetch = 1, .dst = dst};
+            UnshardStream stream(specs, 3, rank, options, formats);
+            EXPECT_EQ(stream.num_buckets(), bucket_bytes == 1 ? 3U : 1U);
+            std::vector<float> a(110 * kCols, 1e30F);  // padded: 10 rows of garbage
+            std::vector<float> b(static_cast<std::size_t>(kCols) * 110, 1e30F);
+            std::vector<std::uint16_t> p(plain_full.begin() + 12 * rank,
+                                         plain_full.begin() + 12 * rank + 12);
+            const std::vector<TensorView> shards = {
+                view_of(a.data(), DType::kFloat32, {110, kCols}),
+                view_of(p.data(), DType::kBFloat16, {3, 4}),
+                view_of(b.data(), DType::kFloat32, {kCols, 110})};
+            for (int run = 0; run < 2; ++run) {
+              const float sign = run == 0 ? 1.0F : -1.0F;
+              for (std::int64_t r = 0; r < 100; ++r) {
+                for (std::int64_t c = 0; c < kCols; ++c) {
+                  a[static_cast<std::size_t>(r * kCols + c)] =
+                      sign * rows_full[static_cast<std::size_t>((100 * rank + r) * kCols + c)];
+                  b[static_cast<std::size_t>(c * 110 + r)] =
+                      sign * cols_full[static_cast<std::size_t>(c * kRows + 100 * rank + r)];
+                }
+              }
+              std::vector<float> rows_now(rows_full);
+              std::vector<float> cols_now(cols_full);
+              for (std::size_t i = 0; i < rows_now.size(); ++i) {
+                rows_now[i] *= sign;
+                cols_now[i] *= sign;
+              }
+              const Reference refs[2] = {reference_of(rows_now, {kRows, kCols}),
+                                         reference_of(cols_now, {kCols, kRows})};
+              // Checked as they arrive: a later bucket may reuse an earlier one's buffer.
+              const auto check = [&](const StreamBucket& bucket) {
+                std::size_t v = 0;
+                for (std::size_t i = bucket.first_param;
+                     i < bucket.first_param + bucket.num_params; ++i) {
+                  const TensorView& t = bucket.full.at(v++);
+                  if (i == 1) {
+                    EXPECT_TRUE(same_bits(t.data, plain_full.data(), 2 * plain_full.size()));
+                    continue;
+                  }
+                  const Reference& ref = refs[i / 2];
+                  const TensorView& scales = bucket.full.at(v++);
+                  EXPECT_EQ(t.dtype, DType::kUInt8);
+                  EXPECT_EQ(t.shape, specs[i].full_shape);
+                  EXPECT_EQ(scales.dtype, DType::kFloat32);
+                  EXPECT_EQ(scales.shape, i == 0 ? (Shape{3, 2}) : (Shape{2, 3}));
+                  EXPECT_TRUE(same_bits(t.data, ref.data.data(), ref.data.size()))
+                      << "parameter " << i << " run " << run;
+                  EXPECT_TRUE(same_bits(scales.data, ref.scales.data(), 4 * ref.scales.size()))
+                      << "parameter " << i << " scales, run " << run;
+                }
+                EXPECT_EQ(v, bucket.full.size());
+              };
+              std::size_t buckets = 0;
+              stream.begin(shards, comm);
+              while (std::optional<StreamBucket> bucket = stream.next()) {
+                ++buckets;
+                if (dst >= 0 && rank != dst) {
+                  EXPECT_TRUE(bucket->full.empty());
+                } else {
+                  check(*bucket);
+                }
+              }
+              EXPECT_EQ(buckets, stream.num_buckets());
+            }
+          },
+          "quantized stream");
+    }
+  }
+}
+
 TEST(QuantizedUnshard, FormatsMustMatchTheSpecsAndAStrategyThatMovesOnce) {
   const std::vector<ShardSpec> specs = {{DType::kFloat32, {256, 128}, 0, {}, 0}};
   const std::vector<QuantFormat> two(2, QuantFormat::kFp8Block128);
