@@ -161,13 +161,6 @@ SHARDGATHER_API std::size_t check(std::span<const std::byte> record, const Strid
 //   records_bytes bytes of records (each a multiple of 8 bytes long)
 inline constexpr std::size_t kSegmentHeaderBytes = 24;
 
-// One peer's message, built segment by segment with records encoded straight into it. Its
-// buffer is kept for the next message (clear()): a steady state of alike messages allocates
-// nothing, while a buffer more than 4 times the size of the message it last held (a dense
-// first sync's, once deltas are small) is let go by clear(). Each growth makes a new buffer (twice
-// the size), so a view of finish()'s bytes stays readable while its owner (`storage()`) is held;
-// its bytes hold until the next clear(), which writes the next message over them.
-// Threading: one thread at a time.
 // Pairs. What one source sends one destination in a sync is the transfers between them (the
 // reshard plan's, in its order), each cut into buckets of chunk_bytes (at least one element, the
 // last one shorter), numbered in that order across the pair: both sides number them alike from
@@ -179,7 +172,8 @@ struct Bucket {
 };
 
 // The buckets of a pair whose transfer k has elements[k] elements of es[k] bytes. InvalidArgument
-// for chunk_bytes 0, spans of different lengths or an element size 0.
+// for chunk_bytes 0, spans of different lengths, an element size 0, or more than 2^32 buckets
+// (a record names its bucket in 32 bits).
 SHARDGATHER_API std::vector<Bucket> pair_buckets(std::span<const std::uint64_t> elements,
                                                  std::span<const std::size_t> es,
                                                  std::size_t chunk_bytes);
@@ -194,7 +188,7 @@ struct PairTransfer {
 };
 
 struct PairEncoded {
-  std::uint64_t records = 0;        // records written (buckets that changed)
+  std::uint64_t records = 0;        // records written (a bucket sent dense, or one that changed)
   std::uint64_t dense_records = 0;  // of which dense
   std::uint64_t changed = 0;        // elements that changed, summed over the records
 };
@@ -208,12 +202,20 @@ struct PairApplied {
 
 // Applies the records of one segment (records laid end to end) to the pair's transfers, `views`
 // in the pair's order (each view its transfer's elements, as apply() takes them). Every record is
-// checked first (its bucket one of the pair's, then as check() does), so that InvalidArgument,
-// naming the record's place and bucket, leaves every view as it was. `verify`: as apply()'s.
+// checked first (its magic, its bucket one of the pair's, then as check() does), so that
+// InvalidArgument, naming the record's byte offset in the segment, leaves every view as it was.
+// `verify`: as apply()'s.
 SHARDGATHER_API PairApplied apply_pair(std::span<const std::byte> records,
                                        std::span<const StridedView> views, std::size_t chunk_bytes,
                                        bool verify = true);
 
+// One peer's message, built segment by segment with records encoded straight into it. Its
+// buffer is kept for the next message (clear()): a steady state of alike messages allocates
+// nothing, while a buffer more than 4 times the size of the message it last held (a dense
+// first sync's, once deltas are small) is let go by clear(). Each growth makes a new buffer (twice
+// the size), so a view of finish()'s bytes stays readable while its owner (`storage()`) is held;
+// its bytes hold until the next clear(), which writes the next message over them.
+// Threading: one thread at a time.
 class SHARDGATHER_API Message {
  public:
   // Closes the open segment (an empty one is dropped) and opens one for `origin`'s records.

@@ -59,7 +59,8 @@
 namespace shardgather {
 
 struct StreamOptions {
-  // Full bytes of the parameters of one bucket (each parameter aligned to 64 bytes).
+  // Full bytes of the parameters of one bucket (each parameter aligned to 64 bytes; a quantized
+  // one counts its FP8 data and its scales, each aligned).
   std::uint64_t bucket_bytes = std::uint64_t{1} << 30;
   // Buckets gathering while the caller holds one (>= 0; 0: one bucket at a time, nothing
   // overlapped).
@@ -195,11 +196,16 @@ class SHARDGATHER_API BucketStream {
 // or a CUDA device alike. A quantized parameter arrives as two views, its FP8 data (uint8 of the
 // full shape: e4m3fn bytes) then its scales (float32, or uint8 E8M0 for mxfp8, of the format's
 // scale shape), and counts towards bucket_bytes with both; a bucket's `full` then holds more
-// views than it has parameters.
+// views than it has parameters. Formats that differ across ranks raise Mismatch from begin().
+// Memory: besides the ring, each bucket's plan keeps its quantize staging once it ran, so a
+// quantized stream holds this rank's shards in FP8 (a byte per element, and the staging of the
+// bucket's exchange), in host memory or, for CUDA shards, device memory.
 class SHARDGATHER_API UnshardStream final : private detail::BucketedPlans {
  public:
   // Pure: cuts the buckets and builds their plans (InvalidArgument as UnshardPlan, or for a
-  // bucket_bytes of 0, a negative prefetch, or a format that cannot quantize its parameter).
+  // bucket_bytes of 0, a negative prefetch, formats that are neither none nor one per spec, a
+  // format that cannot quantize its parameter, or a quantized stream's strategy other than kAuto
+  // or kDirect).
   UnshardStream(std::span<const ShardSpec> specs, int world_size, int rank,
                 const StreamOptions& options = {}, std::span<const QuantFormat> quantize = {});
   UnshardStream(const UnshardStream&) = delete;

@@ -52,7 +52,10 @@ def unshard_stream(shards, specs=None, group=None, *, bucket_bytes=1 << 30, pref
     of 2 or more dims it can quantize, or a dict from name to one. A quantized tensor ``w``
     arrives as ``w`` (float8_e4m3fn) and ``w_scale_inv`` (float32; ``w_scale``, float8_e8m0fnu,
     for mxfp8), bit-identical to quantizing the full tensor; each iteration quantizes the
-    shards' current values. Streams yield the raw data and scales (no ``dequantize``).
+    shards' current values. Streams yield the raw data and scales (no ``dequantize``). Each
+    bucket is then one call of a quantized plan (a personal exchange: ``strategy`` "auto" or
+    "direct"), on CPU or CUDA shards; the stream keeps each bucket's FP8 staging, so it holds
+    this rank's shards in FP8 besides its bucket buffers.
     """
     return UnshardStream(shards, specs, group, bucket_bytes=bucket_bytes, prefetch=prefetch,
                          dst=dst, copy=copy, strategy=strategy, timeout=timeout,
@@ -81,7 +84,7 @@ class UnshardStream:
         self._specs_q, self._payload = None, None
         if specs is not None:
             self._specs_q, self._payload = agreement.capture(
-                lambda: _payload(agreement, quantize, names, specs)) or (None, None)
+                lambda: _payload(agreement, quantize, names, tensors, specs)) or (None, None)
         for check in _checks:  # the export's own arguments (its dst domain is narrower)
             agreement.capture(lambda: check(names))
         agreement.capture(lambda: _check_options(bucket_bytes, prefetch, dst, copy, strategy,
@@ -192,7 +195,7 @@ def _check_options(bucket_bytes, prefetch, dst, copy, strategy, world):
     check_str("strategy", strategy)
 
 
-def _payload(agreement, quantize, names, specs):
+def _payload(agreement, quantize, names, tensors, specs):
     """(per parameter its Quantize spec or None, per parameter what arrives: [(name, the dtype
     its bytes are viewed as, or None)]): a quantized ``w`` arrives as its FP8 data ``w``
     (float8_e4m3fn) and its scales ``w_scale_inv`` (float32; ``w_scale``, float8_e8m0fnu, for
@@ -200,10 +203,15 @@ def _payload(agreement, quantize, names, specs):
     from .quantized import resolve, scale_name
 
     specs_q = resolve(quantize, specs, names)
-    agreement.quantize = [None if q is None else [q.format, str(q.dequantize)] for q in specs_q]
+    if quantize is not None:  # None on one rank only is named as such by the agreement
+        agreement.quantize = [None if q is None else [q.format, str(q.dequantize)]
+                              for q in specs_q]
     if any(q is not None and q.dequantize for q in specs_q):
         raise InvalidArgumentError("quantize: %s yields the FP8 data and scales as they "
                                    "arrive; dequantize is for unshard" % agreement.what)
+    if quantize is not None and any(isinstance(t, tuple) for t in tensors):
+        raise InvalidArgumentError("quantize: FP8 data passed through (a (data, scales) shard) "
+                                   "is for unshard, not %s" % agreement.what)
     taken = {str(n) for n in names}
     payload = []
     for name, q in zip(names, specs_q):

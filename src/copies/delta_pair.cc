@@ -10,6 +10,8 @@
 namespace shardgather::delta {
 namespace {
 
+constexpr std::uint64_t kMaxBuckets = std::uint64_t{1} << 32;
+
 void check_bucket(std::uint32_t bucket, std::size_t count, const std::string& where) {
   if (bucket >= count) {
     throw InvalidArgument("delta: " + where + "bucket " + std::to_string(bucket) +
@@ -52,11 +54,21 @@ std::vector<std::pair<std::size_t, const Bucket*>> check_all(std::span<const std
       throw InvalidArgument("delta: " + where + std::to_string(records.size() - at) +
                             " bytes, shorter than the 40-byte header");
     }
+    std::uint32_t magic = 0;
     std::uint32_t bucket = 0;
+    std::memcpy(&magic, records.data() + at, sizeof magic);
     std::memcpy(&bucket, records.data() + at + 4, sizeof bucket);
+    if (magic != kMagic) {
+      throw InvalidArgument("delta: " + where + "not a record (bad magic)");
+    }
     check_bucket(bucket, buckets.size(), where);
     const Bucket& b = buckets[bucket];
-    const std::size_t bytes = check(records.subspan(at), views[b.transfer], b.start, b.n);
+    std::size_t bytes = 0;
+    try {
+      bytes = check(records.subspan(at), views[b.transfer], b.start, b.n);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(where + e.what());
+    }
     found.emplace_back(at, &b);
     at += bytes;
   }
@@ -78,6 +90,12 @@ std::vector<Bucket> pair_buckets(std::span<const std::uint64_t> elements,
       throw InvalidArgument("delta: transfer " + std::to_string(k) + " has 0-byte elements");
     }
     const std::uint64_t step = std::max<std::uint64_t>(1, chunk_bytes / es[k]);
+    const std::uint64_t count = elements[k] / step + (elements[k] % step != 0 ? 1 : 0);
+    if (count > kMaxBuckets - out.size()) {  // refused before it is allocated
+      throw InvalidArgument("delta: a pair of more than 2^32 buckets (chunk_bytes " +
+                            std::to_string(chunk_bytes) +
+                            "): a record names its bucket in 32 bits");
+    }
     for (std::uint64_t at = 0; at < elements[k]; at += step) {
       out.push_back({.transfer = k, .start = at, .n = std::min(step, elements[k] - at)});
     }

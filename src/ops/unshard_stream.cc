@@ -33,7 +33,8 @@ std::uint64_t aligned(std::uint64_t bytes) {
 
 // The grid of parameter i under `format`, its error naming the parameter.
 QuantGrid grid_of(const ShardSpec& spec, QuantFormat format, std::size_t i) {
-  return quant_grid(format, spec.full_shape, spec.dtype, "quantize[" + std::to_string(i) + "]");
+  return quant_grid(format, spec.full_shape, spec.dtype,
+                    "UnshardStream: parameter " + std::to_string(i));
 }
 
 // What parameter i takes of a bucket's buffer: its full bytes, or quantized its FP8 data and its
@@ -111,6 +112,11 @@ UnshardStream::UnshardStream(std::span<const ShardSpec> specs, int world_size, i
   hasher.add(static_cast<std::uint64_t>(options.prefetch));
   hasher.add(static_cast<std::uint64_t>(static_cast<std::int64_t>(options_.dst) + 1));
   hasher.add(static_cast<std::uint64_t>(options.plan.strategy));
+  // The bucket plans' fingerprints leave the formats out; ranks that quantize differently must
+  // raise at begin(), before a bucket moves.
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    hasher.add(static_cast<std::uint64_t>(format_of(formats_, i)));
+  }
   const std::uint64_t buffer_bytes = build_plans(specs, world_size, hasher);
   detail::BucketedPlans& plans = *this;  // a private base: converted here, where it is visible
   stream_ = std::make_unique<detail::BucketStream>(

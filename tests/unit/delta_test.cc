@@ -909,6 +909,10 @@ TEST(DeltaPair, BucketsNumberThePairsTransfersInOrder) {
   EXPECT_THROW((void)pair_buckets(elements, es, 0), InvalidArgument);
   EXPECT_THROW((void)pair_buckets(elements, std::vector<std::size_t>{4, 0, 1}, 8), InvalidArgument);
   EXPECT_THROW((void)pair_buckets(elements, std::vector<std::size_t>{4}, 8), InvalidArgument);
+  // A record names its bucket in 32 bits: a pair of more buckets is refused, not wrapped.
+  const std::vector<std::uint64_t> huge = {5, (std::uint64_t{1} << 32) - 4};
+  const std::vector<std::size_t> bytes = {1, 1};
+  EXPECT_THROW((void)pair_buckets(huge, bytes, 1), InvalidArgument);
 }
 
 // A pair of three transfers: a delta (4-byte elements), a dense one (2-byte), one not sent.

@@ -3,6 +3,7 @@
 // values, bit-identical to quantizing the whole tensor at once, with cuts inside 128 x 128 blocks;
 // each execution one call (its header, the all-gather of cut blocks' maxima, the payload) and no
 // planning; the views' errors on every rank.
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -477,8 +478,8 @@ TEST(QuantizedStream, EveryBucketIsBitIdenticalToQuantizingTheFullTensors) {
               // Checked as they arrive: a later bucket may reuse an earlier one's buffer.
               const auto check = [&](const StreamBucket& bucket) {
                 std::size_t v = 0;
-                for (std::size_t i = bucket.first_param;
-                     i < bucket.first_param + bucket.num_params; ++i) {
+                for (std::size_t i = bucket.first_param; i < bucket.first_param + bucket.num_params;
+                     ++i) {
                   const TensorView& t = bucket.full.at(v++);
                   if (i == 1) {
                     EXPECT_TRUE(same_bits(t.data, plain_full.data(), 2 * plain_full.size()));
@@ -512,6 +513,32 @@ TEST(QuantizedStream, EveryBucketIsBitIdenticalToQuantizingTheFullTensors) {
           },
           "quantized stream");
     }
+  }
+}
+
+// Ranks that quantize differently (a format on one rank only, or another format) raise
+// MismatchError on every rank from begin(), before any bucket moves; the communicator stays
+// usable.
+TEST(QuantizedStream, FormatsThatDifferAcrossRanksRaiseAtBegin) {
+  const std::vector<ShardSpec> specs = {{DType::kFloat32, {256, 128}, 0, {}, 0},
+                                        {DType::kFloat32, {256, 128}, 0, {}, 0}};
+  for (const QuantFormat odd : {QuantFormat::kNone, QuantFormat::kFp8Row128}) {
+    run_ranks(
+        2,
+        [&](int rank, Communicator& comm) {
+          const std::vector<QuantFormat> formats = {QuantFormat::kNone,
+                                                    rank == 1 ? odd : QuantFormat::kFp8Block128};
+          UnshardStream stream(specs, 2, rank, {.bucket_bytes = 1}, formats);
+          std::vector<float> a(128 * 128, 1.0F);
+          std::vector<float> b(128 * 128, 2.0F);
+          const std::vector<TensorView> shards = {view_of(a.data(), DType::kFloat32, {128, 128}),
+                                                  view_of(b.data(), DType::kFloat32, {128, 128})};
+          const std::uint64_t calls = comm.calls_issued();
+          EXPECT_THROW(stream.begin(shards, comm), Mismatch) << "rank " << rank;
+          EXPECT_EQ(comm.calls_issued() - calls, 1U) << "only begin()'s header";
+          comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
+        },
+        "quantize formats that differ");
   }
 }
 
