@@ -547,7 +547,8 @@ TEST(DeviceQuantizedReshard, AQuantizedStreamOnTheDeviceIsBitIdenticalToTheHostO
       std::memcpy(a.data(), rows.data() + static_cast<std::size_t>(100 * rank) * 512, 100 * 512);
       std::vector<std::byte> b(4 * 64 * 4);
       for (std::size_t r = 0; r < 4; ++r) {
-        std::memcpy(b.data() + r * 256, cols.data() + (r * 192 + 64 * static_cast<std::size_t>(rank)) * 4, 256);
+        std::memcpy(b.data() + r * 256,
+                    cols.data() + (r * 192 + 64 * static_cast<std::size_t>(rank)) * 4, 256);
       }
       auto* dev_a = static_cast<std::byte*>(testing::alloc_fake(a.size()));
       auto* dev_b = static_cast<std::byte*>(testing::alloc_fake(b.size()));
@@ -574,8 +575,8 @@ TEST(DeviceQuantizedReshard, AQuantizedStreamOnTheDeviceIsBitIdenticalToTheHostO
         ASSERT_EQ(d->full.size(), h->full.size());
         for (std::size_t j = 0; j < d->full.size(); ++j) {
           EXPECT_EQ(d->full[j].device, cuda_device(0));
-          const auto bytes = static_cast<std::size_t>(numel(h->full[j].shape)) *
-                             dtype_size(h->full[j].dtype);
+          const auto bytes =
+              static_cast<std::size_t>(numel(h->full[j].shape)) * dtype_size(h->full[j].dtype);
           EXPECT_EQ(std::memcmp(d->full[j].data, h->full[j].data, bytes), 0)
               << "rank " << rank << " bucket " << d->index << " view " << j;
         }
