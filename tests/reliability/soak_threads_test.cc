@@ -16,18 +16,6 @@ namespace {
 
 using Rows = std::vector<std::vector<Shape>>;
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr int kSanitizerSlowdown = 5;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr int kSanitizerSlowdown = 5;
-#else
-constexpr int kSanitizerSlowdown = 1;
-#endif
-#else
-constexpr int kSanitizerSlowdown = 1;
-#endif
-
 // Iteration counts: the env value, else the CI default (divided under sanitizers, which run
 // these suites 5-15x slower; the nightly sets SHARDGATHER_SOAK_ITERS=10000).
 int env_int(const char* name, int fallback) {

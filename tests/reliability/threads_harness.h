@@ -15,6 +15,21 @@
 
 namespace shardgather::reliability {
 
+// How much slower an instrumented build (ASan, TSan) runs the suites: the bounds that check that
+// a call does not wait (F4's "at once") are scaled by it there, and the soaks divide their
+// iteration counts by it; the uninstrumented runs keep the documented bounds.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr int kSanitizerSlowdown = 5;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+inline constexpr int kSanitizerSlowdown = 5;
+#else
+inline constexpr int kSanitizerSlowdown = 1;
+#endif
+#else
+inline constexpr int kSanitizerSlowdown = 1;
+#endif
+
 // T: the per-call deadline of the suites (docs/reliability.md: 2 s); the watchdog fires at 5 T.
 inline std::chrono::milliseconds suite_timeout() {
   const char* env = std::getenv("SHARDGATHER_REL_TIMEOUT_MS");
