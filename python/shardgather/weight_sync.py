@@ -678,7 +678,8 @@ class WeightSync:
                 after, before = self._regions(tr, fresh)
                 if current or j in replicas:
                     # a delta; nothing where the destination holds the snapshot's bytes already
-                    items.append((after if fresh else None, before) + self._extent(tr))
+                    items.append(((after, before) if fresh else (None, None))
+                                 + self._extent(tr))
                 else:
                     items.append((after, None) + self._extent(tr))
             writer.pair(d, items, self.dense_ratio, stats)

@@ -12,9 +12,11 @@ namespace {
 
 constexpr std::uint64_t kMaxBuckets = std::uint64_t{1} << 32;
 
-void check_bucket(std::uint32_t bucket, std::size_t count, const std::string& where) {
+// `where()` prefixes the error (a callable: its text is built only when a bucket is refused).
+template <typename Where>
+void check_bucket(std::uint32_t bucket, std::size_t count, const Where& where) {
   if (bucket >= count) {
-    throw InvalidArgument("delta: " + where + "bucket " + std::to_string(bucket) +
+    throw InvalidArgument("delta: " + where() + "bucket " + std::to_string(bucket) +
                           ", of a pair of " + std::to_string(count) + " buckets");
   }
 }
@@ -49,9 +51,10 @@ std::vector<std::pair<std::size_t, const Bucket*>> check_all(std::span<const std
   std::vector<std::pair<std::size_t, const Bucket*>> found;
   std::size_t at = 0;
   while (at < records.size()) {
-    const std::string where = "the record at byte " + std::to_string(at) + ": ";
+    // Built only for an error: this loop runs once per record received.
+    const auto where = [at] { return "the record at byte " + std::to_string(at) + ": "; };
     if (records.size() - at < kHeaderBytes) {
-      throw InvalidArgument("delta: " + where + std::to_string(records.size() - at) +
+      throw InvalidArgument("delta: " + where() + std::to_string(records.size() - at) +
                             " bytes, shorter than the 40-byte header");
     }
     std::uint32_t magic = 0;
@@ -59,7 +62,7 @@ std::vector<std::pair<std::size_t, const Bucket*>> check_all(std::span<const std
     std::memcpy(&magic, records.data() + at, sizeof magic);
     std::memcpy(&bucket, records.data() + at + 4, sizeof bucket);
     if (magic != kMagic) {
-      throw InvalidArgument("delta: " + where + "not a record (bad magic)");
+      throw InvalidArgument("delta: " + where() + "not a record (bad magic)");
     }
     check_bucket(bucket, buckets.size(), where);
     const Bucket& b = buckets[bucket];
@@ -67,7 +70,7 @@ std::vector<std::pair<std::size_t, const Bucket*>> check_all(std::span<const std
     try {
       bytes = check(records.subspan(at), views[b.transfer], b.start, b.n);
     } catch (const InvalidArgument& e) {
-      throw InvalidArgument(where + e.what());
+      throw InvalidArgument(where() + e.what());
     }
     found.emplace_back(at, &b);
     at += bytes;
@@ -113,7 +116,7 @@ PairEncoded Message::pair(std::span<const PairTransfer> transfers, std::size_t c
   }
   const std::vector<Bucket> buckets = pair_buckets(elements, es, chunk_bytes);
   for (const std::uint32_t b : only.value_or(std::span<const std::uint32_t>{})) {
-    check_bucket(b, buckets.size(), "asked again for ");
+    check_bucket(b, buckets.size(), [] { return std::string("asked again for "); });
   }
   PairEncoded out;
   const auto encode_one = [&](std::uint32_t id) {
