@@ -863,6 +863,10 @@ ROWS = [
     ("stream_q_dequantize", "stream_q", dict(quantize=quantized.Quantize("mxfp8",
                                                                           torch.float32)),
      "InvalidArgumentError", "dequantize", 2),
+    # A quantized stream moves each bucket as one personal exchange: "packed" on one rank is
+    # refused on every rank when the stream is built.
+    ("stream_q_strategy", "stream_q", dict(strategy="packed"), "InvalidArgumentError",
+     "personal exchange", 2),
     ("export_q_format_differs", "export_q", dict(quantize="fp8_e4m3_1x128"), "MismatchError",
      "quantize spec", 2),
     ("export_q_writers", "export_q", dict(writers=2), "InvalidArgumentError", "writer", 2),
