@@ -85,6 +85,7 @@ struct StreamBucket {
 namespace detail {
 
 class Hasher;
+struct LentScratch;
 
 // What a bucketed stream needs of its plans, one per bucket. UnshardStream's are UnshardPlans; a
 // stream over another plan (a reshard's buckets) implements this and reuses BucketStream whole.
@@ -197,9 +198,10 @@ class SHARDGATHER_API BucketStream {
 // full shape: e4m3fn bytes) then its scales (float32, or uint8 E8M0 for mxfp8, of the format's
 // scale shape), and counts towards bucket_bytes with both; a bucket's `full` then holds more
 // views than it has parameters. Formats that differ across ranks raise Mismatch from begin().
-// Memory: besides the ring, each bucket's plan keeps its quantize staging once it ran, so a
-// quantized stream holds this rank's shards in FP8 (a byte per element, and the staging of the
-// bucket's exchange), in host memory or, for CUDA shards, device memory.
+// Memory: besides the ring, the buckets' plans take turns with one set of the large buffers of an
+// execution (they run one at a time), as large as the largest bucket needs: a quantized stream's
+// FP8 data and scales of this rank's shards, and on CUDA shards the exchange's send and gather
+// buffers, in device memory (on the ring's stream).
 class SHARDGATHER_API UnshardStream final : private detail::BucketedPlans {
  public:
   // Pure: cuts the buckets and builds their plans (InvalidArgument as UnshardPlan, or for a
@@ -280,7 +282,10 @@ class SHARDGATHER_API UnshardStream final : private detail::BucketedPlans {
   std::vector<QuantFormat> formats_;  // one per spec, or empty
   std::vector<std::size_t> firsts_;   // num_buckets() + 1
   std::vector<UnshardPlan> plans_;
-  std::vector<std::vector<Slot>> slots_;          // per bucket; empty for a plain one
+  std::vector<std::vector<Slot>> slots_;  // per bucket; empty for a plain one
+  // The large scratch the buckets' plans take turns with; outlives stream_, whose progress thread
+  // may be lending it out until stream_ is settled.
+  std::unique_ptr<detail::LentScratch> lent_;
   std::unique_ptr<detail::BucketStream> stream_;  // last: destroyed (settled) first
 };
 

@@ -54,8 +54,8 @@ def unshard_stream(shards, specs=None, group=None, *, bucket_bytes=1 << 30, pref
     for mxfp8), bit-identical to quantizing the full tensor; each iteration quantizes the
     shards' current values. Streams yield the raw data and scales (no ``dequantize``). Each
     bucket is then one call of a quantized plan (a personal exchange: ``strategy`` "auto" or
-    "direct"), on CPU or CUDA shards; the stream keeps each bucket's FP8 staging, so it holds
-    this rank's shards in FP8 besides its bucket buffers.
+    "direct"), on CPU or CUDA shards; besides its bucket buffers the stream keeps one FP8
+    staging, as large as the largest bucket's share of this rank's shards.
     """
     return UnshardStream(shards, specs, group, bucket_bytes=bucket_bytes, prefetch=prefetch,
                          dst=dst, copy=copy, strategy=strategy, timeout=timeout,

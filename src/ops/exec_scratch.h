@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "copies/box_runs.h"
@@ -43,5 +44,29 @@ struct ExecScratch {
   BoxRunScratch runs;
   QuantScratch quant;  // a quantized reshard's stage
 };
+
+// The large buffers of an execution's scratch (the device exchange's staging, send and gather
+// buffers, the quantize arena), lent to plans that run one after another on one thread: a
+// stream's buckets, which then hold one set between them, as large as the largest bucket needs,
+// instead of one each (a model's worth). An execution borrows them (lend before it, again after
+// it); a failed one keeps them, since a collective may still be posted over them: its scratch
+// is parked with them, and the next execution allocates anew. On a device every borrower runs on
+// one stream (the stream's), which orders one bucket's use after the previous one's.
+struct LentScratch {
+  AlignedBuffer quant_arena;
+  DeviceMemory quant_device_arena;
+  DeviceMemory device_staging;
+  DeviceMemory device_send;
+  DeviceMemory device_gathered;
+};
+
+// Swaps `lent` with what `x` holds.
+inline void lend(LentScratch& lent, ExecScratch& x) noexcept {
+  std::swap(lent.quant_arena, x.quant.arena);
+  std::swap(lent.quant_device_arena, x.quant.device_arena);
+  std::swap(lent.device_staging, x.strategy.device_staging);
+  std::swap(lent.device_send, x.strategy.device_send);
+  std::swap(lent.device_gathered, x.strategy.device_gathered);
+}
 
 }  // namespace shardgather::detail

@@ -16,6 +16,8 @@
 
 namespace shardgather::detail {
 
+struct LentScratch;
+
 struct PlanAccess {
   // The plan's checks, agreement and payload inside `call` (which may already hold a failure).
   static ExecStats run(AllGatherPlan& plan, Call& call, std::span<const TensorView> params,
@@ -23,14 +25,15 @@ struct PlanAccess {
   static ExecStats run(UnshardPlan& plan, Call& call, std::span<const TensorView> shards,
                        std::byte* out, std::uint64_t out_size);
   // UnshardPlan::execute into one buffer, on a thread that already drives the communicator
-  // (a started operation's job).
+  // (a stream's bucket), with the large buffers `lent` lends it (exec_scratch.h).
   static ExecStats execute(UnshardPlan& plan, Communicator& comm,
-                           std::span<const TensorView> shards, std::span<std::byte> out);
-  // A quantized UnshardPlan's execution (outputs and scales as its execute takes them), on such
-  // a thread. The shards were checked against the plan (a stream's begin()).
+                           std::span<const TensorView> shards, std::span<std::byte> out,
+                           LentScratch& lent);
+  // A quantized UnshardPlan's execution (outputs and scales as its execute takes them), the
+  // same way. The shards were checked against the plan (a stream's begin()).
   static ExecStats execute(UnshardPlan& plan, Communicator& comm,
                            std::span<const TensorView> shards, std::span<const TensorView> outputs,
-                           std::span<const TensorView> scales);
+                           std::span<const TensorView> scales, LentScratch& lent);
 };
 
 }  // namespace shardgather::detail

@@ -14,6 +14,7 @@
 #include "copies/local_input.h"
 #include "copies/send_stream.h"
 #include "ops/call.h"
+#include "ops/exec_scratch.h"
 #include "ops/payload.h"
 #include "ops/plan_access.h"
 #include "ops/plan_execution.h"
@@ -622,21 +623,32 @@ ExecStats PlanAccess::run(UnshardPlan& plan, Call& call, std::span<const TensorV
 }
 
 ExecStats PlanAccess::execute(UnshardPlan& plan, Communicator& comm,
-                              std::span<const TensorView> shards, std::span<std::byte> out) {
+                              std::span<const TensorView> shards, std::span<std::byte> out,
+                              LentScratch& lent) {
   const std::optional<std::string> error = plan.target_buffer(out.data(), out.size());
-  return plan.execute_now(shards, comm, error, true);
+  ExecScratch& x = plan.scratch_.get();
+  lend(lent, x);
+  // A throw leaves the memory with the plan's scratch (LentScratch says why).
+  const ExecStats stats = plan.execute_now(shards, comm, error, true);
+  lend(lent, x);
+  return stats;
 }
 
 ExecStats PlanAccess::execute(UnshardPlan& plan, Communicator& comm,
                               std::span<const TensorView> shards,
                               std::span<const TensorView> outputs,
-                              std::span<const TensorView> scales) {
+                              std::span<const TensorView> scales, LentScratch& lent) {
   const std::span<const TensorView> none;
   const std::optional<Device> device =
       shards.empty() ? std::nullopt : std::optional<Device>(shards.front().device);
-  return plan.quantized_->execute_now(plan.real_rows(shards), comm,
-                                      plan.receives() ? outputs : none,
-                                      plan.receives() ? scales : none, device);
+  ExecScratch& x = plan.quantized_->scratch_.get();
+  lend(lent, x);
+  // A throw leaves the memory with the plan's scratch (LentScratch says why).
+  const ExecStats stats =
+      plan.quantized_->execute_now(plan.real_rows(shards), comm, plan.receives() ? outputs : none,
+                                   plan.receives() ? scales : none, device);
+  lend(lent, x);
+  return stats;
 }
 
 }  // namespace detail

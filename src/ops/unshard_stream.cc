@@ -1,6 +1,6 @@
 // UnshardStream: a BucketStream (src/ops/bucket_stream.cc) over UnshardPlans. What is its own:
-// cutting the parameters into buckets, one plan per bucket, the fingerprint of the cut, and the
-// check of each shard against its bucket's plan.
+// cutting the parameters into buckets, one plan per bucket, the fingerprint of the cut, the check
+// of each shard against its bucket's plan, and the large scratch the plans take turns with.
 #include "shardgather/unshard_stream.h"
 
 #include <algorithm>
@@ -10,6 +10,7 @@
 
 #include "copies/local_input.h"
 #include "ops/call.h"
+#include "ops/exec_scratch.h"
 #include "ops/payload.h"
 #include "ops/plan_access.h"
 #include "ops/preflight.h"
@@ -102,7 +103,8 @@ UnshardStream::UnshardStream(std::span<const ShardSpec> specs, int world_size, i
     : options_(stream_options(options)),
       rank_(rank),
       formats_(quantize.begin(), quantize.end()),
-      firsts_(cut_buckets(specs, quantize, options.bucket_bytes)) {
+      firsts_(cut_buckets(specs, quantize, options.bucket_bytes)),
+      lent_(std::make_unique<detail::LentScratch>()) {
   if (!formats_.empty() && formats_.size() != specs.size()) {
     throw InvalidArgument("UnshardStream: " + std::to_string(formats_.size()) +
                           " quantize formats for " + std::to_string(specs.size()) + " specs");
@@ -209,7 +211,7 @@ ExecStats UnshardStream::execute_bucket(std::size_t b, Communicator& comm,
                                         std::span<const TensorView> shards,
                                         std::span<std::byte> out) {
   if (!plans_[b].quantized()) {
-    return detail::PlanAccess::execute(plans_[b], comm, shards, out);
+    return detail::PlanAccess::execute(plans_[b], comm, shards, out, *lent_);
   }
   // One output and one scales view per parameter (a default one for a plain parameter); on a
   // rank that receives nothing, none.
@@ -230,7 +232,7 @@ ExecStats UnshardStream::execute_bucket(std::size_t b, Communicator& comm,
       }
     }
   }
-  return detail::PlanAccess::execute(plans_[b], comm, shards, outputs, scales);
+  return detail::PlanAccess::execute(plans_[b], comm, shards, outputs, scales, *lent_);
 }
 
 std::vector<TensorView> UnshardStream::bucket_views(std::size_t b, std::byte* buffer) const {
