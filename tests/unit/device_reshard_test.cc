@@ -535,6 +535,31 @@ TEST(DeviceQuantizedReshard, AQuantizedUnshardOnTheDeviceIsBitIdenticalToTheHost
   EXPECT_EQ(testing::fake_device_counters().stray, 0U);
 }
 
+// Drains a stream over device shards and the same stream over host shards, bucket by bucket:
+// every view of a device bucket is on the device, with the host bucket's bytes (`what` names the
+// rank). Returns the views seen.
+std::size_t expect_same_buckets(UnshardStream& on_device, UnshardStream& on_host,
+                                const std::string& what) {
+  std::size_t views = 0;
+  for (;;) {
+    std::optional<StreamBucket> d = on_device.next();
+    std::optional<StreamBucket> h = on_host.next();
+    EXPECT_EQ(d.has_value(), h.has_value()) << what;
+    if (!d || !h) {
+      return views;
+    }
+    EXPECT_EQ(d->full.size(), h->full.size()) << what << " bucket " << d->index;
+    for (std::size_t j = 0; j < std::min(d->full.size(), h->full.size()); ++j) {
+      EXPECT_EQ(d->full[j].device, cuda_device(0));
+      const auto bytes =
+          static_cast<std::size_t>(numel(h->full[j].shape)) * dtype_size(h->full[j].dtype);
+      EXPECT_EQ(std::memcmp(d->full[j].data, h->full[j].data, bytes), 0)
+          << what << " bucket " << d->index << " view " << j;
+    }
+    views += d->full.size();
+  }
+}
+
 // A quantized UnshardStream over fake device shards (FSDP's padded rows, cut inside blocks, and
 // an mxfp8 parameter split by columns), two parameters to a bucket or one: every bucket's device
 // views (FP8 data and scales) have the bytes of the same stream's buckets over host shards.
@@ -567,25 +592,8 @@ TEST(DeviceQuantizedReshard, AQuantizedStreamOnTheDeviceIsBitIdenticalToTheHostO
       UnshardStream on_device(specs, 3, rank, options, formats);
       on_host.begin(host, comm);
       on_device.begin(dev, comm);
-      std::size_t views = 0;
-      for (;;) {
-        std::optional<StreamBucket> d = on_device.next();
-        std::optional<StreamBucket> h = on_host.next();
-        ASSERT_EQ(d.has_value(), h.has_value());
-        if (!d) {
-          break;
-        }
-        ASSERT_EQ(d->full.size(), h->full.size());
-        for (std::size_t j = 0; j < d->full.size(); ++j) {
-          EXPECT_EQ(d->full[j].device, cuda_device(0));
-          const auto bytes =
-              static_cast<std::size_t>(numel(h->full[j].shape)) * dtype_size(h->full[j].dtype);
-          EXPECT_EQ(std::memcmp(d->full[j].data, h->full[j].data, bytes), 0)
-              << "rank " << rank << " bucket " << d->index << " view " << j;
-        }
-        views += d->full.size();
-      }
-      EXPECT_EQ(views, 4U) << "data and scales of each";
+      EXPECT_EQ(expect_same_buckets(on_device, on_host, "rank " + std::to_string(rank)), 4U)
+          << "data and scales of each";
       testing::free_fake(dev_a);
       testing::free_fake(dev_b);
     });
@@ -674,24 +682,9 @@ TEST(DeviceQuantizedReshard, AStreamHoldsOneBucketsScratch) {
         }
         on_host.begin(host_shards, comm);
         on_device.begin(dev_shards, comm);
-        std::size_t buckets = 0;
-        for (;;) {
-          std::optional<StreamBucket> d = on_device.next();
-          std::optional<StreamBucket> h = on_host.next();
-          ASSERT_EQ(d.has_value(), h.has_value());
-          if (!d) {
-            break;
-          }
-          ++buckets;
-          ASSERT_EQ(d->full.size(), h->full.size());
-          for (std::size_t j = 0; j < d->full.size(); ++j) {
-            const auto bytes =
-                static_cast<std::size_t>(numel(h->full[j].shape)) * dtype_size(h->full[j].dtype);
-            EXPECT_EQ(std::memcmp(d->full[j].data, h->full[j].data, bytes), 0)
-                << "rank " << rank << " run " << run << " bucket " << d->index << " view " << j;
-          }
-        }
-        EXPECT_EQ(buckets, kParams);
+        const std::size_t views = expect_same_buckets(
+            on_device, on_host, "rank " + std::to_string(rank) + " run " + std::to_string(run));
+        EXPECT_EQ(views, format == QuantFormat::kNone ? kParams : 2 * kParams);
         comm.barrier(comm.deadline_after(std::chrono::seconds(30)));
         if (rank == 0) {
           // Both ranks' device streams are in this process: two rings of 2 buffers (each the
