@@ -68,9 +68,13 @@ def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
     or commit on ``dst``.
     """
 
-    def check(names):
+    def check(names, specs_q):
+        # specs_q: what the stream quantizes (per parameter a spec or None), however it was made.
         _check_export(out_dir, dst, progress, metadata, names, world)
         check_int("writers", writers, 1, world, "the group's %d ranks" % world)
+        if any(specs_q or ()) and writers != 1:
+            raise InvalidArgumentError("quantize: an FP8 export has one writer (writers=%d)"
+                                       % writers)
 
     if isinstance(state_dict, UnshardStream):  # one made once, run again on every save
         stream = state_dict
@@ -80,7 +84,7 @@ def save_safetensors(state_dict, out_dir, specs=None, group=None, *, dst=0,
         world = _world_of(state_dict, specs, group, timeout)
         stream = UnshardStream(state_dict, specs, group, bucket_bytes=bucket_bytes,
                                prefetch=prefetch, dst=dst, timeout=timeout, quantize=quantize,
-                               _checks=(check, lambda _: _one_writer(quantize, writers)),
+                               _checks=(check,),
                                _options=[("writers", writers)], _op="save_safetensors")
     if writers != 1:
         return _save_with_writers(stream, out_dir, writers, progress, metadata, timeout)
@@ -129,12 +133,6 @@ def _write_buckets(stream, out_dir, writer, progress, metadata):
     if config is not None:
         index["metadata"]["quantization_config"] = config
     return index
-
-
-def _one_writer(quantize, writers):
-    if quantize is not None and writers != 1:
-        raise InvalidArgumentError("quantize: an FP8 export has one writer (writers=%d)"
-                                   % writers)
 
 
 def _quantization_config(stream):
@@ -375,13 +373,12 @@ def _check_premade(stream, dst, check, timeout, writers, quantize):
     """The export's arguments against a stream made beforehand: one agreement on every rank,
     so that an error raises everywhere and leaves the stream usable for the next save."""
     agreement = Agreement("save_safetensors", "save_safetensors: premade stream")
-    agreement.capture(lambda: check(stream._names))
+    agreement.capture(lambda: check(stream._names, stream._specs_q))
     # Agreed on once every rank's value is known to be an int in range.
     agreement.options = [("writers", writers if agreement.error is None else None)]
     if agreement.error is None and stream.dst != dst:
         agreement.fail(InvalidArgumentError, "the stream gathers to %s, not dst=%s"
                        % (stream.dst, dst))
-    agreement.capture(lambda: _one_writer(stream._quantized(), writers))
     if agreement.error is None and quantize is not None:
         agreement.fail(InvalidArgumentError, "quantize: a stream made beforehand quantizes as "
                        "it was made to (pass quantize= to unshard_stream)")

@@ -86,7 +86,7 @@ class UnshardStream:
             self._specs_q, self._payload = agreement.capture(
                 lambda: _payload(agreement, quantize, names, tensors, specs)) or (None, None)
         for check in _checks:  # the export's own arguments (its dst domain is narrower)
-            agreement.capture(lambda: check(names))
+            agreement.capture(lambda: check(names, self._specs_q))
         agreement.capture(lambda: _check_options(bucket_bytes, prefetch, dst, copy, strategy,
                                                  self._comm.size))
         self._stream = agreement.capture(lambda: _C.UnshardStream(
@@ -111,10 +111,6 @@ class UnshardStream:
         self.rank = self._comm.rank
         self.dst = dst
         self.total_bytes = sum(_arrives_bytes(sp, q) for sp, q in zip(specs, self._specs_q))
-
-    def _quantized(self):
-        """Whether a parameter arrives quantized (True), or None."""
-        return any(q is not None for q in self._specs_q) or None
 
     @property
     def num_buckets(self):

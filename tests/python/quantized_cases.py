@@ -330,6 +330,50 @@ def check_export_fp8(rank, world, group):
         shutil.rmtree(out, ignore_errors=True)
 
 
+def check_export_fp8_has_one_writer(rank, world, group):
+    """An FP8 export has one writer: writers=2 with quantize= raises InvalidArgumentError on
+    every rank, from the export's own stream and from one made beforehand (still usable
+    afterwards); a quantize= that quantizes nothing is a plain export, which may have several
+    writers either way (the direct path refused it, as if it quantized)."""
+    from shardgather.export import save_safetensors
+
+    if world < 2:
+        return
+    state, specs, full = _model(world, rank, scale=0.05)
+    dirs = [tempfile.mkdtemp(prefix="sg-fp8-writers-") for _ in range(3)]
+    fmt = "fp8_e4m3_128x128"
+    try:
+        _raises_everywhere(shardgather.InvalidArgumentError, "an FP8 export has one writer",
+                           lambda: save_safetensors(state, dirs[0], specs, group,
+                                                    progress=False, timeout=T, writers=2,
+                                                    quantize=fmt))
+        made = shardgather.unshard_stream(state, specs, group, dst=0, timeout=T, quantize=fmt)
+        _raises_everywhere(shardgather.InvalidArgumentError, "an FP8 export has one writer",
+                           lambda: save_safetensors(made, dirs[0], dst=0, progress=False,
+                                                    timeout=T, writers=2))
+        save_safetensors(made, dirs[0], dst=0, progress=False, timeout=T)
+        indexes = [save_safetensors(state, dirs[1], specs, group, progress=False, timeout=T,
+                                    writers=2, quantize={})]
+        plain = shardgather.unshard_stream(state, specs, group, dst=0, timeout=T, quantize={})
+        indexes.append(save_safetensors(plain, dirs[2], dst=0, progress=False, timeout=T,
+                                        writers=2))
+        if rank != 0:
+            return
+        for out, index in zip(dirs[1:], indexes):
+            with open(index) as f:
+                meta = json.load(f)
+            assert "quantization_config" not in meta["metadata"], meta
+            got = {}
+            for name in sorted(set(meta["weight_map"].values())):
+                got.update(load_file(os.path.join(out, name)))
+            assert sorted(got) == sorted(full), sorted(got)
+            for name, t in full.items():
+                _same_bits(got[name], t)  # NaNs too
+    finally:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def check_export_mxfp8_names_what_a_loader_reads(rank, world, group):
     """save_safetensors(quantize=) in MXFP8 for the matrices it can quantize: each is ``w``
     (F8_E4M3) and ``w_scale`` (E8M0), bit-identical to the reference, and the index's
@@ -867,7 +911,8 @@ def check_gather_plan_quantized(rank, world, group):
 
 CHECKS = [check_unshard_bit_exact, check_one_spec_for_every_tensor, check_gather_to_one_rank,
           check_padded_shards, check_disagreement, check_bytes_on_the_wire,
-          check_stream_quantized, check_export_fp8, check_reshard_quantized, check_pass_through,
+          check_stream_quantized, check_export_fp8, check_export_fp8_has_one_writer,
+          check_reshard_quantized, check_pass_through,
           check_foreach_quantized, check_one_shot_quantized_calls, check_reshard_plan_quantized,
           check_unshard_plan_quantized, check_gather_plan_quantized, check_plans_quantizing_nothing,
           check_plan_quantize_disagrees,
