@@ -11,9 +11,9 @@ staging costs nothing.
 """
 
 import argparse
+import statistics
 import subprocess
 import sys
-import statistics
 import threading
 import time
 
